@@ -1,0 +1,245 @@
+"""RMSNorm and residual-add + RMSNorm: Triton forward and backward, one row per program.
+
+y = (offset + w) * x * rstd,  rstd = 1 / sqrt(mean(x^2) + eps),  math in fp32, one cast on store.
+add_rms_norm normalizes s = x + residual (rounded to x.dtype, as the HF decoder layer does) and returns
+(y, s) from the same kernel. Backward keeps only x (or s) and one fp32 rstd per row, like the HF module.
+The math and the byte model are in docs/ops/rms_norm.md.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch, _library, reference
+
+_CASTING = {"llama": 0, "gemma": 1, "none": 2}
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X,  # [M, H] input rows
+    R,  # [M, H] residual rows (read when HAS_RESIDUAL)
+    W,  # [H] weight (read when HAS_WEIGHT)
+    Y,  # [M, H] normalized output
+    S,  # [M, H] x + residual output (written when HAS_RESIDUAL)
+    RSTD,  # [M] fp32 1/rms, kept for backward
+    stride_x,  # row strides, in elements
+    stride_r,
+    stride_y,
+    stride_s,
+    H,  # hidden size
+    eps,  # runtime float: never constexpr, so new eps values do not recompile
+    offset,  # added to the weight (Gemma: 1.0)
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    CASTING: tl.constexpr,  # 0 llama (round x*rstd to x.dtype before the weight), 1 gemma, 2 none
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    o_h = tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    b_x = tl.load(X + row * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        b_r = tl.load(R + row * stride_r + o_h, mask=m_h, other=0.0).to(tl.float32)
+        b_s = b_x + b_r
+        tl.store(S + row * stride_s + o_h, b_s.to(S.dtype.element_ty), mask=m_h)
+        b_x = b_s.to(S.dtype.element_ty).to(tl.float32)
+    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=0) / H + eps)
+    tl.store(RSTD + row, b_rstd)
+    b_n = b_x * b_rstd
+    if CASTING == 0:
+        b_n = b_n.to(X.dtype.element_ty).to(tl.float32)
+    if HAS_WEIGHT:
+        b_w = tl.load(W + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
+        b_n = b_n * b_w
+    tl.store(Y + row * stride_y + o_h, b_n.to(Y.dtype.element_ty), mask=m_h)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY,  # [M, H] gradient of y
+    DS,  # [M, H] gradient of the s output (read when HAS_DS)
+    X,  # [M, H] the normalized input (x, or s for add_rms_norm)
+    W,  # [H]
+    RSTD,  # [M]
+    DX,  # [M, H] gradient of x (for add_rms_norm also the residual's)
+    DW_PART,  # [n_programs, H] fp32 per-program partial sums of dw (deterministic, no atomics)
+    stride_dy,
+    stride_ds,
+    stride_x,
+    stride_dx,
+    M,
+    H,
+    offset,
+    HAS_DS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    CASTING: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    o_h = tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    if HAS_WEIGHT:
+        b_w = tl.load(W + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
+    b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for row in range(pid, M, n_prog):
+        row = tl.cast(row, tl.int64)  # loop counters are int32 on GPU (python ints in the interpreter)
+        b_x = tl.load(X + row * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
+        b_dy = tl.load(DY + row * stride_dy + o_h, mask=m_h, other=0.0).to(tl.float32)
+        b_rstd = tl.load(RSTD + row)
+        b_n = b_x * b_rstd
+        if COMPUTE_DW:
+            if CASTING == 0:
+                b_dw += b_dy * b_n.to(X.dtype.element_ty).to(tl.float32)
+            else:
+                b_dw += b_dy * b_n
+        if HAS_WEIGHT:
+            b_dn = b_dy * b_w
+        else:
+            b_dn = b_dy
+        # dx = rstd * (dn - n * mean(dn * n))
+        b_dx = b_rstd * (b_dn - b_n * (tl.sum(b_dn * b_n, axis=0) / H))
+        if HAS_DS:
+            b_dx += tl.load(DS + row * stride_ds + o_h, mask=m_h, other=0.0).to(tl.float32)
+        tl.store(DX + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
+    if COMPUTE_DW:
+        tl.store(DW_PART + pid.to(tl.int64) * H + o_h, b_dw, mask=m_h)
+
+
+def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype):
+    M, H = x.shape
+    block = _launch.row_block("rms_norm", H)
+    y = torch.empty((M, H), dtype=out_dtype, device=x.device)
+    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    s = torch.empty_like(x) if residual is not None else x.new_empty(0)
+    if M > 0:
+        _rms_norm_fwd_kernel[(M,)](
+            x, residual if residual is not None else x, weight if weight is not None else x, y, s, rstd,
+            x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+            s.stride(0) if residual is not None else 0, H, eps, offset,
+            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, CASTING=casting,
+            BLOCK_H=block, num_warps=_launch.row_warps(block),
+        )
+    return y, s, rstd
+
+
+@torch.library.custom_op("tigon::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(
+    x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor], eps: float,
+    offset: float, casting: int, out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual: [M, H] with unit last stride. Returns (y, s or empty, rstd[M] fp32)."""
+    return _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype)
+
+
+@rms_norm_fwd.register_fake
+def _(x, residual, weight, eps, offset, casting, out_dtype):
+    M, H = x.shape
+    s = torch.empty_like(x) if residual is not None else x.new_empty(0)
+    return x.new_empty((M, H), dtype=out_dtype), s, x.new_empty((M,), dtype=torch.float32)
+
+
+@torch.library.custom_op("tigon::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(
+    dy: torch.Tensor, ds: Optional[torch.Tensor], x: torch.Tensor, weight: Optional[torch.Tensor],
+    rstd: torch.Tensor, offset: float, casting: int, compute_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dx [M, H] in x.dtype, dw [H] in weight.dtype or empty)."""
+    M, H = x.shape
+    block = _launch.row_block("rms_norm", H)
+    dx = torch.empty_like(x)
+    compute_dw = compute_dw and weight is not None
+    # 4 programs per SM measured best at H=4096 on an H200; each loops over rows, so dw needs only
+    # n_prog partial rows (0.4% of the traffic of x at M=16384, H=4096).
+    n_prog = _launch.num_programs(x.device, M, per_sm=4)
+    dw_part = torch.empty((n_prog, H), dtype=torch.float32, device=x.device) if compute_dw else rstd
+    if M > 0:
+        _rms_norm_bwd_kernel[(n_prog,)](
+            dy, ds if ds is not None else dy, x, weight if weight is not None else x, rstd, dx, dw_part,
+            dy.stride(0), ds.stride(0) if ds is not None else 0, x.stride(0), dx.stride(0), M, H, offset,
+            HAS_DS=ds is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, CASTING=casting,
+            BLOCK_H=block, num_warps=_launch.row_warps(block),
+        )
+    if not compute_dw:
+        return dx, x.new_empty(0)
+    dw = dw_part.sum(0) if M > 0 else torch.zeros(H, dtype=torch.float32, device=x.device)
+    return dx, dw.to(weight.dtype)
+
+
+@rms_norm_bwd.register_fake
+def _(dy, ds, x, weight, rstd, offset, casting, compute_dw):
+    dw = torch.empty_like(weight) if (compute_dw and weight is not None) else x.new_empty(0)
+    return torch.empty_like(x), dw
+
+
+def _setup(ctx, inputs, output):
+    x, residual, weight, eps, offset, casting, out_dtype = inputs
+    _, s, rstd = output
+    ctx.save_for_backward(s if residual is not None else x, weight, rstd)
+    ctx.offset, ctx.casting, ctx.has_residual = offset, casting, residual is not None
+
+
+def _backward(ctx, dy, ds, _drstd):
+    xs, weight, rstd = ctx.saved_tensors
+    need_dw = weight is not None and ctx.needs_input_grad[2]
+    ds = ds if ctx.has_residual else None
+    dx, dw = torch.ops.tigon.rms_norm_bwd(
+        dy.contiguous(), None if ds is None else ds.contiguous(), xs, weight, rstd, ctx.offset, ctx.casting, need_dw
+    )
+    return dx, (dx if ctx.has_residual else None), (dw if need_dw else None), None, None, None, None
+
+
+rms_norm_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def _validate(op, x, residual, weight, eps, casting_mode):
+    _launch.check_tensor(op, "x", x)
+    if residual is not None:
+        _launch.check_tensor(op, "residual", residual)
+        _launch.check_shape(op, "residual", residual, x.shape)
+        _launch.check_same_dtype(op, "x", x, residual=residual)
+        _launch.check_same_device(op, "x", x, residual=residual)
+    if weight is not None:
+        _launch.check_tensor(op, "weight", weight)
+        _launch.check_shape(op, "weight", weight, (x.shape[-1],))
+        _launch.check_same_device(op, "x", x, weight=weight)
+    if casting_mode not in _CASTING:
+        raise ValueError(f"{op}: casting_mode must be one of {sorted(_CASTING)}, got {casting_mode!r}")
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least one dimension")
+    _launch.row_block(op, x.shape[-1])
+    return _launch.check_eps(op, eps)
+
+
+def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
+    """RMSNorm over the last dim. x [..., H] fp32/fp16/bf16, weight [H] or None; H <= 65536.
+
+    casting_mode "llama" (LlamaRMSNorm: normalize in fp32, cast to x.dtype, times weight; output dtype is
+    promote(x, weight)), "gemma" (all fp32, times offset + weight, cast at the end), "none" (fp32 math,
+    a single cast at the end; output x.dtype).
+    """
+    eps = _validate("rms_norm", x, None, weight, eps, casting_mode)
+    if not _library.use_kernels("rms_norm", x):
+        return reference.rms_norm(x, weight, eps, offset=offset, casting_mode=casting_mode)
+    out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
+    y, _, _ = torch.ops.tigon.rms_norm_fwd(
+        _launch.as_rows(x), None, weight, eps, float(offset), _CASTING[casting_mode], out_dtype
+    )
+    return y.view(x.shape)
+
+
+def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
+    """Returns (rms_norm(x + residual), x + residual) from one kernel; both [..., H], sum in x.dtype."""
+    eps = _validate("add_rms_norm", x, residual, weight, eps, casting_mode)
+    if not _library.use_kernels("add_rms_norm", x):
+        return reference.add_rms_norm(x, residual, weight, eps, offset=offset, casting_mode=casting_mode)
+    out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
+    y, s, _ = torch.ops.tigon.rms_norm_fwd(
+        _launch.as_rows(x), _launch.as_rows(residual), weight, eps, float(offset), _CASTING[casting_mode],
+        out_dtype,
+    )
+    return y.view(x.shape), s.view(x.shape)

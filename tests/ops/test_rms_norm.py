@@ -1,0 +1,134 @@
+import pytest
+import torch
+
+from tests._grid import DTYPES, assert_bound, fp64_copy, grads, randn
+from tigon import ops
+from tigon.ops import reference
+
+HIDDEN = [1, 7, 200, 1000, 4097]
+MODES = [("llama", 0.0), ("gemma", 1.0), ("none", 0.0)]
+
+
+def _check(op_name, kernel_fn, ref_fn, eager_fn, inputs, dtype, n_out):
+    """Forward and every gradient: kernel vs fp64 reference vs the HF formula in dtype."""
+    outs = kernel_fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    ref_in = fp64_copy(*inputs)
+    refs = ref_fn(*ref_in)
+    refs = refs if isinstance(refs, tuple) else (refs,)
+    eager_in = [None if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    eags = eager_fn(*eager_in)
+    eags = eags if isinstance(eags, tuple) else (eags,)
+    for i in range(n_out):
+        assert_bound(f"{op_name} out{i}", outs[i], eags[i], refs[i], dtype)
+    gos = [torch.randn(o.shape, dtype=torch.float32).to(o.dtype) for o in outs[:n_out]]
+    g_k = grads(outs[:n_out], inputs, gos)
+    g_r = grads(refs[:n_out], ref_in, [g.double() for g in gos])
+    g_e = grads(eags[:n_out], eager_in, [g.to(e.dtype) for g, e in zip(gos, eags)])
+    for j, (a, b, c) in enumerate(zip(g_k, g_e, g_r)):
+        if c is not None:
+            assert_bound(f"{op_name} grad{j}", a, b, c, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("mode,offset", MODES)
+def test_rms_norm(device, dtype, hidden, mode, offset):
+    torch.manual_seed(hidden)
+    x = randn(3, hidden, dtype=dtype, device=device, requires_grad=True)
+    w = randn(hidden, dtype=dtype, device=device, requires_grad=True)
+    kw = dict(offset=offset, casting_mode=mode)
+    _check(
+        "rms_norm", lambda x, w: ops.rms_norm(x, w, 1e-6, **kw), lambda x, w: reference.rms_norm(x, w, 1e-6, **kw),
+        lambda x, w: reference.eager_rms_norm(x, w, 1e-6, **kw), (x, w), dtype, 1,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [7, 1000])
+@pytest.mark.parametrize("mode,offset", MODES)
+def test_add_rms_norm(device, dtype, hidden, mode, offset):
+    torch.manual_seed(hidden)
+    x = randn(5, hidden, dtype=dtype, device=device, requires_grad=True)
+    r = randn(5, hidden, dtype=dtype, device=device, requires_grad=True)
+    w = randn(hidden, dtype=dtype, device=device, requires_grad=True)
+    kw = dict(offset=offset, casting_mode=mode)
+    _check(
+        "add_rms_norm", lambda x, r, w: ops.add_rms_norm(x, r, w, 1e-6, **kw),
+        lambda x, r, w: reference.add_rms_norm(x, r, w, 1e-6, **kw),
+        lambda x, r, w: reference.eager_add_rms_norm(x, r, w, 1e-6, **kw), (x, r, w), dtype, 2,
+    )
+
+
+def test_runs_the_kernel_on_this_device(device):
+    before = ops.dispatch_counts[("rms_norm", "triton")]
+    ops.rms_norm(torch.randn(2, 8, device=device), torch.ones(8, device=device))
+    assert ops.dispatch_counts[("rms_norm", "triton")] == before + 1
+
+
+def test_non_contiguous_3d_and_frozen_weight(device):
+    x = randn(2, 3, 33, dtype=torch.bfloat16, device=device, transposed=True, requires_grad=True)
+    assert not x.is_contiguous()
+    w = randn(33, dtype=torch.bfloat16, device=device)
+    y = ops.rms_norm(x, w)
+    ref = reference.rms_norm(x.detach().double(), w.double())
+    assert (y.double() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert dx.shape == x.shape and torch.isfinite(dx).all()
+
+
+def test_weight_dtype_promotion_matches_llama(device):
+    x = randn(4, 64, dtype=torch.bfloat16, device=device)
+    w = randn(64, dtype=torch.float32, device=device)
+    y = ops.rms_norm(x, w)
+    assert y.dtype == reference.eager_rms_norm(x, w).dtype == torch.float32
+    e = reference.eager_rms_norm(x, w)
+    # n is rounded to bf16 before the fp32 weight, so an rstd one ulp apart may flip one bf16 rounding
+    assert (y - e).abs().max() <= 2**-8 * e.abs().max()
+
+
+def test_add_rms_norm_grads_reach_both_inputs_independently(device):
+    # dx and dresidual are equal values: a later in-place update of one must not change the other.
+    x = randn(3, 16, device=device, requires_grad=True)
+    r = randn(3, 16, device=device, requires_grad=True)
+    y, s = ops.add_rms_norm(x, r, torch.ones(16, device=device))
+    (y.sum() + s.sum()).backward()
+    torch.testing.assert_close(x.grad, r.grad)
+    x.grad.add_(1.0)
+    assert not torch.equal(x.grad, r.grad)
+
+
+def test_empty_rows(device):
+    x = torch.empty(0, 16, device=device, requires_grad=True)
+    y = ops.rms_norm(x, torch.ones(16, device=device, requires_grad=True))
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert x.grad.shape == (0, 16)
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda d: ops.rms_norm(torch.ones(2, 4, device=d), torch.ones(5, device=d)), ValueError, "weight"),
+        (lambda d: ops.rms_norm(torch.ones(2, 4, dtype=torch.long, device=d), None), TypeError, "x"),
+        (lambda d: ops.rms_norm(torch.ones(2, 4, device=d), torch.ones(4, device=d), eps=0), ValueError, "eps"),
+        (lambda d: ops.rms_norm(torch.ones(2, 4, device=d), torch.ones(4, device=d), casting_mode="x"),
+         ValueError, "casting_mode"),
+        (lambda d: ops.rms_norm(torch.ones(1, 70000, device=d), None), ValueError, "hidden size"),
+        (lambda d: ops.add_rms_norm(torch.ones(2, 4, device=d), torch.ones(2, 5, device=d), None),
+         ValueError, "residual"),
+        (lambda d: ops.add_rms_norm(torch.ones(2, 4, device=d), torch.ones(2, 4, dtype=torch.half, device=d),
+                                    None), TypeError, "residual"),
+    ],
+)
+def test_bad_input(device, call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(device)
+
+
+def test_opcheck(device):
+    x = randn(3, 7, device=device, requires_grad=True)
+    r = randn(3, 7, device=device, requires_grad=True)
+    w = randn(7, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.tigon.rms_norm_fwd, (x, r, w, 1e-6, 0.0, 0, torch.float32))
+    torch.library.opcheck(torch.ops.tigon.rms_norm_fwd, (x, None, w, 1e-6, 1.0, 1, torch.float32))
