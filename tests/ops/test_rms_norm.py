@@ -83,8 +83,8 @@ def test_weight_dtype_promotion_matches_llama(device):
     y = ops.rms_norm(x, w)
     assert y.dtype == reference.eager_rms_norm(x, w).dtype == torch.float32
     e = reference.eager_rms_norm(x, w)
-    # n is rounded to bf16 before the fp32 weight, so an rstd one ulp apart may flip one bf16 rounding
-    assert (y - e).abs().max() <= 2**-8 * e.abs().max()
+    # n is rounded to bf16 before the fp32 weight, so an rstd one ulp apart may flip one bf16 rounding of n
+    assert (y - e).abs().max() <= 2**-7 * e.abs().max()  # one bf16 ulp of n, times |w|
 
 
 def test_add_rms_norm_grads_reach_both_inputs_independently(device):
