@@ -181,6 +181,9 @@ def _setup(ctx, inputs, output):
     _, s, rstd = output
     ctx.save_for_backward(s if residual is not None else x, weight, rstd)
     ctx.offset, ctx.casting, ctx.has_residual = offset, casting, residual is not None
+    # x and residual get the same gradient. Handing one tensor to both is free inside a decoder, but a leaf
+    # steals it into .grad, where an in-place hook or optimizer would change the other's too: copy then.
+    ctx.copy_dresidual = residual is not None and (x.grad_fn is None or residual.grad_fn is None)
 
 
 def _backward(ctx, dy, ds, _drstd):
@@ -190,7 +193,8 @@ def _backward(ctx, dy, ds, _drstd):
     dx, dw = torch.ops.tigon.rms_norm_bwd(
         dy.contiguous(), None if ds is None else ds.contiguous(), xs, weight, rstd, ctx.offset, ctx.casting, need_dw
     )
-    return dx, (dx if ctx.has_residual else None), (dw if need_dw else None), None, None, None, None
+    dres = (dx.clone() if ctx.copy_dresidual else dx) if ctx.has_residual else None
+    return dx, dres, (dw if need_dw else None), None, None, None, None
 
 
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup)
