@@ -176,6 +176,11 @@ def _(dy, ds, x, weight, rstd, offset, casting, compute_dw):
     return torch.empty_like(x), dw
 
 
+def _is_leafish(t):
+    """A leaf, or a view of one (the op sees the [M, H] view of the user's tensor)."""
+    return t.grad_fn is None or (t._base is not None and t._base.grad_fn is None)
+
+
 def _setup(ctx, inputs, output):
     x, residual, weight, eps, offset, casting, out_dtype = inputs
     _, s, rstd = output
@@ -183,7 +188,7 @@ def _setup(ctx, inputs, output):
     ctx.offset, ctx.casting, ctx.has_residual = offset, casting, residual is not None
     # x and residual get the same gradient. Handing one tensor to both is free inside a decoder, but a leaf
     # steals it into .grad, where an in-place hook or optimizer would change the other's too: copy then.
-    ctx.copy_dresidual = residual is not None and (x.grad_fn is None or residual.grad_fn is None)
+    ctx.copy_dresidual = residual is not None and (_is_leafish(x) or _is_leafish(residual))
 
 
 def _backward(ctx, dy, ds, _drstd):
