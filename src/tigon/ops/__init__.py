@@ -2,6 +2,22 @@
 pure-PyTorch reference otherwise; see `tigon.ops._library` for the dispatch rule."""
 
 from ._library import backend_for, dispatch_counts
+from .cross_entropy import cross_entropy
+from .layer_norm import layer_norm
+from .linear_cross_entropy import linear_cross_entropy
 from .rms_norm import add_rms_norm, rms_norm
+from .rope import apply_rope
+from .swiglu import geglu, swiglu
 
-__all__ = ["add_rms_norm", "backend_for", "dispatch_counts", "rms_norm"]
+__all__ = [
+    "add_rms_norm",
+    "apply_rope",
+    "backend_for",
+    "cross_entropy",
+    "dispatch_counts",
+    "geglu",
+    "layer_norm",
+    "linear_cross_entropy",
+    "rms_norm",
+    "swiglu",
+]

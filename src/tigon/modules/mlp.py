@@ -1,0 +1,11 @@
+"""MLP modules (placeholder until the ops land)."""
+
+import torch
+
+
+class SwiGLUMLP(torch.nn.Module):
+    pass
+
+
+class GeGLUMLP(torch.nn.Module):
+    pass
