@@ -1,15 +1,20 @@
 """Tigon: fused Triton kernels for Hugging Face LLM training and inference.
 
+    import tigon
+    tigon.patch(model)      # swap in the fused pieces; tigon.unpatch(model) restores
+
 Importing tigon is cheap: no CUDA initialisation, no kernel compilation. Submodules load on first use.
 """
 
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["ops", "modules", "memory", "__version__"]
+__all__ = ["ops", "modules", "memory", "hf", "patch", "unpatch", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("ops", "modules", "memory"):
+    if name in ("ops", "modules", "memory", "hf"):
         return importlib.import_module(f"tigon.{name}")
+    if name in ("patch", "unpatch", "PatchReport"):
+        return getattr(importlib.import_module("tigon.hf.patch"), name)
     raise AttributeError(f"module 'tigon' has no attribute {name!r}")

@@ -1,0 +1,143 @@
+"""The ForCausalLM forward that computes the training loss without materializing the logits.
+
+In training with labels, the loss comes from `tigon.ops.linear_cross_entropy` on the last hidden states
+and the lm_head, and the output's `logits` is None (a [tokens, vocab] fp32 tensor is 8 GB at 16k tokens
+and a 128k vocab). In eval, or without labels, the model's own forward runs and returns logits exactly
+as Hugging Face does.
+"""
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+
+IGNORE_INDEX = -100
+# HF forward per class, saved before any patch replaced it (class-level or instance-level).
+_HF_FORWARD: dict = {}
+
+
+def remember_hf_forward(cls) -> None:
+    if cls not in _HF_FORWARD:
+        _HF_FORWARD[cls] = cls.forward
+
+
+def hf_forward(model):
+    for klass in type(model).__mro__:
+        if klass in _HF_FORWARD:
+            return _HF_FORWARD[klass].__get__(model)
+    return type(model).forward.__get__(model)
+
+
+def _resolve_linear(lm_head):
+    """The plain nn.Linear that computes the logits, or None when it is not one (LoRA on lm_head)."""
+    if isinstance(lm_head, torch.nn.Linear):
+        return lm_head
+    # PEFT's ModulesToSaveWrapper (lm_head in modules_to_save): use the active trainable copy.
+    if hasattr(lm_head, "modules_to_save") and hasattr(lm_head, "original_module"):
+        if getattr(lm_head, "disable_adapters", False):
+            return _resolve_linear(lm_head.original_module)
+        active = getattr(lm_head, "active_adapter", None)
+        active = active[0] if isinstance(active, (list, tuple)) else active
+        if active in lm_head.modules_to_save:
+            return _resolve_linear(lm_head.modules_to_save[active])
+    return None
+
+
+def lm_head_loss(linear: torch.nn.Linear, hidden, target, **loss_kwargs):
+    """linear_cross_entropy computed inside the lm_head module's own call.
+
+    Running inside `linear(...)` fires the module's hooks, so a sharded weight (FSDP2 all-gathers on the
+    pre-forward hook) is whole while it is read; `.weight` is never read outside the call.
+    """
+    def loss_forward(h):
+        return ops.linear_cross_entropy(h, linear.weight, target, linear.bias, **loss_kwargs)
+
+    previous = linear.__dict__.get("forward")  # an instance-level forward someone else installed
+    linear.forward = loss_forward
+    try:
+        return linear(hidden)
+    finally:
+        if previous is None:
+            del linear.forward
+        else:
+            linear.forward = previous
+
+
+def _inner_model_kwargs(inner, past_key_values, cache):
+    """transformers 5.17 names the cache `past_key_values`; newer versions call it `cache`."""
+    value = cache if cache is not None else past_key_values
+    params = inspect.signature(inner.forward).parameters
+    if "cache" in params and "past_key_values" not in params:
+        return {"cache": value}
+    return {"past_key_values": value}
+
+
+def fused_causal_lm_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    logits_to_keep=0,
+    cache=None,
+    **kwargs,
+):
+    shift_labels = kwargs.get("shift_labels")
+    linear = _resolve_linear(self.lm_head)
+    fused = (
+        self.training
+        and (labels is not None or shift_labels is not None)
+        and linear is not None
+        and not kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False))
+    )
+    if not fused:
+        if cache is not None:
+            kwargs.update(_inner_model_kwargs(self.model, None, cache))
+            past_key_values = kwargs.pop("past_key_values", past_key_values)
+        return hf_forward(self)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+            logits_to_keep=logits_to_keep, **kwargs,
+        )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    outputs = self.model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        inputs_embeds=inputs_embeds, use_cache=use_cache,
+        **_inner_model_kwargs(self.model, past_key_values, cache), **kwargs,
+    )
+    hidden = outputs.last_hidden_state
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    hidden = hidden[:, keep, :]
+    if shift_labels is None:
+        # tokens < n predict token n, exactly as transformers' ForCausalLMLoss shifts
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    loss = lm_head_loss(
+        linear, hidden, shift_labels.to(hidden.device), ignore_index=IGNORE_INDEX,
+        softcap=getattr(self.config, "final_logit_softcapping", None),
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+    )
+    return CausalLMOutputWithPast(
+        loss=loss, logits=None, past_key_values=outputs.past_key_values,
+        hidden_states=getattr(outputs, "hidden_states", None), attentions=getattr(outputs, "attentions", None),
+    )
+
+
+def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
+                   shift_labels=None, **kwargs):
+    """transformers' ForCausalLMLoss on tigon.ops.cross_entropy: no fp32 copy of the logits."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(logits.device)
+    logits = logits.reshape(-1, vocab_size)
+    if num_items_in_batch is None:
+        return ops.cross_entropy(logits, target, ignore_index=ignore_index)
+    loss = ops.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch

@@ -1,0 +1,99 @@
+"""What to swap in each transformers model family: a data table, read by one generic patcher.
+
+A row names the family's modeling module and, per piece, the HF names to replace:
+- norms: RMSNorm class name -> (casting_mode, offset) of the formula that class computes;
+- mlps: MLP class name -> "glu" (gate_proj/up_proj/down_proj) or "fused_glu" (Phi-3's gate_up_proj);
+  the activation comes from the config (silu -> SwiGLU, gelu tanh -> GeGLU; others stay HF);
+- rope: the module-level function that attention calls (rotate-half convention only);
+- causal_lm: the ForCausalLM class whose forward gets the fused loss.
+A family that lacks a piece leaves it out; the patch report says so. The casting of each norm row is
+checked against the HF class by tests/hf/test_registry.py, so a wrong row fails CI.
+"""
+
+import dataclasses
+
+LLAMA_NORM = ("llama", 0.0)  # weight * x_normed.to(dtype)
+GEMMA_NORM = ("gemma", 1.0)  # (x_normed * (1 + weight.float())).to(dtype)
+FP32_WEIGHT_NORM = ("gemma", 0.0)  # (weight * x_normed).to(dtype), all fp32 (OLMo-2, Helium)
+
+SWIGLU_ACTS = ("silu", "swish")
+GEGLU_ACTS = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model_type: str
+    module: str  # transformers.models.<module>.modeling_<module>
+    prefix: str  # class-name prefix in that module
+    norm: tuple = LLAMA_NORM
+    mlp: str = "glu"  # "glu", "fused_glu" or "" (no GLU MLP to fuse)
+    mlp_classes: tuple = ("MLP",)  # suffixes after the prefix
+    rope: bool = True
+    causal_lm: str = "ForCausalLM"
+    extra_norms: tuple = ()  # other RMSNorm class suffixes with the same formula
+    notes: str = ""
+
+    @property
+    def modeling(self) -> str:
+        return f"transformers.models.{self.module}.modeling_{self.module}"
+
+    @property
+    def norm_classes(self) -> dict:
+        return {f"{self.prefix}RMSNorm": self.norm, **{f"{self.prefix}{s}": self.norm for s in self.extra_norms}}
+
+    @property
+    def mlp_class_names(self) -> tuple:
+        return tuple(f"{self.prefix}{s}" for s in self.mlp_classes) if self.mlp else ()
+
+    @property
+    def causal_lm_class(self) -> str:
+        return f"{self.prefix}{self.causal_lm}"
+
+
+_ROWS = [
+    Family("llama", "llama", "Llama"),
+    Family("mistral", "mistral", "Mistral"),
+    Family("ministral", "ministral", "Ministral"),
+    Family("mixtral", "mixtral", "Mixtral", mlp="", notes="experts stay HF"),
+    Family("qwen2", "qwen2", "Qwen2"),
+    Family("qwen2_moe", "qwen2_moe", "Qwen2Moe", notes="shared expert and experts' MLP class fused"),
+    Family("qwen3", "qwen3", "Qwen3"),
+    Family("qwen3_moe", "qwen3_moe", "Qwen3Moe", notes="dense MLP class fused; routed experts stay HF"),
+    Family("gemma", "gemma", "Gemma", norm=GEMMA_NORM),
+    Family("gemma2", "gemma2", "Gemma2", norm=GEMMA_NORM),
+    Family("gemma3_text", "gemma3", "Gemma3", norm=GEMMA_NORM),
+    Family("phi3", "phi3", "Phi3", mlp="fused_glu", rope=True),
+    Family("granite", "granite", "Granite", causal_lm="", notes="logits_scaling keeps the HF loss"),
+    Family("smollm3", "smollm3", "SmolLM3"),
+    Family("exaone4", "exaone4", "Exaone4"),
+    Family("seed_oss", "seed_oss", "SeedOss"),
+    Family("hunyuan_v1_dense", "hunyuan_v1_dense", "HunYuanDenseV1"),
+    Family("olmoe", "olmoe", "Olmoe", mlp=""),
+    Family("olmo2", "olmo2", "Olmo2", norm=FP32_WEIGHT_NORM),
+    Family("olmo3", "olmo3", "Olmo3", norm=FP32_WEIGHT_NORM),
+    Family("glm", "glm", "Glm", mlp="fused_glu", rope=False, notes="interleaved RoPE stays HF"),
+    Family("glm4", "glm4", "Glm4", mlp="fused_glu", rope=False, notes="interleaved RoPE stays HF"),
+    Family("helium", "helium", "Helium", norm=FP32_WEIGHT_NORM, rope=False, notes="interleaved RoPE"),
+    Family("arcee", "arcee", "Arcee", mlp="", notes="ReLU^2 MLP is not gated"),
+    Family("apertus", "apertus", "Apertus", mlp="", notes="xIELU MLP is not gated"),
+]
+FAMILIES = {row.model_type: row for row in _ROWS}
+
+
+def family_for(model_type: str) -> Family:
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"tigon.patch: model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        ) from None
+
+
+def mlp_activation(config):
+    """'swiglu', 'geglu' or None (an activation Tigon does not fuse) for the config's MLP."""
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if act in SWIGLU_ACTS:
+        return "swiglu"
+    if act in GEGLU_ACTS:
+        return "geglu"
+    return None
