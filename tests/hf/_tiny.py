@@ -1,0 +1,54 @@
+"""Tiny random-init models of each family, small enough for the Triton interpreter."""
+
+import torch
+
+COMMON = dict(
+    vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
+    attn_implementation="eager",
+)
+EXTRA = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, decoder_sparse_step=1),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                      mlp_only_layers=[1]),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "gemma2": dict(final_logit_softcapping=5.0, sliding_window=16),
+    "gemma3_text": dict(final_logit_softcapping=5.0, sliding_window=16),
+    "phi3": dict(pad_token_id=0),
+    "glm": dict(partial_rotary_factor=0.5),
+    "glm4": dict(partial_rotary_factor=0.5),
+    "hunyuan_v1_dense": dict(),
+}
+
+
+def tiny_config(model_type, **overrides):
+    from transformers import AutoConfig
+
+    kwargs = {**COMMON, **EXTRA.get(model_type, {}), **overrides}
+    attn = kwargs.pop("attn_implementation")
+    config = AutoConfig.for_model(model_type, **kwargs)
+    config._attn_implementation = attn
+    return config
+
+
+def tiny_model(model_type, seed=0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    # A larger init than HF's 0.02 so the softmax is far from uniform and the test sees the weights.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    return model.float()
+
+
+def batch(vocab=131, b=2, t=7, seed=1, ignore_tail=2):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, t), generator=g)
+    labels = ids.clone()
+    labels[0, -ignore_tail:] = -100
+    return ids, labels
