@@ -1,0 +1,188 @@
+"""End-to-end training step on the anchors' 1.5B Llama config: HF eager vs Tigon vs Liger (vs compile).
+
+Each variant runs in its own subprocess (clean memory stats, no cross-talk between patches): build the
+model from config in bf16 with sdpa attention, AdamW(fused=True), batch 8 x 2048 with labels=input_ids;
+median of 10 steps (fwd + bwd + step + zero_grad) after 3 warm-ups, GPU-synchronized per step. On OOM a
+variant halves its batch and says so. `--profile` adds a kernel-time breakdown of one Tigon step.
+
+    PYTHONPATH=src python benchmarks/bench_e2e.py --out DIR [--variants eager,tigon,liger] [--ckpt]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+LLAMA_1B5 = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+QWEN3 = dict(LLAMA_1B5, model_type="qwen3", vocab_size=151936, head_dim=64)
+GEMMA2 = dict(LLAMA_1B5, model_type="gemma2", vocab_size=256000, head_dim=64, final_logit_softcapping=30.0,
+              attn_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh")
+CONFIGS = {"llama": LLAMA_1B5, "qwen3": QWEN3, "gemma2": GEMMA2}
+MODEL_FLOPS_PER_TOKEN = 7.82e9  # anchors: 6 * N_non-emb (incl. lm_head) + 6 * L * s * h, for the llama config
+
+
+def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(CONFIGS[config_name])
+    model_type = cfg.pop("model_type")
+    if variant == "liger":
+        import liger_kernel.transformers as lk
+
+        getattr(lk, f"apply_liger_kernel_to_{model_type}")()
+    config = AutoConfig.for_model(model_type, **cfg, max_position_embeddings=max(4096, seq),
+                                  tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().train()
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    report = None
+    if variant == "tigon":
+        import tigon
+
+        report = str(tigon.patch(model))
+    if variant == "compile":
+        model = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
+    times, losses = [], []
+    t_first = time.perf_counter()
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if i == 0:
+            torch.cuda.reset_peak_memory_stats()  # step 1 allocates the optimizer state: include it below
+            first_step_s = time.perf_counter() - t_first
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    reserved = torch.cuda.max_memory_reserved() / 2**30
+    med = statistics.median(times[warmup:])
+    out = dict(variant=variant, config=config_name, batch=batch, seq=seq, ckpt=ckpt, step_ms=1e3 * med,
+               tokens_per_s=batch * seq / med, peak_gib=peak, reserved_gib=reserved, first_step_s=first_step_s,
+               losses=losses, report=report,
+               mfu_tflops=MODEL_FLOPS_PER_TOKEN * batch * seq / med / 1e12 if config_name == "llama" else None)
+    if profile:
+        out["profile"] = _profile_step(model, opt, ids)
+    print("RESULT " + json.dumps(out))
+
+
+def _profile_step(model, opt, ids):
+    """GPU kernel time of one step, bucketed by kernel name."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    buckets = {"gemm": 0.0, "attention": 0.0, "tigon kernels": 0.0, "optimizer": 0.0, "other": 0.0}
+    for ev in prof.key_averages():
+        name, us = ev.key.lower(), ev.self_device_time_total
+        if any(s in name for s in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul")):
+            buckets["gemm"] += us
+        elif any(s in name for s in ("flash", "fmha", "attention", "sdpa", "efficient")):
+            buckets["attention"] += us
+        elif any(s in name for s in ("_rms_norm", "_rope", "_glu", "_ce_", "_cross_entropy", "_scale", "_lce")):
+            buckets["tigon kernels"] += us
+        elif any(s in name for s in ("adam", "multi_tensor", "foreach")):
+            buckets["optimizer"] += us
+        else:
+            buckets["other"] += us
+    top = sorted(((ev.self_device_time_total, ev.key) for ev in prof.key_averages()), reverse=True)[:12]
+    return dict(buckets_ms={k: v / 1e3 for k, v in buckets.items()}, top=[(k[:90], us / 1e3) for us, k in top])
+
+
+def run_variant(variant, config_name="llama", batch=8, seq=2048, ckpt=False, steps=10, warmup=3, profile=False,
+                timeout=300):
+    while batch >= 1:
+        cmd = [sys.executable, __file__, "--child", variant, "--config", config_name, "--batch", str(batch),
+               "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup)]
+        cmd += ["--ckpt"] if ckpt else []
+        cmd += ["--profile"] if profile else []
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+        except subprocess.TimeoutExpired:
+            return dict(variant=variant, config=config_name, ckpt=ckpt, error=f"timeout after {timeout}s")
+        for line in p.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        if "OutOfMemoryError" in p.stderr or "out of memory" in p.stderr:
+            batch //= 2
+            continue
+        return dict(variant=variant, config=config_name, ckpt=ckpt, error=p.stderr.strip().splitlines()[-3:])
+    return dict(variant=variant, config=config_name, ckpt=ckpt, error="OOM at batch 1")
+
+
+def table(results):
+    rows = ["| config | variant | ckpt | batch x seq | step ms | tokens/s | model TFLOP/s | peak GiB | "
+            "reserved GiB | first step s | vs eager |", "|" + "---|" * 11]
+    base = {(r["config"], r.get("ckpt")): r for r in results if r.get("variant") == "eager" and "step_ms" in r}
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['config']} | {r['variant']} | {r.get('ckpt')} | | error: {r['error']} | | | | | | |")
+            continue
+        b = base.get((r["config"], r["ckpt"]))
+        ratio = f"x{b['step_ms'] / r['step_ms']:.2f}" if b and b["batch"] == r["batch"] else ""
+        mfu = f"{r['mfu_tflops']:.0f}" if r.get("mfu_tflops") else ""
+        rows.append(f"| {r['config']} | {r['variant']} | {r['ckpt']} | {r['batch']}x{r['seq']} | {r['step_ms']:.1f} | "
+                    f"{r['tokens_per_s'] / 1e3:.1f}k | {mfu} | {r['peak_gib']:.2f} | {r['reserved_gib']:.2f} | "
+                    f"{r['first_step_s']:.1f} | {ratio} |")
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--child")
+    p.add_argument("--config", default="llama")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ckpt", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--variants", default="eager,tigon,liger")
+    p.add_argument("--configs", default="llama")
+    p.add_argument("--with-ckpt", action="store_true", help="also run eager/tigon/liger with checkpointing")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = p.parse_args(argv)
+    if a.child:
+        return _child(a.child, a.config, a.batch, a.seq, a.ckpt, a.steps, a.warmup, a.profile)
+    results = []
+    for config_name in a.configs.split(","):
+        for v in a.variants.split(","):
+            results.append(run_variant(v, config_name, a.batch, a.seq, profile=(v == "tigon" and a.profile)))
+            print(table(results[-1:]), flush=True)
+    if a.with_ckpt:
+        for v in ("eager", "tigon", "liger"):
+            results.append(run_variant(v, "llama", a.batch, a.seq, ckpt=True))
+            print(table(results[-1:]), flush=True)
+    md = table(results)
+    prof = next((r["profile"] for r in results if r.get("profile")), None)
+    if prof:
+        total = sum(prof["buckets_ms"].values())
+        md += "\n\nOne Tigon step, GPU kernel time by bucket:\n\n| bucket | ms | share |\n|---|---|---|\n"
+        md += "\n".join(f"| {k} | {v:.1f} | {100 * v / total:.0f}% |" for k, v in prof["buckets_ms"].items())
+        md += "\n\nTop kernels:\n\n" + "\n".join(f"- {ms:.1f} ms {name}" for name, ms in prof["top"])
+    print(md)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "e2e.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(a.out, "e2e.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
