@@ -58,7 +58,7 @@ def test_patched_matches_unpatched(model_type):
             _close(p.grad, p_ref.grad, f"grad {name}", rtol=1e-3, atol=1e-5)
 
     opt, opt_ref = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
-    for step in range(5):
+    for _step in range(5):
         for m, o in ((model, opt), (ref, opt_ref)):
             o.zero_grad()
             m(ids, labels=labels).loss.backward()

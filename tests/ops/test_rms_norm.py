@@ -77,6 +77,12 @@ def test_non_contiguous_3d_and_frozen_weight(device):
     assert dx.shape == x.shape and torch.isfinite(dx).all()
 
 
+def test_strided_weight(device):
+    x = randn(3, 8, device=device)
+    w = randn(16, device=device)[::2]
+    torch.testing.assert_close(ops.rms_norm(x, w), reference.rms_norm(x, w))
+
+
 def test_weight_dtype_promotion_matches_llama(device):
     x = randn(4, 64, dtype=torch.bfloat16, device=device)
     w = randn(64, dtype=torch.float32, device=device)

@@ -235,6 +235,7 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
     if not _library.use_kernels("rms_norm", x):
         return reference.rms_norm(x, weight, eps, offset=offset, casting_mode=casting_mode)
     out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
+    weight = None if weight is None else weight.contiguous()  # the kernel reads it at unit stride
     y, _, _ = torch.ops.tigon.rms_norm_fwd(
         _launch.as_rows(x), None, weight, eps, float(offset), _CASTING[casting_mode], out_dtype
     )
@@ -247,6 +248,7 @@ def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting_mode="lla
     if not _library.use_kernels("add_rms_norm", x):
         return reference.add_rms_norm(x, residual, weight, eps, offset=offset, casting_mode=casting_mode)
     out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
+    weight = None if weight is None else weight.contiguous()
     y, s, _ = torch.ops.tigon.rms_norm_fwd(
         _launch.as_rows(x), _launch.as_rows(residual), weight, eps, float(offset), _CASTING[casting_mode],
         out_dtype,
