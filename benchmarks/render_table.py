@@ -1,0 +1,68 @@
+"""Print the README's compact results table from a gpu_check JSON (default benchmarks/results/h200.json):
+one line per op and shape, fwd+bwd time of tigon, eager, torch.compile and Liger-Kernel, and tigon's
+speedup over the fastest of the others. Standard library only.
+
+    python benchmarks/render_table.py [path/to/h200.json]
+"""
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT = os.path.join(HERE, "results", "h200.json")
+COLUMNS = ("tigon", "eager", "torch.compile", "liger")
+NAMES = {"tigon": "Tigon", "eager": "eager (HF)", "torch.compile": "torch.compile", "liger": "Liger-Kernel"}
+
+
+def _time(us):
+    if not isinstance(us, (int, float)):
+        return None
+    return f"{us / 1e3:.1f} ms" if us >= 1e4 else f"{us:.0f} us"
+
+
+def compact(result: dict) -> str:
+    """The markdown table (and a line on where the numbers come from)."""
+    cases: dict = {}
+    for r in result.get("rows", []):
+        if r.get("group"):
+            continue
+        cases.setdefault((r["op"], r["case"]), {})[r["provider"]] = r
+    head = ["op", "shape", *(f"{NAMES[c]} fwd+bwd" for c in COLUMNS), "Tigon speedup vs best other"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (op, case), provs in cases.items():
+        cells = [op, case]
+        for c in COLUMNS:
+            r = provs.get(c)
+            t = _time(r.get("fb_us")) if r else None
+            cells.append(t or ("n/a" if r is None else "error" if r.get("error") else "-"))
+        t = (provs.get("tigon") or {}).get("fb_us")
+        others = [p.get("fb_us") for n, p in provs.items()
+                  if not n.startswith("tigon") and "floor" not in n and isinstance(p.get("fb_us"), (int, float))]
+        cells.append(f"{min(others) / t:.2f}x" if isinstance(t, (int, float)) and others else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    m = result.get("meta", {})
+    c = result.get("ceilings", {})
+    src = (f"\n{m.get('gpu') or 'CPU'}, {m.get('date')}; torch {m.get('torch')}, triton {m.get('triton')}, "
+           f"liger-kernel {m.get('liger-kernel')}. Median GPU time of fwd+bwd with host run-ahead and the L2 "
+           f"flushed; ceilings measured in the same run: D2D copy {c.get('copy_GBps', 0):.0f} GB/s, bf16 mm "
+           f"{c.get('mm_TFLOPs', 0):.0f} TFLOP/s. Speedup: the fastest other provider's time over Tigon's "
+           f"(every non-Tigon provider, incl. cut-cross-entropy and Liger's variants).")
+    return "\n".join(lines) + "\n" + src
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    path = argv[0] if argv else DEFAULT
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except OSError as e:
+        print(f"render_table: cannot read {path}: {e}", file=sys.stderr)
+        return 2
+    print(compact(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

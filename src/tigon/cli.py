@@ -1,0 +1,153 @@
+"""The `tigon` command.
+
+    tigon env                       versions, the GPU, and which path each op takes here
+    tigon bench [--quick] [--out DIR] [--budget S] [--sections A,B] [--tests]
+                                    the benchmarks of benchmarks/gpu_check.py (a source checkout's folder)
+    tigon demo [...]                fine-tune a small model with Tigon off, then on (tigon.demo)
+
+Only the standard library is imported up front; torch, triton and the rest load inside each command.
+"""
+
+import argparse
+import importlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+OPS = ("rms_norm", "add_rms_norm", "layer_norm", "apply_rope", "swiglu", "geglu", "cross_entropy",
+       "linear_cross_entropy")
+
+
+def _version(dist: str):
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cmd_env(args) -> int:
+    import torch
+
+    import tigon
+
+    print(f"python         {platform.python_version()} ({sys.executable})")
+    print(f"torch          {torch.__version__} (built for CUDA {torch.version.cuda})")
+    try:
+        import triton
+
+        print(f"triton         {triton.__version__}")
+    except ImportError:
+        print("triton         not installed (every op runs its PyTorch reference)")
+    for dist in ("transformers", "liger-kernel", "cut-cross-entropy"):
+        v = _version(dist)
+        if v or dist == "transformers":
+            print(f"{dist:<14} {v or 'not installed'}")
+    print(f"tigon          {tigon.__version__} ({os.path.dirname(tigon.__file__)})")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            print(f"GPU {i}          {p.name}, compute capability {p.major}.{p.minor}, "
+                  f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB")
+        device = torch.device("cuda")
+    else:
+        print("GPU            no CUDA device")
+        device = torch.device("cpu")
+    interp = os.environ.get("TRITON_INTERPRET", "")
+    on = interp not in ("", "0")
+    print(f"TRITON_INTERPRET={interp or 'unset'}: "
+          + ("on, CPU tensors run the Triton kernels through the interpreter (slow: for tests)" if on else "off"))
+    try:
+        from tigon import ops
+        from tigon.ops import _library
+    except Exception as e:  # noqa: BLE001
+        print(f"ops: cannot import tigon.ops: {type(e).__name__}: {e}")
+        return 1
+    path = _library.backend_for(device)
+    what = "Triton kernels" if path == "triton" else "PyTorch reference (no CUDA device, interpreter off)"
+    print(f"ops on the default device ({device}):")
+    for op in OPS:
+        status = what if callable(getattr(ops, op, None)) else "missing from tigon.ops"
+        print(f"  {op:<22} {path:<10} {status}")
+    return 0
+
+
+def _benchmarks_dir():
+    """benchmarks/ of a source checkout: $TIGON_BENCHMARKS, beside src/ (editable install or PYTHONPATH=src),
+    or under the current directory."""
+    candidates = [os.environ.get("TIGON_BENCHMARKS"), Path(__file__).resolve().parents[2] / "benchmarks",
+                  Path.cwd() / "benchmarks"]
+    for c in candidates:
+        if c and (Path(c) / "gpu_check.py").is_file():
+            return str(c)
+    return None
+
+
+def cmd_bench(args) -> int:
+    where = _benchmarks_dir()
+    if where is None:
+        print("tigon bench: no benchmarks/ folder found. The benchmarks ship with Tigon's source repository, "
+              "not with the installed package: run `tigon bench` from a source checkout (or with "
+              "PYTHONPATH=src inside it), or point TIGON_BENCHMARKS at its benchmarks/ folder.", file=sys.stderr)
+        return 2
+    if where not in sys.path:
+        sys.path.insert(0, where)
+    import gpu_check
+
+    argv = ["--quick"] if args.quick else []
+    if args.out:
+        argv += ["--out", args.out]
+    if args.budget is not None:
+        argv += ["--budget", str(args.budget)]
+    if args.sections:
+        argv += ["--sections", args.sections]
+    argv.append("--tests" if args.tests else "--no-tests")
+    return gpu_check.main(argv)
+
+
+def cmd_demo(args, rest) -> int:
+    try:
+        demo = importlib.import_module("tigon.demo")
+    except ModuleNotFoundError as e:
+        if e.name == "tigon.demo":
+            print("tigon demo: this installation has no tigon.demo module.", file=sys.stderr)
+        else:
+            print(f"tigon demo: it needs {e.name!r}, which is not installed "
+                  "(pip install 'tigon[hf]' brings transformers and the rest).", file=sys.stderr)
+        return 2
+    return demo.main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tigon", description="Fused Triton kernels for Hugging Face LLM training.")
+    sub = p.add_subparsers(dest="command", metavar="{env,bench,demo}")
+    sub.add_parser("env", help="versions, GPU, and the path (Triton or reference) each op takes here")
+    b = sub.add_parser("bench", help="run the benchmarks (benchmarks/gpu_check.py of a source checkout)")
+    b.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run (works on a CPU)")
+    b.add_argument("--out", default=None, help="output folder (default: $OUT, else ./tigon-bench-out)")
+    b.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 540)")
+    b.add_argument("--sections", default=None, help="comma-separated subset, e.g. rms_norm,swiglu")
+    b.add_argument("--tests", action="store_true", help="run the test suite first, as gpu_check does")
+    sub.add_parser("demo", help="fine-tune a small model with Tigon off, then on (options: tigon demo --help)",
+                   add_help=False)
+    return p
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # everything after `demo` belongs to tigon.demo's own parser
+        return cmd_demo(None, argv[1:])
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.command == "env":
+        return cmd_env(args)
+    if args.command == "bench":
+        return cmd_bench(args)
+    p.print_help()
+    return 0 if args.command is None and not argv else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
