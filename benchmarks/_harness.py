@@ -651,7 +651,7 @@ def markdown_tables(rows: list[dict], ceilings: dict) -> list[str]:
         if key[0] == "op":
             unit = "ms" if any((r.get("fb_us") or 0) > 2e4 for r in rs) else "us"
             lines += [f"### {key[1]}: {key[2]}", ""]
-            model = rs[0].get("model")
+            model = next((r["model"] for r in rs if r.get("model")), None)
             if model:
                 lines += [f"Byte/FLOP model: {model}", ""]
             lines += op_table(rs, ceilings, unit) + [""]

@@ -209,7 +209,7 @@ def _flce_case(ctx, bt, hid, v, seed, label, *, full, compiled_fn=None):
     floor = _floor(ctx, "linear_cross_entropy", case, h, w, flops) if ctx.cuda else None
     H.measure(ctx, "linear_cross_entropy", case, flce_providers(ctx, h, w, tgt, compiled_fn=compiled_fn),
               flops_fb=flops, floor_us=floor,
-              check=check, do_fwd=full, host_column=full, min_rep=10 if full else 6, host_min_rep=4,
+              check=check, do_fwd=full, host_column=full, min_rep=10, host_min_rep=4,
               rep_ms=400.0, need_s=25.0,
               extra={"model": f"3 GEMMs, {flops / 1e12:.2f} TFLOP; floor = the 3 bf16 GEMMs timed here"})
 
@@ -246,10 +246,10 @@ def run_flce_token_sweep(ctx):
         flops = 6 * bt * hid * v
         case = f"{bt} tokens"
         if ctx.cuda:
-            _floor(ctx, "linear_cross_entropy", case, h, w, flops, group=group, x=bt, min_rep=4)
+            _floor(ctx, "linear_cross_entropy", case, h, w, flops, group=group, x=bt, min_rep=6)
         H.measure(ctx, "linear_cross_entropy", case, flce_providers(ctx, h, w, tgt, variants=False,
                                                                     compiled_fn=lambda: _flce_dynamic(ctx)),
-                  flops_fb=flops, do_fwd=False, host_column=False, min_rep=4, rep_ms=250.0, need_s=10.0,
+                  flops_fb=flops, do_fwd=False, host_column=False, min_rep=6, rep_ms=250.0, need_s=10.0,
                   group=group, x=bt, extra={"xlabel": "tokens"})
         del h, tgt
         H.free(ctx)

@@ -95,7 +95,7 @@ def _tag(meta: dict) -> str:
 # ----------------------------------------------------------------------------- meta
 
 
-def collect_meta(args) -> dict:
+def collect_meta(args, cuda: bool) -> dict:
     from importlib import metadata
 
     import torch
@@ -116,7 +116,8 @@ def collect_meta(args) -> dict:
         except Exception as e:  # noqa: BLE001
             meta["tigon"] = f"not importable: {e}"
     meta["cuda"] = torch.version.cuda
-    if torch.cuda.is_available():
+    meta["device"] = "cuda" if cuda else "cpu"
+    if cuda:
         props = torch.cuda.get_device_properties(0)
         meta.update(gpu=torch.cuda.get_device_name(0), sms=props.multi_processor_count,
                     gpu_mem_GiB=round(props.total_memory / 2**30, 1))
@@ -270,6 +271,8 @@ def run_isolated(args, result, names, deadline, log, write) -> None:
                "--part", part, "--deadline", repr(deadline), "--ceilings", json.dumps(result["ceilings"])]
         if args.quick:
             cmd.append("--quick")
+        if args.device:
+            cmd += ["--device", args.device]
         log.write(f"\n===== child {k}: {', '.join(pending)} =====\n")
         log.flush()
         p = subprocess.Popen(cmd, cwd=REPO, env=_child_env(), stdout=log, stderr=subprocess.STDOUT,
@@ -309,7 +312,7 @@ def run_isolated(args, result, names, deadline, log, write) -> None:
 def run_inprocess(args, result, names, deadline) -> None:
     import _harness as H
 
-    ctx = H.Context(quick=args.quick, deadline=deadline, ceilings=result["ceilings"])
+    ctx = H.Context(device=args.device, quick=args.quick, deadline=deadline, ceilings=result["ceilings"])
     ok = run_sections(ctx, names, deadline)
     _merge(result, ctx.state())
     if not ok:
@@ -436,6 +439,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output folder (default: $OUT, else ./tigon-bench-out)")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 550; quick 240)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run (CPU: Triton's interpreter)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--sections", default=None, help="comma-separated subset of: " + ",".join(BY_NAME))
     p.add_argument("--tests", action=argparse.BooleanOptionalAction, default=None,
                    help="run the test suite first (default: on, off with --quick)")
@@ -459,25 +463,22 @@ def parse_args(argv=None):
 def _child_main(args) -> int:
     import _harness as H
 
-    ctx = H.Context(quick=args.quick, deadline=args.deadline, ceilings=json.loads(args.ceilings),
-                    part_path=args.part, verbose=True)
+    ctx = H.Context(device=args.device, quick=args.quick, deadline=args.deadline,
+                    ceilings=json.loads(args.ceilings), part_path=args.part, verbose=True)
     ok = run_sections(ctx, args.sections.split(","), args.deadline)
     return 0 if ok else 3
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.quick and "TRITON_INTERPRET" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"  # before tigon (and its @triton.jit) is imported
-    if args.child:
-        return _child_main(args)
     import torch
 
+    cuda = torch.cuda.is_available() and not (args.device or "cuda").startswith("cpu")
+    if args.quick and not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        os.environ["TRITON_INTERPRET"] = "1"  # before tigon (and its @triton.jit) is imported
+    if args.child:
+        return _child_main(args)
     t0 = time.time()
-    cuda = torch.cuda.is_available()
     budget = args.budget if args.budget is not None else (240.0 if args.quick else 550.0)
     args.budget = budget
     deadline = t0 + budget - WRITE_RESERVE_S
@@ -495,7 +496,7 @@ def main(argv=None) -> int:
         names = ["ceilings"] + [n for n in wanted if n != "ceilings"]
     out = args.out or os.environ.get("OUT") or os.path.join(os.getcwd(), "tigon-bench-out")
     os.makedirs(out, exist_ok=True)
-    meta = collect_meta(args)
+    meta = collect_meta(args, cuda)
     tag = args.tag or _tag(meta)
     result = {"t0": t0, "meta": meta, "ceilings": {}, "tests": None, "rows": [], "extras": {}, "notes": [],
               "section_s": {}}

@@ -1,7 +1,7 @@
 """The `tigon` command.
 
     tigon env                       versions, the GPU, and which path each op takes here
-    tigon bench [--quick] [--out DIR] [--budget S] [--sections A,B] [--tests]
+    tigon bench [--quick] [--out DIR] [--budget S] [--sections A,B] [--device D] [--tests]
                                     the benchmarks of benchmarks/gpu_check.py (a source checkout's folder)
     tigon demo [...]                fine-tune a small model with Tigon off, then on (tigon.demo)
 
@@ -103,6 +103,8 @@ def cmd_bench(args) -> int:
         argv += ["--budget", str(args.budget)]
     if args.sections:
         argv += ["--sections", args.sections]
+    if args.device:
+        argv += ["--device", args.device]
     argv.append("--tests" if args.tests else "--no-tests")
     return gpu_check.main(argv)
 
@@ -129,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="output folder (default: $OUT, else ./tigon-bench-out)")
     b.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 540)")
     b.add_argument("--sections", default=None, help="comma-separated subset, e.g. rms_norm,swiglu")
+    b.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     b.add_argument("--tests", action="store_true", help="run the test suite first, as gpu_check does")
     sub.add_parser("demo", help="fine-tune a small model with Tigon off, then on (options: tigon demo --help)",
                    add_help=False)
