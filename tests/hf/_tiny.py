@@ -17,8 +17,8 @@ EXTRA = {
     "gemma2": dict(final_logit_softcapping=5.0, sliding_window=16),
     "gemma3_text": dict(final_logit_softcapping=5.0, sliding_window=16),
     "phi3": dict(pad_token_id=0),
-    "glm": dict(partial_rotary_factor=0.5),
-    "glm4": dict(partial_rotary_factor=0.5),
+    "glm": dict(partial_rotary_factor=0.5, pad_token_id=0),
+    "glm4": dict(partial_rotary_factor=0.5, pad_token_id=0),
     "hunyuan_v1_dense": dict(),
 }
 

@@ -64,7 +64,8 @@ def test_patched_matches_unpatched(model_type):
             m(ids, labels=labels).loss.backward()
             o.step()
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-        _close(p, p_ref, f"param {name} after 5 AdamW steps", rtol=1e-4, atol=1e-5)
+        # Adam turns a near-zero gradient (1e-8) into a full-size step: atol is a tenth of lr
+        _close(p, p_ref, f"param {name} after 5 AdamW steps", rtol=1e-4, atol=1e-4)
 
     tigon.unpatch(model)
     assert all(type(a) is type(b) for a, b in zip(model.modules(), ref.modules()))
@@ -130,8 +131,9 @@ def test_logits_to_keep_and_shift_labels_follow_hf():
     tigon.patch(model)
     model.train(), ref.train()
     ids, labels = batch()
-    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-    _close(model(ids, shift_labels=shift).loss, ref(ids, shift_labels=shift).loss, "shift_labels loss")
+    shift = torch.roll(labels, 1, dims=1)  # not the usual shift, so the test sees which one is used
+    _close(model(ids, labels=labels, shift_labels=shift).loss, ref(ids, labels=labels, shift_labels=shift).loss,
+           "shift_labels loss")
     model.eval(), ref.eval()
     with torch.no_grad():
         _close(model(ids, logits_to_keep=1).logits, ref(ids, logits_to_keep=1).logits, "logits_to_keep")

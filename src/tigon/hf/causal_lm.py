@@ -91,7 +91,7 @@ def fused_causal_lm_forward(
     linear = _resolve_linear(self.lm_head)
     fused = (
         self.training
-        and (labels is not None or shift_labels is not None)
+        and labels is not None  # like HF: shift_labels alone computes no loss
         and linear is not None
         and not kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False))
     )
