@@ -36,7 +36,7 @@ def _compare(name, ours, theirs, ref, x, dtype):
     y, y_hf, y64 = ours(x), theirs(x_hf), ref(x64, p64)
     assert y.dtype == y_hf.dtype
     assert_bound(f"{name} out", y, y_hf, y64, dtype)
-    go = torch.randn(y.shape).to(y.dtype)
+    go = torch.randn(y.shape, device=y.device).to(y.dtype)
     g = grads(y, [x] + [p_ours[n] for n in names], go)
     g_hf = grads(y_hf, [x_hf] + [p_hf[n] for n in names], go)
     g64 = grads(y64, [x64] + p64, go.double())

@@ -19,7 +19,7 @@ def _check(inputs, dtype, eps=1e-5, eager_fn=None):
     eag = eager_fn(*eager_in)
     assert y.dtype == inputs[0].dtype
     assert_bound("layer_norm y", y, eag, ref, dtype)
-    go = torch.randn(y.shape, dtype=torch.float32).to(y.dtype)
+    go = torch.randn(y.shape, dtype=torch.float32, device=y.device).to(y.dtype)
     g_k = grads(y, inputs, go)
     g_r = grads(ref, ref_in, go.double())
     g_e = grads(eag, eager_in, go)

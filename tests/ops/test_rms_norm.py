@@ -21,7 +21,7 @@ def _check(op_name, kernel_fn, ref_fn, eager_fn, inputs, dtype, n_out):
     eags = eags if isinstance(eags, tuple) else (eags,)
     for i in range(n_out):
         assert_bound(f"{op_name} out{i}", outs[i], eags[i], refs[i], dtype)
-    gos = [torch.randn(o.shape, dtype=torch.float32).to(o.dtype) for o in outs[:n_out]]
+    gos = [torch.randn(o.shape, dtype=torch.float32, device=o.device).to(o.dtype) for o in outs[:n_out]]
     g_k = grads(outs[:n_out], inputs, gos)
     g_r = grads(refs[:n_out], ref_in, [g.double() for g in gos])
     g_e = grads(eags[:n_out], eager_in, [g.to(e.dtype) for g, e in zip(gos, eags)])
