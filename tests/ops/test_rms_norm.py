@@ -138,3 +138,16 @@ def test_opcheck(device):
     w = randn(7, device=device, requires_grad=True)
     torch.library.opcheck(torch.ops.tigon.rms_norm_fwd, (x, r, w, 1e-6, 0.0, 0, torch.float32))
     torch.library.opcheck(torch.ops.tigon.rms_norm_fwd, (x, None, w, 1e-6, 1.0, 1, torch.float32))
+
+
+def test_compile_fullgraph_uses_the_custom_op(device):
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    x = randn(4, 24, device=device, requires_grad=True)
+    r = randn(4, 24, device=device, requires_grad=True)
+    w = randn(24, device=device, requires_grad=True)
+    fn = lambda x, r, w: ops.add_rms_norm(x, r, w)[0].sum() + ops.rms_norm(x, w).square().sum()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    got = grads(compiled(x, r, w), (x, r, w), torch.tensor(1.0, device=device))
+    want = grads(fn(x, r, w), (x, r, w), torch.tensor(1.0, device=device))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -15,6 +15,10 @@ import triton.language as tl
 from . import _launch, _library, reference
 
 _CASTING = {"llama": 0, "gemma": 1, "none": 2}
+# Launch settings; None picks from the hidden size (_launch.row_warps). benchmarks/tune.py sweeps them.
+_FWD_WARPS = None
+_BWD_WARPS = None
+_BWD_PER_SM = 4
 
 
 @triton.jit
@@ -122,7 +126,7 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype):
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
             s.stride(0) if residual is not None else 0, H, eps, offset,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, CASTING=casting,
-            BLOCK_H=block, num_warps=_launch.row_warps(block),
+            BLOCK_H=block, num_warps=_FWD_WARPS or _launch.row_warps(block),
         )
     return y, s, rstd
 
@@ -143,31 +147,35 @@ def _(x, residual, weight, eps, offset, casting, out_dtype):
     return x.new_empty((M, H), dtype=out_dtype), s, x.new_empty((M,), dtype=torch.float32)
 
 
-@torch.library.custom_op("tigon::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(
-    dy: torch.Tensor, ds: Optional[torch.Tensor], x: torch.Tensor, weight: Optional[torch.Tensor],
-    rstd: torch.Tensor, offset: float, casting: int, compute_dw: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (dx [M, H] in x.dtype, dw [H] in weight.dtype or empty)."""
+def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw):
     M, H = x.shape
     block = _launch.row_block("rms_norm", H)
     dx = torch.empty_like(x)
     compute_dw = compute_dw and weight is not None
     # 4 programs per SM measured best at H=4096 on an H200; each loops over rows, so dw needs only
     # n_prog partial rows (0.4% of the traffic of x at M=16384, H=4096).
-    n_prog = _launch.num_programs(x.device, M, per_sm=4)
+    n_prog = _launch.num_programs(x.device, M, per_sm=_BWD_PER_SM)
     dw_part = torch.empty((n_prog, H), dtype=torch.float32, device=x.device) if compute_dw else rstd
     if M > 0:
         _rms_norm_bwd_kernel[(n_prog,)](
             dy, ds if ds is not None else dy, x, weight if weight is not None else x, rstd, dx, dw_part,
             dy.stride(0), ds.stride(0) if ds is not None else 0, x.stride(0), dx.stride(0), M, H, offset,
             HAS_DS=ds is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, CASTING=casting,
-            BLOCK_H=block, num_warps=_launch.row_warps(block),
+            BLOCK_H=block, num_warps=_BWD_WARPS or _launch.row_warps(block),
         )
     if not compute_dw:
         return dx, x.new_empty(0)
     dw = dw_part.sum(0) if M > 0 else torch.zeros(H, dtype=torch.float32, device=x.device)
     return dx, dw.to(weight.dtype)
+
+
+@torch.library.custom_op("tigon::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(
+    dy: torch.Tensor, ds: Optional[torch.Tensor], x: torch.Tensor, weight: Optional[torch.Tensor],
+    rstd: torch.Tensor, offset: float, casting: int, compute_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dx [M, H] in x.dtype, dw [H] in weight.dtype or empty)."""
+    return _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw)
 
 
 @rms_norm_bwd.register_fake
@@ -191,11 +199,11 @@ def _setup(ctx, inputs, output):
     ctx.copy_dresidual = residual is not None and (_is_leafish(x) or _is_leafish(residual))
 
 
-def _backward(ctx, dy, ds, _drstd):
+def _backward(ctx, dy, ds, _drstd, bwd=None):
     xs, weight, rstd = ctx.saved_tensors
     need_dw = weight is not None and ctx.needs_input_grad[2]
     ds = ds if ctx.has_residual else None
-    dx, dw = torch.ops.tigon.rms_norm_bwd(
+    dx, dw = (bwd or torch.ops.tigon.rms_norm_bwd)(
         dy.contiguous(), None if ds is None else ds.contiguous(), xs, weight, rstd, ctx.offset, ctx.casting, need_dw
     )
     dres = (dx.clone() if ctx.copy_dresidual else dx) if ctx.has_residual else None
@@ -203,6 +211,21 @@ def _backward(ctx, dy, ds, _drstd):
 
 
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """The eager path: the same launchers and autograd rules without the custom-op dispatcher."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out = _fwd_launch(*inputs)
+        _setup(ctx, inputs, out)
+        ctx.mark_non_differentiable(out[2])
+        return out
+
+    @staticmethod
+    def backward(ctx, dy, ds, drstd):
+        return _backward(ctx, dy, ds, drstd, bwd=_bwd_launch)
 
 
 def _validate(op, x, residual, weight, eps, casting_mode):
@@ -236,8 +259,9 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
         return reference.rms_norm(x, weight, eps, offset=offset, casting_mode=casting_mode)
     out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
     weight = None if weight is None else weight.contiguous()  # the kernel reads it at unit stride
-    y, _, _ = torch.ops.tigon.rms_norm_fwd(
-        _launch.as_rows(x), None, weight, eps, float(offset), _CASTING[casting_mode], out_dtype
+    y, _, _ = _library.call(
+        torch.ops.tigon.rms_norm_fwd, RMSNormFunction,
+        _launch.as_rows(x), None, weight, eps, float(offset), _CASTING[casting_mode], out_dtype,
     )
     return y.view(x.shape)
 
@@ -249,8 +273,8 @@ def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting_mode="lla
         return reference.add_rms_norm(x, residual, weight, eps, offset=offset, casting_mode=casting_mode)
     out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
     weight = None if weight is None else weight.contiguous()
-    y, s, _ = torch.ops.tigon.rms_norm_fwd(
-        _launch.as_rows(x), _launch.as_rows(residual), weight, eps, float(offset), _CASTING[casting_mode],
-        out_dtype,
+    y, s, _ = _library.call(
+        torch.ops.tigon.rms_norm_fwd, RMSNormFunction,
+        _launch.as_rows(x), _launch.as_rows(residual), weight, eps, float(offset), _CASTING[casting_mode], out_dtype,
     )
     return y.view(x.shape), s.view(x.shape)
