@@ -18,7 +18,8 @@ from . import _launch, _library, reference
 
 # Elements of one [heads, rd/2] tile: two of them (x1, x2) plus cos/sin stay in registers. 2048 covers
 # the 32 heads x 64 of Llama-3-8B's q in one step (16 fp32 values per thread per half at 4 warps).
-_TILE = 2048
+_TILE = 2048  # elements of q/k per [heads, rd/2] tile; benchmarks/tune.py sweeps it and _NUM_WARPS
+_NUM_WARPS = 4
 
 
 @triton.jit
@@ -158,7 +159,7 @@ def rope(
         T, Hq, Hkv, D, rd // 2,
         TRANSPOSE=transpose, HAS_PASS=rd < D,
         BLOCK_HQ=_heads_block(Hq, block_r), BLOCK_HK=_heads_block(Hkv, block_r),
-        BLOCK_R=block_r, BLOCK_P=block_p, num_warps=4,
+        BLOCK_R=block_r, BLOCK_P=block_p, num_warps=_NUM_WARPS,
     )
     return qo, ko
 

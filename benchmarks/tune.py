@@ -1,0 +1,159 @@
+"""Sweep the launch settings of the bandwidth-bound kernels at the benchmark shapes (GPU), and profile
+where the host time of one small-op fwd+bwd goes. The winners become the defaults in the op files.
+
+    PYTHONPATH=src python benchmarks/tune.py [--ops rms_norm,rope,glu,ce] [--out DIR]
+"""
+
+import argparse
+import cProfile
+import io
+import itertools
+import json
+import os
+import pstats
+import time
+
+import _harness as H
+import torch
+
+BF16 = torch.bfloat16
+
+
+def _fb(fn, inputs, grads_out):
+    def run():
+        out = fn()
+        out = out if isinstance(out, tuple) else (out,)
+        torch.autograd.grad(out, inputs, grads_out[: len(out)])
+    return run
+
+
+def _time(ctx, fn):
+    return H.bench(ctx, fn, min_rep=10, max_rep=20, rep_ms=100.0)["ms"] * 1e3
+
+
+def sweep(ctx, mod, grid, make):
+    """Time fwd and fwd+bwd for each setting of `mod`'s attributes in `grid`; restore the defaults after."""
+    keys = list(grid)
+    saved = {k: getattr(mod, k) for k in keys}
+    rows = []
+    try:
+        for values in itertools.product(*grid.values()):
+            for k, v in zip(keys, values):
+                setattr(mod, k, v)
+            fwd, fb = make()
+            row = dict(zip(keys, values))
+            try:
+                row.update(fwd_us=_time(ctx, fwd), fb_us=_time(ctx, fb))
+            except Exception as e:  # a setting that does not compile (too many registers) is a row, not a crash
+                row.update(error=H.short_error(e))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        for k, v in saved.items():
+            setattr(mod, k, v)
+    return rows
+
+
+def tune_rms_norm(ctx):
+    from tigon.ops import rms_norm as m
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(16384, 4096, device="cuda", generator=g).to(BF16).requires_grad_()
+    r = torch.randn(16384, 4096, device="cuda", generator=g).to(BF16).requires_grad_()
+    w = (1 + 0.1 * torch.randn(4096, device="cuda", generator=g)).to(BF16).requires_grad_()
+    dy = torch.randn_like(x)
+    plain = lambda: (lambda: m.rms_norm(x, w), _fb(lambda: m.rms_norm(x, w), (x, w), (dy,)))
+    add = lambda: (lambda: m.add_rms_norm(x, r, w), _fb(lambda: m.add_rms_norm(x, r, w), (x, r, w), (dy, dy)))
+    grid = {"_FWD_WARPS": [4, 8, 16], "_BWD_WARPS": [4, 8, 16], "_BWD_PER_SM": [1, 2, 4, 8]}
+    return {"rms_norm": sweep(ctx, m, grid, plain),
+            "add_rms_norm": sweep(ctx, m, {"_FWD_WARPS": [4, 8, 16], "_BWD_WARPS": [8, 16], "_BWD_PER_SM": [2, 4]},
+                                  add)}
+
+
+def tune_rope(ctx):
+    from tigon.ops import rope as m
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(4, 4096, 32, 128, device="cuda", generator=g).to(BF16).transpose(1, 2).requires_grad_()
+    k = torch.randn(4, 4096, 8, 128, device="cuda", generator=g).to(BF16).transpose(1, 2).requires_grad_()
+    ang = torch.arange(4096, device="cuda")[:, None] * 500000.0 ** (-torch.arange(0, 128, 2, device="cuda") / 128)
+    ang = torch.cat([ang, ang], -1)[None].expand(4, -1, -1)
+    cos, sin = ang.cos().to(BF16).contiguous(), ang.sin().to(BF16).contiguous()
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    f = lambda: m.apply_rope(q, k, cos, sin)
+    return {"rope": sweep(ctx, m, {"_NUM_WARPS": [1, 2, 4, 8], "_TILE": [512, 1024, 2048, 4096]},
+                          lambda: (f, _fb(f, (q, k), (dq, dk))))}
+
+
+def tune_glu(ctx):
+    from tigon.ops import swiglu as m
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(16384, 14336, device="cuda", generator=g).to(BF16).requires_grad_()
+    b = torch.randn(16384, 14336, device="cuda", generator=g).to(BF16).requires_grad_()
+    dy = torch.randn_like(a)
+    out = {}
+    for name in ("swiglu", "geglu"):
+        f = lambda name=name: getattr(m, name)(a, b)
+        out[name] = sweep(ctx, m, {"_TILE_BYTES_GPU": [4096, 8192, 16384, 32768], "_NUM_WARPS": [4, 8, 16]},
+                          lambda f=f: (f, _fb(f, (a, b), (dy,))))
+    return out
+
+
+def host_profile(ctx):
+    """Host time per fwd+bwd at a tiny shape (GPU time negligible): the dispatcher path vs the eager path."""
+    from tigon import ops
+    from tigon.ops import rms_norm as m
+
+    x = torch.randn(8, 4096, device="cuda", dtype=BF16, requires_grad=True)
+    w = torch.ones(4096, device="cuda", dtype=BF16, requires_grad=True)
+    dy = torch.randn_like(x)
+    args = lambda: (x, None, w, 1e-6, 0.0, 0, BF16)
+    paths = {
+        "tigon.ops.rms_norm (autograd.Function)": lambda: torch.autograd.grad(ops.rms_norm(x, w), (x, w), dy),
+        "custom op + register_autograd": lambda: torch.autograd.grad(
+            torch.ops.tigon.rms_norm_fwd(*args())[0], (x, w), dy),
+        "launchers only (no autograd)": lambda: m._bwd_launch(dy, None, x, w, m._fwd_launch(*args())[2], 0.0, 0, True),
+    }
+    out = {}
+    for name, fn in paths.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(200):
+            fn()
+        out[name + " us"] = (time.perf_counter() - t) / 200 * 1e6
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        paths["tigon.ops.rms_norm (autograd.Function)"]()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+    out["profile"] = s.getvalue()[-6000:]
+    print(json.dumps({k: v for k, v in out.items() if k != "profile"}), flush=True)
+    print(out["profile"], flush=True)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ops", default="host,rms_norm,rope,glu")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = p.parse_args()
+    ctx = H.Context("cuda")
+    fns = {"host": host_profile, "rms_norm": tune_rms_norm, "rope": tune_rope, "glu": tune_glu}
+    results = {}
+    for name in a.ops.split(","):
+        t = time.time()
+        results[name] = fns[name](ctx)
+        print(f"## {name} took {time.time() - t:.0f} s", flush=True)
+        torch.cuda.empty_cache()
+        with open(os.path.join(a.out, "tune.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
