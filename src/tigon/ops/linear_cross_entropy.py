@@ -1,5 +1,295 @@
-"""Fused linear cross-entropy (placeholder until the kernel lands)."""
+"""Fused linear cross-entropy: the LM head's loss without the [N, V] logits.
+
+Tokens go through in chunks of C rows: logits_c = hidden_c @ weight.T (+ bias) by cuBLAS into a
+RollingBuffer scratch [C, V], the cross-entropy row kernel writes the loss and, in place over the chunk,
+the logits gradient (for grad_output == 1), then dh_c = grad_c @ weight and dW += grad_c.T @ hidden_c. All
+gradients are made in the forward, like Liger; backward only rescales them by grad_output (nothing to do
+when it is 1). reduction="none" cannot know its per-token grad_output in the forward: its backward redoes
+the chunks with grad_output folded into the row kernel. Math and cost model: docs/ops/cross_entropy.md.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+
+from . import _launch, _library, reference
+
+# named imports: `tigon.ops.cross_entropy` is the function once ops/__init__ has run
+from .cross_entropy import (
+    REDUCTIONS,
+    apply_grad_output,
+    check_target,
+    denominator,
+    num_items_tensor,
+    reduce,
+    validate_loss_args,
+)
+from .cross_entropy import launch as ce_launch
+
+# Bytes of chunk logits: 128 MiB is 512 rows at V=128256 in bf16, where the dW GEMM's K=512 keeps its
+# accumulator traffic (read + write dW, 2 GB a chunk) under its math time on an H200. Override freely.
+CHUNK_BYTES = 128 << 20
+# device -> whether cuBLAS adds bf16 x bf16 into an fp32 C here (torch's addmm out_dtype); else a fallback.
+_fp32_addmm_ok: dict = {}
 
 
-def linear_cross_entropy(hidden, weight, target, bias=None, **kwargs):
-    raise NotImplementedError
+def chunk_rows(N: int, V: int, itemsize: int, override: int = 0) -> int:
+    """Rows per chunk: CHUNK_BYTES of logits, a multiple of 64 (GEMM tiles), balanced over the chunks."""
+    if override:
+        return max(1, min(N, override))
+    rows = max(1, CHUNK_BYTES // max(1, V * itemsize))
+    if rows >= N:
+        return max(1, N)
+    step = 64 if rows >= 64 else 1
+    rows = rows // step * step
+    per_chunk = triton.cdiv(N, triton.cdiv(N, rows))  # same rows in every chunk, rounded up to the step
+    return min(rows, triton.cdiv(per_chunk, step) * step)
+
+
+def _add_dw(dw, g_t, h_c, first: bool) -> None:
+    """dw (+)= g_t @ h_c. dw is weight.dtype (cuBLAS adds into it, like Liger) or fp32 (accum_dtype)."""
+    if dw.dtype == g_t.dtype:
+        if first:
+            torch.mm(g_t, h_c, out=dw)
+        else:
+            dw.addmm_(g_t, h_c)
+        return
+    if dw.device.type != "cuda":
+        if first:
+            torch.mm(g_t.float(), h_c.float(), out=dw)
+        else:
+            dw.addmm_(g_t.float(), h_c.float())
+        return
+    # bf16/fp16 inputs, fp32 C and accumulation in one cuBLAS call (torch's addmm out_dtype).
+    key = dw.device
+    if _fp32_addmm_ok.get(key, True):
+        try:
+            if first:
+                torch.ops.aten.mm.dtype_out(g_t, h_c, torch.float32, out=dw)
+            else:
+                torch.ops.aten.addmm.dtype_out(dw, g_t, h_c, torch.float32, out=dw)
+            _fp32_addmm_ok[key] = True
+            return
+        except RuntimeError:
+            if _fp32_addmm_ok.get(key):  # it worked before: a real error
+                raise
+            _fp32_addmm_ok[key] = False
+    # older torch: fp32 GEMM output for a block of dW rows into scratch, then add (one extra pass over dW)
+    from ..memory.rolling_buffer import workspace
+
+    V, H = dw.shape
+    step = max(1, min(V, CHUNK_BYTES // (4 * H)))
+    with workspace(dw.device).borrow(((step, H), torch.float32)) as (tmp,):
+        for v0 in range(0, V, step):
+            v1 = min(V, v0 + step)
+            if first:
+                torch.ops.aten.mm.dtype_out(g_t[v0:v1], h_c, torch.float32, out=dw[v0:v1])
+            else:
+                torch.ops.aten.mm.dtype_out(g_t[v0:v1], h_c, torch.float32, out=tmp[: v1 - v0])
+                dw[v0:v1] += tmp[: v1 - v0]
+
+
+def _chunked(hidden, weight, target, bias, denom, row_scale, ignore_index, label_smoothing, z_loss_scale,
+             softcap, need_dh, need_dw, need_db, accum_fp32, rows_override):
+    """The chunk loop. Returns (loss rows [N] fp32, dh or None, dw or None, db or None); the gradients are
+    of sum(loss rows * row_scale) / denom (row_scale, denom None: 1)."""
+    from ..memory.rolling_buffer import workspace
+
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    need_grad = need_dh or need_dw or need_db
+    loss_rows = torch.empty(N, dtype=torch.float32, device=dev)
+    dh = torch.empty((N, H), dtype=hidden.dtype, device=dev) if need_dh else None
+    dw = None
+    if need_dw:  # fp32 when asked, or when the weight is an fp32 master copy (autocast)
+        dw_dtype = torch.float32 if accum_fp32 else weight.dtype
+        dw = (torch.empty if N else torch.zeros)((V, H), dtype=dw_dtype, device=dev)  # chunk 0 writes it all
+    db = torch.zeros(V, dtype=torch.float32, device=dev) if need_db else None
+    # autocast: GEMMs in hidden's dtype, like F.linear under autocast (a transient low-precision weight copy)
+    weight_c = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+    bias_c = bias if bias is None or bias.dtype == hidden.dtype else bias.to(hidden.dtype)
+    rows = chunk_rows(N, V, hidden.element_size(), rows_override)
+    w_t = weight_c.t()
+    with workspace(dev).borrow(((rows, V), hidden.dtype)) as (buf,):
+        for i, s in enumerate(range(0, N, rows)):
+            e = min(N, s + rows)
+            logits, h_c = buf[: e - s], hidden[s:e]
+            if bias_c is None:
+                torch.mm(h_c, w_t, out=logits)
+            else:
+                torch.addmm(bias_c, h_c, w_t, out=logits)
+            ce_launch(
+                logits, target[s:e], loss_rows[s:e], logits if need_grad else None, denom,
+                None if row_scale is None else row_scale[s:e], ignore_index=ignore_index,
+                label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+            )
+            # the chunk now holds d loss / d logits
+            if need_dh:
+                torch.mm(logits, weight_c, out=dh[s:e])
+            if need_dw:
+                _add_dw(dw, logits.t(), h_c, first=i == 0)
+            if need_db:
+                db += logits.sum(0, dtype=torch.float32)
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    if db is not None:
+        db = db.to(bias.dtype)
+    return loss_rows, dh, dw, db
+
+
+def _empty(t):
+    return t.new_empty(0)
+
+
+@torch.library.custom_op("tigon::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+    num_items: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss_scale: float,
+    softcap: float, reduction: int, need_dh: bool, need_dw: bool, need_db: bool, accum_fp32: bool,
+    rows_override: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [N, H], weight [V, H], target [N], bias [V] or None. Returns (loss: [] or [N] fp32, and for
+    mean/sum the gradients dh [N, H], dW [V, H], db [V] for grad_output == 1, each empty when not asked)."""
+    rows_only = reduction == REDUCTIONS["none"] and num_items is None
+    denom = denominator(target, ignore_index, reduction, num_items)
+    if rows_only:
+        need_dh = need_dw = need_db = False  # per-token grad_output comes in backward
+    loss_rows, dh, dw, db = _chunked(
+        hidden, weight, target, bias, denom, None, ignore_index, label_smoothing, z_loss_scale, softcap,
+        need_dh, need_dw, need_db and bias is not None, accum_fp32, rows_override,
+    )
+    loss = reduce(loss_rows, denom, reduction)
+    return (loss, _empty(hidden) if dh is None else dh, _empty(weight) if dw is None else dw,
+            _empty(weight) if db is None else db)
+
+
+@linear_cross_entropy_fwd.register_fake
+def _(hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
+      need_dh, need_dw, need_db, accum_fp32, rows_override):
+    rows_only = reduction == REDUCTIONS["none"] and num_items is None
+    loss = hidden.new_empty((hidden.shape[0],) if rows_only else (), dtype=torch.float32)
+    if rows_only:
+        return loss, _empty(hidden), _empty(weight), _empty(weight)
+    return (loss, torch.empty_like(hidden) if need_dh else _empty(hidden),
+            torch.empty_like(weight) if need_dw else _empty(weight),
+            torch.empty_like(bias) if (need_db and bias is not None) else _empty(weight))
+
+
+@torch.library.custom_op("tigon::linear_cross_entropy_bwd", mutates_args=())
+def linear_cross_entropy_bwd(
+    grad_rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+    bias: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss_scale: float, softcap: float,
+    need_dh: bool, need_dw: bool, need_db: bool, accum_fp32: bool, rows_override: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reduction="none": recompute each chunk's logits and fold the per-token grad_output [N] into the row
+    kernel. Returns (dh, dW, db), each empty when not asked."""
+    _, dh, dw, db = _chunked(
+        hidden, weight, target, bias, None, grad_rows, ignore_index, label_smoothing, z_loss_scale, softcap,
+        need_dh, need_dw, need_db and bias is not None, accum_fp32, rows_override,
+    )
+    return (_empty(hidden) if dh is None else dh, _empty(weight) if dw is None else dw,
+            _empty(weight) if db is None else db)
+
+
+@linear_cross_entropy_bwd.register_fake
+def _(grad_rows, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss_scale, softcap, need_dh,
+      need_dw, need_db, accum_fp32, rows_override):
+    return (torch.empty_like(hidden) if need_dh else _empty(hidden),
+            torch.empty_like(weight) if need_dw else _empty(weight),
+            torch.empty_like(bias) if (need_db and bias is not None) else _empty(weight))
+
+
+def _setup(ctx, inputs, output):
+    (hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
+     need_dh, need_dw, need_db, accum_fp32, rows_override) = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.rows_only = reduction == REDUCTIONS["none"] and num_items is None
+    if ctx.rows_only:
+        ctx.save_for_backward(hidden, weight, target, bias)
+        ctx.args = (ignore_index, label_smoothing, z_loss_scale, softcap)
+        ctx.accum_fp32, ctx.rows_override = accum_fp32, rows_override
+    else:
+        ctx.save_for_backward(*(g if n else None for g, n in zip(output[1:], (need_dh, need_dw, need_db))))
+
+
+def _backward(ctx, dloss, _ddh, _ddw, _ddb):
+    need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
+    if ctx.rows_only:
+        hidden, weight, target, bias = ctx.saved_tensors
+        dh, dw, db = torch.ops.tigon.linear_cross_entropy_bwd(
+            dloss, hidden, weight, target, bias, *ctx.args, *need, ctx.accum_fp32, ctx.rows_override
+        )
+    else:
+        dh, dw, db = ctx.saved_tensors
+        apply_grad_output([dh, dw, db], dloss)
+    dh, dw, db = (g if n else None for g, n in zip((dh, dw, db), need))
+    return (dh, dw, None, db) + (None,) * 11
+
+
+linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def _validate(op, hidden, weight, target, bias, accum_dtype):
+    _launch.check_tensor(op, "hidden", hidden)
+    _launch.check_tensor(op, "weight", weight)
+    if hidden.dim() == 0:
+        raise ValueError(f"{op}: hidden must be [..., H], got a 0-d tensor")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"{op}: weight must have shape (V, {hidden.shape[-1]}) with V >= 1, "
+                         f"got {tuple(weight.shape)}")
+    _launch.check_same_device(op, "hidden", hidden, weight=weight, bias=bias)
+    if bias is not None:
+        _launch.check_tensor(op, "bias", bias)
+        _launch.check_shape(op, "bias", bias, (weight.shape[0],))
+    if accum_dtype not in (None, torch.float32, weight.dtype):
+        raise ValueError(f"{op}: accum_dtype must be None, torch.float32 or weight.dtype, got {accum_dtype!r}")
+
+
+def _autocast(op, hidden, weight, bias):
+    """Under autocast the lm_head GEMM runs in the autocast dtype: cast hidden (differentiably) and keep an
+    fp32 weight and bias as they are (master copies): their gradients then accumulate and return in fp32."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        hidden = hidden.to(torch.get_autocast_dtype(dev))
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and t.dtype not in (hidden.dtype, torch.float32):
+                raise TypeError(f"{op}: under autocast {name} must be {hidden.dtype} or float32, got {t.dtype}")
+        return hidden
+    _launch.check_same_dtype(op, "hidden", hidden, weight=weight, bias=bias)
+    return hidden
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
+                         label_smoothing=0.0, z_loss_scale=0.0, softcap=None, num_items_in_batch=None,
+                         accum_dtype=None, _chunk_rows=0):
+    """cross_entropy(hidden @ weight.T + bias, target) without materializing the logits.
+
+    hidden [..., H], weight [V, H] (the lm_head), bias [V] or None, all one float dtype (under autocast the
+    GEMMs run in the autocast dtype and an fp32 weight gets an fp32 gradient accumulated in fp32); target
+    [...] integer class indices. Options as `cross_entropy`. The loss is fp32; exact
+    gradients for hidden, weight and bias. dW accumulates over token chunks in weight.dtype (cuBLAS addmm,
+    like Liger) or in fp32 with accum_dtype=torch.float32 (a transient fp32 [V, H]). Extra memory: the
+    gradients plus CHUNK_BYTES of chunk logits. Never syncs the host on CUDA.
+    """
+    op = "linear_cross_entropy"
+    _validate(op, hidden, weight, target, bias, accum_dtype)
+    ls, z, cap = validate_loss_args(op, target, hidden.shape[:-1], hidden.device, ignore_index, reduction,
+                                        label_smoothing, z_loss_scale, softcap, num_items_in_batch)
+    hidden = _autocast(op, hidden, weight, bias)
+    V = weight.shape[0]
+    check_target(op, target, V, ignore_index)
+    if not _library.use_kernels(op, hidden):
+        return reference.linear_cross_entropy(
+            hidden, weight, target.long(), bias, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=ls, z_loss_scale=z, softcap=softcap, num_items_in_batch=num_items_in_batch,
+        )
+    grad_on = torch.is_grad_enabled()
+    loss, *_ = torch.ops.tigon.linear_cross_entropy_fwd(
+        _launch.as_rows(hidden), weight, target.reshape(-1), bias,
+        num_items_tensor(num_items_in_batch, hidden.device), ignore_index, ls, z, cap,
+        REDUCTIONS[reduction], grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad, accum_dtype == torch.float32, int(_chunk_rows),
+    )
+    return loss.view(target.shape) if loss.dim() else loss
