@@ -22,6 +22,10 @@ from . import _launch, _library, reference
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 _NONE, _MEAN, _SUM = 0, 1, 2
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+# Launch settings on CUDA; None picks from V (block_config). benchmarks/tune.py sweeps module attributes.
+_BLOCK_V = None
+_NUM_WARPS = None
+_SCALE_PER_SM = 4
 
 
 @triton.jit
@@ -174,9 +178,10 @@ def block_config(V: int, device: torch.device) -> tuple:
     one resident program per SM keeps 132 rows (33 MB at V=128256 bf16) in flight, under the 50 MB L2, so the
     gradient pass re-reads the row from L2. The interpreter uses 512 so that small test vocabularies
     still loop over several tiles."""
-    cap = 16384 if device.type == "cuda" else 512
-    block = min(triton.next_power_of_2(max(V, 1)), cap)
-    return block, max(1, min(16, block // 1024))
+    if device.type != "cuda":
+        return min(triton.next_power_of_2(max(V, 1)), 512), 1
+    block = min(triton.next_power_of_2(max(V, 1)), _BLOCK_V or 16384)
+    return block, _NUM_WARPS or max(1, min(16, block // 1024))
 
 
 def launch(x, target, loss, dx, denom=None, row_scale=None, *, ignore_index, label_smoothing, z_loss_scale,
@@ -226,6 +231,13 @@ def _loss_fake(logits, num_items, reduction):
     return logits.new_empty((logits.shape[0],) if rows else (), dtype=torch.float32)
 
 
+def _fwd_launch(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
+                compute_grad):
+    dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else None
+    loss = _fwd(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, dx)
+    return loss, (dx if compute_grad else logits.new_empty(0))
+
+
 @torch.library.custom_op("tigon::cross_entropy_fwd", mutates_args=())
 def cross_entropy_fwd(
     logits: torch.Tensor, target: torch.Tensor, num_items: Optional[torch.Tensor], ignore_index: int,
@@ -233,9 +245,8 @@ def cross_entropy_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V] (unit last stride), target [N]. Returns (loss: [] or [N] fp32, dlogits for
     grad_output == 1 in logits' dtype, or empty when compute_grad is False)."""
-    dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else None
-    loss = _fwd(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, dx)
-    return loss, (dx if compute_grad else logits.new_empty(0))
+    return _fwd_launch(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
+                       compute_grad)
 
 
 @cross_entropy_fwd.register_fake
@@ -259,10 +270,7 @@ def _(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, so
     return _loss_fake(logits, num_items, reduction)
 
 
-@torch.library.custom_op("tigon::scale_grad_", mutates_args=("grad",))
-def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
-    """grad [M, C] (or [C]) *= grad_output ([] / [1]: one scale; [M]: one per row), in place; a no-op on the
-    device when the scale is 1."""
+def _scale_grad_launch(grad, grad_output):
     per_row = grad_output.numel() != 1
     # one scale: a contiguous gradient is one long row cut into BLOCK tiles (dW [V, 16] is not 16-wide tiles)
     g = grad.view(1, -1) if (not per_row and grad.is_contiguous()) or grad.dim() == 1 else grad
@@ -272,11 +280,18 @@ def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
         return
     block = min(triton.next_power_of_2(C), 4096 if g.device.type == "cuda" else 1024)
     tiles = M * triton.cdiv(C, block) if not per_row else M
-    n_prog = _launch.num_programs(g.device, tiles, per_sm=4)
+    n_prog = _launch.num_programs(g.device, tiles, per_sm=_SCALE_PER_SM)
     _scale_grad_kernel[(n_prog,)](
         g, go, g.stride(0), go.stride(0) if per_row else 0, M, C, PER_ROW=per_row, BLOCK=block,
         num_warps=max(1, min(8, block // 512)),
     )
+
+
+@torch.library.custom_op("tigon::scale_grad_", mutates_args=("grad",))
+def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """grad [M, C] (or [C]) *= grad_output ([] / [1]: one scale; [M]: one per row), in place; a no-op on the
+    device when the scale is 1."""
+    _scale_grad_launch(grad, grad_output)
 
 
 @scale_grad_.register_fake
@@ -284,13 +299,19 @@ def _(grad, grad_output):
     return None
 
 
-def apply_grad_output(grads, grad_output):
+def _scale_grad_eager(grad, grad_output):
+    _scale_grad_launch(grad, grad_output)
+    torch.autograd.graph.increment_version(grad)  # what the custom op's mutation would do: see below
+
+
+def apply_grad_output(grads, grad_output, scale=None):
     """Scale the gradients computed in the forward by grad_output, in place, without a host sync. The
     in-place write bumps their version, so a second backward through a retained graph raises autograd's
     "modified by an inplace operation" error instead of returning a twice-scaled gradient."""
+    scale = scale or torch.ops.tigon.scale_grad_
     for g in grads:
         if g is not None:
-            torch.ops.tigon.scale_grad_(g, grad_output)
+            scale(g, grad_output)
 
 
 def _setup(ctx, inputs, output):
@@ -299,13 +320,27 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(output[1] if compute_grad else None)
 
 
-def _backward(ctx, dloss, _ddx):
+def _backward(ctx, dloss, _ddx, scale=None):
     (dx,) = ctx.saved_tensors
-    apply_grad_output([dx], dloss)
+    apply_grad_output([dx], dloss, scale)
     return dx, None, None, None, None, None, None, None, None
 
 
 cross_entropy_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """The eager path: the same launchers and autograd rules without the custom-op dispatcher."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out = _fwd_launch(*inputs)
+        _setup(ctx, inputs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, dloss, ddx):
+        return _backward(ctx, dloss, ddx, _scale_grad_eager)
 
 
 class _CrossEntropyInplace(torch.autograd.Function):
@@ -314,16 +349,18 @@ class _CrossEntropyInplace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction):
-        loss = torch.ops.tigon.cross_entropy_fwd_inplace(
-            logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction
-        )
+        args = (logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction)
+        if torch.compiler.is_compiling():
+            loss = torch.ops.tigon.cross_entropy_fwd_inplace(*args)
+        else:
+            loss = _fwd(*args, logits)
         ctx.save_for_backward(logits)
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
         (dx,) = ctx.saved_tensors
-        apply_grad_output([dx], dloss)
+        apply_grad_output([dx], dloss, None if torch.compiler.is_compiling() else _scale_grad_eager)
         return dx, None, None, None, None, None, None, None
 
 
@@ -427,5 +464,6 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
     if inplace_backward and need_grad:
         loss = _CrossEntropyInplace.apply(x, t, num_items, ignore_index, ls, z, cap, red)
     else:
-        loss, _ = torch.ops.tigon.cross_entropy_fwd(x, t, num_items, ignore_index, ls, z, cap, red, need_grad)
+        loss, _ = _library.call(torch.ops.tigon.cross_entropy_fwd, CrossEntropyFunction,
+                                x, t, num_items, ignore_index, ls, z, cap, red, need_grad)
     return loss.view(target.shape) if loss.dim() else loss
