@@ -6,6 +6,7 @@ where the host time of one small-op fwd+bwd goes. The winners become the default
 
 import argparse
 import cProfile
+import importlib
 import io
 import itertools
 import json
@@ -55,7 +56,7 @@ def sweep(ctx, mod, grid, make):
 
 
 def tune_rms_norm(ctx):
-    from tigon.ops import rms_norm as m
+    m = importlib.import_module("tigon.ops.rms_norm")
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(16384, 4096, device="cuda", generator=g).to(BF16).requires_grad_()
@@ -71,7 +72,7 @@ def tune_rms_norm(ctx):
 
 
 def tune_rope(ctx):
-    from tigon.ops import rope as m
+    m = importlib.import_module("tigon.ops.rope")
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(4, 4096, 32, 128, device="cuda", generator=g).to(BF16).transpose(1, 2).requires_grad_()
@@ -86,7 +87,7 @@ def tune_rope(ctx):
 
 
 def tune_glu(ctx):
-    from tigon.ops import swiglu as m
+    m = importlib.import_module("tigon.ops.swiglu")
 
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(16384, 14336, device="cuda", generator=g).to(BF16).requires_grad_()
@@ -103,7 +104,7 @@ def tune_glu(ctx):
 def host_profile(ctx):
     """Host time per fwd+bwd at a tiny shape (GPU time negligible): the dispatcher path vs the eager path."""
     from tigon import ops
-    from tigon.ops import rms_norm as m
+    m = importlib.import_module("tigon.ops.rms_norm")
 
     x = torch.randn(8, 4096, device="cuda", dtype=BF16, requires_grad=True)
     w = torch.ones(4096, device="cuda", dtype=BF16, requires_grad=True)

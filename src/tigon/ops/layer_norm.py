@@ -34,11 +34,11 @@ def _layer_norm_fwd_kernel(
     o_h = tl.arange(0, BLOCK_H)
     m_h = o_h < H
     b_x = tl.load(X + row * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
-    b_mean = tl.sum(b_x, axis=0) / H
+    b_mean = tl.math.div_rn(tl.sum(b_x, axis=0), tl.cast(H, tl.float32))
     # Two passes over registers (mean, then centred squares): no E[x^2] - E[x]^2 cancellation when
     # |mean| >> std, which one pass would turn into a negative variance in fp32.
     b_xc = tl.where(m_h, b_x - b_mean, 0.0)
-    b_rstd = 1.0 / tl.sqrt(tl.sum(b_xc * b_xc, axis=0) / H + tl.cast(eps, tl.float32))
+    b_rstd = 1.0 / tl.sqrt(tl.math.div_rn(tl.sum(b_xc * b_xc, axis=0), tl.cast(H, tl.float32)) + tl.cast(eps, tl.float32))
     tl.store(MEAN + row, b_mean)
     tl.store(RSTD + row, b_rstd)
     b_y = b_xc * b_rstd
@@ -93,8 +93,8 @@ def _layer_norm_bwd_kernel(
         else:
             b_g = b_dy
         # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * w
-        b_c1 = tl.sum(b_g * b_xhat, axis=0) / H
-        b_c2 = tl.sum(b_g, axis=0) / H
+        b_c1 = tl.math.div_rn(tl.sum(b_g * b_xhat, axis=0), tl.cast(H, tl.float32))
+        b_c2 = tl.math.div_rn(tl.sum(b_g, axis=0), tl.cast(H, tl.float32))
         b_dx = b_rstd * (b_g - b_c2 - b_xhat * b_c1)
         tl.store(DX + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
     if COMPUTE_DW:

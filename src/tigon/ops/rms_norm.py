@@ -50,7 +50,7 @@ def _rms_norm_fwd_kernel(
         b_s = b_x + b_r
         tl.store(S + row * stride_s + o_h, b_s.to(S.dtype.element_ty), mask=m_h)
         b_x = b_s.to(S.dtype.element_ty).to(tl.float32)
-    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=0) / H + eps)
+    b_rstd = 1.0 / tl.sqrt(tl.math.div_rn(tl.sum(b_x * b_x, axis=0), tl.cast(H, tl.float32)) + eps)
     tl.store(RSTD + row, b_rstd)
     b_n = b_x * b_rstd
     if CASTING == 0:
@@ -106,7 +106,7 @@ def _rms_norm_bwd_kernel(
         else:
             b_dn = b_dy
         # dx = rstd * (dn - n * mean(dn * n))
-        b_dx = b_rstd * (b_dn - b_n * (tl.sum(b_dn * b_n, axis=0) / H))
+        b_dx = b_rstd * (b_dn - b_n * (tl.math.div_rn(tl.sum(b_dn * b_n, axis=0), tl.cast(H, tl.float32))))
         if HAS_DS:
             b_dx += tl.load(DS + row * stride_ds + o_h, mask=m_h, other=0.0).to(tl.float32)
         tl.store(DX + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
