@@ -101,6 +101,44 @@ def tune_glu(ctx):
     return out
 
 
+def tune_ce(ctx):
+    m = importlib.import_module("tigon.ops.cross_entropy")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(4096, 128256, device="cuda", generator=g).to(BF16).requires_grad_()
+    target = torch.randint(0, 128256, (4096,), device="cuda", generator=g)
+    f = lambda: m.cross_entropy(logits, target)
+    return {"cross_entropy": sweep(ctx, m, {"_BLOCK_V": [4096, 8192, 16384, 32768], "_NUM_WARPS": [8, 16, 32]},
+                                   lambda: (f, _fb(f, (logits,), (None,))))}
+
+
+def tune_flce(ctx):
+    m = importlib.import_module("tigon.ops.linear_cross_entropy")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(16384, 4096, device="cuda", generator=g).to(BF16).requires_grad_()
+    w = (0.02 * torch.randn(128256, 4096, device="cuda", generator=g)).to(BF16).requires_grad_()
+    t = torch.randint(0, 128256, (16384,), device="cuda", generator=g)
+    rows = []
+    for chunk_mib in (64, 96, 128, 192, 256, 512):
+        for accum in (None, torch.float32):
+            m.CHUNK_BYTES = chunk_mib << 20
+            fn = lambda accum=accum: torch.autograd.grad(m.linear_cross_entropy(h, w, t, accum_dtype=accum), (h, w))
+            try:
+                ms = H.bench(ctx, fn, min_rep=3, max_rep=4, rep_ms=100.0, passes=1)["ms"]
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                fn()
+                torch.cuda.synchronize()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                row = dict(chunk_mib=chunk_mib, accum=str(accum), fb_ms=ms, peak_mib=peak)
+            except Exception as e:
+                row = dict(chunk_mib=chunk_mib, accum=str(accum), error=H.short_error(e))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    m.CHUNK_BYTES = 128 << 20
+    return {"flce": rows}
+
+
 def host_profile(ctx):
     """Host time per fwd+bwd at a tiny shape (GPU time negligible): the dispatcher path vs the eager path."""
     from tigon import ops
@@ -114,7 +152,8 @@ def host_profile(ctx):
         "tigon.ops.rms_norm (autograd.Function)": lambda: torch.autograd.grad(ops.rms_norm(x, w), (x, w), dy),
         "custom op + register_autograd": lambda: torch.autograd.grad(
             torch.ops.tigon.rms_norm_fwd(*args())[0], (x, w), dy),
-        "launchers only (no autograd)": lambda: m._bwd_launch(dy, None, x, w, m._fwd_launch(*args())[2], 0.0, 0, True),
+        "launchers only (no autograd)": lambda: m._bwd_launch(
+            dy, None, x, w, m._fwd_launch(*args())[2], 0.0, 0, True, False),
     }
     out = {}
     for name, fn in paths.items():
@@ -141,11 +180,12 @@ def host_profile(ctx):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--ops", default="host,rms_norm,rope,glu")
+    p.add_argument("--ops", default="host,ce,flce,rms_norm,rope,glu")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     ctx = H.Context("cuda")
-    fns = {"host": host_profile, "rms_norm": tune_rms_norm, "rope": tune_rope, "glu": tune_glu}
+    fns = {"host": host_profile, "rms_norm": tune_rms_norm, "rope": tune_rope, "glu": tune_glu, "ce": tune_ce,
+           "flce": tune_flce}
     results = {}
     for name in a.ops.split(","):
         t = time.time()

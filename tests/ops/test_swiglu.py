@@ -26,7 +26,7 @@ def _check(name, kernel_fn, ref_fn, eager_fn, inputs, dtype):
     eag = eager_fn(*eager_in)
     assert out.dtype == eag.dtype
     assert_bound(f"{name} out", out, eag, ref, dtype)
-    go = torch.randn(out.shape).to(out.dtype)
+    go = torch.randn(out.shape, device=out.device).to(out.dtype)
     g_k = grads(out, inputs, go)
     g_r = grads(ref, ref_in, go.double())
     g_e = grads(eag, eager_in, go)
@@ -67,7 +67,7 @@ def test_chunked_halves_of_a_fused_projection(device, act, inplace):
     y = packed_fn(gate_up, inplace_backward=inplace)
     y_ref = fn(*gate_up_leaf.detach().chunk(2, -1))
     assert torch.equal(y, y_ref)
-    go = torch.randn(y.shape).to(dtype)
+    go = torch.randn(y.shape, device=y.device).to(dtype)
     (d_packed,) = torch.autograd.grad(y, gate_up_leaf, go)
     g_leaf = gate_up_leaf.detach().clone().requires_grad_(True)
     (d_pair,) = torch.autograd.grad(fn(*(g_leaf * 1.0).chunk(2, -1)), g_leaf, go)
@@ -106,17 +106,20 @@ def test_many_tiles(device, monkeypatch, contiguous):
     _check("geglu", ops.geglu, reference.geglu, reference.eager_geglu, (gate, up), torch.float32)
 
 
-def test_gpu_tile_heuristic():
-    # Pure arithmetic (no GPU needed): whole-tile widths at Llama shapes, at most 1/16 of a row wasted.
+def test_gpu_tile_heuristic(monkeypatch):
+    # Pure arithmetic (no GPU needed), at pinned settings: whole-tile widths at Llama shapes, at most 1/16 of
+    # a row wasted.
+    monkeypatch.setattr(glu_mod, "_TILE_BYTES_GPU", 4096)
+    monkeypatch.setattr(glu_mod, "_NUM_WARPS", 4)
     cuda = torch.device("cuda")
-    assert glu_mod._tiles(cuda, 2, 16384, 14336) == (4, 2048, 8)
-    assert glu_mod._tiles(cuda, 2, 16384, 11008) == (8, 1024, 8)
-    assert glu_mod._tiles(cuda, 4, 16384, 14336) == (2, 2048, 8)
-    assert glu_mod._tiles(cuda, 2, 1, 16384 * 14336) == (1, 8192, 8)  # contiguous: one flat row
-    assert glu_mod._tiles(cuda, 2, 3, 7) == (4, 8, 8)
+    assert glu_mod._tiles(cuda, 2, 16384, 14336) == (1, 2048, 4)
+    assert glu_mod._tiles(cuda, 2, 16384, 11008) == (2, 1024, 4)
+    assert glu_mod._tiles(cuda, 4, 16384, 14336) == (1, 1024, 4)
+    assert glu_mod._tiles(cuda, 2, 1, 16384 * 14336) == (1, 2048, 4)  # contiguous: one flat row
+    assert glu_mod._tiles(cuda, 2, 3, 7) == (4, 8, 4)
     for cols in (1, 7, 200, 1000, 4097, 11008, 14336, 28672):
         bm, bn, _ = glu_mod._tiles(cuda, 2, 16384, cols)
-        assert bm * bn <= 8192 and (bn <= 128 or -(-cols // bn) * bn * 16 <= cols * 17)
+        assert bm * bn <= 2048 and (bn <= 128 or -(-cols // bn) * bn * 16 <= cols * 17)
 
 
 def _grad_ptrs(t):

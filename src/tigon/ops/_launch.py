@@ -14,7 +14,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_FUSED_HIDDEN = 65536
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

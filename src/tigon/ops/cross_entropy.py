@@ -78,7 +78,8 @@ def _cross_entropy_kernel(
         for v0 in range(0, V, BLOCK_V):
             o = v0 + o_v
             m_v = o < V
-            b_x = tl.load(p_x + o, mask=m_v, other=0.0).to(tl.float32)
+            # evict_last: keep the row in L2 for the gradient pass that follows
+            b_x = tl.load(p_x + o, mask=m_v, other=0.0, eviction_policy="evict_last").to(tl.float32)
             if HAS_SOFTCAP:
                 b_x, _ = _softcap(b_x, cap)
             if HAS_SMOOTHING:
@@ -116,17 +117,20 @@ def _cross_entropy_kernel(
             b_cp = b_scale * (1.0 + 2.0 * z * b_lse)
             b_call = b_scale * ls / V
             b_ct = b_scale * (1.0 - ls)
-            for v0 in range(0, V, BLOCK_V):
-                o = v0 + o_v
+            # Backwards over the row: the tiles read last are the likeliest to be still in L2. The gradient
+            # is streamed out (evict_first) so it does not push the other rows out of L2.
+            n_tiles = tl.cdiv(V, BLOCK_V)
+            for i in range(0, n_tiles):
+                o = (n_tiles - 1 - i) * BLOCK_V + o_v
                 m_v = o < V
-                b_x = tl.load(p_x + o, mask=m_v, other=0.0).to(tl.float32)
+                b_x = tl.load(p_x + o, mask=m_v, other=0.0, eviction_policy="evict_first").to(tl.float32)
                 if HAS_SOFTCAP:
                     b_x, b_th = _softcap(b_x, cap)
                 b_g = tl.exp(b_x - b_lse) * b_cp - b_call
                 b_g = tl.where(o == t, b_g - b_ct, b_g)
                 if HAS_SOFTCAP:
                     b_g = b_g * (1.0 - b_th * b_th)
-                tl.store(p_dx + o, b_g.to(DX.dtype.element_ty), mask=m_v)
+                tl.store(p_dx + o, b_g.to(DX.dtype.element_ty), mask=m_v, eviction_policy="evict_first")
         else:
             b_zero = tl.zeros([BLOCK_V], dtype=DX.dtype.element_ty)
             for v0 in range(0, V, BLOCK_V):

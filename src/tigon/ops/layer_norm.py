@@ -38,7 +38,8 @@ def _layer_norm_fwd_kernel(
     # Two passes over registers (mean, then centred squares): no E[x^2] - E[x]^2 cancellation when
     # |mean| >> std, which one pass would turn into a negative variance in fp32.
     b_xc = tl.where(m_h, b_x - b_mean, 0.0)
-    b_rstd = 1.0 / tl.sqrt(tl.math.div_rn(tl.sum(b_xc * b_xc, axis=0), tl.cast(H, tl.float32)) + tl.cast(eps, tl.float32))
+    b_var = tl.math.div_rn(tl.sum(b_xc * b_xc, axis=0), tl.cast(H, tl.float32))
+    b_rstd = 1.0 / tl.sqrt(b_var + tl.cast(eps, tl.float32))
     tl.store(MEAN + row, b_mean)
     tl.store(RSTD + row, b_rstd)
     b_y = b_xc * b_rstd

@@ -18,7 +18,7 @@ _CASTING = {"llama": 0, "gemma": 1, "none": 2}
 # Launch settings; None picks from the hidden size (_launch.row_warps). benchmarks/tune.py sweeps them.
 _FWD_WARPS = None
 _BWD_WARPS = None
-_BWD_PER_SM = 4
+_BWD_PER_SM = 2  # H200, H=4096: 2 programs x 16 warps per SM beat 4 x 16 (204 vs 216 us fwd+bwd)
 
 
 @triton.jit
@@ -69,6 +69,7 @@ def _rms_norm_bwd_kernel(
     W,  # [H]
     RSTD,  # [M]
     DX,  # [M, H] gradient of x (for add_rms_norm also the residual's)
+    DR,  # [M, H] a second copy of dx for the residual (written when HAS_DR: leaf inputs, see _setup)
     DW_PART,  # [n_programs, H] fp32 per-program partial sums of dw (deterministic, no atomics)
     stride_dy,
     stride_ds,
@@ -77,6 +78,7 @@ def _rms_norm_bwd_kernel(
     M,
     H,
     offset,
+    HAS_DR: tl.constexpr,
     HAS_DS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
@@ -110,6 +112,8 @@ def _rms_norm_bwd_kernel(
         if HAS_DS:
             b_dx += tl.load(DS + row * stride_ds + o_h, mask=m_h, other=0.0).to(tl.float32)
         tl.store(DX + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
+        if HAS_DR:
+            tl.store(DR + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
     if COMPUTE_DW:
         tl.store(DW_PART + pid.to(tl.int64) * H + o_h, b_dw, mask=m_h)
 
@@ -126,7 +130,7 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype):
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
             s.stride(0) if residual is not None else 0, H, eps, offset,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, CASTING=casting,
-            BLOCK_H=block, num_warps=_FWD_WARPS or _launch.row_warps(block),
+            BLOCK_H=block, num_warps=_FWD_WARPS or min(8, _launch.row_warps(block)),  # 8: 70 vs 80 us at 4096
         )
     return y, s, rstd
 
@@ -147,41 +151,43 @@ def _(x, residual, weight, eps, offset, casting, out_dtype):
     return x.new_empty((M, H), dtype=out_dtype), s, x.new_empty((M,), dtype=torch.float32)
 
 
-def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw):
+def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx):
     M, H = x.shape
     block = _launch.row_block("rms_norm", H)
     dx = torch.empty_like(x)
+    dr = torch.empty_like(x) if two_dx else x.new_empty(0)
     compute_dw = compute_dw and weight is not None
-    # 4 programs per SM measured best at H=4096 on an H200; each loops over rows, so dw needs only
-    # n_prog partial rows (0.4% of the traffic of x at M=16384, H=4096).
+    # Each program loops over rows, so dw needs only n_prog partial rows (0.2% of the traffic of x at
+    # M=16384, H=4096 with 2 programs per SM).
     n_prog = _launch.num_programs(x.device, M, per_sm=_BWD_PER_SM)
     dw_part = torch.empty((n_prog, H), dtype=torch.float32, device=x.device) if compute_dw else rstd
     if M > 0:
         _rms_norm_bwd_kernel[(n_prog,)](
-            dy, ds if ds is not None else dy, x, weight if weight is not None else x, rstd, dx, dw_part,
+            dy, ds if ds is not None else dy, x, weight if weight is not None else x, rstd, dx,
+            dr if two_dx else dx, dw_part,
             dy.stride(0), ds.stride(0) if ds is not None else 0, x.stride(0), dx.stride(0), M, H, offset,
-            HAS_DS=ds is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, CASTING=casting,
-            BLOCK_H=block, num_warps=_BWD_WARPS or _launch.row_warps(block),
+            HAS_DR=two_dx, HAS_DS=ds is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
+            CASTING=casting, BLOCK_H=block, num_warps=_BWD_WARPS or _launch.row_warps(block),
         )
     if not compute_dw:
-        return dx, x.new_empty(0)
+        return dx, dr, x.new_empty(0)
     dw = dw_part.sum(0) if M > 0 else torch.zeros(H, dtype=torch.float32, device=x.device)
-    return dx, dw.to(weight.dtype)
+    return dx, dr, dw.to(weight.dtype)
 
 
 @torch.library.custom_op("tigon::rms_norm_bwd", mutates_args=())
 def rms_norm_bwd(
     dy: torch.Tensor, ds: Optional[torch.Tensor], x: torch.Tensor, weight: Optional[torch.Tensor],
-    rstd: torch.Tensor, offset: float, casting: int, compute_dw: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (dx [M, H] in x.dtype, dw [H] in weight.dtype or empty)."""
-    return _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw)
+    rstd: torch.Tensor, offset: float, casting: int, compute_dw: bool, two_dx: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx [M, H] in x.dtype, a copy of dx or empty, dw [H] in weight.dtype or empty)."""
+    return _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx)
 
 
 @rms_norm_bwd.register_fake
-def _(dy, ds, x, weight, rstd, offset, casting, compute_dw):
+def _(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx):
     dw = torch.empty_like(weight) if (compute_dw and weight is not None) else x.new_empty(0)
-    return torch.empty_like(x), dw
+    return torch.empty_like(x), torch.empty_like(x) if two_dx else x.new_empty(0), dw
 
 
 def _is_leafish(t):
@@ -195,7 +201,8 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(s if residual is not None else x, weight, rstd)
     ctx.offset, ctx.casting, ctx.has_residual = offset, casting, residual is not None
     # x and residual get the same gradient. Handing one tensor to both is free inside a decoder, but a leaf
-    # steals it into .grad, where an in-place hook or optimizer would change the other's too: copy then.
+    # steals it into .grad, where an in-place hook or optimizer would change the other's too: then the
+    # kernel stores a second copy (one extra write, cheaper than a clone's read + write).
     ctx.copy_dresidual = residual is not None and (_is_leafish(x) or _is_leafish(residual))
 
 
@@ -203,10 +210,11 @@ def _backward(ctx, dy, ds, _drstd, bwd=None):
     xs, weight, rstd = ctx.saved_tensors
     need_dw = weight is not None and ctx.needs_input_grad[2]
     ds = ds if ctx.has_residual else None
-    dx, dw = (bwd or torch.ops.tigon.rms_norm_bwd)(
-        dy.contiguous(), None if ds is None else ds.contiguous(), xs, weight, rstd, ctx.offset, ctx.casting, need_dw
+    dx, dr, dw = (bwd or torch.ops.tigon.rms_norm_bwd)(
+        dy.contiguous(), None if ds is None else ds.contiguous(), xs, weight, rstd, ctx.offset, ctx.casting, need_dw,
+        ctx.copy_dresidual,
     )
-    dres = (dx.clone() if ctx.copy_dresidual else dx) if ctx.has_residual else None
+    dres = (dr if ctx.copy_dresidual else dx) if ctx.has_residual else None
     return dx, dres, (dw if need_dw else None), None, None, None, None
 
 
