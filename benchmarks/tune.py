@@ -107,7 +107,8 @@ def tune_ce(ctx):
     logits = torch.randn(4096, 128256, device="cuda", generator=g).to(BF16).requires_grad_()
     target = torch.randint(0, 128256, (4096,), device="cuda", generator=g)
     f = lambda: m.cross_entropy(logits, target)
-    return {"cross_entropy": sweep(ctx, m, {"_BLOCK_V": [4096, 8192, 16384, 32768], "_NUM_WARPS": [8, 16, 32]},
+    return {"cross_entropy": sweep(ctx, m, {"_BLOCK_V": [8192, 16384, 32768], "_NUM_WARPS": [16, 32],
+                                            "_L2_HINTS": [True, False]},
                                    lambda: (f, _fb(f, (logits,), (None,))))}
 
 
@@ -118,8 +119,8 @@ def tune_flce(ctx):
     w = (0.02 * torch.randn(128256, 4096, device="cuda", generator=g)).to(BF16).requires_grad_()
     t = torch.randint(0, 128256, (16384,), device="cuda", generator=g)
     rows = []
-    for chunk_mib in (64, 96, 128, 192, 256, 512):
-        for accum in (None, torch.float32):
+    for chunk_mib in (96, 128, 192, 256):
+        for accum in (None,):
             m.CHUNK_BYTES = chunk_mib << 20
             fn = lambda accum=accum: torch.autograd.grad(m.linear_cross_entropy(h, w, t, accum_dtype=accum), (h, w))
             try:

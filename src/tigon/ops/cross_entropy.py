@@ -26,6 +26,7 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _BLOCK_V = None
 _NUM_WARPS = None
 _SCALE_PER_SM = 4
+_L2_HINTS = True  # evict_last on the first pass, evict_first on the gradient pass (tune.py compares)
 
 
 @triton.jit
@@ -58,6 +59,7 @@ def _cross_entropy_kernel(
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    L2_HINTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -79,7 +81,10 @@ def _cross_entropy_kernel(
             o = v0 + o_v
             m_v = o < V
             # evict_last: keep the row in L2 for the gradient pass that follows
-            b_x = tl.load(p_x + o, mask=m_v, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            if L2_HINTS:
+                b_x = tl.load(p_x + o, mask=m_v, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            else:
+                b_x = tl.load(p_x + o, mask=m_v, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
                 b_x, _ = _softcap(b_x, cap)
             if HAS_SMOOTHING:
@@ -123,14 +128,20 @@ def _cross_entropy_kernel(
             for i in range(0, n_tiles):
                 o = (n_tiles - 1 - i) * BLOCK_V + o_v
                 m_v = o < V
-                b_x = tl.load(p_x + o, mask=m_v, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                if L2_HINTS:
+                    b_x = tl.load(p_x + o, mask=m_v, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                else:
+                    b_x = tl.load(p_x + o, mask=m_v, other=0.0).to(tl.float32)
                 if HAS_SOFTCAP:
                     b_x, b_th = _softcap(b_x, cap)
                 b_g = tl.exp(b_x - b_lse) * b_cp - b_call
                 b_g = tl.where(o == t, b_g - b_ct, b_g)
                 if HAS_SOFTCAP:
                     b_g = b_g * (1.0 - b_th * b_th)
-                tl.store(p_dx + o, b_g.to(DX.dtype.element_ty), mask=m_v, eviction_policy="evict_first")
+                if L2_HINTS:
+                    tl.store(p_dx + o, b_g.to(DX.dtype.element_ty), mask=m_v, eviction_policy="evict_first")
+                else:
+                    tl.store(p_dx + o, b_g.to(DX.dtype.element_ty), mask=m_v)
         else:
             b_zero = tl.zeros([BLOCK_V], dtype=DX.dtype.element_ty)
             for v0 in range(0, V, BLOCK_V):
@@ -203,7 +214,7 @@ def launch(x, target, loss, dx, denom=None, row_scale=None, *, ignore_index, lab
         label_smoothing, z_loss_scale, softcap if softcap else 1.0,
         HAS_GRAD=dx is not None, HAS_DENOM=denom is not None, HAS_ROW_SCALE=row_scale is not None,
         HAS_SMOOTHING=label_smoothing > 0, HAS_Z=z_loss_scale > 0, HAS_SOFTCAP=softcap > 0,
-        BLOCK_V=block, num_warps=warps,
+        L2_HINTS=_L2_HINTS, BLOCK_V=block, num_warps=warps,
     )
 
 
@@ -321,6 +332,9 @@ def apply_grad_output(grads, grad_output, scale=None):
 def _setup(ctx, inputs, output):
     compute_grad = inputs[-1]
     ctx.mark_non_differentiable(output[1])
+    # The gradient outputs get no gradient: without this, autograd would fill a zero tensor of their size
+    # for each (measured on the H200: +1 GiB and +300 us for CE at [4096, 128256]).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(output[1] if compute_grad else None)
 
 

@@ -205,6 +205,9 @@ def _setup(ctx, inputs, output):
     (hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
      need_dh, need_dw, need_db, accum_fp32, rows_override) = inputs
     ctx.mark_non_differentiable(*output[1:])
+    # The gradient outputs get no gradient: without this, autograd would fill a zero tensor of their size
+    # for each (measured on the H200: +1 GiB and +300 us for CE at [4096, 128256]).
+    ctx.set_materialize_grads(False)
     ctx.rows_only = reduction == REDUCTIONS["none"] and num_items is None
     if ctx.rows_only:
         ctx.save_for_backward(hidden, weight, target, bias)
