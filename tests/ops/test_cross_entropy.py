@@ -1,3 +1,4 @@
+import math
 import sys
 
 import pytest
@@ -42,9 +43,13 @@ def _check(logits, target, dtype, **kw):
     ref = reference.cross_entropy(x_r, target, **kw)
     (g_r,) = torch.autograd.grad(ref, x_r, go.double())
     assert loss.dtype == torch.float32 and loss.shape == ref.shape
-    assert_bound("loss", loss, eager, ref, torch.float32)
+    # the loss is lse - x_t: its rounding is that of lse (<= max|x| + log V), and the GPU's exp2/log2 are
+    # approximate (2 ulps each) where torch's are exact
+    lse_scale = float(logits.detach().abs().max()) + math.log(logits.shape[-1]) + 1.0
+    ulps = 16 if logits.is_cuda else 4
+    assert_bound("loss", loss, eager, ref, torch.float32, ulps=ulps, floor=lse_scale)
     assert g_k.dtype == logits.dtype
-    assert_bound("dlogits", g_k, g_e, g_r, dtype)
+    assert_bound("dlogits", g_k, g_e, g_r, dtype, ulps=ulps)
 
 
 @pytest.mark.parametrize("V", [1, 7, 1000, 5003])
@@ -160,6 +165,7 @@ def test_forward_only_under_no_grad(device):
 
 
 def test_out_of_range_target_raises_when_validating(device, monkeypatch):
+    monkeypatch.setenv("TIGON_VALIDATE", "1")  # CUDA validates only on request (it reads the target)
     x = randn(3, 10, device=device)
     for bad in (10, -1):
         t = torch.tensor([1, bad, -100], device=device)
@@ -248,8 +254,9 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.tigon.cross_entropy_fwd, (x, t, None, -100, 0.0, 1e-3, 2.0, 0, False))
     torch.library.opcheck(torch.ops.tigon.cross_entropy_fwd_inplace,
                           (x.detach().clone(), t, torch.tensor(3.0, device=device), -100, 0.0, 0.0, 0.0, 2))
-    torch.library.opcheck(torch.ops.tigon.scale_grad_, (torch.randn(4, 20, device=device), torch.tensor(0.5)))
-    torch.library.opcheck(torch.ops.tigon.scale_grad_, (torch.randn(4, 20, device=device), torch.rand(4)))
+    g = torch.randn(4, 20, device=device)
+    torch.library.opcheck(torch.ops.tigon.scale_grad_, (g.clone(), torch.tensor(0.5, device=device)))
+    torch.library.opcheck(torch.ops.tigon.scale_grad_, (g.clone(), torch.rand(4, device=device)))
 
 
 def test_compile_aot_eager(device):

@@ -26,7 +26,10 @@ def _check(inputs, dtype, eps=1e-5, eager_fn=None):
     for name, a, b, c in zip(("dx", "dw", "db"), g_k, g_e, g_r, strict=True):
         if c is not None:
             assert a.dtype == b.dtype, f"{name}: dtype {a.dtype} != {b.dtype}"
-            assert_bound(f"layer_norm {name}", a, b, c, dtype)
+            # dx = rstd * (g - mean(g) - xhat * c1): at H=1 the exact value is 0 and one rounding of the
+            # bracket is multiplied by rstd <= 1/sqrt(eps)
+            floor = eps**-0.5 * float(go.abs().max()) if name == "dx" and inputs[0].shape[-1] == 1 else 0.0
+            assert_bound(f"layer_norm {name}", a, b, c, dtype, floor=floor)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -89,7 +92,7 @@ def test_fp32_params_with_bf16_input(device):
     xn = (x.detach().double() - x.detach().double().mean(-1, keepdim=True)) * torch.rsqrt(
         x.detach().double().var(-1, unbiased=False, keepdim=True) + 1e-5
     )
-    torch.testing.assert_close(b.grad.double(), torch.full((40,), 3.0, dtype=torch.float64))
+    torch.testing.assert_close(b.grad.double(), torch.full((40,), 3.0, dtype=torch.float64, device=device))
     torch.testing.assert_close(w.grad.double(), xn.sum(0), rtol=1e-5, atol=1e-5)
 
 

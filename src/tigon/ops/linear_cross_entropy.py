@@ -242,10 +242,10 @@ def _validate(op, hidden, weight, target, bias, accum_dtype):
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
         raise ValueError(f"{op}: weight must have shape (V, {hidden.shape[-1]}) with V >= 1, "
                          f"got {tuple(weight.shape)}")
-    _launch.check_same_device(op, "hidden", hidden, weight=weight, bias=bias)
     if bias is not None:
         _launch.check_tensor(op, "bias", bias)
         _launch.check_shape(op, "bias", bias, (weight.shape[0],))
+    _launch.check_same_device(op, "hidden", hidden, weight=weight, bias=bias)
     if accum_dtype not in (None, torch.float32, weight.dtype):
         raise ValueError(f"{op}: accum_dtype must be None, torch.float32 or weight.dtype, got {accum_dtype!r}")
 
