@@ -78,6 +78,9 @@ def _layer_norm_bwd_kernel(
         b_w = tl.load(W + o_h, mask=m_h, other=0.0).to(tl.float32)
     b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)
     b_db = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # 1/H rounded to nearest once, outside the row loop (exact at H = 1, where the GPU's approximate
+    # division left dx = rstd * (g - g') != 0)
+    inv_h = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.cast(H, tl.float32))
     for row in range(pid, M, n_prog):
         row = tl.cast(row, tl.int64)  # loop counters are int32 on GPU (python ints in the interpreter)
         b_x = tl.load(X + row * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
@@ -94,8 +97,8 @@ def _layer_norm_bwd_kernel(
         else:
             b_g = b_dy
         # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * w
-        b_c1 = tl.math.div_rn(tl.sum(b_g * b_xhat, axis=0), tl.cast(H, tl.float32))
-        b_c2 = tl.math.div_rn(tl.sum(b_g, axis=0), tl.cast(H, tl.float32))
+        b_c1 = tl.sum(b_g * b_xhat, axis=0) * inv_h
+        b_c2 = tl.sum(b_g, axis=0) * inv_h
         b_dx = b_rstd * (b_g - b_c2 - b_xhat * b_c1)
         tl.store(DX + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
     if COMPUTE_DW:

@@ -92,6 +92,7 @@ def _rms_norm_bwd_kernel(
     if HAS_WEIGHT:
         b_w = tl.load(W + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
     b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    inv_h = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.cast(H, tl.float32))  # once, round-to-nearest
     for row in range(pid, M, n_prog):
         row = tl.cast(row, tl.int64)  # loop counters are int32 on GPU (python ints in the interpreter)
         b_x = tl.load(X + row * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
@@ -108,7 +109,7 @@ def _rms_norm_bwd_kernel(
         else:
             b_dn = b_dy
         # dx = rstd * (dn - n * mean(dn * n))
-        b_dx = b_rstd * (b_dn - b_n * (tl.math.div_rn(tl.sum(b_dn * b_n, axis=0), tl.cast(H, tl.float32))))
+        b_dx = b_rstd * (b_dn - b_n * (tl.sum(b_dn * b_n, axis=0) * inv_h))
         if HAS_DS:
             b_dx += tl.load(DS + row * stride_ds + o_h, mask=m_h, other=0.0).to(tl.float32)
         tl.store(DX + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
