@@ -112,9 +112,12 @@ def _plot(off, on, path):
     a.plot(on["losses"], "--", label="Tigon on")
     a.set(xlabel="step", ylabel="loss", title="training loss")
     a.legend()
-    peaks = [off["peak_gib"] or 0, on["peak_gib"] or 0]
-    b.bar(["off", "on"], peaks, color=["tab:gray", "tab:orange"])
-    b.set(ylabel="GiB", title="peak GPU memory" if any(peaks) else "peak GPU memory (no GPU)")
+    if off["peak_gib"] is not None:
+        b.bar(["Tigon off", "Tigon on"], [off["peak_gib"], on["peak_gib"]], color=["tab:gray", "tab:orange"])
+        b.set(ylabel="GiB", title="peak GPU memory")
+    else:  # no GPU: no memory statistics; show the step time instead
+        b.bar(["Tigon off", "Tigon on"], [off["step_ms"], on["step_ms"]], color=["tab:gray", "tab:orange"])
+        b.set(ylabel="ms", title="step time (CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
