@@ -1,0 +1,79 @@
+"""PEFT, the Trainer callback and the Liger-compatible API on tiny models (kernels through the interpreter)."""
+
+import copy
+
+import pytest
+import torch
+
+import tigon
+from tests.hf._tiny import batch, tiny_model
+
+
+def _close(a, b, name, rtol=2e-4, atol=2e-5):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def test_peft_lora_with_lm_head_in_modules_to_save():
+    peft = pytest.importorskip("peft")
+    base = tiny_model("llama")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
+                          modules_to_save=["lm_head"], lora_dropout=0.0)
+    ref = peft.get_peft_model(base, cfg)
+    with torch.no_grad():  # LoRA B starts at zero: make the adapters matter
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.1)
+    model = copy.deepcopy(ref)
+    report = tigon.patch(model)
+    assert report.replaced["SwiGLUMLP LlamaMLP"] == 2
+    ids, labels = batch()
+    model.train(), ref.train()
+    out, out_ref = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    assert out.logits is None
+    _close(out.loss, out_ref.loss, "loss")
+    out.loss.backward(), out_ref.loss.backward()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert any("modules_to_save" in n for n, _ in trainable)
+    ref_params = dict(ref.named_parameters())
+    for n, p in trainable:
+        _close(p.grad, ref_params[n].grad, f"grad {n}", rtol=1e-3, atol=1e-5)
+
+
+def test_trainer_with_callback_matches_plain_trainer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tigon.hf.trainer import TigonCallback
+
+    ids, labels = batch(b=6, t=7)
+    data = [{"input_ids": ids[i], "labels": labels[i]} for i in range(6)]
+
+    def run(callbacks, out):
+        model = tiny_model("llama")
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
+            dataloader_num_workers=0,
+        )
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
+
+    callback = TigonCallback()
+    losses, model = run([callback], "tigon")
+    plain, _ = run([], "plain")
+    assert callback.report is not None and sum(callback.report.replaced.values()) > 0
+    assert type(model.model.norm).__name__ == "RMSNorm"
+    assert len(losses) == 3
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-4, atol=1e-5)
+
+
+def test_liger_compatible_api():
+    from tigon.compat import liger
+
+    model = tiny_model("qwen3")
+    report = liger.apply_liger_kernel_to_qwen3(model=model, rope=False)
+    assert type(model.model.norm).__name__ == "RMSNorm"
+    assert not any("apply_rotary_pos_emb" in k for k in report.replaced)
+    with pytest.raises(ValueError, match="cannot both"):
+        liger.apply_liger_kernel_to_llama(cross_entropy=True, fused_linear_cross_entropy=True)
+    tigon.unpatch(model)
+    assert type(model.model.norm).__name__ == "Qwen3RMSNorm"
