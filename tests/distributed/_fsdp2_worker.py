@@ -1,0 +1,81 @@
+"""One rank of the FSDP2 check, run by test_fsdp2_cpu.py as `python _fsdp2_worker.py OUT_DIR`.
+
+Environment (set by the test, like torchrun): RANK, WORLD_SIZE, TIGON_DIST_STORE (a FileStore path),
+TRITON_INTERPRET=1. Builds the tiny Llama, patches it with Tigon, shards it with FSDP2 on a gloo CPU mesh,
+runs forward with labels on this rank's half of the batch and backward, gathers every gradient, and rank 0
+saves {"loss", "grads", "counts"} to OUT_DIR/fsdp2.pt; then one AdamW step on the sharded parameters
+and a second forward, whose loss and gathered parameters are saved as "loss2" and "params".
+"""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before tigon or triton is imported: the kernels run on the CPU
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def main(out_dir: str) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.FileStore(os.environ["TIGON_DIST_STORE"], world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        run(out_dir, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(out_dir, rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import tigon
+    from tests.hf._tiny import batch, tiny_model
+    from tigon.ops import _library
+
+    torch.set_num_threads(1)  # two ranks on two cores
+    model = tiny_model("llama")
+    tigon.patch(model)
+    model.train()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model.lm_head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # The lm_head weight really is split: each rank holds V / world rows of it.
+    assert isinstance(model.lm_head.weight, DTensor)
+    assert model.lm_head.weight.to_local().shape[0] < model.config.vocab_size
+
+    ids, labels = batch(model.config.vocab_size, b=2 * world, t=7)
+    n_items = (labels[:, 1:] != -100).sum()  # over the whole batch: the per-rank losses sum to its loss
+    rows = slice(2 * rank, 2 * rank + 2)
+    _library.dispatch_counts.clear()
+    out = model(ids[rows], labels=labels[rows], num_items_in_batch=n_items)
+    assert out.logits is None, "the fused loss must not build logits"
+    # FSDP2 averages the gradients over ranks; the loss is a share of the global sum, so undo the mean.
+    (out.loss * world).backward()
+
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    grads = {}
+    for name, p in model.named_parameters():  # full_tensor() is a collective: every rank, same order
+        g = p.grad
+        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    counts = {f"{op}/{path}": n for (op, path), n in _library.dispatch_counts.items()}
+
+    # A second step: the optimizer updates the local shards, the next forward all-gathers them again.
+    torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6).step()
+    with torch.no_grad():
+        loss2 = model(ids[rows], labels=labels[rows], num_items_in_batch=n_items).loss.clone()
+    dist.all_reduce(loss2)
+    params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for name, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"loss": loss, "grads": grads, "counts": counts, "loss2": loss2, "params": params},
+                   os.path.join(out_dir, "fsdp2.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
