@@ -49,3 +49,22 @@ def grads(outputs, inputs, grad_outputs):
 
 def fp64_copy(*ts):
     return [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in ts]
+
+
+def run_without_host_sync_twice(run):
+    """GPU: run() once to compile, then under sync-debug "error" (any host sync raises), then again; returns
+    both results so the caller can check they are bitwise equal (determinism)."""
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return first, run()
+
+
+def assert_no_sync_and_deterministic(run):
+    first, second = run_without_host_sync_twice(run)
+    for a, c in zip(first, second, strict=True):
+        assert torch.equal(a, c)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests._grid import DTYPES, assert_bound, fp64_copy, grads, randn
+from tests._grid import DTYPES, assert_bound, assert_no_sync_and_deterministic, fp64_copy, grads, randn
 from tigon import ops
 from tigon.ops import reference
 
@@ -217,13 +217,4 @@ def test_no_host_sync_and_deterministic():
         y = ops.layer_norm(x, w, b)
         return (y, *grads(y, (x, w, b), go))
 
-    run()  # compile the kernels outside the sync check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        first = run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    second = run()
-    for a, c in zip(first, second, strict=True):
-        assert torch.equal(a, c)
+    assert_no_sync_and_deterministic(run)
