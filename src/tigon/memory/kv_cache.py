@@ -1,0 +1,247 @@
+"""RollingKVCache: a fixed ring-buffer KV cache for Hugging Face `generate` (transformers >= 5.17 Cache API).
+
+Each layer owns two preallocated `[batch, kv_heads, ring, head_dim]` buffers written in place. The token at
+absolute position p lives in slot `p` while p < sink_tokens (attention sinks, kept forever, StreamingLLM)
+and in slot `sink + (p - sink) % (ring - sink)` after that, so while the sequence fits slot == position and
+the cache is an exact full-attention cache; past the ring the oldest non-sink token is overwritten (a
+sliding window). Sliding-window layers (Mistral, Gemma-2's local layers) get `ring = min(capacity, window)`
+and no sinks: the window is all they may attend, which makes them exact past capacity too.
+
+Hugging Face builds the attention mask from `get_mask_sizes` as if key j sat at position `kv_offset + j`.
+The ring satisfies that contract in three cases, chosen by host integers that depend on shapes only:
+- fits (seen + q <= ring): slot == position; return the whole ring, mask sizes (ring, 0). Exact.
+- decode past the ring (q == 1): write one slot, return the whole ring in slot order with sizes
+  (ring, seen - ring + 1). HF's mask is then all-true (every slot is inside the window), and attention is
+  order-free, so slot order is harmless. Decode allocates nothing: the slot index is computed on the device
+  into a preallocated tensor, then `index_copy_` writes the new K/V only; no host sync.
+- a multi-token chunk past the ring (long prefill, chat continuation): return the cached tokens gathered in
+  position order followed by the chunk (a temporary, as HF's sliding layers do), sizes
+  (cached + q, seen - cached), then keep the chunk's survivors in the ring.
+Limits (see docs/memory/kv_cache.md): past the ring the 2-D padding mask is applied by position, not slot,
+so rows whose left padding is still inside the ring are not exact; chunked attention and linear-attention
+layers are refused; beam search reorders in place, other batch reshaping is refused.
+"""
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+_NAME = "RollingKVCache"
+_SUPPORTED = ("full_attention", "sliding_attention")
+
+
+def _resolve_dtype(dtype, config) -> torch.dtype:
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or torch.get_default_dtype()
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{_NAME}: dtype must be a floating torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def _positive_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{_NAME}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{_NAME}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+class RollingKVLayer(CacheLayerMixin):
+    """One layer's ring: `keys`/`values` `[batch, kv_heads, ring, head_dim]`, `positions` `[ring]` int64 on the
+    device (the absolute position held by each slot, -1 while empty)."""
+
+    is_compileable = True
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, *, layer_idx, batch_size, kv_heads, head_dim, ring, sink_tokens, sliding, dtype, device):
+        super().__init__()
+        self.layer_idx, self.batch_size, self.num_heads, self.head_dim = layer_idx, batch_size, kv_heads, head_dim
+        self.ring, self.sink, self.is_sliding = ring, sink_tokens, sliding
+        self.recent = ring - sink_tokens  # slots that roll; the first `sink` slots never move
+        self.dtype, self.device = dtype, device
+        shape = (batch_size, kv_heads, ring, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.positions = torch.full((ring,), -1, dtype=torch.int64, device=device)
+        # The next absolute position on the device, and the decode step's slot: both updated in place.
+        self._next = torch.zeros((1,), dtype=torch.int64, device=device)
+        self._slot = torch.zeros((1,), dtype=torch.int64, device=device)
+        self.seen = 0  # the same count on the host, derived from shapes only (no sync): drives the branches
+        self.is_initialized = True
+        if not torch.compiler.is_compiling():
+            for t in (self.keys, self.values, self.positions, self._next, self._slot):
+                torch._dynamo.mark_static_address(t)
+
+    def __repr__(self):
+        kind = "sliding" if self.is_sliding else "full"
+        return f"RollingKVLayer({kind}, ring={self.ring}, sink={self.sink}, seen={self.seen})"
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # preallocated in __init__
+        return None
+
+    def _slots_of(self, p: torch.Tensor) -> torch.Tensor:
+        """Slot of each absolute position: p below the sinks, else sink + (p - sink) % recent."""
+        laps = torch.div(p - self.sink, self.recent, rounding_mode="floor").clamp_(min=0)
+        return p - laps * self.recent
+
+    def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{_NAME}.update: {name} must be a 4-D [batch, kv_heads, seq, head_dim] tensor, "
+                                 f"got {getattr(t, 'shape', type(t).__name__)}")
+            b, h, _, d = t.shape
+            if b > self.batch_size:
+                raise ValueError(f"{_NAME}.update: {name} batch {b} is larger than the cache's batch_size "
+                                 f"{self.batch_size}")
+            if h != self.num_heads or d != self.head_dim:
+                raise ValueError(
+                    f"{_NAME}.update: {name} of layer {self.layer_idx} has kv_heads={h}, head_dim={d}, but the "
+                    f"cache was built for kv_heads={self.num_heads}, head_dim={self.head_dim}: a config of "
+                    "another model?")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{_NAME}.update: {name} dtype {t.dtype} does not match the cache dtype "
+                                f"{self.dtype} (pass dtype= to {_NAME})")
+            if t.device != self.device:
+                raise ValueError(f"{_NAME}.update: {name} is on {t.device}, the cache on {self.device} "
+                                 f"(pass device= to {_NAME})")
+        if key_states.shape != value_states.shape:
+            raise ValueError(f"{_NAME}.update: key_states {tuple(key_states.shape)} and value_states "
+                             f"{tuple(value_states.shape)} differ")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self._check(key_states, value_states)
+        b, q = key_states.shape[0], key_states.shape[2]
+        keys, values = (self.keys, self.values) if b == self.batch_size else (self.keys[:b], self.values[:b])
+        seen, self.seen = self.seen, self.seen + q
+        if q == 1:
+            # Decode: the slot on the device into a preallocated tensor, then one column written; no
+            # allocation, no host sync, the same code whether or not the ring has wrapped.
+            torch.sub(self._next, self.sink, out=self._slot)
+            self._slot.div_(self.recent, rounding_mode="floor").clamp_(min=0).mul_(-self.recent).add_(self._next)
+            keys.index_copy_(2, self._slot, key_states)
+            values.index_copy_(2, self._slot, value_states)
+            self.positions.index_copy_(0, self._slot, self._next)
+            self._next.add_(1)
+            return keys, values
+        if seen + q <= self.ring:
+            # Fits: slot == position, a plain strided copy.
+            keys[:, :, seen:seen + q].copy_(key_states)
+            values[:, :, seen:seen + q].copy_(value_states)
+            self.positions[seen:seen + q].copy_(self._next + torch.arange(q, device=self.device))
+            self._next.add_(q)
+            return keys, values
+        # A chunk that overflows: attention needs the cached tokens (position order) and the whole chunk.
+        dev = self.device
+        old = torch.cat((torch.arange(min(self.sink, seen), device=dev),
+                         torch.arange(max(self.sink, seen - self.recent), seen, device=dev)))
+        old_slots = self._slots_of(old)
+        full_k = torch.cat((keys.index_select(2, old_slots), key_states), dim=2)
+        full_v = torch.cat((values.index_select(2, old_slots), value_states), dim=2)
+        # Survivors of the chunk: its sink positions and its last `recent` positions (distinct slots).
+        keep = torch.cat((torch.arange(seen, min(self.sink, seen + q), device=dev),
+                          torch.arange(max(self.sink, seen, seen + q - self.recent), seen + q, device=dev)))
+        slots = self._slots_of(keep)
+        keys.index_copy_(2, slots, key_states.index_select(2, keep - seen))
+        values.index_copy_(2, slots, value_states.index_select(2, keep - seen))
+        self.positions.index_copy_(0, slots, keep)
+        self._next.add_(q)
+        return full_k, full_v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of what `update` returns for a chunk of `query_length` tokens."""
+        seen = self.seen
+        if seen + query_length <= self.ring:
+            return self.ring, 0
+        if query_length == 1:
+            return self.ring, seen - self.ring + 1
+        cached = min(seen, self.ring)
+        return cached + query_length, seen - cached
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return self.ring
+
+    def reset(self) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+        self.positions.fill_(-1)
+        self._next.zero_()
+        self.seen = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: gather rows, then copy back in place (the ring keeps its storage)."""
+        b = beam_idx.shape[0]
+        for buf in (self.keys, self.values):
+            buf[:b].copy_(buf[:b].index_select(0, beam_idx.to(buf.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(f"{_NAME}: crop (assisted decoding rollback) is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(f"{_NAME}: the batch is fixed at construction; build it with the final batch_size")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError(f"{_NAME}: the batch is fixed at construction; build it with the final batch_size")
+
+    def offload(self):
+        raise NotImplementedError(f"{_NAME}: offloading would move the ring; it stays on its device")
+
+    def prefetch(self):
+        return None
+
+
+class RollingKVCache(Cache):
+    """A ring-buffer KV cache: `model.generate(ids, past_key_values=RollingKVCache(model.config, batch_size=B,
+    capacity=C))`.
+
+    Per layer two `[batch_size, kv_heads, ring, head_dim]` buffers of `dtype` on `device`, allocated once,
+    where `ring = capacity` for full-attention layers and `min(capacity, sliding_window)` for sliding ones;
+    total K/V bytes = sum over layers of `2 * batch_size * kv_heads * ring * head_dim * itemsize`. The first
+    `sink_tokens` positions stay forever in full-attention layers (StreamingLLM); `0 <= sink_tokens <
+    capacity`. `dtype` defaults to `config.dtype` (else torch's default), `device` to the default device.
+    Exact full attention while the sequence fits; past capacity a sliding window of the most recent tokens
+    (exact for models trained with that window, e.g. Mistral with capacity == sliding_window).
+    """
+
+    def __init__(self, config, *, batch_size: int, capacity: int, sink_tokens: int = 0, dtype=None, device=None):
+        batch_size = _positive_int("batch_size", batch_size, 1)
+        capacity = _positive_int("capacity", capacity, 1)
+        sink_tokens = _positive_int("sink_tokens", sink_tokens, 0)
+        if sink_tokens >= capacity:
+            raise ValueError(f"{_NAME}: sink_tokens ({sink_tokens}) must be smaller than capacity ({capacity}), "
+                             "or nothing would roll")
+        if not hasattr(config, "get_text_config"):
+            raise TypeError(f"{_NAME}: config must be a transformers PreTrainedConfig, got {type(config).__name__}")
+        text = config.get_text_config(decoder=True)
+        dtype = _resolve_dtype(dtype, text)
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        layer_types, kwargs = get_layer_types_and_kwargs(text)
+        bad = sorted(set(layer_types) - set(_SUPPORTED))
+        if bad:
+            raise ValueError(f"{_NAME}: config: layer types {bad} are not supported (only {list(_SUPPORTED)})")
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        window = kwargs.get("sliding_window")
+        layers = []
+        for i, kind in enumerate(layer_types):
+            sliding = kind == "sliding_attention"
+            layers.append(RollingKVLayer(
+                layer_idx=i, batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim,
+                ring=min(capacity, window) if sliding else capacity, sink_tokens=0 if sliding else sink_tokens,
+                sliding=sliding, dtype=dtype, device=device))
+        super().__init__(layers=layers)
+        self.capacity, self.sink_tokens, self.dtype, self.device = capacity, sink_tokens, dtype, device
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"{_NAME}.update: layer_idx {layer_idx} is out of range: the cache was built for "
+                             f"{len(self.layers)} layers (a config of another model?)")
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def nbytes(self) -> int:
+        """Bytes of K/V storage (fixed at construction)."""
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
