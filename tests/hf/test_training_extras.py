@@ -1,0 +1,159 @@
+"""Training set-ups beyond the plain forward: gradient checkpointing, TRL's SFTTrainer, the cross_entropy-only
+patch (logits kept, loss through tigon.ops.cross_entropy) and the no-GPU fallback to the reference ops.
+
+Every comparison computes the unpatched run first: an instance patch swaps `apply_rotary_pos_emb` module-wide,
+so an "unpatched" model run while another instance is patched would use Tigon's RoPE too.
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import tigon
+from tests.hf._tiny import batch, tiny_model
+from tigon.ops import _library, dispatch_counts
+
+
+def _close(a, b, name, rtol=2e-4, atol=2e-5):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def _loss_and_grads(model, ids, labels, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=labels, **kwargs)
+    out.loss.backward()
+    return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_grads(grads, grads_ref):
+    assert grads.keys() == grads_ref.keys()
+    for n, g in grads.items():
+        _close(g, grads_ref[n], f"grad {n}", rtol=1e-3, atol=1e-5)
+
+
+def test_gradient_checkpointing_matches_unpatched_checkpointing():
+    ref = tiny_model("llama")
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    ids, labels = batch()
+    out_ref, grads_ref = _loss_and_grads(ref, ids, labels)
+    tigon.patch(model)
+    try:
+        dispatch_counts.clear()
+        out = model(ids, labels=labels)
+        forward = dict(dispatch_counts)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert out.logits is None
+        _close(out.loss, out_ref.loss, "loss")
+        _check_grads(grads, grads_ref)
+        # Backward re-ran each checkpointed layer through the kernels: every MLP and RoPE call once more (a
+        # checkpoint that did nothing would leave the counts as the forward left them).
+        for op in ("swiglu", "apply_rope"):
+            assert dispatch_counts[(op, "triton")] == 2 * forward[(op, "triton")] == 2 * 2, op
+        assert dispatch_counts[("linear_cross_entropy", "triton")] == 1
+    finally:
+        tigon.unpatch(model)
+
+
+def test_cross_entropy_patch_keeps_logits_and_matches_hf_loss():
+    ref = tiny_model("llama")
+    model = copy.deepcopy(ref)
+    ref.train(), model.train()
+    ids, labels = batch()
+    n_items = (labels[:, 1:] != -100).sum()
+    out_ref, grads_ref = _loss_and_grads(ref, ids, labels)
+    loss_n_ref = ref(ids, labels=labels, num_items_in_batch=n_items).loss
+    report = tigon.patch(model, cross_entropy=True, fused_linear_cross_entropy=False)
+    try:
+        assert report.replaced["loss_function (cross_entropy)"] == 1
+        assert not any("fused loss" in piece for piece in report.replaced)
+        dispatch_counts.clear()
+        out, grads = _loss_and_grads(model, ids, labels)
+        assert dispatch_counts[("cross_entropy", "triton")] == 1
+        assert dispatch_counts[("linear_cross_entropy", "triton")] == 0
+        assert out.logits is not None and out.logits.shape == out_ref.logits.shape
+        _close(out.logits, out_ref.logits, "logits")
+        _close(out.loss, out_ref.loss, "loss")
+        _check_grads(grads, grads_ref)
+        # gradient accumulation's sum / num_items_in_batch path of causal_lm_loss
+        _close(model(ids, labels=labels, num_items_in_batch=n_items).loss, loss_n_ref, "loss / num_items_in_batch")
+    finally:
+        tigon.unpatch(model)
+    assert "_loss_function" not in model.__dict__
+
+
+def test_kernels_off_falls_back_to_the_reference_ops(monkeypatch, caplog):
+    monkeypatch.setattr(_library, "interpreter_on", lambda: False)  # CPU without TRITON_INTERPRET
+    monkeypatch.setattr(_library, "_warned_reference", False)
+    ref = tiny_model("llama")
+    model = copy.deepcopy(ref)
+    ref.train(), model.train()
+    ids, labels = batch()
+    out_ref, grads_ref = _loss_and_grads(ref, ids, labels)
+    tigon.patch(model)
+    try:
+        dispatch_counts.clear()
+        with caplog.at_level(logging.WARNING, logger="tigon"):
+            out, grads = _loss_and_grads(model, ids, labels)
+            model(ids, labels=labels)  # a second call: the warning is one-time
+        _close(out.loss, out_ref.loss, "loss")
+        _check_grads(grads, grads_ref)
+        model.eval(), ref.eval()
+        with torch.no_grad():
+            _close(model(ids).logits, ref(ids).logits, "eval logits")
+        for op in ("rms_norm", "swiglu", "apply_rope", "linear_cross_entropy"):
+            assert dispatch_counts[(op, "reference")] > 0, op
+            assert dispatch_counts[(op, "triton")] == 0, op
+        warnings = [r for r in caplog.records if r.name == "tigon" and "kernels are off" in r.getMessage()]
+        assert len(warnings) == 1 and "TRITON_INTERPRET=1" in warnings[0].getMessage()
+    finally:
+        tigon.unpatch(model)
+
+
+def _word_level_tokenizer(vocab_size):
+    """A tokenizer built in memory (no download): SFTTrainer needs one only for the pad and eos ids."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t2")),
+                                   pad_token="t0", eos_token="t1", unk_token="t2")
+
+
+def test_trl_sft_trainer_matches_unpatched(tmp_path):
+    trl = pytest.importorskip("trl", minversion="1.0")
+    datasets = pytest.importorskip("datasets")
+
+    ids, _ = batch(b=6, t=9, seed=3)
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist()})  # pre-tokenized: SFTTrainer skips tokenizing
+    tokenizer = _word_level_tokenizer(131)
+
+    def run(patched, out):
+        model = tiny_model("llama")
+        if patched:
+            tigon.patch(model)
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path / out), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
+            dataloader_num_workers=0, bf16=False, gradient_checkpointing=False, disable_tqdm=True,
+        )
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
+
+    plain, _ = run(False, "plain")
+    dispatch_counts.clear()
+    losses, model = run(True, "tigon")
+    try:
+        # The backbone ran the kernels. The loss itself comes from TRL's own fused LM head (SFTTrainer installs
+        # it on model.forward and calls it with fused_lm_head=True), so linear_cross_entropy is not asserted.
+        assert dispatch_counts[("rms_norm", "triton")] > 0 and dispatch_counts[("swiglu", "triton")] > 0
+        assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-4, atol=1e-5)
+    finally:
+        tigon.unpatch(model)
