@@ -1,0 +1,355 @@
+"""Decode attention over a ring-buffer KV cache, read in place: flash-decoding in two Triton kernels.
+
+One new query token per sequence attends to the keys of a fixed-capacity cache whose slots hold arbitrary
+absolute positions (a ring written at `pos % C`, attention-sink slots, empty slots). Nothing is gathered
+or reordered: each slot's position decides whether it is attended. Forward only (inference).
+
+Layout contract (what `tigon.memory.RollingKVCache`, or any cache, hands over):
+- `k_cache`, `v_cache`: `[B, Hkv, C, D]`, C = capacity slots, any strides (unit stride on D is fastest);
+- `slot_pos`: int64 `[B, C]` (or `[C]`, shared by the batch), the absolute position stored in each slot,
+  -1 for an empty slot;
+- `q_pos`: int64 `[B]`, the absolute position of the query token; on the device, never read by the host.
+Slot s is attended iff `0 <= slot_pos[s] <= q_pos` and, with a sliding window w, `q_pos - slot_pos[s] < w`.
+The caller writes the current token's key/value into the cache first, so at least one slot is attended;
+a row with no attended slot comes out NaN (softmax over nothing), as in the reference.
+
+Kernel 1 splits the C slots over `n_splits` programs per (sequence, kv head); each program loads the
+Hq/Hkv query heads that share the kv head as one tile (K and V are read once per kv head), runs an online
+softmax over its slots and writes (max, sum, unnormalized output) in fp32. Kernel 2 merges the splits.
+The math and the byte model are in docs/ops/decode_attention.md.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch, _library
+
+# Launch settings; None picks from the shapes. The GPU values are first guesses, to be swept on an H200.
+_N_SPLITS = None  # splits of the cache length per (sequence, kv head); tests force it
+_BLOCK_N = None  # slots per loop step: 64 for D <= 128 on GPU (16 on the interpreter, to run several steps)
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+_SPLITS_PER_SM = 2  # target programs per SM for kernel 1
+_MIN_SPLIT_SLOTS = 256  # a split reads >= 256 slots (128 KiB of bf16 K+V at D = 128): amortizes the merge
+_MAX_SPLITS = 64
+_MAX_GROUP_BLOCK = 64  # query heads per program; a larger GQA group is split over programs
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _decode_attention_split_kernel(
+    Q,  # [B, Hq, 1, D] query
+    K,  # [B, Hkv, C, D] key cache
+    V,  # [B, Hkv, C, D] value cache
+    SLOT_POS,  # [B, C] (stride_sb = 0 for a shared [C]) int64 absolute position per slot, -1 empty
+    Q_POS,  # [B] int64 absolute position of the query
+    OUT,  # [B, Hq, 1, D] output, written here when ONE_SPLIT
+    M_PART,  # [B * Hq, n_splits] fp32 running max per split (when not ONE_SPLIT)
+    L_PART,  # [B * Hq, n_splits] fp32 softmax denominator per split
+    ACC_PART,  # [B * Hq, n_splits, D] fp32 unnormalized output per split
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_sb, stride_sc,
+    stride_qp,
+    stride_ob, stride_oh,
+    Hq,  # query heads
+    Hkv,  # kv heads
+    G,  # Hq // Hkv, query heads per kv head
+    C,  # cache slots
+    D,  # head dim
+    chunk,  # slots per split, a multiple of BLOCK_N
+    n_splits,
+    n_gblk,  # programs per kv head along the query group (1 unless G > _MAX_GROUP_BLOCK)
+    scale,  # runtime float: 1/sqrt(D) or the model's
+    window,  # sliding window (read when HAS_WINDOW)
+    softcap,  # logit softcap (read when HAS_SOFTCAP)
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter: fp32 dots (its bf16/fp16 arithmetic is wrong); GPU: native dots
+    SPLIT_P: tl.constexpr,  # 16-bit inputs: p = p_hi + p_lo in the input dtype, two dots (p to ~2^-16)
+    DOT_PRECISION: tl.constexpr,  # fp32 inputs: "tf32x3" (about fp32 accuracy on tensor cores)
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
+    gblk = pid % n_gblk
+    hk = (pid // n_gblk) % Hkv
+    b = pid // (n_gblk * Hkv)
+
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, BLOCK_D)
+    o_n = tl.arange(0, BLOCK_N)
+    g = gblk * BLOCK_G + o_g
+    m_g = g < G
+    m_d = o_d < D
+    o_hq = hk * G + g  # int64: query head of each tile row
+
+    p_q = Q + b * stride_qb + o_hq[:, None] * stride_qh + o_d[None, :] * stride_qd
+    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
+    if UPCAST:
+        b_q = b_q.to(tl.float32)
+    qp = tl.load(Q_POS + b * stride_qp)
+    sc = tl.cast(scale, tl.float32)
+    cap = tl.cast(softcap, tl.float32)
+
+    b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    p_k0 = K + b * stride_kb + hk * stride_kh + o_d[None, :] * stride_kd
+    p_v0 = V + b * stride_vb + hk * stride_vh + o_d[None, :] * stride_vd
+    split_start = pid_s * chunk
+    split_end = tl.minimum(split_start + chunk, C)
+    for start in range(split_start, split_end, BLOCK_N):
+        o_c = tl.cast(start, tl.int64) + o_n  # slot index, int64 before it meets the strides
+        m_c = o_c < split_end
+        sp = tl.load(SLOT_POS + b * stride_sb + o_c * stride_sc, mask=m_c, other=-1)
+        m_s = m_c & (sp >= 0) & (sp <= qp)
+        if HAS_WINDOW:
+            m_s = m_s & (qp - sp < window)
+        # Masked slots are not read: an empty or out-of-window slot costs no K/V bytes (whole masked
+        # rows of a tile skip their memory transactions).
+        m_kv = m_s[:, None] & m_d[None, :]
+        b_k = tl.load(p_k0 + o_c[:, None] * stride_kc, mask=m_kv, other=0.0)
+        b_v = tl.load(p_v0 + o_c[:, None] * stride_vc, mask=m_kv, other=0.0)
+        if UPCAST:
+            b_k = b_k.to(tl.float32)
+            b_v = b_v.to(tl.float32)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * sc  # [BLOCK_G, BLOCK_N]
+        if HAS_SOFTCAP:
+            # cap * tanh(s / cap), tanh(u) = 2 sigmoid(2u) - 1 (no libdevice): abs error ~cap * 2^-24
+            b_s = cap * (2.0 * tl.sigmoid(2.0 * b_s / cap) - 1.0)
+        b_s = tl.where(m_s[None, :], b_s, float("-inf"))
+        b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
+        # A row with nothing attended yet keeps max -inf; subtracting 0 instead avoids -inf - -inf = NaN.
+        b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+        b_alpha = tl.exp(b_m - b_ms)
+        b_p = tl.exp(b_s - b_ms[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * b_alpha[:, None]
+        if SPLIT_P:
+            # p rounded once to bf16 would cost 2^-9 relative per weight (torch's own bf16 SDPA error);
+            # hi + lo keeps ~16 bits for one more [G, N] x [N, D] dot, free in a memory-bound loop.
+            b_ph = b_p.to(V.dtype.element_ty)
+            b_pl = (b_p - b_ph.to(tl.float32)).to(V.dtype.element_ty)
+            if UPCAST:
+                b_ph = b_ph.to(tl.float32)
+                b_pl = b_pl.to(tl.float32)
+            b_acc = tl.dot(b_ph, b_v, b_acc, input_precision=DOT_PRECISION)
+            b_acc = tl.dot(b_pl, b_v, b_acc, input_precision=DOT_PRECISION)
+        else:
+            b_acc = tl.dot(b_p, b_v, b_acc, input_precision=DOT_PRECISION)
+        b_m = b_mn
+
+    m_gd = m_g[:, None] & m_d[None, :]
+    if ONE_SPLIT:
+        # nothing attended: l = 0 and acc = 0 give NaN, as the reference's softmax over no keys
+        b_o = b_acc / b_l[:, None]
+        p_o = OUT + b * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
+        tl.store(p_o, b_o.to(OUT.dtype.element_ty), mask=m_gd)
+    else:
+        o_row = b * Hq + o_hq  # [BLOCK_G] row of the [B * Hq, n_splits] partials
+        tl.store(M_PART + o_row * n_splits + pid_s, b_m, mask=m_g)
+        tl.store(L_PART + o_row * n_splits + pid_s, b_l, mask=m_g)
+        p_a = ACC_PART + (o_row[:, None] * n_splits + pid_s) * D + o_d[None, :]
+        tl.store(p_a, b_acc, mask=m_gd)
+
+
+@triton.jit
+def _decode_attention_merge_kernel(
+    M_PART,  # [B * Hq, n_splits] fp32
+    L_PART,  # [B * Hq, n_splits] fp32
+    ACC_PART,  # [B * Hq, n_splits, D] fp32
+    OUT,  # [B, Hq, 1, D]
+    stride_ob, stride_oh,
+    Hq,
+    D,
+    n_splits,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // Hq
+    hq = row % Hq
+    o_s = tl.arange(0, BLOCK_S)
+    o_d = tl.arange(0, BLOCK_D)
+    m_s = o_s < n_splits
+    m_d = o_d < D
+    b_m = tl.load(M_PART + row * n_splits + o_s, mask=m_s, other=float("-inf"))
+    b_l = tl.load(L_PART + row * n_splits + o_s, mask=m_s, other=0.0)
+    p_a = ACC_PART + (row * n_splits + o_s[:, None]) * D + o_d[None, :]
+    b_a = tl.load(p_a, mask=m_s[:, None] & m_d[None, :], other=0.0)
+    b_mx = tl.max(b_m, axis=0)
+    b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)  # no split attended anything: 0 / 0 = NaN below
+    b_w = tl.exp(b_m - b_mx)  # splits that attended nothing (max -inf) weigh 0
+    b_o = tl.sum(b_w[:, None] * b_a, axis=0) / tl.sum(b_w * b_l, axis=0)
+    tl.store(OUT + b * stride_ob + hq * stride_oh + o_d, b_o.to(OUT.dtype.element_ty), mask=m_d)
+
+
+def _block_n(device, d_block: int) -> int:
+    if _BLOCK_N is not None:
+        return _BLOCK_N
+    if device.type != "cuda":
+        return 16
+    return 64 if d_block <= 128 else 32  # [64, 128] bf16 K and V tiles: 32 KiB in flight per stage
+
+
+def _num_splits(device, C: int, programs: int, block_n: int) -> int:
+    if _N_SPLITS is not None:
+        n = _N_SPLITS
+    elif device.type == "cuda":
+        target = _launch.sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        n = min(triton.cdiv(target * _SPLITS_PER_SM, programs), triton.cdiv(C, _MIN_SPLIT_SLOTS), _MAX_SPLITS)
+    else:
+        n = 2  # the interpreter pays ~1 ms per program
+    return max(1, min(n, triton.cdiv(C, block_n)))
+
+
+def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap):
+    B, Hq, _, D = q.shape
+    Hkv, C = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    out = torch.empty((B, Hq, 1, D), dtype=q.dtype, device=q.device)
+    if B == 0 or Hq == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs every dim >= 16
+    block_g = min(max(16, triton.next_power_of_2(G)), _MAX_GROUP_BLOCK)
+    n_gblk = triton.cdiv(G, block_g)
+    block_n = _block_n(q.device, block_d)
+    n_splits = _num_splits(q.device, C, B * Hkv * n_gblk, block_n)
+    chunk = triton.cdiv(triton.cdiv(C, n_splits), block_n) * block_n
+    n_splits = triton.cdiv(C, chunk)  # no split without slots
+    one = n_splits == 1
+    if one:
+        m_part = l_part = acc_part = out
+    else:
+        m_part = torch.empty((B * Hq, n_splits), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((B * Hq, n_splits), dtype=torch.float32, device=q.device)
+        acc_part = torch.empty((B * Hq, n_splits, D), dtype=torch.float32, device=q.device)
+    interp = q.device.type != "cuda"
+    shared_pos = slot_pos.dim() == 1
+    _decode_attention_split_kernel[(B * Hkv * n_gblk, n_splits)](
+        q, k_cache, v_cache, slot_pos, q_pos, out, m_part, l_part, acc_part,
+        q.stride(0), q.stride(1), q.stride(3),
+        *k_cache.stride(), *v_cache.stride(),
+        0 if shared_pos else slot_pos.stride(0), slot_pos.stride(-1),
+        q_pos.stride(0),
+        out.stride(0), out.stride(1),
+        Hq, Hkv, G, C, D, chunk, n_splits, n_gblk, scale, window if window else 0, softcap if softcap else 1.0,
+        HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), ONE_SPLIT=one,
+        UPCAST=interp, SPLIT_P=q.dtype != torch.float32, DOT_PRECISION="ieee" if interp else "tf32x3",
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
+    if not one:
+        _decode_attention_merge_kernel[(B * Hq,)](
+            m_part, l_part, acc_part, out, out.stride(0), out.stride(1), Hq, D, n_splits,
+            BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d, num_warps=_NUM_WARPS,
+        )
+    return out
+
+
+@torch.library.custom_op("tigon::decode_attention", mutates_args=())
+def decode_attention_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pos: torch.Tensor, q_pos: torch.Tensor,
+    scale: float, sliding_window: int, softcap: float,
+) -> torch.Tensor:
+    """q [B, Hq, 1, D], caches [B, Hkv, C, D], slot_pos int64 [B, C] or [C], q_pos int64 [B];
+    sliding_window 0 and softcap 0.0 mean none. Returns [B, Hq, 1, D] in q.dtype (contiguous)."""
+    return _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap)
+
+
+@decode_attention_op.register_fake
+def _(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap):
+    return q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3]))
+
+
+def decode_attention_reference(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, sliding_window=None,
+                               softcap=None):
+    """The spec, in fp32 (fp64 for fp64 inputs): softmax over the attended slots, one cast at the end."""
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, Hq, _, D = q.shape
+    Hkv, C = k_cache.shape[1], k_cache.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qf = q.to(ct).reshape(B, Hkv, Hq // Hkv, D)
+    s = torch.einsum("bhgd,bhcd->bhgc", qf, k_cache.to(ct)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    sp = slot_pos.expand(B, C)
+    qp = q_pos.view(B, 1)
+    allowed = (sp >= 0) & (sp <= qp)
+    if sliding_window:
+        allowed = allowed & (qp - sp < sliding_window)
+    s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)  # a row with nothing allowed is NaN
+    out = torch.einsum("bhgc,bhcd->bhgd", p, v_cache.to(ct))
+    return out.reshape(B, Hq, 1, D).to(q.dtype)
+
+
+def _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap):
+    op = "decode_attention"
+    _launch.check_tensor(op, "q", q)
+    _launch.check_tensor(op, "k_cache", k_cache)
+    _launch.check_tensor(op, "v_cache", v_cache)
+    _launch.check_tensor(op, "slot_pos", slot_pos, floating=False)
+    _launch.check_tensor(op, "q_pos", q_pos, floating=False)
+    if q.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"{op}: q must have shape [B, Hq, 1, D], got {tuple(q.shape)}")
+    B, Hq, _, D = q.shape
+    if k_cache.dim() != 4 or k_cache.shape[0] != B or k_cache.shape[3] != D:
+        raise ValueError(f"{op}: k_cache must have shape [B={B}, Hkv, C, D={D}], got {tuple(k_cache.shape)}")
+    _launch.check_shape(op, "v_cache", v_cache, k_cache.shape)
+    _launch.check_same_dtype(op, "q", q, k_cache=k_cache, v_cache=v_cache)
+    _launch.check_same_device(op, "q", q, k_cache=k_cache, v_cache=v_cache, slot_pos=slot_pos, q_pos=q_pos)
+    Hkv, C = k_cache.shape[1], k_cache.shape[2]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"{op}: q heads ({Hq}) must be a multiple of k_cache heads ({Hkv})")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head dim D = {D} must be in [1, {MAX_HEAD_DIM}]")
+    if C == 0:
+        raise ValueError(f"{op}: k_cache has no slots (C = 0)")
+    if slot_pos.dtype != torch.int64:
+        raise TypeError(f"{op}: slot_pos must be int64, got {slot_pos.dtype}")
+    if tuple(slot_pos.shape) not in ((B, C), (C,)):
+        raise ValueError(f"{op}: slot_pos must have shape ({B}, {C}) or ({C},), got {tuple(slot_pos.shape)}")
+    if q_pos.dtype != torch.int64:
+        raise TypeError(f"{op}: q_pos must be int64, got {q_pos.dtype}")
+    _launch.check_shape(op, "q_pos", q_pos, (B,))
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"{op}: sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"{op}: softcap must be a finite number > 0 or None, got {softcap!r}")
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        raise RuntimeError(f"{op}: inference only, no backward; call it under torch.no_grad() or on detached "
+                           "tensors")
+    return float(scale), int(sliding_window or 0), float(softcap or 0.0)
+
+
+def decode_attention(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, sliding_window=None, softcap=None):
+    """One decode step of attention over a ring-buffer KV cache read in place (layout: the module docstring).
+
+    q [B, Hq, 1, D], k_cache / v_cache [B, Hkv, C, D] in q's dtype (fp32/fp16/bf16), Hq a multiple of Hkv,
+    D <= 256; slot_pos int64 [B, C] or [C] (-1 = empty), q_pos int64 [B]. scale defaults to 1/sqrt(D);
+    sliding_window w keeps q_pos - pos < w; softcap c applies c * tanh(s / c) to the scaled scores (Gemma-2).
+    Returns [B, Hq, 1, D] in q's dtype. No autograd; no host sync.
+    """
+    scale, window, softcap = _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap)
+    if not _library.use_kernels("decode_attention", q):
+        return decode_attention_reference(q, k_cache, v_cache, slot_pos, q_pos, scale=scale,
+                                          sliding_window=window, softcap=softcap)
+    if torch.compiler.is_compiling():
+        return torch.ops.tigon.decode_attention(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap)
+    # Eager: the launcher directly; the custom-op dispatcher's host time (~10 us) is the size of the whole
+    # kernel at small decode shapes.
+    return _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap)
