@@ -68,10 +68,14 @@ class RollingKVLayer(CacheLayerMixin):
         # The next absolute position on the device, and the decode step's slot: both updated in place.
         self._next = torch.zeros((1,), dtype=torch.int64, device=device)
         self._slot = torch.zeros((1,), dtype=torch.int64, device=device)
+        # The decode step's constants as device tensors: a Python scalar operand would be wrapped in a fresh
+        # 8-byte tensor per op (4 host allocations per step, seen with the profiler).
+        consts = torch.tensor([sink_tokens, self.recent, -self.recent, 1], dtype=torch.int64, device=device)
+        self._sink_t, self._recent_t, self._neg_recent_t, self._one_t = consts.split(1)
         self.seen = 0  # the same count on the host, derived from shapes only (no sync): drives the branches
         self.is_initialized = True
         if not torch.compiler.is_compiling():
-            for t in (self.keys, self.values, self.positions, self._next, self._slot):
+            for t in (self.keys, self.values, self.positions, self._next, self._slot, consts):
                 torch._dynamo.mark_static_address(t)
 
     def __repr__(self):
@@ -118,12 +122,13 @@ class RollingKVLayer(CacheLayerMixin):
         if q == 1:
             # Decode: the slot on the device into a preallocated tensor, then one column written; no
             # allocation, no host sync, the same code whether or not the ring has wrapped.
-            torch.sub(self._next, self.sink, out=self._slot)
-            self._slot.div_(self.recent, rounding_mode="floor").clamp_(min=0).mul_(-self.recent).add_(self._next)
+            torch.sub(self._next, self._sink_t, out=self._slot)
+            self._slot.div_(self._recent_t, rounding_mode="floor").clamp_(min=0)
+            self._slot.mul_(self._neg_recent_t).add_(self._next)
             keys.index_copy_(2, self._slot, key_states)
             values.index_copy_(2, self._slot, value_states)
             self.positions.index_copy_(0, self._slot, self._next)
-            self._next.add_(1)
+            self._next.add_(self._one_t)
             return keys, values
         if seen + q <= self.ring:
             # Fits: slot == position, a plain strided copy.
@@ -135,12 +140,12 @@ class RollingKVLayer(CacheLayerMixin):
         # A chunk that overflows: attention needs the cached tokens (position order) and the whole chunk.
         dev = self.device
         old = torch.cat((torch.arange(min(self.sink, seen), device=dev),
-                         torch.arange(max(self.sink, seen - self.recent), seen, device=dev)))
+                         torch.arange(min(seen, max(self.sink, seen - self.recent)), seen, device=dev)))
         old_slots = self._slots_of(old)
         full_k = torch.cat((keys.index_select(2, old_slots), key_states), dim=2)
         full_v = torch.cat((values.index_select(2, old_slots), value_states), dim=2)
         # Survivors of the chunk: its sink positions and its last `recent` positions (distinct slots).
-        keep = torch.cat((torch.arange(seen, min(self.sink, seen + q), device=dev),
+        keep = torch.cat((torch.arange(seen, max(seen, min(self.sink, seen + q)), device=dev),
                           torch.arange(max(self.sink, seen, seen + q - self.recent), seen + q, device=dev)))
         slots = self._slots_of(keep)
         keys.index_copy_(2, slots, key_states.index_select(2, keep - seen))
