@@ -205,6 +205,30 @@ def test_decode_update_compiles_fullgraph():
     assert compiled.get_seq_length(1) == eager.get_seq_length(1) == 9
 
 
+def test_compiled_model_decode_settles_after_three_graphs():
+    # HF branches on the host count (position_ids, mask sizes): one graph specialized on the first step, one
+    # dynamic graph while the ring fills, one once it wraps; no recompile after that, same logits as eager.
+    model = tiny_model("mistral", attn_implementation="sdpa", sliding_window=6).eval()
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compiler.reset()
+    fn = torch.compile(model.forward, fullgraph=True, backend=count)
+    eager, compiled = (RollingKVCache(model.config, batch_size=1, capacity=6) for _ in range(2))
+    ids = _ids(1, 14)
+    with torch.no_grad():
+        for cache in (eager, compiled):
+            model(ids[:, :4], past_key_values=cache, use_cache=True)
+        for t in range(4, 14):
+            step = ids[:, t:t + 1]
+            ref = model(step, past_key_values=eager, use_cache=True).logits
+            torch.testing.assert_close(fn(step, past_key_values=compiled, use_cache=True).logits, ref, **TOL)
+    assert len(graphs) <= 3
+
+
 def test_reset_and_reorder_keep_storage():
     cfg = tiny_config("llama")
     cache = RollingKVCache(cfg, batch_size=3, capacity=4)
