@@ -241,7 +241,7 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap):
         0 if shared_pos else slot_pos.stride(0), slot_pos.stride(-1),
         q_pos.stride(0),
         out.stride(0), out.stride(1),
-        Hq, Hkv, G, C, D, chunk, n_splits, n_gblk, scale, window if window else 0, softcap if softcap else 1.0,
+        Hq, Hkv, G, C, D, chunk, n_splits, n_gblk, scale, window, softcap if softcap else 1.0,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), ONE_SPLIT=one,
         UPCAST=interp, SPLIT_P=q.dtype != torch.float32, DOT_PRECISION="ieee" if interp else "tf32x3",
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
@@ -256,8 +256,8 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap):
 
 @torch.library.custom_op("tigon::decode_attention", mutates_args=())
 def decode_attention_op(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pos: torch.Tensor, q_pos: torch.Tensor,
-    scale: float, sliding_window: int, softcap: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pos: torch.Tensor,
+    q_pos: torch.Tensor, scale: float, sliding_window: int, softcap: float,
 ) -> torch.Tensor:
     """q [B, Hq, 1, D], caches [B, Hkv, C, D], slot_pos int64 [B, C] or [C], q_pos int64 [B];
     sliding_window 0 and softcap 0.0 mean none. Returns [B, Hq, 1, D] in q.dtype (contiguous)."""
@@ -277,17 +277,19 @@ def decode_attention_reference(q, k_cache, v_cache, slot_pos, q_pos, *, scale=No
     Hkv, C = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qf = q.to(ct).reshape(B, Hkv, Hq // Hkv, D)
-    s = torch.einsum("bhgd,bhcd->bhgc", qf, k_cache.to(ct)) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
     sp = slot_pos.expand(B, C)
     qp = q_pos.view(B, 1)
     allowed = (sp >= 0) & (sp <= qp)
     if sliding_window:
         allowed = allowed & (qp - sp < sliding_window)
+    s = torch.einsum("bhgd,bhcd->bhgc", qf, k_cache.to(ct)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)  # a row with nothing allowed is NaN
-    out = torch.einsum("bhgc,bhcd->bhgd", p, v_cache.to(ct))
+    # What unattended slots hold (stale values, an uninitialized cache's NaN) must not leak in via 0 * NaN.
+    vf = v_cache.to(ct).masked_fill(~allowed[:, None, :, None], 0.0)
+    out = torch.einsum("bhgc,bhcd->bhgd", p, vf)
     return out.reshape(B, Hq, 1, D).to(q.dtype)
 
 

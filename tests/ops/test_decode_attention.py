@@ -1,0 +1,254 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests._grid import DTYPES, assert_bound, assert_no_sync_and_deterministic, randn
+from tigon import ops
+from tigon.ops import decode_attention as da
+from tigon.ops.decode_attention import decode_attention, decode_attention_reference
+
+B, HQ, HKV = 2, 4, 2
+
+
+def _slot_pos(layout, C, q_pos, seed=0):
+    """slot_pos [B, C] for a cache of C slots after writing positions 0..q_pos[b] of each sequence.
+
+    linear: slot p holds p (q_pos < C), the rest empty; wrapped: ring at p % C, so positions are not sorted
+    by slot; sinks: 2 sink slots keep positions 0, 1 and the other C - 2 slots ring over the rest;
+    shuffled: any position in any slot, some empty, some ahead of q_pos (stale after a rollback)."""
+    q_pos = q_pos.view(-1, 1)
+    s = torch.arange(C).view(1, C)
+    if layout == "linear":
+        return torch.where(s <= q_pos, s, -1)
+    if layout == "wrapped":
+        p = q_pos - (q_pos - s) % C  # the latest p <= q_pos with p % C == s
+        return torch.where(p >= 0, p, -1)
+    if layout == "sinks":
+        n_sink = 2
+        p = n_sink + (q_pos - n_sink) - (q_pos - s) % (C - n_sink)
+        p = torch.where(s < n_sink, s, p)
+        return torch.where((p >= 0) & ((s < n_sink) | (p >= n_sink)), p, -1)
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for qp in q_pos.view(-1).tolist():
+        cand = torch.randperm(qp + 4, generator=g)  # up to 3 positions past q_pos
+        cand = cand[cand != qp][: C - 3]
+        cand = torch.cat([cand, torch.tensor([qp]), torch.full((C - 1 - cand.numel(),), -1)])  # >= 2 empty
+        rows.append(cand[torch.randperm(C, generator=g)])
+    return torch.stack(rows)
+
+
+def _inputs(dtype, D, C, layout, q_pos=(40, 13), seed=0, device="cpu", b=B, hq=HQ, hkv=HKV):
+    torch.manual_seed(seed)
+    q = randn(b, hq, 1, D, dtype=dtype, device=device)
+    k = randn(b, hkv, C, D, dtype=dtype, device=device)
+    v = randn(b, hkv, C, D, dtype=dtype, device=device)
+    qp = torch.tensor(q_pos[:b], dtype=torch.int64)
+    if layout == "linear":
+        qp = qp.clamp(max=C - 1)
+    sp = _slot_pos(layout, C, qp, seed).to(device)
+    return q, k, v, sp, qp.to(device)
+
+
+def _allowed(sp, qp, window):
+    sp = sp.expand(qp.shape[0], sp.shape[-1])
+    ok = (sp >= 0) & (sp <= qp.view(-1, 1))
+    return ok & (qp.view(-1, 1) - sp < window) if window else ok
+
+
+def _eager_in_dtype(q, k, v, sp, qp, scale=None, sliding_window=None, softcap=None):
+    """The HF eager attention (Gemma-2 softcap included) over all slots with a mask, in the input dtype."""
+    D, G = q.shape[-1], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    s = (q @ k.transpose(-1, -2)) * (scale or 1.0 / math.sqrt(D))
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~_allowed(sp, qp, sliding_window)[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def _check(name, q, k, v, sp, qp, dtype, **kw):
+    out = decode_attention(q, k, v, sp, qp, **kw)
+    ref = decode_attention_reference(q.double(), k.double(), v.double(), sp, qp, **kw)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_bound(name, out, _eager_in_dtype(q, k, v, sp, qp, **kw), ref, dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout,D,C", [("linear", 16, 23), ("wrapped", 64, 7), ("sinks", 16, 40),
+                                        ("shuffled", 64, 23)])
+def test_matches_reference(device, dtype, layout, D, C, monkeypatch):
+    monkeypatch.setattr(da, "_N_SPLITS", 2)
+    _check(f"{layout} D={D} C={C}", *_inputs(dtype, D, C, layout, device=device), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kw", [dict(sliding_window=5), dict(softcap=1.5), dict(sliding_window=9, softcap=3.0,
+                                                                                  scale=0.7)])
+def test_window_softcap_scale(device, dtype, kw, monkeypatch):
+    monkeypatch.setattr(da, "_N_SPLITS", 2)
+    q, k, v, sp, qp = _inputs(dtype, 16, 31, "wrapped", device=device)
+    if "sliding_window" in kw:  # the window cuts into the filled part of the ring
+        assert (_allowed(sp, qp, None).sum(1) > kw["sliding_window"]).all()
+    _check(f"{kw}", q * 3, k, v, sp, qp, dtype, **kw)  # * 3: scores up to ~20, where the softcap bends
+
+
+@pytest.mark.parametrize("n_splits", [1, 2, 3, 5])
+def test_splits(device, n_splits, monkeypatch):
+    # C = 40 in 16-slot steps: 1 split of 3 steps, 2 of 32 + 8 slots, 3 (= 3 chunks of 16), 5 -> 3 chunks
+    monkeypatch.setattr(da, "_N_SPLITS", n_splits)
+    _check(f"splits={n_splits}", *_inputs(torch.float32, 16, 40, "sinks", device=device), torch.float32,
+           sliding_window=30)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout,window", [("wrapped", None), ("shuffled", 6)])
+def test_matches_sdpa_in_position_order(device, dtype, layout, window):
+    """Independent of the reference's masking: gather each sequence's attended keys in position order and run
+    plain SDPA (fp64 for the truth, dtype for the bound)."""
+    q, k, v, sp, qp = _inputs(dtype, 16, 23, layout, device=device)
+    out = decode_attention(q, k, v, sp, qp, sliding_window=window)
+    ok = _allowed(sp, qp, window)
+    for b in range(q.shape[0]):
+        pos = torch.where(ok[b], sp[b], torch.iinfo(torch.int64).max)
+        idx = pos.argsort()[: int(ok[b].sum())]
+        kb, vb, qb = k[b:b + 1, :, idx], v[b:b + 1, :, idx], q[b:b + 1]
+        sdpa = lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, enable_gqa=True)
+        truth = sdpa(qb.double(), kb.double(), vb.double())
+        assert_bound(f"sdpa b={b}", out[b:b + 1], sdpa(qb, kb, vb), truth, dtype)
+
+
+def test_unattended_slots_are_never_read(device):
+    """Empty, future and out-of-window slots may hold anything (an uninitialized cache's NaN): bitwise the
+    same output as with zeros there."""
+    q, k, v, sp, qp = _inputs(torch.bfloat16, 16, 23, "shuffled", device=device)
+    keep = _allowed(sp, qp, 7)[:, None, :, None]
+    clean = decode_attention(q, k * keep, v * keep, sp, qp, sliding_window=7)
+    nan = torch.tensor(float("nan"), dtype=k.dtype, device=device)
+    k_nan, v_nan = torch.where(keep, k, nan), torch.where(keep, v, -nan)
+    dirty = decode_attention(q, k_nan, v_nan, sp, qp, sliding_window=7)
+    assert torch.isfinite(clean).all() and torch.equal(clean, dirty)
+
+
+def test_shared_slot_pos_and_strided_views(device):
+    """slot_pos [C] for the whole batch; q strided on D (HF's transpose of [B, 1, Hq, D] is contiguous);
+    caches as one layer of a stacked [L, B, Hkv, C', D] buffer; positions as strided views."""
+    torch.manual_seed(1)
+    C, D = 19, 16
+    q = randn(B, 1, HQ, 2 * D, device=device).transpose(1, 2)[..., ::2]
+    kv = randn(2, 3, B, HKV, C + 4, D, device=device)
+    k, v = kv[0, 1, :, :, 2:C + 2], kv[1, 1, :, :, 2:C + 2]
+    sp = _slot_pos("wrapped", C, torch.tensor([27]))[0].to(device)
+    sp_view = torch.stack([sp, sp], dim=1)[:, 1]
+    qp = torch.tensor([27, 0, 27, 0], device=device)[::2]
+    assert not (q.is_contiguous() or k.is_contiguous() or sp_view.is_contiguous() or qp.is_contiguous())
+    _check("strided", q, k, v, sp_view, qp, torch.float32)
+
+
+def test_large_group_split_over_programs(device):
+    # MQA with 72 query heads: two 64-row head blocks per kv head, the second one mostly masked
+    q, k, v, sp, qp = _inputs(torch.float32, 16, 9, "wrapped", device=device, b=1, hq=72, hkv=1)
+    _check("mqa 72", q, k, v, sp, qp, torch.float32)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")
+@pytest.mark.parametrize("n_splits", [1, 2])
+def test_nothing_attended_is_nan(device, n_splits, monkeypatch):
+    """Impossible under the contract (the current token is in the cache); if broken, NaN, never a silent 0."""
+    monkeypatch.setattr(da, "_N_SPLITS", n_splits)
+    q, k, v, sp, qp = _inputs(torch.float32, 16, 20, "linear", device=device)
+    sp[0] = torch.where(sp[0] >= 0, sp[0] + 100, -1)  # all of sequence 0's slots are in its future
+    out = decode_attention(q, k, v, sp, qp)
+    assert out[0].isnan().all() and torch.isfinite(out[1]).all()
+    ref = decode_attention_reference(q, k, v, sp, qp)
+    assert ref[0].isnan().all()
+    torch.testing.assert_close(out[1], ref[1])
+
+
+def test_runs_the_kernel_on_this_device(device):
+    before = ops.dispatch_counts[("decode_attention", "triton")]
+    decode_attention(*_inputs(torch.float32, 16, 7, "linear", device=device))
+    assert ops.dispatch_counts[("decode_attention", "triton")] == before + 1
+
+
+def test_empty_batch(device):
+    q, k, v, sp, qp = _inputs(torch.float32, 16, 7, "linear", device=device)
+    assert decode_attention(q[:0], k[:0], v[:0], sp[:0], qp[:0]).shape == (0, HQ, 1, 16)
+
+
+def _bad(**over):
+    def call(d):
+        names = ("q", "k_cache", "v_cache", "slot_pos", "q_pos")
+        a = dict(zip(names, _inputs(torch.float32, 16, 7, "linear")))
+        a.update({n: (f(a) if callable(f) else f) for n, f in over.items()})
+        kw = {n: a.pop(n) for n in ("scale", "sliding_window", "softcap") if n in a}
+        return decode_attention(*[t.to(d) if isinstance(t, torch.Tensor) else t for t in a.values()], **kw)
+    return call
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (_bad(q=lambda a: a["q"].expand(B, HQ, 2, 16)), ValueError, r"q must have shape \[B, Hq, 1, D\]"),
+        (_bad(q=lambda a: a["q"].half()), TypeError, "k_cache has dtype"),
+        (_bad(q=lambda a: a["q"].long()), TypeError, "q must be float32"),
+        (_bad(k_cache=lambda a: a["k_cache"][..., :8]), ValueError, "k_cache must have shape"),
+        (_bad(v_cache=lambda a: a["v_cache"][:, :, :5]), ValueError, "v_cache must have shape"),
+        (_bad(k_cache=torch.ones(B, 3, 7, 16), v_cache=torch.ones(B, 3, 7, 16)), ValueError, "multiple"),
+        (_bad(q=torch.ones(B, HQ, 1, 300), k_cache=torch.ones(B, HKV, 7, 300),
+              v_cache=torch.ones(B, HKV, 7, 300)), ValueError, "head dim"),
+        (_bad(slot_pos=lambda a: a["slot_pos"].int()), TypeError, "slot_pos must be int64"),
+        (_bad(slot_pos=lambda a: a["slot_pos"][:, :6]), ValueError, "slot_pos must have shape"),
+        (_bad(slot_pos=lambda a: a["slot_pos"].float()), TypeError, "slot_pos must be int64"),
+        (_bad(q_pos=lambda a: a["q_pos"][:1]), ValueError, "q_pos must have shape"),
+        (_bad(q_pos=lambda a: a["q_pos"].int()), TypeError, "q_pos must be int64"),
+        (_bad(q_pos=[1, 2]), TypeError, "q_pos must be a torch.Tensor"),
+        (_bad(sliding_window=0), ValueError, "sliding_window"),
+        (_bad(softcap=-1.0), ValueError, "softcap"),
+        (_bad(scale=float("nan")), ValueError, "scale"),
+        (_bad(k_cache=lambda a: a["k_cache"].requires_grad_()), RuntimeError, "inference only"),
+    ],
+)
+def test_bad_input(device, call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(device)
+
+
+def test_grad_tensors_under_no_grad_are_fine(device):
+    q, k, v, sp, qp = _inputs(torch.float32, 16, 7, "linear", device=device)
+    with torch.no_grad():
+        assert torch.isfinite(decode_attention(q.requires_grad_(), k, v, sp, qp)).all()
+
+
+def test_opcheck(device, monkeypatch):
+    monkeypatch.setattr(da, "_N_SPLITS", 2)
+    q, k, v, sp, qp = _inputs(torch.bfloat16, 16, 20, "wrapped", device=device)
+    torch.library.opcheck(torch.ops.tigon.decode_attention, (q, k, v, sp, qp, 0.25, 8, 5.0))
+    # slot_pos [C]: sp[1] (positions 0..13) is attended by both sequences
+    torch.library.opcheck(torch.ops.tigon.decode_attention, (q, k, v, sp[1], qp, 0.25, 0, 0.0))
+
+
+def test_compile_fullgraph_uses_the_custom_op(device):
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    q, k, v, sp, qp = _inputs(torch.float32, 16, 20, "wrapped", device=device)
+    fn = lambda q, k, v, sp, qp: decode_attention(q * 2, k, v, sp, qp + 0, softcap=4.0).sum(1)
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend=backend)(q, k, v, sp, qp),
+                               fn(q, k, v, sp, qp))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("kw", [{}, dict(sliding_window=1024, softcap=50.0)])
+def test_llama_decode_shapes_gpu(batch, kw):
+    """Llama-3-8B decode in bf16: 32 query heads on 8 kv heads, D = 128, a 4096-slot ring wrapped ~1.5 times;
+    the heuristic's splits; no host sync; bitwise deterministic; compiled with inductor."""
+    dtype, C = torch.bfloat16, 4096
+    q, k, v, sp, qp = _inputs(dtype, 128, C, "wrapped", q_pos=(6000, 4200, 5000, 100, 4095, 4096, 7777, 12),
+                              device="cuda", b=batch, hq=32, hkv=8)
+    _check(f"gpu B={batch} {kw}", q, k, v, sp, qp, dtype, **kw)
+    assert_no_sync_and_deterministic(lambda: (decode_attention(q, k, v, sp, qp, **kw),))
+    compiled = torch.compile(lambda *a: decode_attention(*a, **kw), fullgraph=True)
+    assert torch.equal(compiled(q, k, v, sp, qp), decode_attention(q, k, v, sp, qp, **kw))
