@@ -35,6 +35,19 @@ def test_norm_row_matches_the_hf_class(model_type):
         torch.testing.assert_close(ours, norm(x), rtol=2**-7, atol=2**-7 * ours.abs().max().item())
 
 
+@pytest.mark.parametrize("model_type", [m for m in FAMILIES if registry.FAMILIES[m].prenorm_layer])
+def test_prenorm_rows_have_llamas_decoder_layer(model_type):
+    """A family flagged prenorm_layer gets the fused decoder forward: its HF forward must be Llama's."""
+    import inspect
+
+    def body(model_type):
+        fam = registry.FAMILIES[model_type]
+        src = inspect.getsource(getattr(importlib.import_module(fam.modeling), fam.decoder_layer_class).forward)
+        return src[src.index("residual = hidden_states"):]
+
+    assert body(model_type) == body("llama")
+
+
 @pytest.mark.parametrize("model_type", TRAINED)
 def test_patched_matches_unpatched(model_type):
     ref = tiny_model(model_type)

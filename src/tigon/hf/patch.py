@@ -112,6 +112,11 @@ def _class_patch(family, report, spec):
                 swap(modeling, hf_name, cls, f"MLP class {hf_name}")
             elif hf_cls is not None:
                 report.add(f"MLP class {hf_name}")
+    layer_cls = getattr(modeling, family.decoder_layer_class, None)
+    if spec["rms_norm"] and family.prenorm_layer and layer_cls is not None:
+        causal_lm.remember_hf_forward(layer_cls)
+        swap(layer_cls, "forward", _tagged(causal_lm.fused_prenorm_decoder_forward),
+             f"{layer_cls.__name__}.forward (residual add fused into the norm)")
     if spec["rope"] and family.rope:
         swap(modeling, "apply_rotary_pos_emb", _rope_function(), "function apply_rotary_pos_emb")
     _patch_causal_lm_class(family, modeling, spec, swap, report)
@@ -175,6 +180,13 @@ def _instance_patch(model, family, report, spec):
                 undo.append((parent, name, child))
                 setattr(parent, name, new)
                 report.add(piece)
+    if spec["rms_norm"] and family.prenorm_layer:
+        for layer in hf.modules():
+            if type(layer).__name__ == family.decoder_layer_class and "forward" not in layer.__dict__ and \
+                    isinstance(getattr(layer, "post_attention_layernorm", None), RMSNorm):
+                undo.append((layer, "forward", None))
+                layer.forward = types.MethodType(causal_lm.fused_prenorm_decoder_forward, layer)
+                report.add(f"{family.decoder_layer_class}.forward (residual add fused into the norm)")
     if spec["rope"] and family.rope:
         fn = getattr(modeling, "apply_rotary_pos_emb", None)
         if fn is not None and not getattr(fn, "__tigon__", False):

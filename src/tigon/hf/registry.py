@@ -31,6 +31,9 @@ class Family:
     rope: bool = True
     causal_lm: str = "ForCausalLM"
     extra_norms: tuple = ()  # other RMSNorm class suffixes with the same formula
+    # The DecoderLayer forward is Llama's pre-norm block (norm, attention, add, norm, MLP, add), so the
+    # first add and the second norm can be one add_rms_norm; tests/hf/test_registry checks the source.
+    prenorm_layer: bool = False
     notes: str = ""
 
     @property
@@ -46,28 +49,32 @@ class Family:
         return tuple(f"{self.prefix}{s}" for s in self.mlp_classes) if self.mlp else ()
 
     @property
+    def decoder_layer_class(self) -> str:
+        return f"{self.prefix}DecoderLayer"
+
+    @property
     def causal_lm_class(self) -> str:
         return f"{self.prefix}{self.causal_lm}"
 
 
 _ROWS = [
-    Family("llama", "llama", "Llama"),
-    Family("mistral", "mistral", "Mistral"),
-    Family("ministral", "ministral", "Ministral"),
+    Family("llama", "llama", "Llama", prenorm_layer=True),
+    Family("mistral", "mistral", "Mistral", prenorm_layer=True),
+    Family("ministral", "ministral", "Ministral", prenorm_layer=True),
     Family("mixtral", "mixtral", "Mixtral", mlp="", notes="experts stay HF"),
-    Family("qwen2", "qwen2", "Qwen2"),
+    Family("qwen2", "qwen2", "Qwen2", prenorm_layer=True),
     Family("qwen2_moe", "qwen2_moe", "Qwen2Moe", notes="shared expert and experts' MLP class fused"),
-    Family("qwen3", "qwen3", "Qwen3"),
-    Family("qwen3_moe", "qwen3_moe", "Qwen3Moe", notes="dense MLP class fused; routed experts stay HF"),
-    Family("gemma", "gemma", "Gemma", norm=GEMMA_NORM),
+    Family("qwen3", "qwen3", "Qwen3", prenorm_layer=True),
+    Family("qwen3_moe", "qwen3_moe", "Qwen3Moe", prenorm_layer=True, notes="dense MLP class fused; routed experts stay HF"),
+    Family("gemma", "gemma", "Gemma", prenorm_layer=True, norm=GEMMA_NORM),
     Family("gemma2", "gemma2", "Gemma2", norm=GEMMA_NORM),
     Family("gemma3_text", "gemma3", "Gemma3", norm=GEMMA_NORM),
     Family("phi3", "phi3", "Phi3", mlp="fused_glu", rope=True),
     Family("granite", "granite", "Granite", causal_lm="", notes="logits_scaling keeps the HF loss"),
-    Family("smollm3", "smollm3", "SmolLM3"),
+    Family("smollm3", "smollm3", "SmolLM3", prenorm_layer=True),
     Family("exaone4", "exaone4", "Exaone4"),
-    Family("seed_oss", "seed_oss", "SeedOss"),
-    Family("hunyuan_v1_dense", "hunyuan_v1_dense", "HunYuanDenseV1"),
+    Family("seed_oss", "seed_oss", "SeedOss", prenorm_layer=True),
+    Family("hunyuan_v1_dense", "hunyuan_v1_dense", "HunYuanDenseV1", prenorm_layer=True),
     Family("olmoe", "olmoe", "Olmoe", mlp=""),
     Family("olmo2", "olmo2", "Olmo2", norm=FP32_WEIGHT_NORM),
     Family("olmo3", "olmo3", "Olmo3", norm=FP32_WEIGHT_NORM),
