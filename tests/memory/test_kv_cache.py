@@ -77,6 +77,19 @@ def test_chat_continuation_past_capacity_matches_hf():
     _assert_same_generation(_greedy(model, more, ref_cache, 7), _greedy(model, more, cache, 7))
 
 
+@pytest.mark.parametrize("model_type,overrides,capacity", [("llama", {}, 16), ("mistral", dict(sliding_window=5), 5)])
+def test_beam_search_matches_hf(model_type, overrides, capacity):
+    # Beam search reorders the cache rows every step: in place, on the fixed ring (wrapped for mistral).
+    model = tiny_model(model_type, attn_implementation="sdpa", **overrides).eval()
+    ids = _ids(2, 6)
+    kw = dict(max_new_tokens=8, do_sample=False, num_beams=3, pad_token_id=0)
+    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+    cache = RollingKVCache(model.config, batch_size=6, capacity=capacity)
+    ptr = cache.layers[0].keys.data_ptr()
+    assert torch.equal(model.generate(ids, past_key_values=cache, **kw), ref)
+    assert cache.layers[0].keys.data_ptr() == ptr
+
+
 def _stepwise_logits(model, ids, cache, chunks):
     out, start = [], 0
     for size in chunks:
@@ -301,10 +314,11 @@ def test_gpu_decode_no_host_sync_fixed_memory_deterministic():
     g = torch.Generator(device="cuda").manual_seed(0)
     prefill = torch.randn(4, 8, 300, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     steps = torch.randn(20, 4, 8, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    value_steps = steps + 1
 
     def fill(check):
         cache = RollingKVCache(cfg, batch_size=4, capacity=256, sink_tokens=4, dtype=torch.bfloat16,
-                               device="cuda")
+                               device="cuda")  # "cuda", not "cuda:0": the cache must normalize it
         for layer in range(4):
             cache.update(prefill, prefill, layer)
         torch.cuda.synchronize()
@@ -312,9 +326,9 @@ def test_gpu_decode_no_host_sync_fixed_memory_deterministic():
         if check:
             torch.cuda.set_sync_debug_mode("error")
         try:
-            for step in steps:
+            for step, value_step in zip(steps, value_steps, strict=True):
                 for layer in range(4):
-                    cache.update(step, step + 1, layer)
+                    cache.update(step, value_step, layer)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.cuda.memory_allocated() == allocated

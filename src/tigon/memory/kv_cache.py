@@ -224,6 +224,7 @@ class RollingKVCache(Cache):
         text = config.get_text_config(decoder=True)
         dtype = _resolve_dtype(dtype, text)
         device = torch.device(device) if device is not None else torch.get_default_device()
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", so the update check compares equal
         layer_types, kwargs = get_layer_types_and_kwargs(text)
         bad = sorted(set(layer_types) - set(_SUPPORTED))
         if bad:
