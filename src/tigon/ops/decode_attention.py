@@ -142,7 +142,7 @@ def _decode_attention_split_kernel(
                 b_ph = b_ph.to(tl.float32)
                 b_pl = b_pl.to(tl.float32)
             b_acc = tl.dot(b_ph, b_v, b_acc, input_precision=DOT_PRECISION)
-            b_acc = b_acc
+            b_acc = tl.dot(b_pl, b_v, b_acc, input_precision=DOT_PRECISION)
         else:
             b_acc = tl.dot(b_p, b_v, b_acc, input_precision=DOT_PRECISION)
         b_m = b_mn
