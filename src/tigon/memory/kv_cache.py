@@ -53,7 +53,7 @@ class RollingKVLayer(CacheLayerMixin):
 
     is_compileable = True
     is_croppable = False
-    supports_early_init = False
+    supports_early_init = True  # allocated in __init__: early init is a no-op
 
     def __init__(self, *, layer_idx, batch_size, kv_heads, head_dim, ring, sink_tokens, sliding, dtype, device):
         super().__init__()
