@@ -146,6 +146,7 @@ def test_shared_slot_pos_and_strided_views(device):
     qp = torch.tensor([27, 0, 27, 0], device=device)[::2]
     assert not (q.is_contiguous() or k.is_contiguous() or sp_view.is_contiguous() or qp.is_contiguous())
     _check("strided", q, k, v, sp_view, qp, torch.float32)
+    _check("one position for the batch", q, k, v, sp_view, torch.tensor(27, device=device).expand(B), torch.float32)
 
 
 def test_large_group_split_over_programs(device):

@@ -72,7 +72,7 @@ def _decode_attention_split_kernel(
     ONE_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter: fp32 dots (its bf16/fp16 arithmetic is wrong); GPU: native dots
     SPLIT_P: tl.constexpr,  # 16-bit inputs: p = p_hi + p_lo in the input dtype, two dots (p to ~2^-16)
-    DOT_PRECISION: tl.constexpr,  # fp32 inputs: "tf32x3" (about fp32 accuracy on tensor cores)
+    DOT_PRECISION: tl.constexpr,  # fp32 inputs on GPU: "tf32x3" (about fp32 accuracy on tensor cores)
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -211,6 +211,14 @@ def _num_splits(device, C: int, programs: int, block_n: int) -> int:
     return max(1, min(n, triton.cdiv(C, block_n)))
 
 
+def _dot_precision(dtype, interp: bool) -> str:
+    if interp:
+        return "ieee"  # numpy fp32 matmul
+    # fp32 operands: 3 tf32 products (~fp32 accuracy; plain tf32 would cost 2^-11 relative per score).
+    # 16-bit operands ignore it; "tf32" is the default that every dtype accepts.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
 def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap):
     B, Hq, _, D = q.shape
     Hkv, C = k_cache.shape[1], k_cache.shape[2]
@@ -243,7 +251,7 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap):
         out.stride(0), out.stride(1),
         Hq, Hkv, G, C, D, chunk, n_splits, n_gblk, scale, window, softcap if softcap else 1.0,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), ONE_SPLIT=one,
-        UPCAST=interp, SPLIT_P=q.dtype != torch.float32, DOT_PRECISION="ieee" if interp else "tf32x3",
+        UPCAST=interp, SPLIT_P=q.dtype != torch.float32, DOT_PRECISION=_dot_precision(q.dtype, interp),
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if not one:
