@@ -53,9 +53,9 @@ def _inputs(dtype, D, C, layout, q_pos=(40, 13), seed=0, device="cpu", b=B, hq=H
 
 
 def _allowed(sp, qp, window):
-    sp = sp.expand(qp.shape[0], sp.shape[-1])
-    ok = (sp >= 0) & (sp <= qp.view(-1, 1))
-    return ok & (qp.view(-1, 1) - sp < window) if window else ok
+    qp = qp.reshape(-1, 1)
+    ok = (sp >= 0) & (sp <= qp)  # [B or 1, C]
+    return ok & (qp - sp < window) if window else ok
 
 
 def _eager_in_dtype(q, k, v, sp, qp, scale=None, sliding_window=None, softcap=None):
@@ -146,7 +146,8 @@ def test_shared_slot_pos_and_strided_views(device):
     qp = torch.tensor([27, 0, 27, 0], device=device)[::2]
     assert not (q.is_contiguous() or k.is_contiguous() or sp_view.is_contiguous() or qp.is_contiguous())
     _check("strided", q, k, v, sp_view, qp, torch.float32)
-    _check("one position for the batch", q, k, v, sp_view, torch.tensor(27, device=device).expand(B), torch.float32)
+    for one in (torch.tensor(27).expand(B), torch.tensor([27]), torch.tensor(27)):  # one position for all
+        _check(f"q_pos {tuple(one.shape)}", q, k, v, sp_view, one.to(device), torch.float32)
 
 
 def test_large_group_split_over_programs(device):
@@ -204,7 +205,7 @@ def _bad(**over):
         (_bad(slot_pos=lambda a: a["slot_pos"].int()), TypeError, "slot_pos must be int64"),
         (_bad(slot_pos=lambda a: a["slot_pos"][:, :6]), ValueError, "slot_pos must have shape"),
         (_bad(slot_pos=lambda a: a["slot_pos"].float()), TypeError, "slot_pos must be int64"),
-        (_bad(q_pos=lambda a: a["q_pos"][:1]), ValueError, "q_pos must have shape"),
+        (_bad(q_pos=lambda a: a["q_pos"].view(2, 1)), ValueError, "q_pos must have shape"),
         (_bad(q_pos=lambda a: a["q_pos"].int()), TypeError, "q_pos must be int64"),
         (_bad(q_pos=[1, 2]), TypeError, "q_pos must be a torch.Tensor"),
         (_bad(sliding_window=0), ValueError, "sliding_window"),

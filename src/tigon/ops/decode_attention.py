@@ -8,7 +8,8 @@ Layout contract (what `tigon.memory.RollingKVCache`, or any cache, hands over):
 - `k_cache`, `v_cache`: `[B, Hkv, C, D]`, C = capacity slots, any strides (unit stride on D is fastest);
 - `slot_pos`: int64 `[B, C]` (or `[C]`, shared by the batch), the absolute position stored in each slot,
   -1 for an empty slot;
-- `q_pos`: int64 `[B]`, the absolute position of the query token; on the device, never read by the host.
+- `q_pos`: int64 `[B]` (or `[1]` / `[]`, shared by the batch), the absolute position of the query token;
+  on the device, never read by the host.
 Slot s is attended iff `0 <= slot_pos[s] <= q_pos` and, with a sliding window w, `q_pos - slot_pos[s] < w`.
 The caller writes the current token's key/value into the cache first, so at least one slot is attended;
 a row with no attended slot comes out NaN (softmax over nothing), as in the reference.
@@ -286,7 +287,7 @@ def decode_attention_reference(q, k_cache, v_cache, slot_pos, q_pos, *, scale=No
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qf = q.to(ct).reshape(B, Hkv, Hq // Hkv, D)
     sp = slot_pos.expand(B, C)
-    qp = q_pos.view(B, 1)
+    qp = q_pos.reshape(-1, 1)  # [B, 1] or [1, 1]
     allowed = (sp >= 0) & (sp <= qp)
     if sliding_window:
         allowed = allowed & (qp - sp < sliding_window)
@@ -329,7 +330,8 @@ def _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softc
         raise ValueError(f"{op}: slot_pos must have shape ({B}, {C}) or ({C},), got {tuple(slot_pos.shape)}")
     if q_pos.dtype != torch.int64:
         raise TypeError(f"{op}: q_pos must be int64, got {q_pos.dtype}")
-    _launch.check_shape(op, "q_pos", q_pos, (B,))
+    if tuple(q_pos.shape) not in ((B,), (1,), ()):
+        raise ValueError(f"{op}: q_pos must have shape ({B},), (1,) or (), got {tuple(q_pos.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -350,11 +352,12 @@ def decode_attention(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, slidin
     """One decode step of attention over a ring-buffer KV cache read in place (layout: the module docstring).
 
     q [B, Hq, 1, D], k_cache / v_cache [B, Hkv, C, D] in q's dtype (fp32/fp16/bf16), Hq a multiple of Hkv,
-    D <= 256; slot_pos int64 [B, C] or [C] (-1 = empty), q_pos int64 [B]. scale defaults to 1/sqrt(D);
-    sliding_window w keeps q_pos - pos < w; softcap c applies c * tanh(s / c) to the scaled scores (Gemma-2).
-    Returns [B, Hq, 1, D] in q's dtype. No autograd; no host sync.
+    D <= 256; slot_pos int64 [B, C] or [C] (-1 = empty), q_pos int64 [B], [1] or []. scale defaults to
+    1/sqrt(D); sliding_window w keeps q_pos - pos < w; softcap c maps the scaled scores s to c * tanh(s / c)
+    (Gemma-2). Returns [B, Hq, 1, D] in q's dtype. No autograd; no host sync.
     """
     scale, window, softcap = _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap)
+    q_pos = q_pos.reshape(-1).expand(q.shape[0])  # one position for the batch: a stride-0 view, no copy
     if not _library.use_kernels("decode_attention", q):
         return decode_attention_reference(q, k_cache, v_cache, slot_pos, q_pos, scale=scale,
                                           sliding_window=window, softcap=softcap)
