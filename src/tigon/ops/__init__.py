@@ -3,6 +3,7 @@ pure-PyTorch reference otherwise; see `tigon.ops._library` for the dispatch rule
 
 from ._library import backend_for, dispatch_counts
 from .cross_entropy import cross_entropy
+from .decode_attention import decode_attention
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
 from .rms_norm import add_rms_norm, rms_norm
@@ -14,6 +15,7 @@ __all__ = [
     "apply_rope",
     "backend_for",
     "cross_entropy",
+    "decode_attention",
     "dispatch_counts",
     "geglu",
     "layer_norm",
