@@ -60,6 +60,36 @@ def test_gradient_checkpointing_matches_unpatched_checkpointing():
         tigon.unpatch(model)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_bf16_autocast_with_fp32_weights(model_type):
+    """Trainer's bf16=True: fp32 weights, bf16 matmuls, an fp32 residual stream beside bf16 attention outputs
+    (the fused residual add must promote like HF). Against the fp32 run, the patched model's loss and
+    gradient errors stay within 2x those of HF under the same autocast, plus a few bf16 ulps."""
+    ref = tiny_model(model_type)
+    model = copy.deepcopy(ref)
+    ref.train(), model.train()
+    ids, labels = batch()
+
+    def run(m, amp):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            return _loss_and_grads(m, ids, labels)
+
+    exact, grads_exact = run(ref, False)
+    hf, grads_hf = run(ref, True)
+    tigon.patch(model)
+    try:
+        out, grads = run(model, True)
+    finally:
+        tigon.unpatch(model)
+    u = 2.0**-8
+    e_k, e_t = (abs(o.loss.item() - exact.loss.item()) for o in (out, hf))
+    assert e_k <= 2 * e_t + 4 * u * exact.loss.item(), f"loss err {e_k:.3e} vs HF's {e_t:.3e}"
+    assert grads.keys() == grads_exact.keys()
+    for n, g in grads_exact.items():
+        e_k, e_t = ((x[n] - g).norm().item() for x in (grads, grads_hf))
+        assert e_k <= 2 * e_t + 4 * u * g.norm().item(), f"grad {n}: err {e_k:.3e} vs HF's {e_t:.3e}"
+
+
 def test_cross_entropy_patch_keeps_logits_and_matches_hf_loss():
     ref = tiny_model("llama")
     model = copy.deepcopy(ref)

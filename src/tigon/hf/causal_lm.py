@@ -160,5 +160,8 @@ def fused_prenorm_decoder_forward(self, hidden_states, attention_mask=None, posi
         hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
         past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
     )
-    normed, hidden_states = self.post_attention_layernorm(hidden_states, residual)
+    # Under autocast (Trainer's bf16=True) attention returns bf16 while the residual stream stays fp32; HF's
+    # `residual + hidden_states` promotes to fp32, so promote both before the fused add (exact upcast).
+    dtype = torch.promote_types(hidden_states.dtype, residual.dtype)
+    normed, hidden_states = self.post_attention_layernorm(hidden_states.to(dtype), residual.to(dtype))
     return hidden_states + self.mlp(normed)
