@@ -145,6 +145,33 @@ def test_kernels_off_falls_back_to_the_reference_ops(monkeypatch, caplog):
         tigon.unpatch(model)
 
 
+def test_a_forward_another_library_installed_is_kept_and_reported():
+    """TRL's SFTTrainer replaces model.forward on the instance (its own fused LM head computes the loss):
+    patching after it must neither claim the fused loss nor, on unpatch, remove the other forward."""
+    model = tiny_model("llama")
+    hf_forward = model.forward
+
+    def wrapped(*args, **kwargs):
+        return hf_forward(*args, **kwargs)
+
+    model.forward = wrapped
+    report = tigon.patch(model)
+    assert not any("fused loss" in piece for piece in report.replaced)
+    assert any(piece == "fused linear cross-entropy" for piece, _ in report.skipped)
+    assert model.forward is wrapped
+    tigon.unpatch(model)
+    assert model.forward is wrapped
+
+    model = tiny_model("llama")  # the other order: tigon first, then the wrapper over tigon's forward
+    tigon.patch(model)
+    tigon_forward = model.forward
+    model.forward = lambda *args, **kwargs: tigon_forward(*args, **kwargs)
+    wrapper = model.forward
+    tigon.unpatch(model)
+    assert model.forward is wrapper
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+
+
 def _word_level_tokenizer(vocab_size):
     """A tokenizer built in memory (no download): SFTTrainer needs one only for the pad and eos ids."""
     from tokenizers import Tokenizer, models

@@ -199,7 +199,10 @@ def _instance_patch(model, family, report, spec):
         if "forward" not in hf.__dict__:
             undo.append((hf, "forward", None))
             hf.forward = types.MethodType(causal_lm.fused_causal_lm_forward, hf)
-        report.add(f"{cls.__name__}.forward (fused loss)")
+        if _ours(hf.__dict__["forward"]):
+            report.add(f"{cls.__name__}.forward (fused loss)")
+        else:  # e.g. TRL's SFTTrainer installed its own fused LM head on the instance: it computes the loss
+            report.skip("fused linear cross-entropy", "model.forward is already replaced on the instance")
     elif spec["fused_linear_cross_entropy"]:
         report.skip("fused linear cross-entropy", family.notes or f"{cls.__name__} is not a ForCausalLM")
     if spec["cross_entropy"]:
@@ -261,11 +264,16 @@ def unpatch(model=None) -> None:
             _restore(owner, name, original)
 
 
+def _ours(value) -> bool:
+    return getattr(value, "__func__", value) in (
+        causal_lm.fused_causal_lm_forward, causal_lm.fused_prenorm_decoder_forward, causal_lm.causal_lm_loss)
+
+
 def _restore(owner, name, original):
     if original is None:  # an instance attribute that patch() added
-        if name == "_loss_function":
-            owner.__dict__.pop("_loss_function", None)
-        else:
-            owner.__dict__.pop(name, None)
+        # One that another library installed over ours since (TRL's SFTTrainer wraps model.forward) stays:
+        # removing it would break that library, and its wrapper holds our forward either way.
+        if _ours(owner.__dict__.get(name)):
+            owner.__dict__.pop(name)
     else:
         setattr(owner, name, original)
