@@ -13,15 +13,16 @@ math, one cast per op; SEQ 128):
 - loss, per step: |loss - loss_ref| <= 2e-2 * loss_ref (~5u). Both losses are fp32 reductions of activations
   rounded to bf16 at different places (a fused op rounds once, eager HF after each elementwise step), and the
   runs drift apart as their weights differ by a few ulps more each step. Measured: <= 3.3e-3 (Llama),
-  2.4e-3 (Llama, autocast), 4.8e-4 (Qwen3), 7.6e-4 (Gemma2). A wrong gradient term moves the loss by far
-  more within a few steps. At lr 1e-3 the two-batch memorization turns chaotic after ~20 steps (5% loss
-  gaps, 10% weight gaps on the proxy), hence 3e-4.
+  2.4e-3 (Llama, autocast), 4.8e-4 (Qwen3), 7.6e-4 (Gemma2), 4.8e-3 (Gemma2, autocast). A wrong gradient
+  term moves the loss by far more within a few steps. At lr 1e-3 the two-batch memorization turns chaotic
+  after ~20 steps (5% loss gaps, 10% weight gaps on the proxy), hence 3e-4.
 - parameters after 30 steps: ||p - p_ref|| / ||p_ref|| per tensor <= 3e-2. An Adam step moves every weight by
   about lr whatever its gradient's size, so where the gradient is near zero (its sign is rounding noise) two
   runs step apart: up to 2 * 30 * lr = 0.018 per weight against an init std of 0.02. The rest of the gradient
   agrees between runs; measured <= 9e-3 (Llama), 7.1e-3 (Llama, autocast), 7.8e-3 (Qwen3). Gemma2's norm
-  weights start at 0 (it scales by 1 + w), so p_ref is the 30 updates alone: PARAM_RTOL_ZERO_INIT = 1e-1
-  (measured <= 4.6e-2).
+  weights start at 0 (it scales by 1 + w), so p_ref is the 30 updates alone and the ratio is the share of
+  noisy update signs: PARAM_RTOL_ZERO_INIT = 1.5e-1 (measured <= 4.6e-2, 5.5e-2 autocast); a wrong norm
+  gradient gives O(1).
 - the loss falls: the last step's loss is below 0.9x the first's (measured 0.65x Llama, 0.63x Qwen3,
   0.72x Gemma2), so the test sees training, not noise.
 """
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.gpu
 STEPS, LR, BATCH, SEQ, N_BATCHES = 30, 3e-4, 4, 256, 2
 LOSS_RTOL = 2e-2
 PARAM_RTOL = 3e-2
-PARAM_RTOL_ZERO_INIT = 1e-1
+PARAM_RTOL_ZERO_INIT = 1.5e-1
 MINI = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, max_position_embeddings=SEQ, initializer_range=0.02)
 CONFIGS = {
