@@ -48,37 +48,45 @@ def test_prenorm_rows_have_llamas_decoder_layer(model_type):
     assert body(model_type) == body("llama")
 
 
+def _train_and_record(m, ids, labels):
+    """Eval logits, training loss and grads, then parameters after 5 AdamW steps."""
+    m.eval()
+    with torch.no_grad():
+        logits = m(ids).logits
+    m.train()
+    out = m(ids, labels=labels)
+    out.loss.backward()
+    first = (logits, out.logits, out.loss.detach(), [p.grad.clone() if p.grad is not None else None
+                                                     for p in m.parameters()])
+    # eps 1e-6: a gradient that is zero in exact math (GLM's unrotated k bias) is rounding noise of ~1e-9
+    # in both runs, and Adam with eps 1e-8 would turn that noise into full-size, opposite steps.
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6)
+    for _step in range(5):
+        opt.zero_grad()
+        m(ids, labels=labels).loss.backward()
+        opt.step()
+    return first, [p.detach().clone() for p in m.parameters()]
+
+
 @pytest.mark.parametrize("model_type", TRAINED)
 def test_patched_matches_unpatched(model_type):
     ref = tiny_model(model_type)
     model = copy.deepcopy(ref)
+    ids, labels = batch(model.config.vocab_size)
+    # The unpatched run goes first: an instance patch swaps the family's RoPE function module-wide.
+    (logits_ref, _, loss_ref, grads_ref), params_ref = _train_and_record(ref, ids, labels)
     report = tigon.patch(model)
     assert sum(report.replaced.values()) > 0
     assert model.state_dict().keys() == ref.state_dict().keys()
-    ids, labels = batch(model.config.vocab_size)
+    (logits, train_logits, loss, grads), params = _train_and_record(model, ids, labels)
 
-    model.eval(), ref.eval()
-    with torch.no_grad():
-        _close(model(ids).logits, ref(ids).logits, "eval logits")
-
-    model.train(), ref.train()
-    out, out_ref = model(ids, labels=labels), ref(ids, labels=labels)
-    assert out.logits is None, "training with labels must not build logits"
-    _close(out.loss, out_ref.loss, "loss")
-    out.loss.backward(), out_ref.loss.backward()
-    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-        if p_ref.grad is not None:
-            _close(p.grad, p_ref.grad, f"grad {name}", rtol=1e-3, atol=1e-5)
-
-    # eps 1e-6: a gradient that is zero in exact math (GLM's unrotated k bias) is rounding noise of ~1e-9
-    # in both runs, and Adam with eps 1e-8 would turn that noise into full-size, opposite steps.
-    opt, opt_ref = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
-    for _step in range(5):
-        for m, o in ((model, opt), (ref, opt_ref)):
-            o.zero_grad()
-            m(ids, labels=labels).loss.backward()
-            o.step()
-    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+    _close(logits, logits_ref, "eval logits")
+    assert train_logits is None, "training with labels must not build logits"
+    _close(loss, loss_ref, "loss")
+    for (name, _), g, g_ref in zip(model.named_parameters(), grads, grads_ref):
+        if g_ref is not None:
+            _close(g, g_ref, f"grad {name}", rtol=1e-3, atol=1e-5)
+    for (name, _), p, p_ref in zip(model.named_parameters(), params, params_ref):
         # Adam turns a near-zero gradient (1e-8) into a full-size step: atol is a tenth of lr
         _close(p, p_ref, f"param {name} after 5 AdamW steps", rtol=1e-4, atol=1e-4)
 
