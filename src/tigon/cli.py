@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 OPS = ("rms_norm", "add_rms_norm", "layer_norm", "apply_rope", "swiglu", "geglu", "cross_entropy",
-       "linear_cross_entropy")
+       "linear_cross_entropy", "decode_attention")
 
 
 def _version(dist: str):
