@@ -1,3 +1,4 @@
+import importlib
 import math
 
 import pytest
@@ -6,8 +7,9 @@ import torch.nn.functional as F
 
 from tests._grid import DTYPES, assert_bound, assert_no_sync_and_deterministic, randn
 from tigon import ops
-from tigon.ops import decode_attention as da
 from tigon.ops.decode_attention import decode_attention, decode_attention_reference
+
+da = importlib.import_module("tigon.ops.decode_attention")  # the module: tigon.ops.decode_attention is the op
 
 B, HQ, HKV = 2, 4, 2
 
