@@ -1,0 +1,271 @@
+"""generate: a lean decode loop for Hugging Face causal LMs over a RollingKVCache, with CUDA-graph replay.
+
+    from tigon.generate import generate
+    seqs = generate(model, input_ids, max_new_tokens=64)                    # greedy, like model.generate
+    seqs, stats = generate(model, ids, max_new_tokens=64, do_sample=True, top_p=0.9, return_stats=True)
+
+One prefill with the model's own forward (`logits_to_keep=1`), then one token per step. Everything per step
+stays on the device: token choice (argmax, or temperature / top-k / top-p sampling by the exponential race
+`argmax(p / E)`, E ~ Exp(1), which is how torch.multinomial draws one sample), the `finished` mask of rows
+that emitted EOS (later tokens of those rows are `pad_token_id`), the output writes and the position
+counters. The host looks at `finished` only every `EOS_CHECK_EVERY` steps (a sync each time, at most
+EOS_CHECK_EVERY - 1 wasted steps once every row is done) and once at the end to trim the output to the
+longest row, as `model.generate` returns it.
+
+CUDA graphs (`cuda_graph=True` on CUDA): the decode forward is captured once per call (the batch is fixed
+within a call) over static `input_ids` / `position_ids` / mask tensors and the cache's static buffers, then
+replayed; token choice runs eagerly after each replay (a few small kernels, and a user `generator` needs no
+graph registration). This is valid only while the whole generation fits every layer's ring (HF's mask
+sizes are then the constant `(ring, 0)`, and the query offset is read from the cache's device counter), so
+a generation that would wrap a ring (a sliding layer shorter than the sequence, or `capacity` below
+prompt + max_new_tokens) runs eagerly; `stats["cuda_graph"]` says which path ran.
+"""
+
+import math
+import time
+
+import torch
+
+EOS_CHECK_EVERY = 16  # host syncs on `finished` every 16 steps: < 1% of a ~10 us graph step's launch stream
+
+_NAME = "generate"
+
+
+def _cache_class():
+    from tigon.memory.kv_cache import RollingKVCache  # imports transformers: only when generating
+
+    class _DecodeCache(RollingKVCache):
+        """A RollingKVCache whose query offset can be the device counter (`_next`), so the decode mask
+        does not bake a host integer into a captured graph."""
+
+        device_offset = False
+
+        def get_query_offset(self, layer_idx: int = 0):
+            if self.device_offset:
+                return self.layers[layer_idx]._next
+            return super().get_query_offset(layer_idx)
+
+    return _DecodeCache
+
+
+def _int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{_NAME}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{_NAME}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _validate_sampling(temperature, top_k, top_p):
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"{_NAME}: temperature must be a finite number > 0, got {temperature!r}")
+    _int("top_k", top_k, 0)
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"{_NAME}: top_p must be in (0, 1], got {top_p!r}")
+
+
+def _token_ids(name, value):
+    if value is None:
+        return None
+    ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if isinstance(ids, torch.Tensor):
+        ids = ids.flatten().tolist()
+    if not isinstance(ids, (list, tuple)) or not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{_NAME}: {name} must be a token id >= 0 or a non-empty list of them, "
+                         f"got {value!r}")
+    return list(ids)
+
+
+def _choose(logits, do_sample, temperature, top_k, top_p, generator):
+    """Next token [B] from last-position logits [B, V]: argmax, or one sample after temperature, top-k, top-p
+    (HF's warper order), all in fp32 on the device."""
+    logits = logits.float()
+    if not do_sample:
+        return logits.argmax(-1)
+    if temperature != 1.0:
+        logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        # HF's rule: drop the low tail whose cumulative probability is <= 1 - top_p; the top token stays.
+        sorted_logits, order = torch.sort(logits, dim=-1)
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / race).argmax(-1)
+
+
+class _Clock:
+    """Step boundaries: CUDA events (read once at the end) on CUDA, perf_counter on the host otherwise."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self):
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def _percentile(sorted_values, q):
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
+
+
+@torch.no_grad()
+def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=None, cuda_graph=True,
+             return_stats=False, do_sample=False, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
+             pad_token_id=None, generator=None):
+    """Generate `max_new_tokens` tokens per row; returns `[B, P + n]` int64 sequences (prompt then new tokens,
+    n <= max_new_tokens: trimmed once every row has emitted an EOS), or `(sequences, stats)`.
+
+    `input_ids` `[B, P]` (left padding with `attention_mask` `[B, P]`, 1 = real token). `capacity` is the
+    ring size of the RollingKVCache (default P + max_new_tokens: exact full attention); below the prompt
+    length it is refused unless every layer is a sliding-window layer. `eos_token_id` (int or list; None =
+    never stop, pass `model.generation_config.eos_token_id` to stop like HF) finishes a row, whose later
+    tokens are `pad_token_id` (default: the first EOS id). Sampling (`do_sample=True`) applies temperature,
+    then top-k (0 = off), then top-p (1.0 = off), and draws with `generator` (on the model's device).
+    `stats`: ttft_s (prefill + first token), step_s (one latency per later step), p50_step_s, p99_step_s,
+    tokens_per_s (B * n / total time), decode_tokens_per_s, peak_memory_bytes (CUDA only, else None),
+    new_tokens, batch_size, cuda_graph (whether the replay path ran)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1 or (
+            input_ids.dtype not in (torch.int64, torch.int32)):
+        raise ValueError(f"{_NAME}: input_ids must be a [batch, seq] integer tensor with seq >= 1, got "
+                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    _int("max_new_tokens", max_new_tokens, 1)
+    _validate_sampling(temperature, top_k, top_p)
+    eos = _token_ids("eos_token_id", eos_token_id)
+    if pad_token_id is not None:
+        _int("pad_token_id", pad_token_id, 0)
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    b, p = input_ids.shape
+    total = p + max_new_tokens
+    capacity = total if capacity is None else _int("capacity", capacity, 1)
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or tuple(attention_mask.shape) != (b, p)):
+        raise ValueError(f"{_NAME}: attention_mask must be a [{b}, {p}] tensor like input_ids, got "
+                         f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+
+    device = model.device
+    cache = _cache_class()(model.config, batch_size=b, capacity=capacity, dtype=model.dtype, device=device)
+    if capacity < p and not all(cache.is_sliding):
+        raise ValueError(f"{_NAME}: capacity ({capacity}) is smaller than the prompt ({p} tokens) and the "
+                         "model has full-attention layers, which would drop prompt tokens; pass capacity >= "
+                         "the prompt length")
+    use_graph = (cuda_graph and device.type == "cuda" and max_new_tokens >= 3
+                 and total <= min(layer.ring for layer in cache.layers))
+
+    ids = input_ids.to(device=device, dtype=torch.int64)
+    out = torch.full((b, total), pad, dtype=torch.int64, device=device)
+    out[:, :p].copy_(ids)
+    if attention_mask is not None:
+        prompt_mask = attention_mask.to(device=device, dtype=torch.int64)
+        positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)
+        # One static mask for every decode step: the prompt's padding, then ones. HF indexes it by absolute
+        # position (slot == position while the ring fits), and the causal mask hides the future columns.
+        width = max(total, capacity)
+        step_mask = torch.ones((b, width), dtype=torch.int64, device=device)
+        step_mask[:, :p].copy_(prompt_mask)
+    else:
+        prompt_mask = step_mask = None
+        positions = torch.arange(p, device=device).expand(b, -1)
+    eos_t = torch.tensor(eos, dtype=torch.int64, device=device) if eos else None
+    pad_t = torch.full((b,), pad, dtype=torch.int64, device=device)
+    finished = torch.zeros((b,), dtype=torch.bool, device=device)
+    lengths = torch.zeros((b,), dtype=torch.int64, device=device)  # new tokens per row, its EOS included
+    tok = torch.zeros((b, 1), dtype=torch.int64, device=device)     # static decode inputs
+    pos = positions[:, -1:].clone()
+
+    if return_stats and device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    clock = _Clock(device)
+
+    def emit(logits, step):
+        nxt = _choose(logits, do_sample, temperature, top_k, top_p, generator)
+        if eos_t is not None:
+            nxt = torch.where(finished, pad_t, nxt)
+            lengths.add_(~finished)
+            finished.logical_or_(torch.isin(nxt, eos_t))
+        out[:, p + step].copy_(nxt)
+        tok.copy_(nxt[:, None])
+        pos.add_(1)
+
+    def forward():
+        return model(input_ids=tok, attention_mask=step_mask, position_ids=pos, past_key_values=cache,
+                     use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    clock.mark()
+    logits = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    emit(logits, 0)
+    clock.mark()
+    cache.device_offset = True
+    graph = graph_logits = None
+    steps = 1
+    for step in range(1, max_new_tokens):
+        if eos_t is not None and step % EOS_CHECK_EVERY == 0 and bool(finished.all()):
+            break
+        if graph is not None:
+            graph.replay()
+            for layer in cache.layers:  # the host count HF reads for mask sizes: replay skips the Python
+                layer.seen += 1
+            logits = graph_logits
+        elif use_graph:
+            graph, graph_logits, logits = _capture(forward, cache)
+        else:
+            logits = forward()
+        emit(logits, step)
+        clock.mark()
+        steps += 1
+
+    if eos_t is not None:
+        steps = int(lengths.max())  # the one sync of a run without stats: trim like model.generate
+    sequences = out[:, :p + steps]
+    if not return_stats:
+        return sequences
+    lat = clock.seconds()
+    ttft, step_s = lat[0], lat[1:]  # every step that ran, including any after the last EOS
+    elapsed = ttft + sum(step_s)
+    ordered = sorted(step_s)
+    stats = dict(
+        ttft_s=ttft, step_s=step_s,
+        p50_step_s=_percentile(ordered, 0.5), p99_step_s=_percentile(ordered, 0.99),
+        tokens_per_s=b * steps / elapsed if elapsed > 0 else float("inf"),
+        decode_tokens_per_s=b * len(step_s) / sum(step_s) if sum(step_s) > 0 else None,
+        peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        new_tokens=steps, batch_size=b, cuda_graph=graph is not None)
+    return sequences, stats
+
+
+def _capture(forward, cache):
+    """First CUDA-graph step: run it eagerly on a side stream (the warm-up capture needs: cuBLAS handles and
+    workspaces exist before capture; its logits are this step's real result), then capture the next step
+    without running it. Capture runs the Python once, so the host counters it advanced are put back."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        logits = forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    seen = [layer.seen for layer in cache.layers]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        graph_logits = forward()
+    for layer, count in zip(cache.layers, seen):
+        layer.seen = count
+    return graph, graph_logits, logits

@@ -1,0 +1,210 @@
+"""tigon.generate against Hugging Face `model.generate` on tiny random-init models (CPU, fp32)."""
+
+import importlib
+
+import pytest
+import torch
+
+from tests.hf._tiny import tiny_model
+
+gen = importlib.import_module("tigon.generate")  # the package exports the function under the same name
+
+
+def _ids(b, t, seed=1):
+    return torch.randint(0, 131, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _model(model_type, attn="sdpa"):
+    model = tiny_model(model_type, attn_implementation=attn).eval()
+    model.generation_config.eos_token_id = None  # no EOS unless a test asks: compare all max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _hf(model, ids, new, **kw):
+    return model.generate(ids, max_new_tokens=new, do_sample=False, **kw)
+
+
+@pytest.mark.parametrize("b", [1, 2])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_greedy_matches_hf(model_type, b):
+    model = _model(model_type)
+    ids = _ids(b, 6)
+    ref = _hf(model, ids, 10)
+    got = gen.generate(model, ids, max_new_tokens=10)
+    assert got.shape == ref.shape == (b, 16) and got.dtype == torch.int64
+    assert torch.equal(got, ref)
+
+
+def test_greedy_left_padding_and_eager_attention_match_hf():
+    model = _model("llama", attn="eager")
+    ids = _ids(2, 7)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    assert torch.equal(gen.generate(model, ids, max_new_tokens=8, attention_mask=mask),
+                       _hf(model, ids, 8, attention_mask=mask))
+
+
+def test_single_new_token_and_larger_capacity():
+    model = _model("llama")
+    ids = _ids(2, 5)
+    assert torch.equal(gen.generate(model, ids, max_new_tokens=1), _hf(model, ids, 1))
+    assert torch.equal(gen.generate(model, ids, max_new_tokens=6, capacity=30), _hf(model, ids, 6))
+
+
+def test_eos_stops_a_row_and_pads_it():
+    model = _model("llama")
+    ids = _ids(2, 6, seed=4)
+    greedy = gen.generate(model, ids, max_new_tokens=12)
+    eos = int(greedy[0, 6 + 3])  # row 0 emits it at step 3
+    first = [int((row[6:] == eos).nonzero()[0]) if (row[6:] == eos).any() else None for row in greedy]
+    assert first[0] == 3
+    got = gen.generate(model, ids, max_new_tokens=12, eos_token_id=eos, pad_token_id=127)
+    ref = _hf(model, ids, 12, eos_token_id=eos, pad_token_id=127)
+    assert torch.equal(got, ref)
+    assert torch.equal(got[0, :10], greedy[0, :10]) and bool((got[0, 10:] == 127).all())
+    if first[1] is None:  # row 1 never stops: the full length, row 1 as greedy
+        assert torch.equal(got[1], greedy[1])
+    # Both rows stopped: trimmed to the longest row, like model.generate.
+    both = gen.generate(model, ids, max_new_tokens=12, eos_token_id=[eos, int(greedy[1, 6 + 1])])
+    assert both.shape == (2, 6 + 4) and int(both[1, -1]) == eos  # row 1 stopped at step 1, padded with eos
+
+
+def test_eos_checked_on_host_every_n_steps(monkeypatch):
+    model = _model("llama")
+    ids = _ids(1, 6, seed=4)
+    greedy = gen.generate(model, ids, max_new_tokens=20)
+    eos = int(greedy[0, 6 + 3])
+    seqs, stats = gen.generate(model, ids, max_new_tokens=20, eos_token_id=eos, return_stats=True)
+    assert torch.equal(seqs, greedy[:, :10]) and stats["new_tokens"] == 4
+    assert len(stats["step_s"]) == 15  # EOS at step 3, seen by the host at step 16: steps 1..15 ran
+    monkeypatch.setattr(gen, "EOS_CHECK_EVERY", 2)
+    seqs, stats = gen.generate(model, ids, max_new_tokens=20, eos_token_id=eos, return_stats=True)
+    assert torch.equal(seqs, greedy[:, :10]) and stats["new_tokens"] == 4
+    assert len(stats["step_s"]) == 3  # the check before step 4 stops it: steps 1..3 ran
+
+
+def test_sampling_reproducible_and_top_k_1_is_greedy():
+    model = _model("qwen3")
+    ids = _ids(2, 5)
+    kw = dict(max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    a = gen.generate(model, ids, generator=torch.Generator().manual_seed(7), **kw)
+    b = gen.generate(model, ids, generator=torch.Generator().manual_seed(7), **kw)
+    c = gen.generate(model, ids, generator=torch.Generator().manual_seed(8), **kw)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    greedy = gen.generate(model, ids, max_new_tokens=10)
+    one = gen.generate(model, ids, max_new_tokens=10, do_sample=True, top_k=1, temperature=3.0,
+                       generator=torch.Generator().manual_seed(0))
+    assert torch.equal(one, greedy)
+    tiny_p = gen.generate(model, ids, max_new_tokens=10, do_sample=True, top_p=1e-6,
+                          generator=torch.Generator().manual_seed(0))
+    assert torch.equal(tiny_p, greedy)  # top-p keeps at least the top token
+
+
+def test_top_k_top_p_filter_the_distribution():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(4000, -1)
+    draws = gen._choose(logits, True, 1.0, 3, 1.0, g)
+    assert set(draws.tolist()) == {0, 1, 2}
+    probs = logits[0].softmax(-1)  # [0.636, 0.234, 0.086, ...]: top_p 0.8 keeps tokens 0 and 1
+    draws = gen._choose(logits, True, 1.0, 0, 0.8, g)
+    assert set(draws.tolist()) == {0, 1}
+    share = (draws == 0).float().mean()
+    assert abs(share - probs[0] / probs[:2].sum()) < 0.03
+
+
+def test_stats():
+    model = _model("llama")
+    seqs, stats = gen.generate(model, _ids(2, 5), max_new_tokens=6, return_stats=True)
+    assert seqs.shape == (2, 11)
+    assert stats["ttft_s"] > 0 and len(stats["step_s"]) == 5 and all(s > 0 for s in stats["step_s"])
+    assert min(stats["step_s"]) <= stats["p50_step_s"] <= stats["p99_step_s"] <= max(stats["step_s"])
+    assert stats["tokens_per_s"] > 0 and stats["decode_tokens_per_s"] > 0
+    assert stats["new_tokens"] == 6 and stats["batch_size"] == 2
+    assert stats["peak_memory_bytes"] is None and stats["cuda_graph"] is False
+
+
+def test_bad_input():
+    model = _model("llama")
+    ids = _ids(1, 5)
+    with pytest.raises(ValueError, match="generate: max_new_tokens"):
+        gen.generate(model, ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="generate: max_new_tokens"):
+        gen.generate(model, ids, max_new_tokens=2.0)
+    with pytest.raises(ValueError, match=r"generate: capacity \(4\).*prompt \(5"):
+        gen.generate(model, ids, max_new_tokens=2, capacity=4)
+    with pytest.raises(ValueError, match="generate: temperature"):
+        gen.generate(model, ids, max_new_tokens=2, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="generate: top_k"):
+        gen.generate(model, ids, max_new_tokens=2, do_sample=True, top_k=-1)
+    with pytest.raises(ValueError, match="generate: top_p"):
+        gen.generate(model, ids, max_new_tokens=2, do_sample=True, top_p=0.0)
+    with pytest.raises(ValueError, match="generate: top_p"):
+        gen.generate(model, ids, max_new_tokens=2, do_sample=True, top_p=1.5)
+    with pytest.raises(ValueError, match="generate: eos_token_id"):
+        gen.generate(model, ids, max_new_tokens=2, eos_token_id=[])
+    with pytest.raises(ValueError, match="generate: input_ids"):
+        gen.generate(model, ids[0], max_new_tokens=2)
+    with pytest.raises(ValueError, match="generate: attention_mask"):
+        gen.generate(model, ids, max_new_tokens=2, attention_mask=torch.ones(1, 4))
+
+
+def test_sliding_window_model_may_use_a_capacity_below_the_prompt():
+    model = tiny_model("mistral", attn_implementation="sdpa", sliding_window=4).eval()
+    model.generation_config.eos_token_id = None
+    ids = _ids(2, 9)
+    got = gen.generate(model, ids, max_new_tokens=6, capacity=4)
+    assert torch.equal(got, _hf(model, ids, 6, pad_token_id=0))
+
+
+def _gpu_model():
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf._tiny import tiny_config
+
+    torch.manual_seed(0)
+    # Llama-3-8B attention and width (32 heads, 8 kv heads of 128, hidden 4096), 4 layers, bf16.
+    cfg = tiny_config("llama", num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, hidden_size=4096, intermediate_size=4096, vocab_size=32000,
+                      max_position_embeddings=4096, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_gpu_cuda_graph_matches_eager(do_sample):
+    model = _gpu_model()
+    ids = torch.randint(0, 32000, (4, 100), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    kw = dict(max_new_tokens=64, do_sample=do_sample, top_p=0.9, temperature=0.7, return_stats=True)
+    runs = [gen.generate(model, ids, cuda_graph=graph, generator=torch.Generator("cuda").manual_seed(3), **kw)
+            for graph in (True, False, True)]
+    (a, sa), (b, sb), (c, _) = runs
+    assert sa["cuda_graph"] and not sb["cuda_graph"]
+    assert torch.equal(a, b) and torch.equal(a, c)
+    assert sa["peak_memory_bytes"] > 0 and sa["p50_step_s"] > 0
+    hf = model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0)
+    if not do_sample:
+        assert torch.equal(a, hf)
+
+
+@pytest.mark.gpu
+def test_gpu_replayed_steps_do_not_sync(monkeypatch):
+    # Every replayed step (replay + token choice + bookkeeping) runs under sync-debug "error"; capture itself
+    # synchronizes (torch.cuda.graph does), so the mode is switched on at the first replay.
+    model = _gpu_model()
+    ids = torch.randint(0, 32000, (2, 50), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    replay = torch.cuda.CUDAGraph.replay
+    calls = []
+
+    def checked_replay(self):
+        calls.append(1)
+        torch.cuda.set_sync_debug_mode("error")
+        replay(self)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", checked_replay)
+    try:
+        seqs = gen.generate(model, ids, max_new_tokens=40, do_sample=True, top_k=50, top_p=0.9,
+                            generator=torch.Generator("cuda").manual_seed(1))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(calls) == 38 and seqs.shape == (2, 90)
