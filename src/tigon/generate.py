@@ -168,7 +168,7 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
         raise ValueError(f"{_NAME}: capacity ({capacity}) is smaller than the prompt ({p} tokens) and the "
                          "model has full-attention layers, which would drop prompt tokens; pass capacity >= "
                          "the prompt length")
-    use_graph = (cuda_graph and device.type == "cuda" and max_new_tokens >= 3
+    use_graph = (cuda_graph and _graphs_available(device) and max_new_tokens >= 3
                  and total <= min(layer.ring for layer in cache.layers))
 
     ids = input_ids.to(device=device, dtype=torch.int64)
@@ -201,7 +201,8 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
         if eos_t is not None:
             nxt = torch.where(finished, pad_t, nxt)
             lengths.add_(~finished)
-            finished.logical_or_(torch.isin(nxt, eos_t))
+            # A broadcast compare, not torch.isin: isin may take a sort/unique path for larger id lists.
+            finished.logical_or_((nxt[:, None] == eos_t).any(-1))
         out[:, p + step].copy_(nxt)
         tok.copy_(nxt[:, None])
         pos.add_(1)
@@ -251,6 +252,10 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
         peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         new_tokens=steps, batch_size=b, cuda_graph=graph is not None)
     return sequences, stats
+
+
+def _graphs_available(device) -> bool:
+    return device.type == "cuda"
 
 
 def _capture(forward, cache):
