@@ -7,7 +7,7 @@ import torch
 
 from tests.hf._tiny import tiny_model
 
-gen = importlib.import_module("tigon.generate")  # the package exports the function under the same name
+gen = importlib.import_module("tigon.generation")
 
 
 def _ids(b, t, seed=1):

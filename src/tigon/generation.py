@@ -1,6 +1,6 @@
 """generate: a lean decode loop for Hugging Face causal LMs over a RollingKVCache, with CUDA-graph replay.
 
-    from tigon.generate import generate
+    from tigon import generate
     seqs = generate(model, input_ids, max_new_tokens=64)                    # greedy, like model.generate
     seqs, stats = generate(model, ids, max_new_tokens=64, do_sample=True, top_p=0.9, return_stats=True)
 
