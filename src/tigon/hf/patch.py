@@ -82,10 +82,6 @@ def _mlp_class(hf_cls, kind):
     return type(f"Tigon{hf_cls.__name__}", (torch.nn.Module,), {"__new__": __new__, "__tigon__": True})
 
 
-def _want(spec, piece):
-    return {"norm": spec["rms_norm"], "mlp": spec["swiglu"], "rope": spec["rope"], "loss": True}[piece]
-
-
 def _class_patch(family, report, spec):
     modeling = importlib.import_module(family.modeling)
     undo = _CLASS_UNDO.setdefault(family.model_type, [])
