@@ -65,6 +65,17 @@ def _act_bwd(b_g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] tile: one tile per program on a 1-D grid (no 65535 limit on the row
+    tiles), column tiles fastest so neighbouring programs stream neighbouring bytes; int64 offsets."""
+    pid = tl.program_id(0).to(tl.int64)
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    o_m = (pid // n_tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = (pid % n_tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return o_m, o_n, (o_m < M)[:, None] & (o_n < N)[None, :]
+
+
+@triton.jit
 def _glu_fwd_kernel(
     G,  # [M, N] gate rows
     U,  # [M, N] up rows
@@ -78,13 +89,7 @@ def _glu_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # One [BLOCK_M, BLOCK_N] tile per program on a 1-D grid (no 65535 limit on the row tiles), column
-    # tiles fastest so neighbouring programs stream neighbouring bytes.
-    pid = tl.program_id(0).to(tl.int64)
-    n_tiles_n = tl.cdiv(N, BLOCK_N)
-    o_m = (pid // n_tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_n = (pid % n_tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mn = (o_m < M)[:, None] & (o_n < N)[None, :]
+    o_m, o_n, m_mn = _tile(M, N, BLOCK_M, BLOCK_N)
     # Read once: evict_first keeps the 50 MB L2 for the stores the next kernel reads.
     b_g = tl.load(G + o_m[:, None] * stride_g + o_n[None, :], mask=m_mn, other=0.0,
                   eviction_policy="evict_first").to(tl.float32)
@@ -113,11 +118,7 @@ def _glu_bwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     # Each element is loaded and stored by the same thread, so DG == G and DU == U are race-free.
-    pid = tl.program_id(0).to(tl.int64)
-    n_tiles_n = tl.cdiv(N, BLOCK_N)
-    o_m = (pid // n_tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_n = (pid % n_tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mn = (o_m < M)[:, None] & (o_n < N)[None, :]
+    o_m, o_n, m_mn = _tile(M, N, BLOCK_M, BLOCK_N)
     b_dy = tl.load(DY + o_m[:, None] * stride_dy + o_n[None, :], mask=m_mn, other=0.0,
                    eviction_policy="evict_first").to(tl.float32)
     b_g = tl.load(G + o_m[:, None] * stride_g + o_n[None, :], mask=m_mn, other=0.0,
