@@ -190,7 +190,10 @@ def _instance_patch(model, family, report, spec):
             modeling.apply_rotary_pos_emb = _rope_function()
         report.add(f"function {family.module}.apply_rotary_pos_emb (module-wide)")
     cls = type(hf)
-    if spec["fused_linear_cross_entropy"] and family.causal_lm and cls.__name__.endswith("ForCausalLM"):
+    quantized = _quantized_lm_head(hf)
+    if spec["fused_linear_cross_entropy"] and family.causal_lm and cls.__name__.endswith("ForCausalLM") and quantized:
+        report.skip("fused linear cross-entropy", quantized)
+    elif spec["fused_linear_cross_entropy"] and family.causal_lm and cls.__name__.endswith("ForCausalLM"):
         causal_lm.remember_hf_forward(cls)
         if "forward" not in hf.__dict__:
             undo.append((hf, "forward", None))
@@ -208,6 +211,16 @@ def _instance_patch(model, family, report, spec):
         report.add("loss_function (cross_entropy)")
 
 
+def _quantized_lm_head(hf) -> str:
+    """Why the fused loss cannot read the lm_head's weight, or "": bitsandbytes' Linear4bit and Linear8bitLt
+    subclass nn.Linear but hold packed integers (a 4-bit [V, H] weight is a uint8 [V*H/2, 1])."""
+    linear = causal_lm._resolve_linear(getattr(hf, "lm_head", None))
+    weight = getattr(linear, "weight", None)
+    if weight is None or weight.is_floating_point():
+        return ""
+    return f"lm_head is quantized ({type(linear).__name__}, {weight.dtype} weight); the model computes its loss"
+
+
 def patch(
     model=None,
     *,
@@ -218,9 +231,13 @@ def patch(
     layer_norm=True,
     cross_entropy=False,
     fused_linear_cross_entropy=True,
+    attention=False,
     verbose=False,
 ) -> PatchReport:
-    """Swap Tigon's fused pieces into a model instance, or (model_type / config) into a model family."""
+    """Swap Tigon's fused pieces into a model instance, or (model_type / config) into a model family.
+
+    attention=True (instance only) switches the model to the "tigon" attention implementation
+    (`tigon.hf.attention`: decode steps over a RollingKVCache run decode_attention on the ring)."""
     if model is None and model_type is None:
         raise ValueError("tigon.patch: pass a model instance, or model_type= (a string or a config)")
     if model_type is not None and not isinstance(model_type, str):
@@ -235,6 +252,13 @@ def patch(
         _class_patch(family, report, spec)
     else:
         _instance_patch(model, family, report, spec)
+    if attention and model is None:
+        report.skip("attention", "the 'tigon' attention implementation is set on a model instance")
+    elif attention:
+        from .attention import use_tigon_attention
+
+        for piece, n in use_tigon_attention(model).items():
+            report.add(piece, n)
     if layer_norm:
         report.skip("LayerNorm", f"{model_type} has no LayerNorm")
     if not family.mlp and swiglu:
@@ -251,9 +275,12 @@ def patch(
 def unpatch(model=None) -> None:
     """Restore exactly what patch() replaced: on `model` if given, else every class-level patch."""
     if model is not None:
+        from .attention import restore_attention
+
         hf = _unwrap_model(model)
         for owner, name, original in reversed(hf.__dict__.pop("_tigon_undo", [])):
             _restore(owner, name, original)
+        restore_attention(hf)
         return
     for model_type in list(_CLASS_UNDO):
         for owner, name, original in reversed(_CLASS_UNDO.pop(model_type)):
