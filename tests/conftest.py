@@ -15,7 +15,8 @@ _empty, _empty_like = torch.empty, torch.empty_like
 
 def _nan_fill(t):
     if t.is_floating_point() and t.numel():
-        t.fill_(float("nan"))
+        with torch.no_grad():  # inductor allocates leaves that require grad through torch.empty
+            t.fill_(float("nan"))
     return t
 
 

@@ -49,7 +49,8 @@ def _check(logits, target, dtype, **kw):
     ulps = 16 if logits.is_cuda else 4
     assert_bound("loss", loss, eager, ref, torch.float32, ulps=ulps, floor=lse_scale)
     assert g_k.dtype == logits.dtype
-    assert_bound("dlogits", g_k, g_e, g_r, dtype, ulps=ulps)
+    # dlogits = go * (p - y) with p, y in [0, 1]: a difference of terms of size go (V = 1 cancels to 0 exactly)
+    assert_bound("dlogits", g_k, g_e, g_r, dtype, ulps=ulps, floor=float(go.max()))
 
 
 @pytest.mark.parametrize("V", [1, 7, 1000, 5003])
