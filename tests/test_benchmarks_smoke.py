@@ -68,3 +68,62 @@ def test_a_failing_provider_is_a_cell_note(harness):
     assert "not importable" in rows["peer"]["note"]
     table = "\n".join(harness.op_table(ctx.rows, {}))
     assert "| oom | RuntimeError: CUDA out of memory" in table
+
+
+def test_decode_bench_quick_runs_every_variant(tmp_path, harness):
+    import bench_decode  # benchmarks/bench_decode.py: the thin wrapper over tigon.bench_decode
+
+    from tigon import bench_decode as core
+
+    out = tmp_path / "decode"
+    lines = []
+    argv = ["--quick", "--device", "cpu", "--out", str(out), "--variants", ",".join(core.VARIANTS),
+            "--batches", "1,2"]
+    assert bench_decode.main(argv, log=lines.append) == 0
+    files = set(os.listdir(out))
+    assert {"decode.json", "decode.md"} <= files
+    result = json.loads((out / "decode.json").read_text())
+    rows = result["rows"]
+    assert [(r["variant"], r["batch"]) for r in rows if "error" in r] == []
+    assert len(rows) == 2 * len(core.VARIANTS)
+    for r in rows:
+        assert r["ttft_ms"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] and r["tokens_per_s"] > 0
+        assert len(r["step_ms"]) == r["new"] - 1  # one latency per decode step after the first token
+        assert ("stats" in r) == ("tigon" in r["variant"])
+    swa = {r["variant"]: r for r in rows if r["batch"] == 1 and r["variant"].startswith("swa-")}
+    assert swa["swa-tigon"]["window"] == core.QUICK["window"] and swa["swa-tigon-full"]["window"] is None
+    assert swa["swa-tigon"]["prompt"] == core.QUICK["swa_prompt"] > core.QUICK["window"]  # the ring wraps
+    md = (out / "decode.md").read_text()
+    assert "| llama-toy | tigon | 1 |" in md and "| mistral-swa8 | swa-tigon | 1 |" in md
+    assert "ring past capacity" in md and "| target | measured | met |" in md
+    try:
+        import matplotlib  # noqa: F401
+
+        assert "decode_latency.png" in files
+    except ImportError:
+        assert "decode_latency.png" not in files
+
+
+def test_decode_bench_budget_skips_and_targets():
+    from tigon import bench_decode as core
+
+    specs = core.plan(["tigon", "hf-static-compile"], [1, 8], 512, 256, quick=False, device="cuda")
+    rows = core.run_plan(specs, budget_s=0, log=lambda s: None)  # nothing fits: no process is started
+    assert len(rows) == 4 and all(r["skipped"].startswith("time budget") for r in rows)
+    md = core.markdown(rows, {})
+    assert "Skipped for the time budget: tigon b1, tigon b8" in md
+
+    def row(variant, batch, p50, p99, ttft=10.0, family="llama", window=None, prompt=512):
+        return dict(variant=variant, family=family, batch=batch, prompt=prompt, new=256, window=window, quick=False,
+                    ttft_ms=ttft, p50_ms=p50, p99_ms=p99, mean_ms=p50, tokens_per_s=batch / p50 * 1e3,
+                    wall_ms_per_step=p50, peak_gib=3.0, cuda_graph=True)
+
+    rows = [row("hf-static-compile", 1, 2.7, 3.5), row("tigon", 1, 0.9, 1.0, ttft=12.0), row("tigon", 8, 1.5, 1.6),
+            row("swa-tigon", 1, 1.04, 1.1, family="mistral", window=1024, prompt=4096),
+            row("swa-tigon-full", 1, 1.0, 1.05, family="mistral", prompt=4096)]
+    verdict = {t: ok for t, _, ok in core.targets(rows)}
+    assert verdict["tigon batch 1 p50 <= 1.0 ms/step"] and not verdict["tigon batch 8 p50 <= 1.4 ms/step"]
+    assert verdict["tigon batch 1 TTFT <= 15 ms (prompt 512)"]
+    assert verdict["batch 1: ring past capacity p50 <= 1.05x full cache"]
+    md = core.markdown(rows, {})
+    assert "| llama-1.5b | tigon | 1 | 512 | 256 | 12.0 | 0.900 |" in md and "x3.00 |" in md

@@ -47,3 +47,23 @@ def test_unknown_command_exits_with_usage():
     with pytest.raises(SystemExit) as e:
         cli.main(["frobnicate"])
     assert e.value.code == 2
+
+
+def test_bench_decode_quick_prints_the_table_and_writes_prometheus(tmp_path, capsys):
+    out, prom = tmp_path / "out", tmp_path / "decode.prom"
+    argv = ["bench", "decode", "--quick", "--device", "cpu", "--variants", "tigon,hf-eager", "--batches", "1",
+            "--out", str(out), "--prometheus", str(prom)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| llama-toy | tigon | 1 |" in printed and "| llama-toy | hf-eager | 1 |" in printed
+    assert (out / "decode.md").read_text() in printed
+    text = prom.read_text()
+    assert 'tigon_generate_time_to_first_token_seconds{batch="1",model="llama-toy",variant="tigon"}' in text
+    assert "hf-eager" not in text  # only tigon rows carry generate's stats
+
+
+def test_bench_decode_help_names_the_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "decode", "--help"])
+    assert e.value.code == 0
+    assert "tigon bench decode" in capsys.readouterr().out

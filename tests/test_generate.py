@@ -1,6 +1,7 @@
 """tigon.generate against Hugging Face `model.generate` on tiny random-init models (CPU, fp32)."""
 
 import importlib
+import sys
 
 import pytest
 import torch
@@ -250,3 +251,97 @@ def test_gpu_replayed_steps_do_not_sync(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(calls) == 38 and seqs.shape == (2, 90)
+
+
+def _samples(text):
+    """{(sample name, sorted labels): value} from an exposition, with prometheus_client's parser when installed,
+    else a line reader of the same format."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        out = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            head, value = line.rsplit(" ", 1)
+            name, _, rest = head.partition("{")
+            labels = tuple(sorted(tuple(kv.split("=", 1)) for kv in rest.rstrip("}").split(",") if kv))
+            out[(name, tuple((k, v.strip('"')) for k, v in labels))] = float(value)
+        return out
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _check_exposition(text, stats, labels=()):
+    got = _samples(text)
+    p = "tigon_generate_"
+    lab = tuple(sorted(labels))
+    assert got[(p + "time_to_first_token_seconds", lab)] == pytest.approx(stats["ttft_s"])
+    assert got[(p + "step_latency_p50_seconds", lab)] == pytest.approx(stats["p50_step_s"])
+    assert got[(p + "step_latency_p99_seconds", lab)] == pytest.approx(stats["p99_step_s"])
+    assert got[(p + "tokens_per_second", lab)] == pytest.approx(stats["tokens_per_s"])
+    assert got[(p + "new_tokens", lab)] == stats["new_tokens"]
+    assert got[(p + "batch_size", lab)] == stats["batch_size"]
+    assert got[(p + "cuda_graph", lab)] == float(stats["cuda_graph"])
+    if stats["peak_memory_bytes"] is None:  # on a CPU: left out, not a fake 0
+        assert (p + "peak_memory_bytes", lab) not in got
+    else:
+        assert got[(p + "peak_memory_bytes", lab)] == stats["peak_memory_bytes"]
+    steps = stats["step_s"]
+    assert got[(p + "step_latency_seconds_count", lab)] == len(steps)
+    assert got[(p + "step_latency_seconds_sum", lab)] == pytest.approx(sum(steps))
+    for le in (*gen.LATENCY_BUCKETS, float("inf")):
+        key = (p + "step_latency_seconds_bucket", tuple(sorted(labels + (("le", gen._fmt(le)),))))
+        assert got[key] == sum(s <= le for s in steps)
+
+
+@pytest.mark.parametrize("client", [True, False])
+def test_prometheus_exposition_parses_and_matches_stats(monkeypatch, client):
+    model = _model("llama")
+    _, stats = gen.generate(model, _ids(2, 5), max_new_tokens=6, return_stats=True)
+    if client:
+        pytest.importorskip("prometheus_client")
+    else:  # the fallback writes the same metrics by hand (parsed below by the real parser when installed)
+        monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    text = gen.prometheus_text(stats)
+    monkeypatch.undo()
+    assert "# TYPE tigon_generate_step_latency_seconds histogram" in text
+    _check_exposition(text, stats)
+
+
+def test_prometheus_several_runs_with_labels_and_bad_labels():
+    a = dict(ttft_s=0.01, step_s=[0.001, 0.002, 0.0011], p50_step_s=0.0011, p99_step_s=0.002, tokens_per_s=500.0,
+             decode_tokens_per_s=700.0, peak_memory_bytes=3 * 2**30, new_tokens=4, batch_size=1, cuda_graph=True)
+    b = dict(a, ttft_s=0.02, step_s=[0.05] * 3, peak_memory_bytes=None, cuda_graph=False, batch_size=8)
+    text = gen.prometheus_text([({"variant": "tigon", "batch": "1"}, a), ({"variant": 'x"y', "batch": "8"}, b)])
+    _check_exposition(text, a, (("variant", "tigon"), ("batch", "1")))
+    _check_exposition(text, b, (("variant", 'x"y'), ("batch", "8")))
+    got = _samples(text)
+    assert got[("tigon_generate_batch_size", (("batch", "8"), ("variant", 'x"y')))] == 8
+    one = gen.prometheus_text(a, labels={"run": "r1"})
+    assert 'tigon_generate_cuda_graph{run="r1"} 1.0' in one
+    with pytest.raises(ValueError, match="same label names"):
+        gen.prometheus_text([({"a": "1"}, a), ({"b": "1"}, b)])
+    with pytest.raises(ValueError, match="labels= goes with one stats dict"):
+        gen.prometheus_text([({"a": "1"}, a)], labels={"a": "2"})
+
+
+def test_ttft_counts_from_the_call(monkeypatch):
+    # The first clock mark comes before the cache is built: a slow cache allocation shows up in TTFT.
+    import time
+
+    model = _model("llama")
+    make = gen._cache_class
+
+    def slow():
+        cls = make()
+
+        def build(*args, **kw):
+            time.sleep(0.2)
+            return cls(*args, **kw)
+
+        return build
+
+    monkeypatch.setattr(gen, "_cache_class", slow)
+    _, stats = gen.generate(model, _ids(1, 5), max_new_tokens=3, return_stats=True)
+    assert stats["ttft_s"] >= 0.2

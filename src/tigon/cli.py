@@ -3,6 +3,11 @@
     tigon env                       versions, the GPU, and which path each op takes here
     tigon bench [--quick] [--out DIR] [--budget S] [--sections A,B] [--device D] [--tests]
                                     the benchmarks of benchmarks/gpu_check.py (a source checkout's folder)
+    tigon bench decode [--quick] [--variants V] [--batches 1,8] [--prompt N] [--new N] [--out DIR] [--budget S]
+                       [--prometheus FILE]
+                                    the decode benchmark (tigon.bench_decode: HF generate vs tigon.generate);
+                                    prints the table, writes decode.json/md/png and, with --prometheus, the
+                                    tigon rows' stats in the Prometheus text format
     tigon demo [...]                fine-tune a small model with Tigon off, then on (tigon.demo)
 
 Only the standard library is imported up front; torch, triton and the rest load inside each command.
@@ -109,6 +114,16 @@ def cmd_bench(args) -> int:
     return gpu_check.main(argv)
 
 
+def cmd_bench_decode(rest) -> int:
+    try:
+        bench_decode = importlib.import_module("tigon.bench_decode")
+    except ModuleNotFoundError as e:
+        print(f"tigon bench decode: it needs {e.name!r}, which is not installed "
+              "(pip install 'tigon[hf]' brings transformers).", file=sys.stderr)
+        return 2
+    return bench_decode.main(rest, prog="tigon bench decode")
+
+
 def cmd_demo(args, rest) -> int:
     try:
         demo = importlib.import_module("tigon.demo")
@@ -126,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tigon", description="Fused Triton kernels for Hugging Face LLM training.")
     sub = p.add_subparsers(dest="command", metavar="{env,bench,demo}")
     sub.add_parser("env", help="versions, GPU, and the path (Triton or reference) each op takes here")
-    b = sub.add_parser("bench", help="run the benchmarks (benchmarks/gpu_check.py of a source checkout)")
+    b = sub.add_parser("bench", help="run the benchmarks (benchmarks/gpu_check.py of a source checkout); "
+                       "`tigon bench decode --help`: the decode benchmark")
     b.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run (works on a CPU)")
     b.add_argument("--out", default=None, help="output folder (default: $OUT, else ./tigon-bench-out)")
     b.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 540)")
@@ -142,6 +158,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["demo"]:  # everything after `demo` belongs to tigon.demo's own parser
         return cmd_demo(None, argv[1:])
+    if argv[:2] == ["bench", "decode"]:  # and everything after `bench decode` to tigon.bench_decode's
+        return cmd_bench_decode(argv[2:])
     p = build_parser()
     args = p.parse_args(argv)
     if args.command == "env":

@@ -141,9 +141,11 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     never stop, pass `model.generation_config.eos_token_id` to stop like HF) finishes a row, whose later
     tokens are `pad_token_id` (default: the first EOS id). Sampling (`do_sample=True`) applies temperature,
     then top-k (0 = off), then top-p (1.0 = off), and draws with `generator` (on the model's device).
-    `stats`: ttft_s (prefill + first token), step_s (one latency per later step), p50_step_s, p99_step_s,
-    tokens_per_s (B * n / total time), decode_tokens_per_s, peak_memory_bytes (CUDA only, else None),
-    new_tokens, batch_size, cuda_graph (whether the replay path ran)."""
+    `stats`: ttft_s (from the call to the first token: cache allocation, prefill, first token choice), step_s
+    (one latency per later step), p50_step_s, p99_step_s, tokens_per_s (B * n / total time),
+    decode_tokens_per_s, peak_memory_bytes (CUDA only, else None), new_tokens, batch_size, cuda_graph (whether
+    the replay path ran). Step times are CUDA events on CUDA (read once at the end, no sync in the loop),
+    perf_counter on a CPU. `prometheus_text(stats)` formats them for scraping."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1 or (
             input_ids.dtype not in (torch.int64, torch.int32)):
         raise ValueError(f"{_NAME}: input_ids must be a [batch, seq] integer tensor with seq >= 1, got "
@@ -163,6 +165,10 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
                          f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
 
     device = model.device
+    if return_stats and device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    clock = _Clock(device)
+    clock.mark()  # TTFT counts from here: the cache allocation and the prompt copies are part of it
     cache = _cache_class()(model.config, batch_size=b, capacity=capacity, dtype=model.dtype, device=device)
     if capacity < p and not all(cache.is_sliding):
         raise ValueError(f"{_NAME}: capacity ({capacity}) is smaller than the prompt ({p} tokens) and the "
@@ -192,9 +198,6 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     tok = torch.zeros((b, 1), dtype=torch.int64, device=device)     # static decode inputs
     pos = positions[:, -1:].clone()
 
-    if return_stats and device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    clock = _Clock(device)
 
     def emit(logits, step):
         nxt = _choose(logits, do_sample, temperature, top_k, top_p, generator)
@@ -211,7 +214,6 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
         return model(input_ids=tok, attention_mask=step_mask, position_ids=pos, past_key_values=cache,
                      use_cache=True, logits_to_keep=1).logits[:, -1]
 
-    clock.mark()
     logits = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]
     emit(logits, 0)
@@ -274,3 +276,102 @@ def _capture(forward, cache):
     for layer, count in zip(cache.layers, seen):
         layer.seen = count
     return graph, graph_logits, logits
+
+
+# Step-latency histogram buckets (seconds): a CUDA-graph step of a 1-8B model is 0.5-5 ms, an eager one 10-100 ms.
+LATENCY_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 1.0)
+_PREFIX = "tigon_generate_"
+# (name, help, stats key); gauges whose stats value is None (peak memory on a CPU) are left out.
+_GAUGES = (
+    ("time_to_first_token_seconds", "Time from the generate call to the first token", "ttft_s"),
+    ("step_latency_p50_seconds", "Median decode step latency", "p50_step_s"),
+    ("step_latency_p99_seconds", "99th percentile decode step latency", "p99_step_s"),
+    ("tokens_per_second", "Generated tokens per second over the whole call (batch * new tokens / time)",
+     "tokens_per_s"),
+    ("decode_tokens_per_second", "Generated tokens per second over the decode steps", "decode_tokens_per_s"),
+    ("peak_memory_bytes", "Peak CUDA memory allocated during the call", "peak_memory_bytes"),
+    ("new_tokens", "New tokens per row", "new_tokens"),
+    ("batch_size", "Rows generated", "batch_size"),
+    ("cuda_graph", "1 when the decode steps replayed a CUDA graph", "cuda_graph"),
+)
+_HISTOGRAM = ("step_latency_seconds", "Decode step latency (every step after the first token)", "step_s")
+
+
+def _runs(stats, labels):
+    if isinstance(stats, dict):
+        return [(dict(labels or {}), stats)]
+    if labels is not None:
+        raise ValueError("prometheus_text: labels= goes with one stats dict; a list carries (labels, stats) pairs")
+    runs = [(dict(lab or {}), st) for lab, st in stats]
+    keys = {tuple(sorted(lab)) for lab, _ in runs}
+    if len(keys) > 1:
+        raise ValueError(f"prometheus_text: every run needs the same label names, got {sorted(keys)}")
+    return runs
+
+
+def prometheus_text(stats, labels=None) -> str:
+    """The `stats` of `generate(..., return_stats=True)` in the Prometheus text exposition format (0.0.4).
+
+    `stats` is one stats dict (with optional `labels` {name: value}) or a list of `(labels, stats)` pairs, one
+    series per run. Metrics (prefix `tigon_generate_`): gauges time_to_first_token_seconds,
+    step_latency_p50_seconds, step_latency_p99_seconds, tokens_per_second, decode_tokens_per_second,
+    peak_memory_bytes (absent on a CPU), new_tokens, batch_size, cuda_graph; histogram step_latency_seconds
+    (buckets LATENCY_BUCKETS) of every decode step. Uses prometheus_client when it is installed (its registry
+    and generate_latest, which adds the histogram's `_created` sample); without it the same metrics are
+    written by hand, so the function never needs the package."""
+    runs = _runs(stats, labels)
+    names = sorted(runs[0][0]) if runs else []
+    try:
+        import prometheus_client
+    except ImportError:
+        return _prometheus_by_hand(runs)
+    registry = prometheus_client.CollectorRegistry()
+    for name, doc, key in _GAUGES:
+        values = [(lab, st.get(key)) for lab, st in runs if st.get(key) is not None]
+        if values:
+            gauge = prometheus_client.Gauge(_PREFIX + name, doc, names, registry=registry)
+            for lab, v in values:
+                (gauge.labels(**lab) if names else gauge).set(float(v))
+    name, doc, key = _HISTOGRAM
+    hist = prometheus_client.Histogram(_PREFIX + name, doc, names, buckets=LATENCY_BUCKETS, registry=registry)
+    for lab, st in runs:
+        child = hist.labels(**lab) if names else hist
+        for s in st.get(key) or ():
+            child.observe(s)
+    return prometheus_client.generate_latest(registry).decode()
+
+
+def _fmt(v) -> str:
+    v = float(v)
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    if math.isnan(v):
+        return "NaN"
+    return repr(v)
+
+
+def _labels(lab, extra=None) -> str:
+    items = list(lab.items()) + list((extra or {}).items())
+    if not items:
+        return ""
+    esc = lambda s: str(s).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in items) + "}"
+
+
+def _prometheus_by_hand(runs) -> str:
+    lines = []
+    for name, doc, key in _GAUGES:
+        values = [(lab, st.get(key)) for lab, st in runs if st.get(key) is not None]
+        if values:
+            lines += [f"# HELP {_PREFIX}{name} {doc}", f"# TYPE {_PREFIX}{name} gauge"]
+            lines += [f"{_PREFIX}{name}{_labels(lab)} {_fmt(v)}" for lab, v in values]
+    name, doc, key = _HISTOGRAM
+    full = _PREFIX + name
+    lines += [f"# HELP {full} {doc}", f"# TYPE {full} histogram"]
+    for lab, st in runs:
+        steps = list(st.get(key) or ())
+        for le in (*LATENCY_BUCKETS, math.inf):
+            lines.append(f"{full}_bucket{_labels(lab, {'le': _fmt(le)})} {_fmt(sum(s <= le for s in steps))}")
+        lines += [f"{full}_count{_labels(lab)} {_fmt(len(steps))}", f"{full}_sum{_labels(lab)} {_fmt(sum(steps))}"]
+    return "\n".join(lines) + "\n"
