@@ -231,9 +231,13 @@ def patch(
     layer_norm=True,
     cross_entropy=False,
     fused_linear_cross_entropy=True,
+    attention=False,
     verbose=False,
 ) -> PatchReport:
-    """Swap Tigon's fused pieces into a model instance, or (model_type / config) into a model family."""
+    """Swap Tigon's fused pieces into a model instance, or (model_type / config) into a model family.
+
+    attention=True (instance only) switches the model to the "tigon" attention implementation
+    (`tigon.hf.attention`: decode steps over a RollingKVCache run decode_attention on the ring)."""
     if model is None and model_type is None:
         raise ValueError("tigon.patch: pass a model instance, or model_type= (a string or a config)")
     if model_type is not None and not isinstance(model_type, str):
@@ -248,6 +252,13 @@ def patch(
         _class_patch(family, report, spec)
     else:
         _instance_patch(model, family, report, spec)
+    if attention and model is None:
+        report.skip("attention", "the 'tigon' attention implementation is set on a model instance")
+    elif attention:
+        from .attention import use_tigon_attention
+
+        for piece, n in use_tigon_attention(model).items():
+            report.add(piece, n)
     if layer_norm:
         report.skip("LayerNorm", f"{model_type} has no LayerNorm")
     if not family.mlp and swiglu:
@@ -264,9 +275,12 @@ def patch(
 def unpatch(model=None) -> None:
     """Restore exactly what patch() replaced: on `model` if given, else every class-level patch."""
     if model is not None:
+        from .attention import restore_attention
+
         hf = _unwrap_model(model)
         for owner, name, original in reversed(hf.__dict__.pop("_tigon_undo", [])):
             _restore(owner, name, original)
+        restore_attention(hf)
         return
     for model_type in list(_CLASS_UNDO):
         for owner, name, original in reversed(_CLASS_UNDO.pop(model_type)):

@@ -122,9 +122,7 @@ class RollingKVLayer(CacheLayerMixin):
         if q == 1:
             # Decode: the slot on the device into a preallocated tensor, then one column written; no
             # allocation, no host sync, the same code whether or not the ring has wrapped.
-            torch.sub(self._next, self._sink_t, out=self._slot)
-            self._slot.div_(self._recent_t, rounding_mode="floor").clamp_(min=0)
-            self._slot.mul_(self._neg_recent_t).add_(self._next)
+            self._decode_slot()
             keys.index_copy_(2, self._slot, key_states)
             values.index_copy_(2, self._slot, value_states)
             self.positions.index_copy_(0, self._slot, self._next)
@@ -153,6 +151,45 @@ class RollingKVLayer(CacheLayerMixin):
         self.positions.index_copy_(0, slots, keep)
         self._next.add_(q)
         return full_k, full_v
+
+    def _decode_slot(self) -> None:
+        """The slot of position `_next` into `_slot`, on the device: sink + (p - sink) % recent past the sinks."""
+        torch.sub(self._next, self._sink_t, out=self._slot)
+        self._slot.div_(self._recent_t, rounding_mode="floor").clamp_(min=0)
+        self._slot.mul_(self._neg_recent_t).add_(self._next)
+
+    def update_rope(self, key_states, value_states, cos, sin, query_states=None):
+        """`update` for keys before RoPE: returns (keys, values, rotated query or None).
+
+        A decode step (one token) rotates the key (and the query) and writes key and value into the ring in one
+        kernel (`tigon.ops.rope_kv_write`), with no allocation besides the rotated query and no host sync. A
+        longer chunk rotates with `tigon.ops.apply_rope` and goes through `update`. cos, sin
+        `[1 or batch, seq, rotary_dim]` as HF's rotary embedding returns them. Inference only.
+        """
+        from ..ops import apply_rope, rope_kv_write
+
+        self._check(key_states, value_states)
+        b, q = key_states.shape[0], key_states.shape[2]
+        if q != 1:
+            q_embed, k_embed = apply_rope(query_states if query_states is not None else key_states, key_states,
+                                          cos, sin)
+            keys, values = self.update(k_embed, value_states)
+            return keys, values, (q_embed if query_states is not None else None)
+        keys, values = (self.keys, self.values) if b == self.batch_size else (self.keys[:b], self.values[:b])
+        self.seen += 1
+        self._decode_slot()
+        q_embed = rope_kv_write(key_states, value_states, cos, sin, keys, values, self._slot, query=query_states)
+        self.positions.index_copy_(0, self._slot, self._next)
+        self._next.add_(self._one_t)
+        return keys, values, q_embed
+
+    def decode_positions(self):
+        """(slot positions `[ring]`, next position `[1]`), both int64 device tensors kept by the layer.
+
+        After a decode step's write the query sits at `next - 1`; `tigon.hf.attention` passes `next` itself to
+        `decode_attention` (with the window widened by one), which selects the same slots since no slot holds
+        `next` yet, and so needs no subtraction kernel."""
+        return self.positions, self._next
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv_length, kv_offset) of what `update` returns for a chunk of `query_length` tokens."""

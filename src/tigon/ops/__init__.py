@@ -4,6 +4,7 @@ pure-PyTorch reference otherwise; see `tigon.ops._library` for the dispatch rule
 from ._library import backend_for, dispatch_counts
 from .cross_entropy import cross_entropy
 from .decode_attention import decode_attention
+from .kv_write import rope_kv_write
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
 from .rms_norm import add_rms_norm, rms_norm
@@ -21,5 +22,6 @@ __all__ = [
     "layer_norm",
     "linear_cross_entropy",
     "rms_norm",
+    "rope_kv_write",
     "swiglu",
 ]

@@ -1,0 +1,258 @@
+"""The "tigon" attention implementation for transformers: decode steps over a RollingKVCache read the ring in place.
+
+    from tigon.hf.attention import use_tigon_attention, restore_attention
+    use_tigon_attention(model)     # or tigon.patch(model, attention=True)
+    model.generate(ids, past_key_values=RollingKVCache(model.config, batch_size=B, capacity=C))
+
+`use_tigon_attention` registers the name "tigon" with `AttentionInterface` (the attention function) and
+`AttentionMaskInterface` (the mask builder), switches the model to it and wraps the forward of each attention
+module on the instance. A decode step (one query token, a RollingKVCache, grad off) then runs:
+- Llama-style modules (Llama, Mistral, Qwen2, Qwen3 with its q/k norms; table `_ROPE_ON_WRITE`): q/k/v
+  projections, then one `tigon.ops.rope_kv_write` kernel that rotates q and k and writes k and v into the
+  ring slot, then `tigon.ops.decode_attention` over the ring, then o_proj;
+- any other module of the same call shape (Gemma-2, ...): the module's own forward, whose cache update writes
+  the ring, then `decode_attention` from the attention function (GQA, the layer's sliding window, softcap).
+Everything else (prefill, chunks, training, other caches) is Hugging Face's: `sdpa_attention_forward`, or,
+for a model with attention-logit softcapping, the family's `eager_attention_forward` (sdpa ignores softcap,
+so "tigon" computes what "eager" does for Gemma-2, and what "sdpa" does for the others).
+
+The decode step never syncs the host: the slot positions and the query position are the cache's device
+tensors, and HF's 4-D decode mask (always materialized for a compileable cache) is folded into per-row slot
+positions with one `torch.where` (a masked slot becomes empty, -1), which keeps left padding exact. Limits: a
+float 4-D mask is read as "0 = attend" (additive biases are not applied on the decode path); dropout and
+autograd take the HF path.
+"""
+
+import collections
+import inspect
+import sys
+import types
+
+import torch
+
+from ..memory.kv_cache import RollingKVCache
+from ..ops import decode_attention
+
+NAME = "tigon"
+_STATE = "_tigon_attention"  # hf.__dict__ key: the implementation to restore and the wrapped modules
+_RING = "_tigon_ring"  # kwargs key that carries the cache layer from the module forward to the attention function
+_CALL_SHAPE = ("self", "hidden_states", "position_embeddings", "attention_mask", "past_key_values")
+# Attention classes whose forward is Llama's (q/k/v proj, optional q_norm/k_norm on the head dim, rotate-half
+# RoPE, cache update, attention at self.scaling, o_proj): where each reads its sliding window from.
+_ROPE_ON_WRITE = {
+    "LlamaAttention": None,
+    "MistralAttention": "config",
+    "Qwen2Attention": "module",
+    "Qwen3Attention": "module",
+}
+_registered = False
+
+
+def register() -> None:
+    """Register "tigon" with transformers' attention and mask interfaces (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, tigon_attention_forward)
+    AttentionMaskInterface.register(NAME, tigon_mask)
+    _registered = True
+
+
+def _softcap_of(config):
+    return getattr(config, "attn_logit_softcapping", None) if config is not None else None
+
+
+def tigon_mask(*args, config=None, **kwargs):
+    """HF's sdpa mask (boolean, None where sdpa's is_causal does it), or its eager mask (additive float, never
+    skipped) for a softcapping model, whose non-decode steps run the family's eager attention."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
+
+    if _softcap_of(config):
+        return eager_mask(*args, config=config, **kwargs)
+    return sdpa_mask(*args, config=config, **kwargs)
+
+
+def _fallback(module, query, key, value, attention_mask, **kwargs):
+    if kwargs.get("softcap") is not None:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            return eager(module, query, key, value, attention_mask, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _mask_usable(attention_mask, batch: int, ring: int) -> bool:
+    """Host checks only: a 4-D [1 or B, 1, 1, ring] mask whose columns are the ring's slots, or none."""
+    if attention_mask is None:
+        return True
+    return (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
+            and attention_mask.shape[0] in (1, batch) and attention_mask.shape[-1] == ring
+            and (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()))
+
+
+def _slot_positions(layer, attention_mask, batch: int):
+    """The positions decode_attention reads: the layer's `[ring]`, or `[B, ring]` with masked slots set to -1.
+
+    In a decode step HF's mask column j is slot j (the ring is returned whole, in slot order), so folding the
+    mask into the positions attends exactly the slots sdpa would."""
+    positions, _ = layer.decode_positions()
+    if attention_mask is None:
+        return positions
+    row = attention_mask[:, 0, -1, :]
+    allowed = row if row.dtype == torch.bool else row == 0
+    return torch.where(allowed, positions, -1).expand(batch, -1)
+
+
+def _decode(layer, query, keys, values, slot_pos, *, scaling, sliding_window, softcap):
+    _, nxt = layer.decode_positions()
+    # The query sits at next - 1. Passing `next` (and the window + 1) attends the same slots: no slot holds
+    # position `next` yet, and next - p < w + 1 iff (next - 1) - p < w. This saves a subtraction kernel per layer.
+    out = decode_attention(query, keys, values, slot_pos, nxt, scale=scaling,
+                           sliding_window=sliding_window + 1 if sliding_window else None, softcap=softcap or None)
+    return out.transpose(1, 2)  # [B, 1, Hq, D], as HF's attention functions return it
+
+
+def tigon_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                            sliding_window=None, softcap=None, **kwargs):
+    """The AttentionInterface function "tigon": decode_attention on the ring when the module's forward handed
+    over its RollingKVCache layer for a decode step, else the HF fallback. Returns ([B, T, Hq, D], None)."""
+    layer = kwargs.pop(_RING, None)
+    if (layer is not None and not dropout and query.shape[2] == 1 and key.shape[2] == layer.ring
+            and _mask_usable(attention_mask, query.shape[0], layer.ring)):
+        slot_pos = _slot_positions(layer, attention_mask, query.shape[0])
+        return _decode(layer, query, key, value, slot_pos, scaling=scaling, sliding_window=sliding_window,
+                       softcap=softcap), None
+    return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                     sliding_window=sliding_window, softcap=softcap, **kwargs)
+
+
+def _ring_layer(module, hidden_states, past_key_values):
+    """The RollingKVCache layer of this module when this call is a decode step tigon runs, else None."""
+    if (not isinstance(past_key_values, RollingKVCache) or hidden_states is None or hidden_states.dim() != 3
+            or hidden_states.shape[1] != 1 or torch.is_grad_enabled()
+            or module.config._attn_implementation != NAME):
+        return None
+    idx = getattr(module, "layer_idx", None)
+    if not isinstance(idx, int) or not 0 <= idx < len(past_key_values.layers):
+        return None
+    layer = past_key_values.layers[idx]
+    return layer if hidden_states.shape[0] <= layer.batch_size else None
+
+
+def _window(module):
+    source = _ROPE_ON_WRITE[type(module).__name__]
+    if source == "module":
+        return module.sliding_window
+    if source == "config":
+        return getattr(module.config, "sliding_window", None)
+    return None
+
+
+def _rope_on_write(module, layer, hidden_states, position_embeddings, attention_mask):
+    """Llama's attention forward for one decode step, with RoPE fused into the cache write."""
+    b = hidden_states.shape[0]
+    if position_embeddings is None or not _mask_usable(attention_mask, b, layer.ring):
+        return None
+    hidden_shape = (b, 1, -1, module.head_dim)
+    q = module.q_proj(hidden_states).view(hidden_shape)
+    k = module.k_proj(hidden_states).view(hidden_shape)
+    v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    if hasattr(module, "q_norm"):  # Qwen3: RMSNorm on the head dim before RoPE
+        q, k = module.q_norm(q), module.k_norm(k)
+    cos, sin = position_embeddings
+    keys, values, q = layer.update_rope(k.transpose(1, 2), v, cos, sin, q.transpose(1, 2))
+    slot_pos = _slot_positions(layer, attention_mask, b)  # after the write: it holds the new position
+    out = _decode(layer, q, keys, values, slot_pos, scaling=module.scaling, sliding_window=_window(module),
+                  softcap=None)
+    return module.o_proj(out.reshape(b, 1, -1)), None
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                       **kwargs):
+    """Installed on each attention module: a decode step over a RollingKVCache goes to tigon, the rest to the
+    class forward unchanged."""
+    forward = type(self).forward
+    layer = _ring_layer(self, hidden_states, past_key_values)
+    if layer is None:
+        return forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+    if self.__dict__.get("_tigon_rope_on_write"):
+        out = _rope_on_write(self, layer, hidden_states, position_embeddings, attention_mask)
+        if out is not None:
+            return out
+    return forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs,
+                   **{_RING: layer})
+
+
+def _call_shape_ok(cls) -> bool:
+    try:
+        names = tuple(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names[:len(_CALL_SHAPE)] == _CALL_SHAPE
+
+
+def _is_hf_llama_forward(cls) -> bool:
+    """The class is in the table and its forward is still transformers' own (not replaced by another library)."""
+    fn = cls.__dict__.get("forward")
+    return (cls.__name__ in _ROPE_ON_WRITE and fn is not None
+            and fn.__module__.startswith("transformers.models.") and fn.__qualname__ == f"{cls.__name__}.forward")
+
+
+def _unwrap(model):
+    from .patch import _unwrap_model
+
+    return _unwrap_model(model)
+
+
+def _set_impl(hf, name) -> None:
+    if hasattr(hf, "set_attn_implementation"):
+        hf.set_attn_implementation(name)
+    if hf.config._attn_implementation != name:  # a class that refuses dynamic switching: the config directly
+        hf.config._attn_implementation = name
+
+
+def use_tigon_attention(model) -> collections.Counter:
+    """Switch `model` (a transformers model, or a PEFT/other wrapper of one) to the "tigon" attention
+    implementation and wrap its attention modules' forward (see the module docstring). Idempotent; undone by
+    `restore_attention(model)` (and by `tigon.unpatch(model)` when installed through `tigon.patch`).
+    Returns the count of each piece installed."""
+    register()
+    hf = _unwrap(model)
+    state = hf.__dict__.get(_STATE)
+    if state is None:
+        state = hf.__dict__[_STATE] = {"impl": hf.config._attn_implementation, "modules": []}
+    counts = collections.Counter()
+    _set_impl(hf, NAME)
+    counts["attention implementation 'tigon' (decode_attention over RollingKVCache)"] += 1
+    for m in hf.modules():
+        cls = type(m)
+        if not cls.__name__.endswith("Attention") or not hasattr(m, "layer_idx") or not _call_shape_ok(cls):
+            continue
+        if m.__dict__.get("forward") is None:
+            m.forward = types.MethodType(_attention_forward, m)
+            m._tigon_rope_on_write = _is_hf_llama_forward(cls)
+            state["modules"].append(m)
+        elif getattr(m.__dict__["forward"], "__func__", None) is not _attention_forward:
+            continue  # another library's instance forward: leave it alone
+        if m._tigon_rope_on_write:
+            counts[f"{cls.__name__} decode (RoPE on write)"] += 1
+        else:
+            counts[f"{cls.__name__} decode (decode_attention)"] += 1
+    return counts
+
+
+def restore_attention(model) -> None:
+    """Undo `use_tigon_attention`: the original implementation and the class forwards of the modules."""
+    hf = _unwrap(model)
+    state = hf.__dict__.pop(_STATE, None)
+    if state is None:
+        return
+    for m in state["modules"]:
+        if getattr(m.__dict__.get("forward"), "__func__", None) is _attention_forward:
+            del m.forward
+        m.__dict__.pop("_tigon_rope_on_write", None)
+    _set_impl(hf, state["impl"])

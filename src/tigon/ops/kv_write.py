@@ -1,0 +1,230 @@
+"""RoPE on write: rotate the new keys and store them, with the new values, straight into KV-cache slots.
+
+A decode step otherwise runs RoPE (read k, write k_embed) and then the cache's `index_copy_` (read k_embed and
+v, write the slots): three kernels and k's bytes moved three times. Here one program per token (b, t) reads
+its key and value once and writes the rotated key and the value into the slot `slots[t]` of the cache; the
+query can be rotated in the same pass (`query=`), so a Llama-style decode step needs one kernel before
+attention. Forward only (inference).
+
+Layout contract:
+- `key`, `value`: `[B, Hkv, T, D]`, any strides (HF's transposed views are read in place);
+- `query` (optional): `[B, Hq, T, D]`; the rotated query comes back in query's layout;
+- `cos`, `sin`: `[1 or B, T, rd]`, rotate-half convention (`tigon.ops.apply_rope`), rd even <= D: dims rd..D
+  pass through (partial rotary);
+- `k_cache`, `v_cache`: `[B, Hkv, C, D]` in key's dtype, unit stride on D, written in place;
+- `slots`: int64 `[T]` on the device (shared by the batch): token t goes to slot `slots[t]`. A slot outside
+  `[0, C)` is skipped (nothing is written), so -1 marks a token not to keep. Two tokens with one slot: which
+  one lands is unspecified. The slots are never read by the host.
+The math and the byte model are in docs/ops/kv_write.md.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch, _library, reference
+from .rope import _rope_heads
+
+_TILE = 512  # elements of one [heads, rd/2] (or [heads, D]) tile, as in rope.py
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _copy_heads(
+    X, Y, n_heads, stride_xh, stride_yh, D,
+    BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Copy n_heads rows of D elements (unit stride) from X to Y, BLOCK_HEADS rows at a time."""
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    for h0 in range(0, n_heads, BLOCK_HEADS):
+        o_h = tl.cast(h0, tl.int64) + tl.arange(0, BLOCK_HEADS).to(tl.int64)
+        m = (o_h < n_heads)[:, None] & m_d[None, :]
+        b_x = tl.load(X + o_h[:, None] * stride_xh + o_d[None, :], mask=m, other=0.0)
+        tl.store(Y + o_h[:, None] * stride_yh + o_d[None, :], b_x.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    K,  # [B, Hkv, T, D] new keys before RoPE, unit stride on D
+    V,  # [B, Hkv, T, D] new values, unit stride on D
+    Q,  # [B, Hq, T, D] query (read when Hq > 0)
+    COS,  # [Bc, T, rd], Bc in (1, B), any strides
+    SIN,
+    K_CACHE,  # [B, Hkv, C, D] written at slot SLOTS[t], unit stride on D
+    V_CACHE,
+    SLOTS,  # [T] int64 slot of each token; outside [0, C): not written
+    QO,  # [B, Hq, T, D] rotated query (written when Hq > 0)
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_qb, stride_qh, stride_qt,
+    stride_qob, stride_qoh, stride_qot,
+    stride_cb, stride_ct, stride_cd,  # stride_cb is 0 when cos has batch 1
+    stride_sb, stride_st, stride_sd,
+    stride_kcb, stride_kch, stride_kcc,
+    stride_vcb, stride_vch, stride_vcc,
+    stride_slot,
+    T,
+    Hq,  # 0: no query
+    Hkv,
+    C,  # cache slots
+    D,  # head dim
+    HALF,  # rd / 2
+    HAS_PASS: tl.constexpr,  # rd < D
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // T
+    t = pid % T
+    o_r = tl.arange(0, BLOCK_R)
+    m_r = o_r < HALF
+    p_c = COS + b * stride_cb + t * stride_ct
+    p_s = SIN + b * stride_sb + t * stride_st
+    b_c1 = tl.load(p_c + o_r * stride_cd, mask=m_r, other=0.0).to(tl.float32)
+    b_c2 = tl.load(p_c + (HALF + o_r) * stride_cd, mask=m_r, other=0.0).to(tl.float32)
+    b_s1 = tl.load(p_s + o_r * stride_sd, mask=m_r, other=0.0).to(tl.float32)
+    b_s2 = tl.load(p_s + (HALF + o_r) * stride_sd, mask=m_r, other=0.0).to(tl.float32)
+    # The query (if any) goes to its own output; the loop runs no step when Hq == 0.
+    _rope_heads(
+        Q, QO, b_c1, b_c2, b_s1, b_s2, b, t,
+        stride_qb, stride_qh, stride_qt, stride_qob, stride_qoh, stride_qot,
+        Hq, D, HALF, HAS_PASS, BLOCK_HQ, BLOCK_R, BLOCK_P,
+    )
+    slot = tl.load(SLOTS + t * stride_slot)
+    if (slot >= 0) & (slot < C):
+        # The source row (b, t) and the destination row (b, slot) differ along the sequence axis: both are
+        # folded into the base pointers, and the helper walks heads and dims from there (its t is 0).
+        _rope_heads(
+            K + t * stride_kt, K_CACHE + slot * stride_kcc, b_c1, b_c2, b_s1, b_s2, b, 0,
+            stride_kb, stride_kh, 0, stride_kcb, stride_kch, 0,
+            Hkv, D, HALF, HAS_PASS, BLOCK_HK, BLOCK_R, BLOCK_P,
+        )
+        _copy_heads(
+            V + b * stride_vb + t * stride_vt, V_CACHE + b * stride_vcb + slot * stride_vcc,
+            Hkv, stride_vh, stride_vch, D, BLOCK_HV, BLOCK_D,
+        )
+
+
+def _heads_block(n_heads: int, width: int) -> int:
+    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), _TILE // width))
+
+
+def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query):
+    B, Hkv, T, D = key.shape
+    qo = torch.empty_like(query) if query is not None else cos.new_empty(0)
+    if B * T == 0 or Hkv == 0:
+        return qo
+    rd = cos.shape[-1]
+    block_r = triton.next_power_of_2(rd // 2)
+    block_d = triton.next_power_of_2(D)
+    Hq = query.shape[1] if query is not None else 0
+    qs = query.stride()[:3] if query is not None else (0, 0, 0)
+    qos = qo.stride()[:3] if query is not None else (0, 0, 0)
+    _rope_kv_write_kernel[(B * T,)](
+        key, value, query if query is not None else key, cos, sin, k_cache, v_cache, slots,
+        qo if query is not None else key,
+        *key.stride()[:3], *value.stride()[:3], *qs, *qos,
+        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2),
+        sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1), sin.stride(2),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], slots.stride(0),
+        T, Hq, Hkv, k_cache.shape[2], D, rd // 2,
+        HAS_PASS=rd < D, BLOCK_HQ=_heads_block(Hq, block_r), BLOCK_HK=_heads_block(Hkv, block_r),
+        BLOCK_HV=_heads_block(Hkv, block_d), BLOCK_R=block_r, BLOCK_P=triton.next_power_of_2(max(D - rd, 1)),
+        BLOCK_D=block_d, num_warps=_NUM_WARPS,
+    )
+    return qo
+
+
+@torch.library.custom_op("tigon::rope_kv_write", mutates_args=("k_cache", "v_cache"))
+def rope_kv_write_op(
+    key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, slots: torch.Tensor, query: torch.Tensor | None,
+) -> torch.Tensor:
+    """Writes RoPE(key) and value into k_cache / v_cache at `slots`; returns RoPE(query) (empty without one)."""
+    return _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query)
+
+
+@rope_kv_write_op.register_fake
+def _(key, value, cos, sin, k_cache, v_cache, slots, query):
+    return torch.empty_like(query) if query is not None else cos.new_empty(0)
+
+
+def rope_kv_write_reference(key, value, cos, sin, k_cache, v_cache, slots, *, query=None):
+    """The spec, in fp32 (rotation by `reference.apply_rope`), one cast at the store. Syncs on the slots."""
+    q_embed, k_embed = reference.apply_rope(query if query is not None else key, key, cos, sin)
+    keep = ((slots >= 0) & (slots < k_cache.shape[2])).nonzero().flatten()
+    k_cache.index_copy_(2, slots[keep], k_embed.index_select(2, keep).to(k_cache.dtype))
+    v_cache.index_copy_(2, slots[keep], value.index_select(2, keep).to(v_cache.dtype))
+    return q_embed if query is not None else None
+
+
+def _validate(key, value, cos, sin, k_cache, v_cache, slots, query):
+    op = "rope_kv_write"
+    for name, t in (("key", key), ("value", value), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
+                    ("v_cache", v_cache)):
+        _launch.check_tensor(op, name, t)
+    if query is not None:
+        _launch.check_tensor(op, "query", query)
+    _launch.check_tensor(op, "slots", slots, floating=False)
+    if key.dim() != 4:
+        raise ValueError(f"{op}: key must have shape [B, Hkv, T, D], got {tuple(key.shape)}")
+    B, Hkv, T, D = key.shape
+    _launch.check_shape(op, "value", value, key.shape)
+    if k_cache.dim() != 4 or k_cache.shape[0] != B or k_cache.shape[1] != Hkv or k_cache.shape[3] != D:
+        raise ValueError(f"{op}: k_cache must have shape [B={B}, Hkv={Hkv}, C, D={D}], got {tuple(k_cache.shape)}")
+    _launch.check_shape(op, "v_cache", v_cache, k_cache.shape)
+    if query is not None and (query.dim() != 4 or query.shape[0] != B or query.shape[2] != T
+                              or query.shape[3] != D):
+        raise ValueError(f"{op}: query must have shape [B={B}, Hq, T={T}, D={D}], got {tuple(query.shape)}")
+    _launch.check_same_dtype(op, "key", key, value=value, k_cache=k_cache, v_cache=v_cache, query=query)
+    _launch.check_same_device(op, "key", key, value=value, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
+                              slots=slots, query=query)
+    if cos.dim() != 3 or cos.shape[0] not in (1, B) or cos.shape[1] != T:
+        raise ValueError(f"{op}: cos must have shape [1 or {B}, {T}, rotary_dim], got {tuple(cos.shape)}")
+    _launch.check_shape(op, "sin", sin, cos.shape)
+    rd = cos.shape[2]
+    if rd % 2 or rd == 0 or rd > D:
+        raise ValueError(f"{op}: cos rotary_dim {rd} must be even, > 0 and <= the head dim {D}")
+    if slots.dtype != torch.int64:
+        raise TypeError(f"{op}: slots must be int64, got {slots.dtype}")
+    if tuple(slots.shape) != (T,):
+        raise ValueError(f"{op}: slots must have shape ({T},), one slot per token, got {tuple(slots.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(3) != 1 and t.shape[3] > 1:
+            raise ValueError(f"{op}: {name} must have unit stride on the head dim (written in place), got "
+                             f"strides {t.stride()}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (key, value, query, cos, sin)):
+        raise RuntimeError(f"{op}: inference only, no backward; call it under torch.no_grad() or on detached "
+                           "tensors")
+
+
+def _unit_last(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, *, query=None):
+    """Write RoPE(key) and value into the cache slots `slots` in one kernel; returns RoPE(query) or None.
+
+    key, value [B, Hkv, T, D] (pre-RoPE key), any strides; cos, sin [1 or B, T, rd] (rd even <= D, the rest
+    of D passes through); k_cache, v_cache [B, Hkv, C, D] in key's dtype (fp32/fp16/bf16), unit stride on D,
+    mutated in place; slots int64 [T]: token t goes to slot slots[t], a slot outside [0, C) is skipped. query
+    [B, Hq, T, D] (optional) is rotated in the same pass and returned in its own layout. Math in fp32, one
+    rounding at the store. No autograd; no host sync on the kernel path.
+    """
+    _validate(key, value, cos, sin, k_cache, v_cache, slots, query)
+    if not _library.use_kernels("rope_kv_write", key):
+        return rope_kv_write_reference(key, value, cos, sin, k_cache, v_cache, slots, query=query)
+    key, value = _unit_last(key), _unit_last(value)
+    query = _unit_last(query) if query is not None else None
+    if torch.compiler.is_compiling():
+        q_embed = torch.ops.tigon.rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, query)
+    else:
+        # Eager: the launcher directly, as decode_attention does (the dispatcher's ~10 us of host time is
+        # more than this kernel takes at decode shapes).
+        q_embed = _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query)
+    return q_embed if query is not None else None

@@ -1,0 +1,190 @@
+"""The "tigon" attention implementation against Hugging Face's on tiny random-init models (CPU, fp32).
+
+The reference is the same model and the same RollingKVCache with HF's attention ("sdpa"; "eager" for Gemma-2,
+whose attention-logit softcapping sdpa ignores), so the only difference is the decode step's attention:
+decode_attention over the ring, and RoPE on write for the Llama-style families. Exactness is "the same greedy
+tokens and logits within fp32 reordering noise"."""
+
+import pytest
+import torch
+
+import tigon
+from tests.hf._tiny import tiny_model
+from tigon import ops
+from tigon.hf.attention import NAME, restore_attention, use_tigon_attention
+from tigon.memory.kv_cache import RollingKVCache
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _ids(b, t, seed=1):
+    return torch.randint(0, 131, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy(model, ids, cache, new, **kw):
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, past_key_values=cache,
+                         output_scores=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+    return out.sequences, torch.stack(out.scores, 1)
+
+
+def _counts():
+    return {op: ops.dispatch_counts[(op, "triton")] for op in ("decode_attention", "rope_kv_write")}
+
+
+def _compare(model, ids, new, cache_kw, **gen_kw):
+    """Greedy generation with HF's attention, then with tigon's; returns how many times each kernel ran."""
+    b = ids.shape[0]
+    ref = _greedy(model, ids, RollingKVCache(model.config, batch_size=b, **cache_kw), new, **gen_kw)
+    use_tigon_attention(model)
+    before = _counts()
+    got = _greedy(model, ids, RollingKVCache(model.config, batch_size=b, **cache_kw), new, **gen_kw)
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1], **TOL)
+    return {op: n - before[op] for op, n in _counts().items()}
+
+
+@pytest.mark.parametrize("model_type,overrides,ref_attn,prompt,capacity,rope_on_write", [
+    ("llama", {}, "sdpa", 7, 16, True),
+    ("qwen3", {}, "sdpa", 7, 16, True),  # q_norm / k_norm before RoPE
+    # window 8 < prompt 13: the prefill overflows the ring, then every decode step wraps it
+    ("mistral", dict(sliding_window=8), "sdpa", 13, 8, True),
+    # local layers: window 8 < 7 + 5, they roll; softcap 2.0 so the capping changes the scores
+    ("gemma2", dict(attn_logit_softcapping=2.0, sliding_window=8), "eager", 7, 16, False),
+])
+def test_generate_matches_hf(model_type, overrides, ref_attn, prompt, capacity, rope_on_write):
+    model = tiny_model(model_type, attn_implementation=ref_attn, **overrides).eval()
+    new = 5
+    ran = _compare(model, _ids(2, prompt), new, dict(capacity=capacity))
+    steps = model.config.num_hidden_layers * (new - 1)  # every decode step of every layer, none of the prefill
+    assert ran == {"decode_attention": steps, "rope_kv_write": steps if rope_on_write else 0}
+
+
+def test_left_padded_batch():
+    # The decode mask's padding columns become empty slots (-1) per row.
+    model = tiny_model("llama", attn_implementation="sdpa").eval()
+    ids = _ids(3, 9)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    ran = _compare(model, ids, 5, dict(capacity=14), attention_mask=mask)
+    assert ran["decode_attention"] == 2 * 4
+
+
+def test_full_attention_ring_wraps_with_sinks():
+    # capacity 8 < 6 + 5 with 2 sink slots: decode steps overwrite the oldest non-sink slot.
+    model = tiny_model("llama", attn_implementation="sdpa").eval()
+    ran = _compare(model, _ids(2, 6), 5, dict(capacity=8, sink_tokens=2))
+    assert ran["rope_kv_write"] == 2 * 4
+
+
+def test_tigon_generate_loop():
+    # tigon.generate reads the query offset from the cache's device counter during decode.
+    model = tiny_model("llama", attn_implementation="sdpa").eval()
+    ids = _ids(2, 6)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    ref = tigon.generate(model, ids, attention_mask=mask, max_new_tokens=5)
+    use_tigon_attention(model)
+    before = _counts()
+    assert torch.equal(tigon.generate(model, ids, attention_mask=mask, max_new_tokens=5), ref)
+    assert _counts()["rope_kv_write"] - before["rope_kv_write"] == 2 * 4
+
+
+def test_prefill_training_and_other_caches_are_sdpa():
+    from transformers import DynamicCache
+
+    model = tiny_model("llama", attn_implementation="sdpa")
+    ids = _ids(2, 5)
+    ref = model(ids, labels=ids)
+    ref.loss.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    use_tigon_attention(model)
+    before = _counts()
+    got = model(ids, labels=ids)
+    got.loss.backward()
+    assert torch.equal(got.logits, ref.logits)
+    for p, g in zip(model.parameters(), ref_grads):
+        assert torch.equal(p.grad, g)
+    with torch.no_grad():  # a decode step on a DynamicCache, and one on a ring with grad on: HF's path
+        cache = DynamicCache(config=model.config)
+        model(ids, past_key_values=cache)
+        model(ids[:, :1], past_key_values=cache)
+    ring = RollingKVCache(model.config, batch_size=2, capacity=8)
+    model(ids, past_key_values=ring)
+    model(ids[:, :1], past_key_values=ring)
+    assert _counts() == before
+
+
+def test_decode_logits_one_step():
+    model = tiny_model("mistral", attn_implementation="sdpa", sliding_window=4).eval()
+    ids = _ids(2, 6)
+
+    def step(cache):
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+            return model(ids[:, -1:], past_key_values=cache).logits
+
+    ref = step(RollingKVCache(model.config, batch_size=2, capacity=4))
+    use_tigon_attention(model)
+    torch.testing.assert_close(step(RollingKVCache(model.config, batch_size=2, capacity=4)), ref, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_patch_keyword_unpatch_and_restore():
+    model = tiny_model("llama", attn_implementation="sdpa").eval()
+    assert not any(NAME in piece for piece in tigon.patch(model).replaced)  # off by default
+    tigon.unpatch(model)
+    report = tigon.patch(model, attention=True)
+    assert report.replaced["LlamaAttention decode (RoPE on write)"] == 2
+    assert model.config._attn_implementation == NAME
+    assert use_tigon_attention(model)["LlamaAttention decode (RoPE on write)"] == 2  # idempotent
+    attn = model.model.layers[0].self_attn
+    assert "forward" in attn.__dict__
+    tigon.unpatch(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert "forward" not in attn.__dict__ and "_tigon_rope_on_write" not in attn.__dict__
+    use_tigon_attention(model)
+    restore_attention(model)
+    restore_attention(model)
+    assert model.config._attn_implementation == "sdpa" and "forward" not in attn.__dict__
+    class_report = tigon.patch(model_type="llama", rms_norm=False, rope=False, swiglu=False,
+                               fused_linear_cross_entropy=False, attention=True)
+    assert ("attention", "the 'tigon' attention implementation is set on a model instance") in class_report.skipped
+    tigon.unpatch()
+
+
+def test_other_forward_on_the_instance_is_left_alone():
+    model = tiny_model("gemma2", attn_implementation="eager").eval()
+    attn = model.model.layers[1].self_attn
+    theirs = attn.forward
+    attn.forward = theirs  # an instance forward another library installed
+    counts = use_tigon_attention(model)
+    assert counts["Gemma2Attention decode (decode_attention)"] == 1 and attn.__dict__["forward"] is theirs
+    restore_attention(model)
+    assert attn.__dict__["forward"] is theirs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type,overrides", [("llama", {}), ("gemma2", dict(attn_logit_softcapping=2.0))])
+def test_cuda_graph_generate_and_no_host_sync_gpu(model_type, overrides):
+    """tigon.generate captures the decode forward in a CUDA graph with the tigon attention: the same tokens as
+    HF's attention, and one eager decode step runs without a host sync."""
+    ref_attn = "eager" if model_type == "gemma2" else "sdpa"
+    model = tiny_model(model_type, attn_implementation=ref_attn, **overrides).cuda().eval()
+    ids = _ids(2, 6).cuda()
+    ref = tigon.generate(model, ids, max_new_tokens=8)
+    use_tigon_attention(model)
+    got, stats = tigon.generate(model, ids, max_new_tokens=8, return_stats=True)
+    assert stats["cuda_graph"] and torch.equal(got, ref)
+    cache = RollingKVCache(model.config, batch_size=2, capacity=16)
+    tok = ids[:, -1:]
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        model(tok, past_key_values=cache)  # warm-up: Triton compiles
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(tok, past_key_values=cache, use_cache=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
