@@ -112,6 +112,9 @@ def test_decode_bench_budget_skips_and_targets():
     assert len(rows) == 4 and all(r["skipped"].startswith("time budget") for r in rows)
     md = core.markdown(rows, {})
     assert "Skipped for the time budget: tigon b1, tigon b8" in md
+    swa = core.plan(["tigon", "swa-tigon"], [1, 8], 512, 256, quick=False, device="cuda", swa_batches=[1])
+    assert [(s["variant"], s["batch"], s["prompt"], s["window"]) for s in swa] == [
+        ("tigon", 1, 512, None), ("tigon", 8, 512, None), ("swa-tigon", 1, core.SWA_PROMPT, core.WINDOW)]
 
     def row(variant, batch, p50, p99, ttft=10.0, family="llama", window=None, prompt=512):
         return dict(variant=variant, family=family, batch=batch, prompt=prompt, new=256, window=window, quick=False,

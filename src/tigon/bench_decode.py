@@ -1,6 +1,7 @@
 """Decode benchmark: Hugging Face `generate` against `tigon.generate` on the anchors' 1.5B Llama config.
 
-    python -m tigon.bench_decode --out DIR [--variants ...] [--batches 1,8] [--prompt 512] [--new 256]
+    python -m tigon.bench_decode --out DIR [--variants ...] [--batches 1,8] [--swa-batches 1] [--prompt 512]
+        [--new 256] [--budget S] [--prometheus FILE] [--quick]
     tigon bench decode ...                    (the same, then prints the table)
     python benchmarks/bench_decode.py ...     (a thin wrapper)
 
@@ -189,16 +190,17 @@ def child(spec):
     return row
 
 
-def plan(variants, batches, prompt, new, quick, device):
-    """One spec per (variant, batch); the swa-* variants use the Mistral config and the long prompt."""
+def plan(variants, batches, prompt, new, quick, device, swa_batches=None):
+    """One spec per (variant, batch); the swa-* variants use the Mistral config, the long prompt and
+    `swa_batches` (default: `batches`)."""
     window = QUICK["window"] if quick else WINDOW
     swa_prompt = QUICK["swa_prompt"] if quick else SWA_PROMPT
     specs = []
     for v in variants:
         if v not in VARIANTS:
             raise SystemExit(f"bench_decode: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
-        for b in batches:
-            swa = v.startswith("swa-")
+        swa = v.startswith("swa-")
+        for b in (swa_batches or batches) if swa else batches:
             specs.append(dict(variant=v, family="mistral" if swa else "llama", batch=b,
                               prompt=swa_prompt if swa else prompt, new=new,
                               window=None if (not swa or v == "swa-tigon-full") else window,
@@ -386,6 +388,7 @@ def build_parser(prog="bench_decode"):
     p.add_argument("--variants", default=None, help=f"comma-separated, in run order (default {DEFAULT_VARIANTS}; "
                    f"all: {','.join(VARIANTS)})")
     p.add_argument("--batches", default=None, help="comma-separated (default 1,8)")
+    p.add_argument("--swa-batches", default=None, help="batches of the swa-* variants (default 1, as the anchors)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens of the Llama rows (default 512)")
     p.add_argument("--new", type=int, default=None, help="new tokens, all forced (default 256)")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else ./tigon-bench-out)")
@@ -412,12 +415,13 @@ def main(argv=None, log=print, prog="bench_decode"):
     quick = a.quick
     variants = [v for v in (a.variants or DEFAULT_VARIANTS).split(",") if v]
     batches = [int(b) for b in (a.batches or (QUICK["batches"] if quick else "1,8")).split(",") if b]
+    swa_batches = [int(b) for b in (a.swa_batches or ("" if quick else "1")).split(",") if b] or None
     prompt = a.prompt or (QUICK["prompt"] if quick else 512)
     new = a.new or (QUICK["new"] if quick else 256)
     out = a.out or os.environ.get("OUT") or "tigon-bench-out"
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
-    rows = run_plan(plan(variants, batches, prompt, new, quick, device), a.budget, a.timeout, log=log,
+    rows = run_plan(plan(variants, batches, prompt, new, quick, device, swa_batches), a.budget, a.timeout, log=log,
                     inline=quick and device == "cpu")
     meta = dict(title="tigon.generate vs HF generate" + (" (quick toy on " + device + ")" if quick else ""),
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
