@@ -167,3 +167,41 @@ def test_qlora_quantized_lm_head_keeps_the_hf_loss(tmp_path, device):
         assert all(m.weight.grad is None for m in _four_bit_layers(model))
     finally:
         tigon.unpatch(model)
+
+
+def _loss_and_lora_grads(model, ids, labels):
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_qlora_on_a_class_level_patch(tmp_path, device):
+    """patch(model_type=...) before from_pretrained: bitsandbytes quantizes the projections inside Tigon's MLP."""
+    ids, labels = (t.to(device) for t in batch())
+    out_ref, grads_ref = _loss_and_lora_grads(_qlora_model(tmp_path, device), ids, labels)
+    tigon.patch(model_type="llama")
+    try:
+        model = _qlora_model(tmp_path, device)
+        hf = model.get_base_model()
+        assert type(hf.model.layers[0].mlp).__name__ == "SwiGLUMLP"
+        assert isinstance(hf.model.layers[0].mlp.down_proj.base_layer, bnb.nn.Linear4bit)
+        out, grads = _loss_and_lora_grads(model, ids, labels)
+        assert out.logits is None
+    finally:
+        tigon.unpatch()
+    _check_close(out.loss.detach(), out_ref.loss.detach(), "loss", device)
+    assert grads.keys() == grads_ref.keys()
+    for n, g in grads.items():
+        _check_close(g, grads_ref[n], f"grad {n}", device)
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="issue #4: causal_lm._resolve_linear takes bitsandbytes' "
+                   "Linear4bit for a plain nn.Linear, and the class-level fused forward reads its uint8 weight")
+def test_qlora_quantized_lm_head_on_a_class_level_patch(tmp_path, device):
+    tigon.patch(model_type="llama")
+    try:
+        model = _qlora_model(tmp_path, device, llm_int8_skip_modules=["none"])
+        ids, labels = (t.to(device) for t in batch())
+        assert model(input_ids=ids, labels=labels).loss is not None
+    finally:
+        tigon.unpatch()
