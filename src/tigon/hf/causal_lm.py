@@ -31,9 +31,10 @@ def hf_forward(model):
 
 
 def _resolve_linear(lm_head):
-    """The plain nn.Linear that computes the logits, or None when it is not one (LoRA on lm_head)."""
+    """The plain nn.Linear that computes the logits, or None when it is not one (LoRA on lm_head, or a
+    quantized nn.Linear subclass such as bitsandbytes' Linear4bit, whose weight holds packed integers)."""
     if isinstance(lm_head, torch.nn.Linear):
-        return lm_head
+        return lm_head if lm_head.weight.dtype.is_floating_point else None
     # PEFT's ModulesToSaveWrapper (lm_head in modules_to_save): use the active trainable copy.
     if hasattr(lm_head, "modules_to_save") and hasattr(lm_head, "original_module"):
         if getattr(lm_head, "disable_adapters", False):

@@ -214,9 +214,9 @@ def _instance_patch(model, family, report, spec):
 def _quantized_lm_head(hf) -> str:
     """Why the fused loss cannot read the lm_head's weight, or "": bitsandbytes' Linear4bit and Linear8bitLt
     subclass nn.Linear but hold packed integers (a 4-bit [V, H] weight is a uint8 [V*H/2, 1])."""
-    linear = causal_lm._resolve_linear(getattr(hf, "lm_head", None))
+    linear = getattr(hf, "lm_head", None)
     weight = getattr(linear, "weight", None)
-    if weight is None or weight.is_floating_point():
+    if not isinstance(weight, torch.Tensor) or weight.is_floating_point():
         return ""
     return f"lm_head is quantized ({type(linear).__name__}, {weight.dtype} weight); the model computes its loss"
 
