@@ -57,7 +57,7 @@ def test_gradient_checkpointing_matches_unpatched_checkpointing():
         _check_grads(grads, grads_ref)
         # Backward re-ran each checkpointed layer through the kernels: every MLP and RoPE call once more (a
         # checkpoint that did nothing would leave the counts as the forward left them).
-        for op in ("swiglu", "apply_rope"):
+        for op in ("swiglu_mlp", "apply_rope"):
             assert dispatch_counts[(op, KERNEL)] == 2 * forward[(op, KERNEL)] == 2 * 2, op
         assert dispatch_counts[("linear_cross_entropy", KERNEL)] == 1
     finally:
@@ -213,7 +213,7 @@ def test_trl_sft_trainer_matches_unpatched(tmp_path):
     try:
         # The backbone ran the kernels. The loss itself comes from TRL's own fused LM head (SFTTrainer installs
         # it on model.forward and calls it with fused_lm_head=True), so linear_cross_entropy is not asserted.
-        assert dispatch_counts[("rms_norm", KERNEL)] > 0 and dispatch_counts[("swiglu", KERNEL)] > 0
+        assert dispatch_counts[("rms_norm", KERNEL)] > 0 and dispatch_counts[("swiglu_mlp", KERNEL)] > 0
         assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-4, atol=1e-5)
     finally:

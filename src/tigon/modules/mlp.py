@@ -1,16 +1,20 @@
 """Gated MLPs: LlamaMLP / GemmaMLP / Phi3MLP parameter layouts, with the activation and product fused.
 
-The projections stay torch nn.Linear (cuBLAS). gate_proj(x) and up_proj(x) are fresh tensors that only the
-fused op reads, so it runs with inplace_backward=True: dgate and dup overwrite them, and the MLP's backward
-needs no memory beyond what the projections' own backward takes (at [16384, 14336] bf16, 2 x 448 MiB saved).
-A forward hook that keeps gate_proj's or up_proj's output to read after backward would see gradients there.
+Training with plain bias-free nn.Linear projections runs the whole MLP as one autograd node
+(`ops.swiglu_mlp` / `ops.geglu_mlp`): it keeps x, gate and up for backward and recomputes the activation
+product in the gradient pass, a quarter less activation memory than autograd over the three Linears. Anything
+else (inference, biases, hooks on a projection, PEFT or quantized wrappers, DTensor weights, torch.compile)
+calls the projections as they are (cuBLAS) around the fused GLU op with inplace_backward=True: dgate and dup
+overwrite the fresh projection outputs, so the MLP's backward needs no memory beyond the projections' own.
 """
 
 from typing import Optional
 
+import torch
 from torch import nn
 
 from .. import ops
+from ..ops.glu_mlp import geglu_mlp, swiglu_mlp
 from ..ops.swiglu import geglu_packed, swiglu_packed
 
 SWIGLU_ACTS = ("silu", "swish")
@@ -48,13 +52,47 @@ class _GatedMLP(nn.Module):
             self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
 
+    _fused_mlp = None  # ops.swiglu_mlp / geglu_mlp
+
     def _glu(self, gate, up):
         raise NotImplementedError
 
     def _glu_packed(self, gate_up):
         raise NotImplementedError
 
+    def _fused_weights(self, x):
+        """The weights for the one-node MLP (ops.swiglu_mlp), or None where the three nn.Linear calls must
+        run as they are: inference, biases, hooks on a projection, PEFT/quantized wrappers, tensor-parallel
+        DTensors. Under autocast the cast nn.Linear would do is done here, once."""
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        projs = (self.gate_up_proj,) if self.fused_gate_up else (self.gate_proj, self.up_proj)
+        projs += (self.down_proj,)
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return None
+        for lin in projs:
+            if (type(lin) is not nn.Linear or lin.bias is not None or lin._forward_hooks or lin._forward_pre_hooks
+                    or lin._backward_hooks or lin._backward_pre_hooks
+                    or type(lin.weight) not in (nn.Parameter, torch.Tensor)):
+                return None
+        weights = [lin.weight for lin in projs]
+        if not (x.requires_grad or any(w.requires_grad for w in weights)):
+            return None
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weights = x.to(dtype), [w.to(dtype) for w in weights]
+        if any(w.dtype != x.dtype or w.device != x.device for w in weights):
+            return None
+        if self.fused_gate_up:
+            weights.insert(1, None)
+        return x, weights
+
     def forward(self, x):
+        fused = self._fused_weights(x)
+        if fused is not None:
+            x, weights = fused
+            with torch.autocast(x.device.type, enabled=False):
+                return type(self)._fused_mlp(x, *weights)
         if self.fused_gate_up:
             return self.down_proj(self._glu_packed(self.gate_up_proj(x)))
         return self.down_proj(self._glu(self.gate_proj(x), self.up_proj(x)))
@@ -100,6 +138,7 @@ class SwiGLUMLP(_GatedMLP):
     `config` (hidden_size, intermediate_size, mlp_bias if present) unless given; bias defaults to False."""
 
     _ACTS = SWIGLU_ACTS
+    _fused_mlp = staticmethod(swiglu_mlp)
 
     def __init__(self, config=None, *, hidden_size: Optional[int] = None, intermediate_size: Optional[int] = None,
                  bias: Optional[bool] = None, fused_gate_up: bool = False, device=None, dtype=None):
@@ -118,6 +157,7 @@ class GeGLUMLP(_GatedMLP):
     arguments as SwiGLUMLP."""
 
     _ACTS = GEGLU_ACTS
+    _fused_mlp = staticmethod(geglu_mlp)
 
     def __init__(self, config=None, *, hidden_size: Optional[int] = None, intermediate_size: Optional[int] = None,
                  bias: Optional[bool] = None, fused_gate_up: bool = False, device=None, dtype=None):

@@ -116,8 +116,9 @@ def _glu_bwd_kernel(
     ACT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STORE_Y: tl.constexpr = False,  # also write y = act(gate) * up over DY (the fused MLP's recompute)
 ):
-    # Each element is loaded and stored by the same thread, so DG == G and DU == U are race-free.
+    # Each element is loaded and stored by the same thread, so DG == G, DU == U and y over DY are race-free.
     o_m, o_n, m_mn = _tile(M, N, BLOCK_M, BLOCK_N)
     b_dy = tl.load(DY + o_m[:, None] * stride_dy + o_n[None, :], mask=m_mn, other=0.0,
                    eviction_policy="evict_first").to(tl.float32)
@@ -128,6 +129,8 @@ def _glu_bwd_kernel(
     b_a, b_da = _act_bwd(b_g, ACT)
     tl.store(DG + o_m[:, None] * stride_dg + o_n[None, :], (b_dy * b_u * b_da).to(DG.dtype.element_ty), mask=m_mn)
     tl.store(DU + o_m[:, None] * stride_du + o_n[None, :], (b_dy * b_a).to(DU.dtype.element_ty), mask=m_mn)
+    if STORE_Y:
+        tl.store(DY + o_m[:, None] * stride_dy + o_n[None, :], (b_a * b_u).to(DY.dtype.element_ty), mask=m_mn)
 
 
 # Elements per tile. GPU: 16 KiB of each tensor per program (8192 bf16 = 32 per thread at 8 warps, four
@@ -181,7 +184,7 @@ def _launch_fwd(g, u, y, act):
                           num_warps=warps)
 
 
-def _launch_bwd(dy, g, u, dg, du, act):
+def _launch_bwd(dy, g, u, dg, du, act, store_y=False):
     M, N = g.shape
     if M * N == 0:
         return
@@ -189,7 +192,7 @@ def _launch_bwd(dy, g, u, dg, du, act):
     block_m, block_n, warps = _tiles(g.device, g.element_size(), rows, cols)
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n),)
     _glu_bwd_kernel[grid](dy, g, u, dg, du, *strides, rows, cols, ACT=act, BLOCK_M=block_m, BLOCK_N=block_n,
-                          num_warps=warps)
+                          STORE_Y=store_y, num_warps=warps)
 
 
 def _unit_stride(t):
@@ -236,6 +239,19 @@ def glu_bwd_inplace(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Ten
 
 
 @glu_bwd_inplace.register_fake
+def _(dy, gate, up, act):
+    return None
+
+
+@torch.library.custom_op("tigon::glu_bwd_recompute", mutates_args=("dy", "gate", "up"))
+def glu_bwd_recompute(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], act: int) -> None:
+    """One pass for the fused MLP's backward: gate <- dgate, up <- dup, and dy <- y = act(gate) * up (the
+    activation the forward did not keep, for the down projection's weight gradient). dy has unit last stride."""
+    g, u = _halves(gate, up)
+    _launch_bwd(dy, g, u, g, u, act, store_y=True)
+
+
+@glu_bwd_recompute.register_fake
 def _(dy, gate, up, act):
     return None
 
