@@ -66,12 +66,13 @@ def _softcap_of(config):
 
 
 def tigon_mask(*args, config=None, **kwargs):
-    """HF's sdpa mask (boolean, None where sdpa's is_causal does it), or its eager mask (additive float, never
-    skipped) for a softcapping model, whose non-decode steps run the family's eager attention."""
-    from transformers.masking_utils import eager_mask, sdpa_mask
+    """HF's sdpa mask: boolean, or None where sdpa's is_causal does the work, except for a softcapping model,
+    whose non-decode steps run the family's eager attention and so need the mask materialized. (Not HF's
+    eager_mask: it copies a host scalar to the device, which a CUDA-graph capture refuses.)"""
+    from transformers.masking_utils import sdpa_mask
 
     if _softcap_of(config):
-        return eager_mask(*args, config=config, **kwargs)
+        kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, config=config, **kwargs)
 
 
@@ -79,6 +80,9 @@ def _fallback(module, query, key, value, attention_mask, **kwargs):
     if kwargs.get("softcap") is not None:
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if eager is not None:
+            if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager adds its mask
+                attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill_(
+                    ~attention_mask, torch.finfo(query.dtype).min)
             return eager(module, query, key, value, attention_mask, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
