@@ -5,7 +5,8 @@ model from config in bf16 with sdpa attention, AdamW(fused=True), batch 8 x 2048
 median of 10 steps (fwd + bwd + step + zero_grad) after 3 warm-ups, GPU-synchronized per step. On OOM a
 variant halves its batch and says so. `--profile` adds a kernel-time breakdown of one Tigon step.
 
-    PYTHONPATH=src python benchmarks/bench_e2e.py --out DIR [--variants eager,tigon,liger] [--ckpt]
+    PYTHONPATH=src python benchmarks/bench_e2e.py --out DIR [--variants eager,tigon,liger] [--configs llama,qwen3]
+        [--with-ckpt --ckpt-variants tigon,liger] [--longest eager,tigon,liger] [--profile]
 """
 
 import argparse
@@ -78,6 +79,59 @@ def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
     print("RESULT " + json.dumps(out))
 
 
+def _longest(variant, config_name, start, cap, grain):
+    """The longest sequence one training step (fwd + bwd + AdamW step) fits at batch 1, in this process: the
+    model is built once, lengths double from `start` until a step runs out of memory, then bisect to `grain`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(CONFIGS[config_name])
+    model_type = cfg.pop("model_type")
+    if variant == "liger":
+        import liger_kernel.transformers as lk
+
+        getattr(lk, f"apply_liger_kernel_to_{model_type}")()
+    config = AutoConfig.for_model(model_type, **cfg, max_position_embeddings=cap, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().train()
+    if variant == "tigon":
+        import tigon
+
+        tigon.patch(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def fits(seq):
+        ids = torch.randint(0, config.vocab_size, (1, seq), device="cuda")
+        try:
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            opt.zero_grad(set_to_none=True)
+            del ids
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    tried, ok, bad, seq = [], 0, None, start
+    while seq <= cap:
+        t0 = time.perf_counter()
+        good = fits(seq)
+        tried.append((seq, good, round(time.perf_counter() - t0, 2)))
+        if not good:
+            bad = seq
+            break
+        ok, seq = seq, seq * 2
+    while bad is not None and bad - ok > grain:
+        mid = (ok + bad) // 2 // grain * grain
+        good = fits(mid)
+        tried.append((mid, good, None))
+        ok, bad = (mid, bad) if good else (ok, mid)
+    return dict(variant=variant, config=config_name, longest_seq=ok, first_oom=bad, cap=cap, tried=tried)
+
+
 def _profile_step(model, opt, ids):
     """GPU kernel time of one step, bucketed by kernel name."""
     import torch
@@ -126,6 +180,20 @@ def run_variant(variant, config_name="llama", batch=8, seq=2048, ckpt=False, ste
     return dict(variant=variant, config=config_name, ckpt=ckpt, error="OOM at batch 1")
 
 
+def _run_longest(variant, cap, timeout=400):
+    cmd = [sys.executable, __file__, "--child", variant, "--longest-child", "--longest-cap", str(cap)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        return dict(variant=variant, error=f"timeout after {timeout}s")
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[7:])
+            print(f"longest {variant}: {r['longest_seq']} (first OOM {r['first_oom']})", flush=True)
+            return r
+    return dict(variant=variant, error=p.stderr.strip().splitlines()[-3:])
+
+
 def table(results):
     rows = ["| config | variant | ckpt | batch x seq | step ms | tokens/s | model TFLOP/s | peak GiB | "
             "reserved GiB | first step s | vs eager |", "|" + "---|" * 11]
@@ -155,9 +223,16 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true")
     p.add_argument("--variants", default="eager,tigon,liger")
     p.add_argument("--configs", default="llama")
-    p.add_argument("--with-ckpt", action="store_true", help="also run eager/tigon/liger with checkpointing")
+    p.add_argument("--with-ckpt", action="store_true", help="also run --ckpt-variants with checkpointing")
+    p.add_argument("--ckpt-variants", default="eager,tigon,liger")
+    p.add_argument("--longest", default="", help="variants whose longest batch-1 sequence to find (llama config)")
+    p.add_argument("--longest-cap", type=int, default=262144)
+    p.add_argument("--longest-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args(argv)
+    if a.child and a.longest_child:
+        print("RESULT " + json.dumps(_longest(a.child, a.config, 16384, a.longest_cap, 4096)), flush=True)
+        return None
     if a.child:
         return _child(a.child, a.config, a.batch, a.seq, a.ckpt, a.steps, a.warmup, a.profile)
     results = []
@@ -166,10 +241,17 @@ def main(argv=None):
             results.append(run_variant(v, config_name, a.batch, a.seq, profile=(v == "tigon" and a.profile)))
             print(table(results[-1:]), flush=True)
     if a.with_ckpt:
-        for v in ("eager", "tigon", "liger"):
+        for v in a.ckpt_variants.split(","):
             results.append(run_variant(v, "llama", a.batch, a.seq, ckpt=True))
             print(table(results[-1:]), flush=True)
+    longest = [_run_longest(v, a.longest_cap) for v in a.longest.split(",") if v]
     md = table(results)
+    if longest:
+        md += "\n\nLongest sequence one training step fits at batch 1 (llama config, bf16, AdamW fused):\n\n"
+        md += "| variant | longest seq | first OOM | tried (seq, fits, s) |\n|---|---|---|---|\n"
+        md += "\n".join(f"| {r['variant']} | {r.get('longest_seq', r.get('error'))} | {r.get('first_oom')} | "
+                         f"{r.get('tried')} |" for r in longest)
+        results += longest
     prof = next((r["profile"] for r in results if r.get("profile")), None)
     if prof:
         total = sum(prof["buckets_ms"].values())
