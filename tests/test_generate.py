@@ -9,6 +9,9 @@ import torch
 from tests.hf._tiny import tiny_model
 
 gen = importlib.import_module("tigon.generation")
+# Tests of the loop itself (EOS, sampling) pass attention=HF: the same loop without the interpreter's cost of
+# the "tigon" decode kernels, which the attention tests below cover.
+HF = "hf"
 
 
 def _ids(b, t, seed=1):
@@ -63,31 +66,31 @@ def test_single_new_token_and_larger_capacity():
 def test_eos_stops_a_row_and_pads_it():
     model = _model("llama")
     ids = _ids(2, 6, seed=4)
-    greedy = gen.generate(model, ids, max_new_tokens=12)
+    greedy = gen.generate(model, ids, max_new_tokens=12, attention=HF)
     eos = int(greedy[0, 6 + 3])  # row 0 emits it at step 3
     first = [int((row[6:] == eos).nonzero()[0]) if (row[6:] == eos).any() else None for row in greedy]
     assert first[0] == 3
-    got = gen.generate(model, ids, max_new_tokens=12, eos_token_id=eos, pad_token_id=127)
+    got = gen.generate(model, ids, max_new_tokens=12, eos_token_id=eos, pad_token_id=127, attention=HF)
     ref = _hf(model, ids, 12, eos_token_id=eos, pad_token_id=127)
     assert torch.equal(got, ref)
     assert torch.equal(got[0, :10], greedy[0, :10]) and bool((got[0, 10:] == 127).all())
     if first[1] is None:  # row 1 never stops: the full length, row 1 as greedy
         assert torch.equal(got[1], greedy[1])
     # Both rows stopped: trimmed to the longest row, like model.generate.
-    both = gen.generate(model, ids, max_new_tokens=12, eos_token_id=[eos, int(greedy[1, 6 + 1])])
+    both = gen.generate(model, ids, max_new_tokens=12, eos_token_id=[eos, int(greedy[1, 6 + 1])], attention=HF)
     assert both.shape == (2, 6 + 4) and int(both[1, -1]) == eos  # row 1 stopped at step 1, padded with eos
 
 
 def test_eos_checked_on_host_every_n_steps(monkeypatch):
     model = _model("llama")
     ids = _ids(1, 6, seed=4)
-    greedy = gen.generate(model, ids, max_new_tokens=20)
+    greedy = gen.generate(model, ids, max_new_tokens=20, attention=HF)
     eos = int(greedy[0, 6 + 3])
-    seqs, stats = gen.generate(model, ids, max_new_tokens=20, eos_token_id=eos, return_stats=True)
+    seqs, stats = gen.generate(model, ids, max_new_tokens=20, eos_token_id=eos, return_stats=True, attention=HF)
     assert torch.equal(seqs, greedy[:, :10]) and stats["new_tokens"] == 4
     assert len(stats["step_s"]) == 15  # EOS at step 3, seen by the host at step 16: steps 1..15 ran
     monkeypatch.setattr(gen, "EOS_CHECK_EVERY", 2)
-    seqs, stats = gen.generate(model, ids, max_new_tokens=20, eos_token_id=eos, return_stats=True)
+    seqs, stats = gen.generate(model, ids, max_new_tokens=20, eos_token_id=eos, return_stats=True, attention=HF)
     assert torch.equal(seqs, greedy[:, :10]) and stats["new_tokens"] == 4
     assert len(stats["step_s"]) == 3  # the check before step 4 stops it: steps 1..3 ran
 
@@ -95,17 +98,17 @@ def test_eos_checked_on_host_every_n_steps(monkeypatch):
 def test_sampling_reproducible_and_top_k_1_is_greedy():
     model = _model("qwen3")
     ids = _ids(2, 5)
-    kw = dict(max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    kw = dict(max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, attention=HF)
     a = gen.generate(model, ids, generator=torch.Generator().manual_seed(7), **kw)
     b = gen.generate(model, ids, generator=torch.Generator().manual_seed(7), **kw)
     c = gen.generate(model, ids, generator=torch.Generator().manual_seed(8), **kw)
     assert torch.equal(a, b) and not torch.equal(a, c)
-    greedy = gen.generate(model, ids, max_new_tokens=10)
+    greedy = gen.generate(model, ids, max_new_tokens=10, attention=HF)
     one = gen.generate(model, ids, max_new_tokens=10, do_sample=True, top_k=1, temperature=3.0,
-                       generator=torch.Generator().manual_seed(0))
+                       generator=torch.Generator().manual_seed(0), attention=HF)
     assert torch.equal(one, greedy)
     tiny_p = gen.generate(model, ids, max_new_tokens=10, do_sample=True, top_p=1e-6,
-                          generator=torch.Generator().manual_seed(0))
+                          generator=torch.Generator().manual_seed(0), attention=HF)
     assert torch.equal(tiny_p, greedy)  # top-p keeps at least the top token
 
 
@@ -129,7 +132,7 @@ def test_stats():
     assert min(stats["step_s"]) <= stats["p50_step_s"] <= stats["p99_step_s"] <= max(stats["step_s"])
     assert stats["tokens_per_s"] > 0 and stats["decode_tokens_per_s"] > 0
     assert stats["new_tokens"] == 6 and stats["batch_size"] == 2
-    assert stats["peak_memory_bytes"] is None and stats["cuda_graph"] is False
+    assert stats["peak_memory_bytes"] is None and stats["cuda_graph"] is False and stats["attention"] == "tigon"
 
 
 def test_bad_input():
@@ -155,6 +158,10 @@ def test_bad_input():
         gen.generate(model, ids[0], max_new_tokens=2)
     with pytest.raises(ValueError, match="generate: attention_mask"):
         gen.generate(model, ids, max_new_tokens=2, attention_mask=torch.ones(1, 4))
+    for bad in ("sdpa", "HF", None, 1):
+        with pytest.raises(ValueError, match="generate: attention must be one of 'auto', 'tigon', 'hf'"):
+            gen.generate(model, ids, max_new_tokens=2, attention=bad)
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_sliding_window_model_may_use_a_capacity_below_the_prompt():
@@ -163,6 +170,85 @@ def test_sliding_window_model_may_use_a_capacity_below_the_prompt():
     ids = _ids(2, 9)
     got = gen.generate(model, ids, max_new_tokens=6, capacity=4)
     assert torch.equal(got, _hf(model, ids, 6, pad_token_id=0))
+
+
+# The "tigon" attention (attention="auto") against HF's (attention="hf") through the same loop, fp32. A ring
+# that wraps: Mistral's window 8 < 9 + 6 (the prefill overflows it, every decode step wraps it), Gemma-2's local
+# layers (window 8 < 7 + 6; global rings of 13: a mask per layer type) with attention-logit softcapping 2.0.
+TIGON_CASES = [("llama", {}, 7), ("qwen3", {}, 7), ("mistral", dict(sliding_window=8), 9),
+               ("gemma2", dict(attn_logit_softcapping=2.0, sliding_window=8), 7)]
+
+
+def _attn_model(model_type, overrides):
+    model = tiny_model(model_type, attn_implementation="eager" if model_type == "gemma2" else "sdpa",
+                       **overrides).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("model_type,overrides,prompt", TIGON_CASES, ids=[c[0] for c in TIGON_CASES])
+def test_tigon_attention_matches_hf_attention(model_type, overrides, prompt):
+    from tigon import ops
+
+    model = _attn_model(model_type, overrides)
+    impl = model.config._attn_implementation
+    ids = _ids(2, prompt)
+    ref, ref_stats = gen.generate(model, ids, max_new_tokens=6, attention="hf", return_stats=True)
+    before = ops.dispatch_counts[("decode_attention", "triton")] + ops.dispatch_counts[("decode_attention",
+                                                                                         "reference")]
+    got, stats = gen.generate(model, ids, max_new_tokens=6, return_stats=True)
+    ran = ops.dispatch_counts[("decode_attention", "triton")] + ops.dispatch_counts[("decode_attention",
+                                                                                     "reference")] - before
+    assert ran == model.config.num_hidden_layers * 5  # every decode step of every layer
+    assert torch.equal(got, ref)
+    assert (stats["attention"], ref_stats["attention"]) == ("tigon", "hf")
+    # Restored: the implementation and the class forwards; nothing of tigon's left on the instance.
+    assert model.config._attn_implementation == impl
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_tigon_left_padding_past_the_ring_is_exact():
+    # Row 0 has 3 padding tokens that stay in the ring (window 8) for the first steps, then leave it as it wraps:
+    # the tigon masks drop them by slot, so row 0 decodes as the unpadded prompt alone does. (HF's mask past
+    # the ring applies the padding by position, not slot, its documented limit: with attention="hf" row 0 of
+    # this prompt parts from the unpadded one.)
+    model = _attn_model("mistral", dict(sliding_window=8))
+    ids = _ids(2, 9, seed=1)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    got = gen.generate(model, ids, max_new_tokens=8, attention_mask=mask)
+    alone = gen.generate(model, ids[:1, 3:], max_new_tokens=8)
+    assert torch.equal(got[0, 9:], alone[0, 6:])
+    assert torch.equal(got[1], gen.generate(model, ids[1:], max_new_tokens=8)[0])
+
+
+def test_attention_switch_and_restore():
+    from tigon.hf.attention import NAME, restore_attention, use_tigon_attention
+
+    model = _model("llama")
+    ids = _ids(1, 5)
+    # Restored when the call fails after the switch (the capacity check needs the cache).
+    with pytest.raises(ValueError, match="capacity"):
+        gen.generate(model, ids, max_new_tokens=2, capacity=4)
+    assert model.config._attn_implementation == "sdpa" and "forward" not in model.model.layers[0].self_attn.__dict__
+    # A model already on "tigon" stays there; attention="hf" switches it back to sdpa for the call only.
+    use_tigon_attention(model)
+    _, stats = gen.generate(model, ids, max_new_tokens=2, return_stats=True)
+    assert stats["attention"] == "tigon" and model.config._attn_implementation == NAME
+    _, stats = gen.generate(model, ids, max_new_tokens=2, attention="hf", return_stats=True)
+    assert stats["attention"] == "hf" and model.config._attn_implementation == NAME
+    assert "forward" in model.model.layers[1].self_attn.__dict__
+    restore_attention(model)
+    assert model.config._attn_implementation == "sdpa"
+    # A family tigon does not cover whole (here: another library's forward on layer 0): auto runs HF's
+    # attention, attention="tigon" is refused.
+    attn = model.model.layers[0].self_attn
+    attn.forward = attn.forward
+    _, stats = gen.generate(model, ids, max_new_tokens=2, return_stats=True)
+    assert stats["attention"] == "hf" and model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match=r"generate: attention='tigon'.* covers 1 of the 2 attention layers"):
+        gen.generate(model, ids, max_new_tokens=2, attention="tigon")
+    assert model.config._attn_implementation == "sdpa" and attn.__dict__["forward"] is not None
 
 
 def _fake_capture(forward, cache):
@@ -201,6 +287,23 @@ def test_graph_path_with_frozen_host_state_matches_eager(monkeypatch, do_sample)
     assert torch.equal(got, ref)
     if not do_sample:
         assert torch.equal(got, _hf(model, ids, 9, attention_mask=mask))
+
+
+@pytest.mark.parametrize("attention", ["auto", "hf"])
+def test_graph_path_past_the_ring(monkeypatch, attention):
+    # With the tigon attention a ring that wraps takes the graph path, and a replay with the capture-time host
+    # counters decodes as the eager loop; HF's attention falls back to eager steps there.
+    model = _attn_model("mistral", dict(sliding_window=8))
+    ids = _ids(2, 9)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kw = dict(max_new_tokens=7, attention_mask=mask, attention=attention, return_stats=True)
+    ref, ref_stats = gen.generate(model, ids, **kw)
+    monkeypatch.setattr(gen, "_graphs_available", lambda device: True)
+    monkeypatch.setattr(gen, "_capture", _fake_capture)
+    got, stats = gen.generate(model, ids, **kw)
+    assert not ref_stats["cuda_graph"] and stats["cuda_graph"] == (attention == "auto")
+    assert torch.equal(got, ref)
 
 
 def _gpu_model():
@@ -251,6 +354,62 @@ def test_gpu_replayed_steps_do_not_sync(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(calls) == 38 and seqs.shape == (2, 90)
+
+
+# Rings that wrap on the GPU with the tigon attention (fp32 tiny models): Mistral's sliding window 16 < 40 + 40,
+# Gemma-2's local layers (window 16, global rings of 80: one mask per layer type, softcap 2.0), Llama with
+# capacity 48 < 80 (the full-attention ring rolls).
+GPU_WRAP = [("mistral", dict(sliding_window=16), None), ("gemma2", dict(attn_logit_softcapping=2.0, sliding_window=16),
+                                                           None), ("llama", {}, 48)]
+
+
+def _gpu_wrap_model(model_type, overrides):
+    model = _attn_model(model_type, dict(overrides, max_position_embeddings=128)).cuda()
+    ids = torch.randint(0, 131, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    return model, ids, mask
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type,overrides,capacity", GPU_WRAP, ids=[c[0] for c in GPU_WRAP])
+def test_gpu_tigon_graph_past_the_ring(model_type, overrides, capacity):
+    model, ids, mask = _gpu_wrap_model(model_type, overrides)
+    kw = dict(max_new_tokens=40, capacity=capacity, return_stats=True)
+    graph, gs = gen.generate(model, ids, **kw)
+    eager, es = gen.generate(model, ids, cuda_graph=False, **kw)
+    hf, hs = gen.generate(model, ids, attention="hf", **kw)
+    assert (gs["cuda_graph"], gs["attention"]) == (True, "tigon") and not es["cuda_graph"]
+    assert (hs["cuda_graph"], hs["attention"]) == (False, "hf")  # HF's mask past the ring: eager steps
+    assert torch.equal(graph, eager) and torch.equal(graph, hf)
+    # Left padding (the per-step mask gather) through the replay, and a second graph call (a fresh capture).
+    padded = [gen.generate(model, ids, attention_mask=mask, cuda_graph=g, **kw) for g in (True, False, True)]
+    assert [st["cuda_graph"] for _, st in padded] == [True, False, True]
+    assert torch.equal(padded[0][0], padded[1][0]) and torch.equal(padded[0][0], padded[2][0])
+    assert model.config._attn_implementation == ("eager" if model_type == "gemma2" else "sdpa")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type,overrides,capacity", GPU_WRAP, ids=[c[0] for c in GPU_WRAP])
+def test_gpu_tigon_replay_past_the_ring_does_not_sync(monkeypatch, model_type, overrides, capacity):
+    # As test_gpu_replayed_steps_do_not_sync, on rings that wrap, with left padding (the mask gather runs).
+    model, ids, mask = _gpu_wrap_model(model_type, overrides)
+    gen.generate(model, ids, max_new_tokens=4, attention_mask=mask, capacity=capacity)  # Triton JIT, outside
+    replay = torch.cuda.CUDAGraph.replay
+    calls = []
+
+    def checked_replay(self):
+        calls.append(1)
+        torch.cuda.set_sync_debug_mode("error")
+        replay(self)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", checked_replay)
+    try:
+        seqs = gen.generate(model, ids, max_new_tokens=40, attention_mask=mask, capacity=capacity, do_sample=True,
+                            top_k=50, generator=torch.Generator("cuda").manual_seed(1))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(calls) == 38 and seqs.shape == (2, 80)
 
 
 def _samples(text):

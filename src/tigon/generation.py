@@ -12,13 +12,24 @@ counters. The host looks at `finished` only every `EOS_CHECK_EVERY` steps (a syn
 EOS_CHECK_EVERY - 1 wasted steps once every row is done) and once at the end to trim the output to the
 longest row, as `model.generate` returns it.
 
+Attention (`attention="auto"`): for the call, the model runs the "tigon" attention implementation
+(`tigon.hf.attention`: a decode step reads the ring in place with `decode_attention`, positions on the
+device) when every attention layer of its family is covered, and gets its own implementation back at the
+end; `attention="hf"` keeps Hugging Face's. With "tigon" the decode steps do not go through HF's mask
+builder: the loop hands the model a ready 4-D boolean mask per ring size (`_TigonMasks`), all true without
+padding (decode_attention reads causality and the sliding window from the slot positions), else "slot holds
+a real token", gathered on the device from the slot positions after this step's write. So nothing in a step
+depends on a host integer that changes from step to step.
+
 CUDA graphs (`cuda_graph=True` on CUDA): the decode forward is captured once per call (the batch is fixed
 within a call) over static `input_ids` / `position_ids` / mask tensors and the cache's static buffers, then
 replayed; token choice runs eagerly after each replay (a few small kernels, and a user `generator` needs no
-graph registration). This is valid only while the whole generation fits every layer's ring (HF's mask
-sizes are then the constant `(ring, 0)`, and the query offset is read from the cache's device counter), so
-a generation that would wrap a ring (a sliding layer shorter than the sequence, or `capacity` below
-prompt + max_new_tokens) runs eagerly; `stats["cuda_graph"]` says which path ran.
+graph registration). With "tigon" attention this holds for any generation, rings that wrap included
+(Mistral's sliding window shorter than the prompt, `capacity` below prompt + max_new_tokens). With HF's
+attention it holds only while the whole generation fits every layer's ring (HF's mask sizes are then the
+constant `(ring, 0)`, and the query offset is read from the cache's device counter; past the ring HF's
+`kv_offset` is a host integer that grows every step), so such a generation runs eagerly.
+`stats["cuda_graph"]` says which path ran, `stats["attention"]` which attention.
 """
 
 import math
@@ -29,6 +40,7 @@ import torch
 EOS_CHECK_EVERY = 16  # host syncs on `finished` every 16 steps: < 1% of a ~10 us graph step's launch stream
 
 _NAME = "generate"
+ATTENTION = ("auto", "tigon", "hf")
 
 
 def _cache_class():
@@ -128,54 +140,146 @@ def _percentile(sorted_values, q):
     return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
 
 
+def _switch_attention(model, attention):
+    """Put `model` on the attention this call runs: ("tigon" or "hf", a callable that undoes it or None)."""
+    from tigon.hf import attention as tigon_attention  # imports transformers: only when generating
+
+    on_tigon = getattr(model.config, "_attn_implementation", None) == tigon_attention.NAME
+    if attention == "hf":
+        if not on_tigon:
+            return "hf", None
+        tigon_attention.restore_attention(model)
+        return "hf", lambda: tigon_attention.use_tigon_attention(model)
+    if on_tigon:
+        return "tigon", None
+    counts = tigon_attention.use_tigon_attention(model)
+    covered = sum(n for piece, n in counts.items() if " decode (" in piece)
+    layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+    if covered and (layers is None or covered >= layers):
+        return "tigon", lambda: tigon_attention.restore_attention(model)
+    tigon_attention.restore_attention(model)
+    if attention == "tigon":
+        raise ValueError(f"{_NAME}: attention='tigon': the \"tigon\" attention covers {covered} of the "
+                         f"{layers} attention layers of this {type(model).__name__}; pass attention='auto' or "
+                         "'hf'")
+    return "hf", None
+
+
+class _TigonMasks:
+    """The decode step's attention masks for the "tigon" attention: one `[1 or B, 1, 1, ring]` boolean per
+    ring size, column j = slot j, given to the model as a ready 4-D mask (a dict by layer type when the full
+    and sliding rings differ), so HF's mask builder, whose `kv_offset` past the ring is a host integer, is not
+    part of the step.
+
+    Without padding the mask is a constant all-true tensor: decode_attention attends slot j iff its position
+    is >= 0, <= the query's and inside the window. With left padding it is `keep[b, pos_j]` on the slot
+    positions after this step's write (`keep` = the prompt mask, then ones), and `pos_j >= 0`: exact past the
+    ring too, where HF's 2-D mask is applied by position instead of slot. Only device ops per step."""
+
+    def __init__(self, cache, keep):
+        self.keep = keep  # [B, >= total] bool, or None
+        self.kinds = {}  # layer type -> its first cache layer (all layers of a type hold the same positions)
+        for layer in cache.layers:
+            self.kinds.setdefault("sliding_attention" if layer.is_sliding else "full_attention", layer)
+        self.single = len({(layer.ring, layer.sink) for layer in self.kinds.values()}) == 1
+        self.constant = None
+        if keep is None:
+            self.constant = {kind: torch.ones((1, 1, 1, layer.ring), dtype=torch.bool, device=layer.device)
+                             for kind, layer in self.kinds.items()}
+
+    def _one(self, kind):
+        if self.constant is not None:
+            return self.constant[kind]
+        layer = self.kinds[kind]
+        nxt = layer._next
+        pos = layer.positions.scatter(0, layer._slots_of(nxt), nxt)  # after this step's write
+        return (self.keep.index_select(1, pos.clamp(min=0)) & (pos >= 0))[:, None, None, :]
+
+    def __call__(self):
+        if self.single:
+            return self._one(next(iter(self.kinds)))
+        return {kind: self._one(kind) for kind in self.kinds}
+
+
 @torch.no_grad()
 def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=None, cuda_graph=True,
-             return_stats=False, do_sample=False, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
-             pad_token_id=None, generator=None):
+             attention="auto", return_stats=False, do_sample=False, temperature=1.0, top_k=0, top_p=1.0,
+             eos_token_id=None, pad_token_id=None, generator=None):
     """Generate `max_new_tokens` tokens per row; returns `[B, P + n]` int64 sequences (prompt then new tokens,
     n <= max_new_tokens: trimmed once every row has emitted an EOS), or `(sequences, stats)`.
 
     `input_ids` `[B, P]` (left padding with `attention_mask` `[B, P]`, 1 = real token). `capacity` is the
     ring size of the RollingKVCache (default P + max_new_tokens: exact full attention); below the prompt
-    length it is refused unless every layer is a sliding-window layer. `eos_token_id` (int or list; None =
-    never stop, pass `model.generation_config.eos_token_id` to stop like HF) finishes a row, whose later
-    tokens are `pad_token_id` (default: the first EOS id). Sampling (`do_sample=True`) applies temperature,
-    then top-k (0 = off), then top-p (1.0 = off), and draws with `generator` (on the model's device).
+    length it is refused unless every layer is a sliding-window layer. `attention`: "auto" (default) runs the
+    "tigon" attention implementation for this call when the model's family is covered (Llama, Mistral, Qwen2,
+    Qwen3, Gemma-2, ...; a model already on "tigon" stays there) and restores the model's own implementation
+    afterwards, else HF's; "tigon" requires it; "hf" runs the model's HF attention (a model on "tigon" is
+    switched back for the call). With "tigon" the CUDA-graph path also covers rings that wrap (sliding windows
+    shorter than the sequence, capacity < P + max_new_tokens); with "hf" those run eagerly. `eos_token_id`
+    (int or list; None = never stop, pass `model.generation_config.eos_token_id` to stop like HF) finishes a
+    row, whose later tokens are `pad_token_id` (default: the first EOS id). Sampling (`do_sample=True`)
+    applies temperature, then top-k (0 = off), then top-p (1.0 = off), and draws with `generator` (on the
+    model's device).
     `stats`: ttft_s (from the call to the first token: cache allocation, prefill, first token choice), step_s
     (one latency per later step), p50_step_s, p99_step_s, tokens_per_s (B * n / total time),
     decode_tokens_per_s, peak_memory_bytes (CUDA only, else None), new_tokens, batch_size, cuda_graph (whether
-    the replay path ran). Step times are CUDA events on CUDA (read once at the end, no sync in the loop),
-    perf_counter on a CPU. `prometheus_text(stats)` formats them for scraping."""
+    the replay path ran), attention ("tigon" or "hf": which attention ran). Step times are CUDA events on CUDA
+    (read once at the end, no sync in the loop), perf_counter on a CPU. `prometheus_text(stats)` formats them
+    for scraping."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1 or (
             input_ids.dtype not in (torch.int64, torch.int32)):
         raise ValueError(f"{_NAME}: input_ids must be a [batch, seq] integer tensor with seq >= 1, got "
                          f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
     _int("max_new_tokens", max_new_tokens, 1)
     _validate_sampling(temperature, top_k, top_p)
+    if not isinstance(attention, str) or attention not in ATTENTION:
+        raise ValueError(f"{_NAME}: attention must be one of {', '.join(map(repr, ATTENTION))}, got {attention!r}")
     eos = _token_ids("eos_token_id", eos_token_id)
     if pad_token_id is not None:
         _int("pad_token_id", pad_token_id, 0)
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     b, p = input_ids.shape
-    total = p + max_new_tokens
-    capacity = total if capacity is None else _int("capacity", capacity, 1)
+    if capacity is not None:
+        _int("capacity", capacity, 1)
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
                                        or tuple(attention_mask.shape) != (b, p)):
         raise ValueError(f"{_NAME}: attention_mask must be a [{b}, {p}] tensor like input_ids, got "
                          f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
 
+    clock = _Clock(model.device)
+    clock.mark()  # TTFT counts from here: the attention switch, the cache allocation and the prompt copies
+    ran, undo = _switch_attention(model, attention)
+    try:
+        sequences, stats = _decode_loop(
+            model, input_ids, clock, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
+            capacity=capacity, cuda_graph=cuda_graph, tigon=ran == "tigon", return_stats=return_stats,
+            sampling=(do_sample, temperature, top_k, top_p, generator), eos=eos, pad_token_id=pad_token_id)
+    finally:
+        if undo is not None:
+            undo()
+    if not return_stats:
+        return sequences
+    stats["attention"] = ran
+    return sequences, stats
+
+
+def _decode_loop(model, input_ids, clock, *, max_new_tokens, attention_mask, capacity, cuda_graph, tigon,
+                 return_stats, sampling, eos, pad_token_id):
+    do_sample, temperature, top_k, top_p, generator = sampling
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    b, p = input_ids.shape
+    total = p + max_new_tokens
+    capacity = total if capacity is None else capacity
     device = model.device
     if return_stats and device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    clock = _Clock(device)
-    clock.mark()  # TTFT counts from here: the cache allocation and the prompt copies are part of it
     cache = _cache_class()(model.config, batch_size=b, capacity=capacity, dtype=model.dtype, device=device)
     if capacity < p and not all(cache.is_sliding):
         raise ValueError(f"{_NAME}: capacity ({capacity}) is smaller than the prompt ({p} tokens) and the "
                          "model has full-attention layers, which would drop prompt tokens; pass capacity >= "
                          "the prompt length")
+    # HF's decode mask is valid in a graph only while every ring fits; the tigon masks always are.
     use_graph = (cuda_graph and _graphs_available(device) and max_new_tokens >= 3
-                 and total <= min(layer.ring for layer in cache.layers))
+                 and (tigon or total <= min(layer.ring for layer in cache.layers)))
 
     ids = input_ids.to(device=device, dtype=torch.int64)
     out = torch.full((b, total), pad, dtype=torch.int64, device=device)
@@ -191,13 +295,14 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     else:
         prompt_mask = step_mask = None
         positions = torch.arange(p, device=device).expand(b, -1)
+    if tigon:
+        decode_masks = _TigonMasks(cache, step_mask.bool() if step_mask is not None else None)
     eos_t = torch.tensor(eos, dtype=torch.int64, device=device) if eos else None
     pad_t = torch.full((b,), pad, dtype=torch.int64, device=device)
     finished = torch.zeros((b,), dtype=torch.bool, device=device)
     lengths = torch.zeros((b,), dtype=torch.int64, device=device)  # new tokens per row, its EOS included
     tok = torch.zeros((b, 1), dtype=torch.int64, device=device)     # static decode inputs
     pos = positions[:, -1:].clone()
-
 
     def emit(logits, step):
         nxt = _choose(logits, do_sample, temperature, top_k, top_p, generator)
@@ -211,7 +316,8 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
         pos.add_(1)
 
     def forward():
-        return model(input_ids=tok, attention_mask=step_mask, position_ids=pos, past_key_values=cache,
+        mask = decode_masks() if tigon else step_mask
+        return model(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=cache,
                      use_cache=True, logits_to_keep=1).logits[:, -1]
 
     logits = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
@@ -241,7 +347,7 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
         steps = int(lengths.max())  # the one sync of a run without stats: trim like model.generate
     sequences = out[:, :p + steps]
     if not return_stats:
-        return sequences
+        return sequences, None
     lat = clock.seconds()
     ttft, step_s = lat[0], lat[1:]  # every step that ran, including any after the last EOS
     elapsed = ttft + sum(step_s)
