@@ -57,7 +57,7 @@ def test_gradient_checkpointing_matches_unpatched_checkpointing():
         _check_grads(grads, grads_ref)
         # Backward re-ran each checkpointed layer through the kernels: every MLP and RoPE call once more (a
         # checkpoint that did nothing would leave the counts as the forward left them).
-        for op in ("swiglu_mlp", "apply_rope"):
+        for op in ("swiglu", "apply_rope"):
             assert dispatch_counts[(op, KERNEL)] == 2 * forward[(op, KERNEL)] == 2 * 2, op
         assert dispatch_counts[("linear_cross_entropy", KERNEL)] == 1
     finally:
