@@ -13,13 +13,15 @@ one timed call with the peak-memory counter reset just before it (weights includ
 - HF variants: per-step timestamps from a stopping criterion that synchronizes (the anchors' timer).
   `hf-static-compile` is `cache_implementation="static"`, which `generate` compiles itself on CUDA (the
   anchors' 2.70 ms row; the explicit reduce-overhead compile fails in transformers 5.17).
-- Tigon variants: `tigon.patch(model)` then `tigon.generate(..., return_stats=True)`; its steps are CUDA
-  events recorded after each step, read once at the end (no sync in the loop). The first decode step of the
-  graph path includes the capture. `wall_ms_per_step` (host clock around the whole call, minus TTFT) is a
-  cross-check of the events.
-- `swa-*`: Mistral with sliding_window 1024 and a 4096-token prompt (every layer's ring wraps);
-  `swa-tigon-full` is the same model with the window off, so every layer holds all 4352 tokens (no wrap):
-  the "ring past capacity within 5% of full-cache step time" target compares swa-tigon with it.
+- Tigon variants: `tigon.patch(model)` then `tigon.generate(..., return_stats=True)` with its default
+  attention ("auto": the "tigon" attention implementation for the call); its steps are CUDA events recorded
+  after each step, read once at the end (no sync in the loop). The first decode step of the graph path
+  includes the capture. `wall_ms_per_step` (host clock around the whole call, minus TTFT) is a cross-check of
+  the events. `*-hf-attn` is the same with `attention="hf"` (HF's sdpa in the loop), for comparison.
+- `swa-*`: Mistral with sliding_window 1024 and a 4096-token prompt (every layer's ring wraps): swa-tigon
+  replays a CUDA graph (the tigon attention), swa-tigon-hf-attn cannot (HF's mask past the ring) and runs
+  eagerly; `swa-tigon-full` is the same model with the window off, so every layer holds all 4352 tokens (no
+  wrap): the "ring past capacity within 5% of full-cache step time" target compares swa-tigon with it.
 
 Writes DIR/decode.json, DIR/decode.md and DIR/decode_latency.png (without matplotlib: no PNG). `--budget`
 skips the variants that no longer fit, with a note in the table. `--quick`: a 2-layer toy on the CPU.
@@ -38,14 +40,16 @@ LLAMA_1B5 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=512, max_position_embeddings=256)
-VARIANTS = ("hf-eager", "hf-static-compile", "tigon", "tigon-nograph", "swa-hf-static-compile", "swa-tigon",
-            "swa-tigon-full")
-DEFAULT_VARIANTS = "tigon,hf-static-compile,tigon-nograph,hf-eager,swa-tigon,swa-tigon-full,swa-hf-static-compile"
+VARIANTS = ("hf-eager", "hf-static-compile", "tigon", "tigon-nograph", "tigon-hf-attn", "swa-hf-static-compile",
+            "swa-tigon", "swa-tigon-full", "swa-tigon-hf-attn")
+DEFAULT_VARIANTS = ("tigon,hf-static-compile,tigon-nograph,hf-eager,swa-tigon,swa-tigon-full,swa-hf-static-compile,"
+                    "tigon-hf-attn,swa-tigon-hf-attn")
 WINDOW, SWA_PROMPT = 1024, 4096
 QUICK = dict(prompt=16, new=8, window=8, swa_prompt=24, batches="1,2")
 # Seconds a variant needs on an H200 (process start, model build, warm-up, timed call); the budget check
 # skips a variant with less than this left. Measured compile of the static decode step: ~40-60 s.
-NEED_S = {"hf-static-compile": 110, "swa-hf-static-compile": 120, "hf-eager": 60}
+# swa-tigon-hf-attn: two eager 256-step calls (warm-up and timed) at an estimated 20-60 ms per step.
+NEED_S = {"hf-static-compile": 110, "swa-hf-static-compile": 120, "hf-eager": 60, "swa-tigon-hf-attn": 70}
 NEED_DEFAULT_S = 50
 TARGETS = dict(b1_ms=1.0, b8_ms=1.4, p99_over_p50=1.15, ttft_ms=15.0, ring_over_full=1.05)
 ANCHORS = ("Anchors (same method, H200, torch 2.11, transformers 5.17): HF eager DynamicCache p50 64-68 ms/step "
@@ -149,7 +153,9 @@ def _child_tigon(spec, model, ids):
     import tigon
 
     report = str(tigon.patch(model))
-    kw = dict(max_new_tokens=spec["new"], cuda_graph=not spec["variant"].endswith("nograph"), return_stats=True)
+    variant = spec["variant"]
+    kw = dict(max_new_tokens=spec["new"], cuda_graph=not variant.endswith("nograph"), return_stats=True,
+              attention="hf" if variant.endswith("hf-attn") else "auto")
     device = ids.device
     t = time.perf_counter()
     tigon.generate(model, ids, **kw)  # Triton JIT and autotuning
@@ -164,7 +170,8 @@ def _child_tigon(spec, model, ids):
     peak = stats["peak_memory_bytes"]
     return dict(ttft_s=stats["ttft_s"], step_s=list(stats["step_s"]), total_s=t1 - t0,
                 peak_gib=peak / 2**30 if peak is not None else None, warmup_s=warmup_s,
-                cuda_graph=stats["cuda_graph"], stats=stats, patch=report.splitlines()[0] if report else None)
+                cuda_graph=stats["cuda_graph"], attention=stats["attention"], stats=stats,
+                patch=report.splitlines()[0] if report else None)
 
 
 def child(spec):
@@ -182,7 +189,7 @@ def child(spec):
                p99_ms=1e3 * _percentile(ordered, 0.99), mean_ms=1e3 * mean, tokens_per_s=spec["batch"] / mean,
                wall_ms_per_step=1e3 * wall_step if wall_step else None, total_s=r["total_s"],
                peak_gib=r["peak_gib"], warmup_s=r["warmup_s"], cuda_graph=r["cuda_graph"],
-               step_ms=[round(1e3 * s, 4) for s in steps])
+               attention=r.get("attention"), step_ms=[round(1e3 * s, 4) for s in steps])
     if r.get("patch"):
         row["patch"] = r["patch"]
     if r["stats"] is not None:
@@ -358,7 +365,7 @@ def plot(rows, path):
     if not done:
         return False
     fig, ax = plt.subplots(figsize=(10, 5.5))
-    ax.set_prop_cycle(color=plt.cm.tab20.colors)  # up to 20 distinct lines (7 variants x 2 batches)
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)  # up to 20 distinct lines (the default plan draws 14)
     for r in done:
         ax.plot(range(1, len(r["step_ms"]) + 1), r["step_ms"], lw=1,
                 label=f"{_model_name(r)} {r['variant']} b{r['batch']}")
