@@ -85,7 +85,7 @@ def test_tigon_generate_loop():
     ids = _ids(2, 6)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    ref = tigon.generate(model, ids, attention_mask=mask, max_new_tokens=5)
+    ref = tigon.generate(model, ids, attention_mask=mask, max_new_tokens=5, attention="hf")
     use_tigon_attention(model)
     before = _counts()
     assert torch.equal(tigon.generate(model, ids, attention_mask=mask, max_new_tokens=5), ref)
@@ -176,7 +176,7 @@ def test_cuda_graph_generate_and_no_host_sync_gpu(model_type, overrides):
     model = tiny_model(model_type, attn_implementation=ref_attn, **overrides).cuda().eval()
     ids = _ids(2, 6).cuda()
     # The reference runs eagerly: HF's eager mask (Gemma-2's reference) copies a host scalar, which capture refuses.
-    ref = tigon.generate(model, ids, max_new_tokens=8, cuda_graph=False)
+    ref = tigon.generate(model, ids, max_new_tokens=8, cuda_graph=False, attention="hf")
     use_tigon_attention(model)
     got, stats = tigon.generate(model, ids, max_new_tokens=8, return_stats=True)
     assert stats["cuda_graph"] and torch.equal(got, ref)
