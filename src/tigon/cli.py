@@ -20,8 +20,8 @@ import platform
 import sys
 from pathlib import Path
 
-OPS = ("rms_norm", "add_rms_norm", "layer_norm", "apply_rope", "swiglu", "geglu", "cross_entropy",
-       "linear_cross_entropy", "decode_attention")
+OPS = ("rms_norm", "add_rms_norm", "layer_norm", "apply_rope", "swiglu", "geglu", "swiglu_mlp", "geglu_mlp",
+       "cross_entropy", "linear_cross_entropy", "decode_attention", "rope_kv_write")
 
 
 def _version(dist: str):

@@ -4,6 +4,7 @@ pure-PyTorch reference otherwise; see `tigon.ops._library` for the dispatch rule
 from ._library import backend_for, dispatch_counts
 from .cross_entropy import cross_entropy
 from .decode_attention import decode_attention
+from .glu_mlp import geglu_mlp, swiglu_mlp
 from .kv_write import rope_kv_write
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
@@ -19,9 +20,11 @@ __all__ = [
     "decode_attention",
     "dispatch_counts",
     "geglu",
+    "geglu_mlp",
     "layer_norm",
     "linear_cross_entropy",
     "rms_norm",
     "rope_kv_write",
     "swiglu",
+    "swiglu_mlp",
 ]
