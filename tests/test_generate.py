@@ -504,3 +504,18 @@ def test_ttft_counts_from_the_call(monkeypatch):
     monkeypatch.setattr(gen, "_cache_class", slow)
     _, stats = gen.generate(model, _ids(1, 5), max_new_tokens=3, return_stats=True)
     assert stats["ttft_s"] >= 0.2
+    # ... and in its phase, on the device clock and on the host's.
+    assert stats["ttft_phases_s"]["cache_alloc"] >= 0.2 and stats["ttft_host_phases_s"]["cache_alloc"] >= 0.2
+    assert max(stats["ttft_phases_s"], key=stats["ttft_phases_s"].get) == "cache_alloc"
+
+
+@pytest.mark.parametrize("attention", ["auto", HF])
+def test_ttft_phases_sum_to_ttft(attention):
+    model = _model("llama")
+    _, stats = gen.generate(model, _ids(2, 5), max_new_tokens=2, attention=attention, return_stats=True)
+    for key in ("ttft_phases_s", "ttft_host_phases_s"):
+        phases = stats[key]
+        assert tuple(phases) == gen.TTFT_PHASES  # in call order
+        assert all(s >= 0 for s in phases.values())
+        assert sum(phases.values()) == pytest.approx(stats["ttft_s"], rel=1e-6, abs=1e-6)
+    assert stats["ttft_phases_s"]["prefill"] > 0

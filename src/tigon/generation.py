@@ -112,26 +112,57 @@ def _choose(logits, do_sample, temperature, top_k, top_p, generator):
     return (probs / race).argmax(-1)
 
 
+TTFT_PHASES = ("attention_switch", "cache_alloc", "prompt_setup", "prefill", "first_token")
+
+
 class _Clock:
-    """Step boundaries: CUDA events (read once at the end) on CUDA, perf_counter on the host otherwise."""
+    """Step boundaries: CUDA events (read once at the end) on CUDA, perf_counter on the host otherwise.
+
+    `phase(name)` also closes one TTFT phase (TTFT_PHASES, in order): a stamp like `mark` plus the host's
+    perf_counter, so each phase has a device interval (when the stream reached its boundaries) and a host
+    wall time. The last phase's stamp is the TTFT end mark, so the phases sum to ttft_s."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
         self.marks = []
+        self.phases = []  # (name, stamp, host perf_counter)
+        self.host_start = None
 
-    def mark(self):
+    def _stamp(self):
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            self.marks.append(ev)
-        else:
-            self.marks.append(time.perf_counter())
+            return ev
+        return time.perf_counter()
+
+    def _delta(self, a, b):
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+    def mark(self):
+        stamp = self._stamp()
+        self.marks.append(stamp)
+        if len(self.marks) == 1:
+            self.host_start = time.perf_counter() if self.cuda else stamp
+
+    def phase(self, name):
+        stamp = self._stamp()
+        self.phases.append((name, stamp, time.perf_counter() if self.cuda else stamp))
+        return stamp
 
     def seconds(self):
         if self.cuda:
             self.marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return [self._delta(a, b) for a, b in zip(self.marks, self.marks[1:])]
+
+    def phase_seconds(self):
+        """({phase: device-interval seconds}, {phase: host wall seconds}); call after `seconds()`."""
+        device, host = {}, {}
+        prev, prev_host = self.marks[0], self.host_start
+        for name, stamp, host_t in self.phases:
+            device[name] = self._delta(prev, stamp)
+            host[name] = host_t - prev_host
+            prev, prev_host = stamp, host_t
+        return device, host
 
 
 def _percentile(sorted_values, q):
@@ -220,7 +251,9 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     row, whose later tokens are `pad_token_id` (default: the first EOS id). Sampling (`do_sample=True`)
     applies temperature, then top-k (0 = off), then top-p (1.0 = off), and draws with `generator` (on the
     model's device).
-    `stats`: ttft_s (from the call to the first token: cache allocation, prefill, first token choice), step_s
+    `stats`: ttft_s (from the call to the first token: cache allocation, prefill, first token choice),
+    ttft_phases_s ({phase: seconds} over TTFT_PHASES, summing to ttft_s: CUDA-event intervals on CUDA),
+    ttft_host_phases_s (the host's wall time of each phase: host ~ device = host-bound), step_s
     (one latency per later step), p50_step_s, p99_step_s, tokens_per_s (B * n / total time),
     decode_tokens_per_s, peak_memory_bytes (CUDA only, else None), new_tokens, batch_size, cuda_graph (whether
     the replay path ran), attention ("tigon" or "hf": which attention ran). Step times are CUDA events on CUDA
@@ -248,6 +281,7 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     clock = _Clock(model.device)
     clock.mark()  # TTFT counts from here: the attention switch, the cache allocation and the prompt copies
     ran, undo = _switch_attention(model, attention)
+    clock.phase("attention_switch")
     try:
         sequences, stats = _decode_loop(
             model, input_ids, clock, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
@@ -277,6 +311,7 @@ def _decode_loop(model, input_ids, clock, *, max_new_tokens, attention_mask, cap
         raise ValueError(f"{_NAME}: capacity ({capacity}) is smaller than the prompt ({p} tokens) and the "
                          "model has full-attention layers, which would drop prompt tokens; pass capacity >= "
                          "the prompt length")
+    clock.phase("cache_alloc")
     # HF's decode mask is valid in a graph only while every ring fits; the tigon masks always are.
     use_graph = (cuda_graph and _graphs_available(device) and max_new_tokens >= 3
                  and (tigon or total <= min(layer.ring for layer in cache.layers)))
@@ -320,10 +355,12 @@ def _decode_loop(model, input_ids, clock, *, max_new_tokens, attention_mask, cap
         return model(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=cache,
                      use_cache=True, logits_to_keep=1).logits[:, -1]
 
+    clock.phase("prompt_setup")
     logits = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]
+    clock.phase("prefill")
     emit(logits, 0)
-    clock.mark()
+    clock.marks.append(clock.phase("first_token"))  # the TTFT end: the phases sum to ttft_s
     cache.device_offset = True
     graph = graph_logits = None
     steps = 1
@@ -349,11 +386,12 @@ def _decode_loop(model, input_ids, clock, *, max_new_tokens, attention_mask, cap
     if not return_stats:
         return sequences, None
     lat = clock.seconds()
+    ttft_phases, ttft_host_phases = clock.phase_seconds()
     ttft, step_s = lat[0], lat[1:]  # every step that ran, including any after the last EOS
     elapsed = ttft + sum(step_s)
     ordered = sorted(step_s)
     stats = dict(
-        ttft_s=ttft, step_s=step_s,
+        ttft_s=ttft, ttft_phases_s=ttft_phases, ttft_host_phases_s=ttft_host_phases, step_s=step_s,
         p50_step_s=_percentile(ordered, 0.5), p99_step_s=_percentile(ordered, 0.99),
         tokens_per_s=b * steps / elapsed if elapsed > 0 else float("inf"),
         decode_tokens_per_s=b * len(step_s) / sum(step_s) if sum(step_s) > 0 else None,
