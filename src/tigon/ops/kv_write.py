@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
-from .rope import _rope_heads
+from .rope import _cos_sin_halves, _rope_heads
 
 _TILE = 512  # elements of one [heads, rd/2] (or [heads, D]) tile, as in rope.py
 _NUM_WARPS = 4
@@ -81,14 +81,8 @@ def _rope_kv_write_kernel(
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
     t = pid % T
-    o_r = tl.arange(0, BLOCK_R)
-    m_r = o_r < HALF
-    p_c = COS + b * stride_cb + t * stride_ct
-    p_s = SIN + b * stride_sb + t * stride_st
-    b_c1 = tl.load(p_c + o_r * stride_cd, mask=m_r, other=0.0).to(tl.float32)
-    b_c2 = tl.load(p_c + (HALF + o_r) * stride_cd, mask=m_r, other=0.0).to(tl.float32)
-    b_s1 = tl.load(p_s + o_r * stride_sd, mask=m_r, other=0.0).to(tl.float32)
-    b_s2 = tl.load(p_s + (HALF + o_r) * stride_sd, mask=m_r, other=0.0).to(tl.float32)
+    b_c1, b_c2, b_s1, b_s2 = _cos_sin_halves(COS, SIN, b, t, stride_cb, stride_ct, stride_cd,
+                                             stride_sb, stride_st, stride_sd, HALF, BLOCK_R)
     # The query (if any) goes to its own output; the loop runs no step when Hq == 0.
     _rope_heads(
         Q, QO, b_c1, b_c2, b_s1, b_s2, b, t,

@@ -57,6 +57,21 @@ def _rope_heads(
 
 
 @triton.jit
+def _cos_sin_halves(COS, SIN, b, t, stride_cb, stride_ct, stride_cd, stride_sb, stride_st, stride_sd, HALF,
+                    BLOCK_R: tl.constexpr):
+    """The two halves of cos and sin at (batch b, token t), fp32 [BLOCK_R] each (masked past HALF)."""
+    o_r = tl.arange(0, BLOCK_R)
+    m_r = o_r < HALF
+    p_c = COS + b * stride_cb + t * stride_ct
+    p_s = SIN + b * stride_sb + t * stride_st
+    b_c1 = tl.load(p_c + o_r * stride_cd, mask=m_r, other=0.0).to(tl.float32)
+    b_c2 = tl.load(p_c + (HALF + o_r) * stride_cd, mask=m_r, other=0.0).to(tl.float32)
+    b_s1 = tl.load(p_s + o_r * stride_sd, mask=m_r, other=0.0).to(tl.float32)
+    b_s2 = tl.load(p_s + (HALF + o_r) * stride_sd, mask=m_r, other=0.0).to(tl.float32)
+    return b_c1, b_c2, b_s1, b_s2
+
+
+@triton.jit
 def _rope_kernel(
     Q,  # [B, Hq, T, D] any strides, unit stride on D
     K,  # [B, Hkv, T, D]
@@ -85,14 +100,8 @@ def _rope_kernel(
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
     t = pid % T
-    o_r = tl.arange(0, BLOCK_R)
-    m_r = o_r < HALF
-    p_c = COS + b * stride_cb + t * stride_ct
-    p_s = SIN + b * stride_sb + t * stride_st
-    b_c1 = tl.load(p_c + o_r * stride_cd, mask=m_r, other=0.0).to(tl.float32)
-    b_c2 = tl.load(p_c + (HALF + o_r) * stride_cd, mask=m_r, other=0.0).to(tl.float32)
-    b_s1 = tl.load(p_s + o_r * stride_sd, mask=m_r, other=0.0).to(tl.float32)
-    b_s2 = tl.load(p_s + (HALF + o_r) * stride_sd, mask=m_r, other=0.0).to(tl.float32)
+    b_c1, b_c2, b_s1, b_s2 = _cos_sin_halves(COS, SIN, b, t, stride_cb, stride_ct, stride_cd,
+                                             stride_sb, stride_st, stride_sd, HALF, BLOCK_R)
     # forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; transpose: swap the sin halves and negate them.
     if TRANSPOSE:
         b_sa = -b_s2
