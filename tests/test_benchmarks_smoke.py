@@ -100,12 +100,66 @@ def test_decode_bench_quick_runs_every_variant(tmp_path, harness):
     md = (out / "decode.md").read_text()
     assert "| llama-toy | tigon | 1 |" in md and "| mistral-swa8 | swa-tigon | 1 |" in md
     assert "ring past capacity" in md and "| target | measured | met |" in md
+    assert "### TTFT by phase" in md and "| llama-toy | tigon-nograph | 2 |" in md.split("### TTFT by phase")[1]
+    assert "### Decode-step profile" not in md  # only with --profile
     try:
         import matplotlib  # noqa: F401
 
         assert "decode_latency.png" in files
     except ImportError:
         assert "decode_latency.png" not in files
+
+
+def test_decode_bench_quick_profile_writes_the_section(tmp_path, harness):
+    # On a CPU the profiler sees CPU ops, not CUDA kernels: the same code path and tables over aten ops.
+    import bench_decode
+
+    from tigon import bench_decode as core
+
+    out = tmp_path / "decode"
+    argv = ["--quick", "--device", "cpu", "--out", str(out), "--variants", "tigon@1", "--profile"]
+    assert bench_decode.main(argv, log=lambda s: None) == 0
+    (row,) = json.loads((out / "decode.json").read_text())["rows"]
+    assert row["batch"] == 1 and row["profile"]["activity"].startswith("cpu ops")
+    phases = row["stats"]["ttft_phases_s"]
+    assert sum(phases.values()) * 1e3 == pytest.approx(row["ttft_ms"], rel=1e-6)
+    decode, prefill = row["profile"]["decode"], row["profile"]["prefill"]
+    assert decode["steps"] == core.QUICK["profile_steps"] and decode["located"] == "last kernels"
+    assert decode["kernels"] > 0 and decode["kernel_ms"] > 0 and decode["span_ms"] >= decode["kernel_ms"] * 0.5
+    assert set(decode["buckets_ms"]) == {name for name, _ in core.BUCKETS}
+    assert sum(decode["buckets_ms"].values()) == pytest.approx(decode["kernel_ms"])
+    assert decode["buckets_ms"]["gemm"] > 0 and decode["gemm_GBps"] > 0  # aten::mm on a CPU
+    assert decode["gap_ms"] == pytest.approx(decode["measured_p50_ms"] - decode["kernel_ms"])
+    assert 0 < decode["gemm_weight_bytes"] < decode["param_bytes"]  # the untied input embedding is left out
+    assert prefill["kernels"] > 0 and prefill["measured_ttft_ms"] == pytest.approx(row["ttft_ms"])
+    md = (out / "decode.md").read_text()
+    for section in ("### TTFT by phase", "### Decode-step profile", "### TTFT profile", "Top ops per decode step"):
+        assert section in md
+    assert "| llama-toy | tigon | 1 |" in md.split("### Decode-step profile")[1]
+
+
+def test_decode_bench_profile_buckets_and_plan():
+    from tigon import bench_decode as core
+
+    names = {"nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "gemm", "void gemv2T_kernel_val<int, int, __nv_bfloat16>": "gemm",
+             "void cutlass::Kernel2<cutlass_80_wmma_tensorop>": "gemm", "_decode_attention_split_kernel": "attention",
+             "_decode_attention_merge_kernel": "attention", "_rope_kv_write_kernel": "rope_kv_write",
+             "_rms_norm_fwd_kernel": "norms", "_glu_fwd_kernel": "glu", "triton_poi_fused_add_0": "other triton",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>>": "other torch",
+             "Memcpy DtoD (Device -> Device)": "other torch", "aten::argmax": "other torch"}
+    assert {n: core._bucket(n) for n in names} == names
+    # The per-name fallback (kernel counts that differ from step to step): 2 steps of 3 kernels past a short call.
+    ev = lambda t, name: (t, t + 1.0, name, 1.0)
+    small = [ev(0, "prefill"), ev(1, "a")]
+    big = small + [ev(2 + i, n) for i, n in enumerate("abcabc")]
+    assert [(e[0], e[2]) for e in core._by_name_difference(big, small)] == list(enumerate("abcabc", start=2))
+    specs = core.plan(["tigon", "hf-static-compile@1", "tigon-nograph@2+4"], [1, 8], 512, 256, quick=False,
+                      device="cuda", profile=True)
+    assert [(s["variant"], s["batch"], s.get("profile", False)) for s in specs] == [
+        ("tigon", 1, True), ("tigon", 8, True), ("hf-static-compile", 1, False), ("tigon-nograph", 2, True),
+        ("tigon-nograph", 4, True)]
+    with pytest.raises(SystemExit, match="integers joined by"):
+        core.plan(["tigon@x"], [1], 512, 256, quick=False, device="cuda")
 
 
 def test_decode_bench_budget_skips_and_targets():

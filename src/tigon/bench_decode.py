@@ -1,7 +1,7 @@
 """Decode benchmark: Hugging Face `generate` against `tigon.generate` on the anchors' 1.5B Llama config.
 
     python -m tigon.bench_decode --out DIR [--variants ...] [--batches 1,8] [--swa-batches 1] [--prompt 512]
-        [--new 256] [--budget S] [--prometheus FILE] [--quick]
+        [--new 256] [--budget S] [--prometheus FILE] [--profile] [--quick]
     tigon bench decode ...                    (the same, then prints the table)
     python benchmarks/bench_decode.py ...     (a thin wrapper)
 
@@ -23,6 +23,18 @@ one timed call with the peak-memory counter reset just before it (weights includ
   eagerly; `swa-tigon-full` is the same model with the window off, so every layer holds all 4352 tokens (no
   wrap): the "ring past capacity within 5% of full-cache step time" target compares swa-tigon with it.
 
+- `--profile`: after its timed call each tigon variant runs torch.profiler (CUDA activity) over three more
+  calls with the timed call's ring size: `max_new_tokens=1` (the TTFT: prefill and first token), 3 and
+  3 + PROFILE_STEPS. The 3-token call has one replayed step, the longer one PROFILE_STEPS more; their kernel
+  counts differ by PROFILE_STEPS x (kernels per step), so the longer call's last kernels are exactly its last
+  PROFILE_STEPS decode steps (replay + token choice), whatever the profiler sees outside them. Kernel time is
+  bucketed by name (BUCKETS) and set against the measured p50 step: the difference is launch gaps and idle.
+  GEMM bandwidth = bytes of the weights GEMMs read per step (every parameter once, the input embedding
+  left out unless tied to the lm_head: a lookup reads B rows of it) / GEMM time. On a CPU (--quick) the
+  profiler sees CPU ops only: the same tables over aten ops by self CPU time (interpreted Triton kernels
+  are not ops and do not show).
+- Variants take `@B[+B...]` to run at those batches only: `--variants tigon,hf-static-compile@1`.
+
 Writes DIR/decode.json, DIR/decode.md and DIR/decode_latency.png (without matplotlib: no PNG). `--budget`
 skips the variants that no longer fit, with a note in the table. `--quick`: a 2-layer toy on the CPU.
 """
@@ -31,6 +43,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,7 +58,20 @@ VARIANTS = ("hf-eager", "hf-static-compile", "tigon", "tigon-nograph", "tigon-hf
 DEFAULT_VARIANTS = ("tigon,hf-static-compile,tigon-nograph,hf-eager,swa-tigon,swa-tigon-full,swa-hf-static-compile,"
                     "tigon-hf-attn,swa-tigon-hf-attn")
 WINDOW, SWA_PROMPT = 1024, 4096
-QUICK = dict(prompt=16, new=8, window=8, swa_prompt=24, batches="1,2")
+QUICK = dict(prompt=16, new=8, window=8, swa_prompt=24, batches="1,2", profile_steps=2)
+PROFILE_STEPS = 20
+PROFILE_NEED_S = 15  # the three profiled calls and the trace parsing of a 1.5B tigon row on an H200
+# Kernel-name buckets of the profile, first match wins (lowercased substrings; CPU op names in --quick).
+BUCKETS = (
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "cublas", "xmma", "splitkreduce", "aten::mm", "aten::addmm",
+              "aten::bmm")),
+    ("attention", ("decode_attention", "attention", "flash", "fmha", "sdpa")),
+    ("rope_kv_write", ("rope",)),
+    ("norms", ("rms_norm", "layer_norm", "rmsnorm", "layernorm")),
+    ("glu", ("glu",)),
+    ("other triton", ()),  # a bare identifier (a Triton kernel's function name), not matched above
+    ("other torch", ()),   # ATen's C++ kernels (elementwise, copies, sampling), memcpy/memset, CPU ops
+)
 # Seconds a variant needs on an H200 (process start, model build, warm-up, timed call); the budget check
 # skips a variant with less than this left. Measured compile of the static decode step: ~40-60 s.
 # swa-tigon-hf-attn: two eager 256-step calls (warm-up and timed) at an estimated 20-60 ms per step.
@@ -168,10 +194,135 @@ def _child_tigon(spec, model, ids):
     t1 = time.perf_counter()
     assert seqs.shape == (ids.shape[0], ids.shape[1] + spec["new"]), seqs.shape
     peak = stats["peak_memory_bytes"]
-    return dict(ttft_s=stats["ttft_s"], step_s=list(stats["step_s"]), total_s=t1 - t0,
-                peak_gib=peak / 2**30 if peak is not None else None, warmup_s=warmup_s,
-                cuda_graph=stats["cuda_graph"], attention=stats["attention"], stats=stats,
-                patch=report.splitlines()[0] if report else None)
+    out = dict(ttft_s=stats["ttft_s"], step_s=list(stats["step_s"]), total_s=t1 - t0,
+               peak_gib=peak / 2**30 if peak is not None else None, warmup_s=warmup_s,
+               cuda_graph=stats["cuda_graph"], attention=stats["attention"], stats=stats,
+               patch=report.splitlines()[0] if report else None)
+    if spec.get("profile"):
+        try:
+            out["profile"] = profile_tigon(model, ids, kw, spec, stats)
+        except Exception as e:  # noqa: BLE001 - a failing profile is a note; the timed row stands
+            out["profile"] = dict(error=f"{type(e).__name__}: {e}"[:600])
+    return out
+
+
+def _bucket(name):
+    low = name.lower()
+    for bucket, keys in BUCKETS[:-2]:
+        if any(k in low for k in keys):
+            return bucket
+    return "other triton" if re.fullmatch(r"[A-Za-z_]\w*", name) else "other torch"
+
+
+def _trace_events(prof, cuda):
+    """[(start_us, end_us, name, busy_us)] by start: the CUDA kernels / memcpys / memsets on CUDA, the CPU ops
+    (busy = self CPU time) on a CPU."""
+    from torch.autograd import DeviceType
+
+    events = []
+    for e in prof.events():
+        if cuda and e.device_type == DeviceType.CUDA:
+            busy = e.time_range.end - e.time_range.start
+        elif not cuda and e.device_type == DeviceType.CPU and not e.is_async:
+            busy = e.self_cpu_time_total
+        else:
+            continue
+        events.append((e.time_range.start, e.time_range.end, e.name, busy))
+    events.sort(key=lambda ev: (ev[0], ev[1]))
+    return events
+
+
+def _summary(events, steps, top=8):
+    """Per-step kernel count, kernel time, traced span and bucket times (ms), and the top kernels by time."""
+    buckets = {name: 0.0 for name, _ in BUCKETS}
+    by_name = {}
+    for _, _, name, busy in events:
+        buckets[_bucket(name)] += busy
+        n, t = by_name.get(name, (0, 0.0))
+        by_name[name] = (n + 1, t + busy)
+    span = (max(ev[1] for ev in events) - events[0][0]) if events else 0.0
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return dict(kernels=len(events) / steps, kernel_ms=sum(ev[3] for ev in events) / 1e3 / steps,
+                span_ms=span / 1e3 / steps, buckets_ms={k: v / 1e3 / steps for k, v in buckets.items()},
+                top=[dict(name=name[:120], bucket=_bucket(name), per_step=n / steps, ms=t / 1e3 / steps)
+                     for name, (n, t) in ranked])
+
+
+def _by_name_difference(big, small):
+    """The events of `big` beyond `small`'s count of their name: `big`'s first occurrences of each name are
+    matched to `small`'s (the calls start alike), the rest are the extra steps."""
+    count = {}
+    for ev in small:
+        count[ev[2]] = count.get(ev[2], 0) + 1
+    extra = []
+    for ev in big:
+        if count.get(ev[2], 0) > 0:
+            count[ev[2]] -= 1
+        else:
+            extra.append(ev)
+    return extra
+
+
+def weight_bytes(model):
+    """Bytes of the weights one decode step's GEMMs read: every parameter once (a tied lm_head once), the input
+    embedding left out unless it is the lm_head (a lookup reads B rows of it); and all parameters' bytes."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
+    seen, gemm, total = set(), 0, 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        n = p.numel() * p.element_size()
+        total += n
+        if tied or p.data_ptr() != emb.data_ptr():
+            gemm += n
+    return gemm, total
+
+
+def profile_tigon(model, ids, kw, spec, stats):
+    """torch.profiler over one TTFT (max_new_tokens=1) and `steps` decode steps (the last steps of a call with 3 +
+    steps new tokens, located by the kernel count of a 3-token call); see the module docstring."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import tigon
+
+    device = ids.device
+    cuda = device.type == "cuda"
+    steps = QUICK["profile_steps"] if spec["quick"] else PROFILE_STEPS
+    p = ids.shape[1]
+    kw = dict(kw, return_stats=True, capacity=max(p + spec["new"], p + 3 + steps))  # the timed call's ring
+
+    def trace(new):
+        _sync(device)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            _, st = tigon.generate(model, ids, **dict(kw, max_new_tokens=new))
+            _sync(device)
+        return _trace_events(prof, cuda), st
+
+    first, first_stats = trace(1)
+    small, _ = trace(3)
+    big, big_stats = trace(3 + steps)
+    extra = len(big) - len(small)
+    if extra > 0 and extra % steps == 0:
+        window, located = big[-extra:], "last kernels"
+    else:  # a kernel count that is not the same every step: the per-name difference (no span)
+        window, located = _by_name_difference(big, small), "per-name difference"
+    decode = _summary(window, steps)
+    if located != "last kernels":
+        decode["span_ms"] = None
+    gemm_bytes, param_bytes = weight_bytes(model)
+    p50_ms = 1e3 * stats["p50_step_s"] if stats["p50_step_s"] else None
+    gemm_ms = decode["buckets_ms"]["gemm"]
+    decode.update(steps=steps, located=located, measured_p50_ms=p50_ms,
+                  gap_ms=p50_ms - decode["kernel_ms"] if p50_ms is not None else None,
+                  gemm_weight_bytes=gemm_bytes, param_bytes=param_bytes,
+                  gemm_GBps=gemm_bytes / gemm_ms / 1e6 if gemm_ms > 0 else None,
+                  cuda_graph=big_stats["cuda_graph"])
+    prefill = _summary(first, 1)
+    prefill.update(measured_ttft_ms=1e3 * stats["ttft_s"], traced_ttft_ms=1e3 * first_stats["ttft_s"])
+    return dict(activity="cuda kernels" if cuda else "cpu ops (no CUDA kernels)", decode=decode, prefill=prefill)
 
 
 def child(spec):
@@ -192,26 +343,36 @@ def child(spec):
                attention=r.get("attention"), step_ms=[round(1e3 * s, 4) for s in steps])
     if r.get("patch"):
         row["patch"] = r["patch"]
+    if r.get("profile"):
+        row["profile"] = r["profile"]
     if r["stats"] is not None:
         row["stats"] = {k: v for k, v in r["stats"].items()}
     return row
 
 
-def plan(variants, batches, prompt, new, quick, device, swa_batches=None):
+def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profile=False):
     """One spec per (variant, batch); the swa-* variants use the Mistral config, the long prompt and
-    `swa_batches` (default: `batches`)."""
+    `swa_batches` (default: `batches`). A variant "name@1+8" runs at batches 1 and 8 only. `profile` marks
+    the tigon variants for `profile_tigon`."""
     window = QUICK["window"] if quick else WINDOW
     swa_prompt = QUICK["swa_prompt"] if quick else SWA_PROMPT
     specs = []
-    for v in variants:
+    for item in variants:
+        v, _, only = item.partition("@")
         if v not in VARIANTS:
             raise SystemExit(f"bench_decode: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+        try:
+            own = [int(b) for b in only.split("+")] if only else None
+        except ValueError:
+            raise SystemExit(f"bench_decode: {item!r}: batches after @ are integers joined by +") from None
         swa = v.startswith("swa-")
-        for b in (swa_batches or batches) if swa else batches:
-            specs.append(dict(variant=v, family="mistral" if swa else "llama", batch=b,
-                              prompt=swa_prompt if swa else prompt, new=new,
-                              window=None if (not swa or v == "swa-tigon-full") else window,
-                              quick=quick, device=device))
+        for b in own or ((swa_batches or batches) if swa else batches):
+            spec = dict(variant=v, family="mistral" if swa else "llama", batch=b,
+                        prompt=swa_prompt if swa else prompt, new=new,
+                        window=None if (not swa or v == "swa-tigon-full") else window, quick=quick, device=device)
+            if profile and "tigon" in v:
+                spec["profile"] = True
+            specs.append(spec)
     return specs
 
 
@@ -254,7 +415,8 @@ def run_plan(specs, budget_s, timeout_s=300, log=print, inline=False):
     deadline = time.time() + budget_s
     for spec in specs:
         left = deadline - time.time()
-        need = 0 if spec["quick"] else NEED_S.get(spec["variant"], NEED_DEFAULT_S)
+        need = 0 if spec["quick"] else NEED_S.get(spec["variant"], NEED_DEFAULT_S) + (
+            PROFILE_NEED_S if spec.get("profile") else 0)
         label = f"{spec['variant']} batch {spec['batch']}"
         if left < need:
             row = dict(spec, skipped=f"time budget: {left:.0f} s left, needs ~{need} s")
@@ -349,7 +511,79 @@ def markdown(rows, meta):
     if skipped:
         names = ", ".join(f"{r['variant']} b{r['batch']}" for r in skipped)
         lines.append(f"Skipped for the time budget: {names}.")
+    lines += ttft_phase_lines(rows) + profile_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def ttft_phase_lines(rows):
+    """The tigon rows' TTFT split by phase (stats["ttft_phases_s"] / ["ttft_host_phases_s"])."""
+    done = [r for r in rows if (r.get("stats") or {}).get("ttft_phases_s")]
+    if not done:
+        return []
+    from tigon.generation import TTFT_PHASES
+
+    lines = ["", "### TTFT by phase (timed call; ms, device / host)", "",
+             "| model | variant | batch | TTFT | " + " | ".join(TTFT_PHASES) + " |",
+             "|" + "---|" * (4 + len(TTFT_PHASES))]
+    for r in done:
+        dev, host = r["stats"]["ttft_phases_s"], r["stats"].get("ttft_host_phases_s") or {}
+        cells = [f"{_num(1e3 * dev[k], '.2f')} / {_num(1e3 * host[k] if k in host else None, '.2f')}"
+                 for k in TTFT_PHASES]
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {_num(r['ttft_ms'], '.1f')} | "
+                     + " | ".join(cells) + " |")
+    lines.append("device: CUDA-event interval between the phase's boundaries (when the stream reached them; sums "
+                 "to TTFT); host: perf_counter wall time of the phase. host ~ device: the GPU waited on the host "
+                 "(host-bound); device > host: GPU-bound, or queued behind earlier work. On a CPU both are the "
+                 "host clock.")
+    return lines
+
+
+def profile_lines(rows):
+    """The --profile section: per decode step and per TTFT, kernel time by bucket."""
+    done = [r for r in rows if r.get("profile")]
+    if not done:
+        return []
+    names = [name for name, _ in BUCKETS]
+    ok = [r for r in done if "decode" in r["profile"]]
+    activity = ok[0]["profile"]["activity"] if ok else "cuda kernels"
+    unit = "kernels" if activity == "cuda kernels" else "ops"
+    steps = ok[0]["profile"]["decode"]["steps"] if ok else PROFILE_STEPS
+    lines = ["", f"### Decode-step profile (torch.profiler, {activity}; ms per step over {steps} decode steps)", "",
+             f"| model | variant | batch | {unit}/step | {unit} ms | " + " | ".join(names)
+             + f" | measured p50 | p50 - {unit} (gaps) | traced span | GEMM GB/s |",
+             "|" + "---|" * (9 + len(names))]
+    for r in done:
+        head = f"| {_model_name(r)} | {r['variant']} | {r['batch']} |"
+        prof = r["profile"]
+        if "decode" not in prof:
+            lines.append(head + f" profile failed: {prof.get('error')} |" + " |" * (5 + len(names)))
+            continue
+        d = prof["decode"]
+        lines.append(head + f" {_num(d['kernels'], '.1f')} | {_num(d['kernel_ms'], '.3f')} | "
+                     + " | ".join(_num(d["buckets_ms"][k], ".3f") for k in names)
+                     + f" | {_num(d['measured_p50_ms'], '.3f')} | {_num(d['gap_ms'], '.3f')} | "
+                     f"{_num(d['span_ms'], '.3f')} | {_num(d['gemm_GBps'], '.0f')} |")
+    lines += ["", "### TTFT profile (one generate call with max_new_tokens=1; ms)", "",
+              f"| model | variant | batch | {unit} | {unit} ms | " + " | ".join(names)
+              + " | traced span | TTFT (timed call) | TTFT (traced call) |", "|" + "---|" * (8 + len(names))]
+    for r in ok:
+        f = r["profile"]["prefill"]
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {_num(f['kernels'], '.0f')} | "
+                     f"{_num(f['kernel_ms'], '.3f')} | " + " | ".join(_num(f["buckets_ms"][k], ".3f") for k in names)
+                     + f" | {_num(f['span_ms'], '.3f')} | {_num(f['measured_ttft_ms'], '.2f')} | "
+                     f"{_num(f['traced_ttft_ms'], '.2f')} |")
+    for r in ok:
+        d = r["profile"]["decode"]
+        lines += ["", f"Top {unit} per decode step, {r['variant']} batch {r['batch']} ({d['located']}; GEMM weight "
+                  f"bytes {d['gemm_weight_bytes'] / 1e6:.1f} MB of {d['param_bytes'] / 1e6:.1f} MB of parameters):", ""]
+        lines += [f"- {t['ms']:.4f} ms, {t['per_step']:g}x, {t['bucket']}: `{t['name']}`" for t in d["top"]]
+    lines += ["", f"Buckets by {unit[:-1]} name: gemm (cuBLAS gemm/gemv/nvjet/cutlass), attention (tigon "
+              "decode_attention; sdpa/flash in a prefill), rope_kv_write, norms, glu (tigon kernels), other triton "
+              "(any other bare kernel name), other torch (ATen kernels, copies, sampling). gaps = measured p50 (the "
+              "untraced timed call) minus the kernel time: launch gaps and idle. traced span: first kernel start to "
+              "last kernel end over the steps (the profiler adds per-kernel overhead). GEMM GB/s = GEMM weight bytes / "
+              "GEMM time per step (the input embedding is a lookup and left out unless tied)."]
+    return lines
 
 
 def plot(rows, path):
@@ -404,6 +638,8 @@ def build_parser(prog="bench_decode"):
     p.add_argument("--quick", action="store_true", help="a 2-layer toy config and a few tokens (runs on a CPU)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--prometheus", default=None, help="also write the tigon rows' stats in the Prometheus text format")
+    p.add_argument("--profile", action="store_true", help="also profile each tigon variant's decode step and TTFT "
+                   "(torch.profiler, kernel time by bucket; a section in decode.md)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -428,8 +664,8 @@ def main(argv=None, log=print, prog="bench_decode"):
     out = a.out or os.environ.get("OUT") or "tigon-bench-out"
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
-    rows = run_plan(plan(variants, batches, prompt, new, quick, device, swa_batches), a.budget, a.timeout, log=log,
-                    inline=quick and device == "cpu")
+    rows = run_plan(plan(variants, batches, prompt, new, quick, device, swa_batches, profile=a.profile), a.budget,
+                    a.timeout, log=log, inline=quick and device == "cpu")
     meta = dict(title="tigon.generate vs HF generate" + (" (quick toy on " + device + ")" if quick else ""),
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                 wall_s=time.time() - t0, targets=TARGETS, anchors=ANCHORS)
