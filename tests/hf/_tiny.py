@@ -52,3 +52,15 @@ def batch(vocab=131, b=2, t=7, seed=1, ignore_tail=2):
     labels = ids.clone()
     labels[0, -ignore_tail:] = -100
     return ids, labels
+
+
+def prompt_ids(b, t, seed=1, vocab=131):
+    """A [b, t] random prompt from a fixed CPU generator."""
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy_with_scores(model, ids, cache, new, **kw):
+    """model.generate, greedy, exactly `new` tokens over `cache`: (sequences, scores [b, new, vocab])."""
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, past_key_values=cache,
+                         output_scores=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+    return out.sequences, torch.stack(out.scores, 1)

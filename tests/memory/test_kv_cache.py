@@ -8,20 +8,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
+from tests.hf._tiny import greedy_with_scores as _greedy
+from tests.hf._tiny import prompt_ids as _ids
 from tests.hf._tiny import tiny_config, tiny_model
 from tigon.memory.kv_cache import RollingKVCache
 
 TOL = dict(rtol=1e-4, atol=1e-4)
-
-
-def _ids(b, t, seed=1):
-    return torch.randint(0, 131, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
-def _greedy(model, ids, cache, new, **kw):
-    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, past_key_values=cache,
-                         output_scores=True, return_dict_in_generate=True, pad_token_id=0, **kw)
-    return out.sequences, torch.stack(out.scores, 1)
 
 
 def _assert_same_generation(ref, got):
