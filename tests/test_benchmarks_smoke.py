@@ -110,21 +110,30 @@ def test_decode_bench_quick_runs_every_variant(tmp_path, harness):
         assert "decode_latency.png" not in files
 
 
-def test_decode_bench_quick_profile_writes_the_section(tmp_path, harness):
-    # On a CPU the profiler sees CPU ops, not CUDA kernels: the same code path and tables over aten ops.
+def test_decode_bench_quick_profile_writes_the_section(tmp_path, harness, monkeypatch):
+    # On a CPU the profiler sees CPU ops, not CUDA kernels: the same code path and tables over aten ops. The
+    # graph path's bookkeeping runs on the CPU (test_generate's fake capture), so the decode traces take the
+    # GPU's route: the profiler starts right after the capture.
     import bench_decode
 
+    from tests.test_generate import _fake_capture
     from tigon import bench_decode as core
+    from tigon import generation
+
+    monkeypatch.setattr(generation, "_graphs_available", lambda device: True)
+    monkeypatch.setattr(generation, "_capture", _fake_capture)
 
     out = tmp_path / "decode"
     argv = ["--quick", "--device", "cpu", "--out", str(out), "--variants", "tigon@1", "--profile"]
     assert bench_decode.main(argv, log=lambda s: None) == 0
     (row,) = json.loads((out / "decode.json").read_text())["rows"]
-    assert row["batch"] == 1 and row["profile"]["activity"].startswith("cpu ops")
+    assert row["batch"] == 1 and row["cuda_graph"] and row["profile"]["activity"].startswith("cpu ops")
     phases = row["stats"]["ttft_phases_s"]
     assert sum(phases.values()) * 1e3 == pytest.approx(row["ttft_ms"], rel=1e-6)
     decode, prefill = row["profile"]["decode"], row["profile"]["prefill"]
     assert decode["steps"] == core.QUICK["profile_steps"] and decode["located"] == "last kernels"
+    assert decode["cuda_graph"] and decode["traced_from"] == "after the capture"
+    assert generation._capture is _fake_capture  # put back
     assert decode["kernels"] > 0 and decode["kernel_ms"] > 0 and decode["span_ms"] >= decode["kernel_ms"] * 0.5
     assert set(decode["buckets_ms"]) == {name for name, _ in core.BUCKETS}
     assert sum(decode["buckets_ms"].values()) == pytest.approx(decode["kernel_ms"])

@@ -283,10 +283,13 @@ def weight_bytes(model):
 
 def profile_tigon(model, ids, kw, spec, stats):
     """torch.profiler over one TTFT (max_new_tokens=1) and `steps` decode steps (the last steps of a call with 3 +
-    steps new tokens, located by the kernel count of a 3-token call); see the module docstring."""
+    steps new tokens, located by the kernel count of a 3-token call); see the module docstring. On the graph
+    path the decode traces start right after the capture (the profiler never runs over a capturing stream) and
+    the TTFT trace comes first (the profiler is initialized before the graphs it sees are made)."""
     from torch.profiler import ProfilerActivity, profile
 
     import tigon
+    from tigon import generation
 
     device = ids.device
     cuda = device.type == "cuda"
@@ -294,16 +297,38 @@ def profile_tigon(model, ids, kw, spec, stats):
     p = ids.shape[1]
     kw = dict(kw, return_stats=True, capacity=max(p + spec["new"], p + 3 + steps))  # the timed call's ring
 
-    def trace(new):
+    def trace(new, after_capture=False):
         _sync(device)
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+        capture = generation._capture
+        started = []
+
+        def capture_then_start(*args, **kwargs):
+            result = capture(*args, **kwargs)
+            _sync(device)
+            prof.start()
+            started.append(True)
+            return result
+
+        if after_capture:
+            generation._capture = capture_then_start
+        else:
+            prof.start()
+            started.append(True)
+        try:
             _, st = tigon.generate(model, ids, **dict(kw, max_new_tokens=new))
             _sync(device)
+        finally:
+            generation._capture = capture
+            if started:
+                prof.stop()
+        if not started:
+            raise RuntimeError("the profiled call did not capture a CUDA graph (the timed call did)")
         return _trace_events(prof, cuda), st
 
     first, first_stats = trace(1)
-    small, _ = trace(3)
-    big, big_stats = trace(3 + steps)
+    small, _ = trace(3, after_capture=stats["cuda_graph"])
+    big, big_stats = trace(3 + steps, after_capture=stats["cuda_graph"])
     extra = len(big) - len(small)
     if extra > 0 and extra % steps == 0:
         window, located = big[-extra:], "last kernels"
@@ -319,7 +344,8 @@ def profile_tigon(model, ids, kw, spec, stats):
                   gap_ms=p50_ms - decode["kernel_ms"] if p50_ms is not None else None,
                   gemm_weight_bytes=gemm_bytes, param_bytes=param_bytes,
                   gemm_GBps=gemm_bytes / gemm_ms / 1e6 if gemm_ms > 0 else None,
-                  cuda_graph=big_stats["cuda_graph"])
+                  cuda_graph=big_stats["cuda_graph"], traced_from="after the capture" if stats["cuda_graph"]
+                  else "the call's start")
     prefill = _summary(first, 1)
     prefill.update(measured_ttft_ms=1e3 * stats["ttft_s"], traced_ttft_ms=1e3 * first_stats["ttft_s"])
     return dict(activity="cuda kernels" if cuda else "cpu ops (no CUDA kernels)", decode=decode, prefill=prefill)
@@ -563,6 +589,10 @@ def profile_lines(rows):
                      + " | ".join(_num(d["buckets_ms"][k], ".3f") for k in names)
                      + f" | {_num(d['measured_p50_ms'], '.3f')} | {_num(d['gap_ms'], '.3f')} | "
                      f"{_num(d['span_ms'], '.3f')} | {_num(d['gemm_GBps'], '.0f')} |")
+    blind = [f"{r['variant']} b{r['batch']}" for r in ok if not r["profile"]["decode"]["kernels"]]
+    if blind:
+        lines += ["", f"No {unit} seen in the decode steps of {', '.join(blind)}: this torch/CUPTI did not trace the "
+                  "replayed CUDA graph's kernels (run the *-nograph variant, or Nsight Systems)."]
     lines += ["", "### TTFT profile (one generate call with max_new_tokens=1; ms)", "",
               f"| model | variant | batch | {unit} | {unit} ms | " + " | ".join(names)
               + " | traced span | TTFT (timed call) | TTFT (traced call) |", "|" + "---|" * (8 + len(names))]
