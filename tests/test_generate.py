@@ -356,6 +356,20 @@ def test_gpu_replayed_steps_do_not_sync(monkeypatch):
     assert len(calls) == 38 and seqs.shape == (2, 90)
 
 
+
+@pytest.mark.gpu
+def test_gpu_ttft_phases_sum_to_ttft():
+    # CUDA events at the phase boundaries: their intervals add up to the TTFT interval (event times resolve
+    # ~0.5 us each), and the host's wall time of every phase is there beside them.
+    model = _gpu_model()
+    ids = torch.randint(0, 32000, (2, 100), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    gen.generate(model, ids, max_new_tokens=4)  # Triton JIT outside the timed call
+    _, stats = gen.generate(model, ids, max_new_tokens=4, return_stats=True)
+    dev, host = stats["ttft_phases_s"], stats["ttft_host_phases_s"]
+    assert tuple(dev) == tuple(host) == gen.TTFT_PHASES
+    assert sum(dev.values()) == pytest.approx(stats["ttft_s"], abs=2e-5)
+    assert all(v >= 0 for v in host.values()) and dev["prefill"] > 0
+
 # Rings that wrap on the GPU with the tigon attention (fp32 tiny models): Mistral's sliding window 16 < 40 + 40,
 # Gemma-2's local layers (window 16, global rings of 80: one mask per layer type, softcap 2.0), Llama with
 # capacity 48 < 80 (the full-attention ring rolls).
