@@ -4,7 +4,7 @@ Environment (set by the test, like torchrun): RANK, LOCAL_RANK, WORLD_SIZE, LOCA
 (a FileStore path), TIGON_FORCE_FSDP (1: route_fsdp_plugin_on_cpu first), TRITON_INTERPRET=1. The rank joins a
 gloo group through the FileStore (accelerate then finds it initialized and keeps it), builds the tiny Llama,
 patches it with Tigon, and hands it to a Hugging Face Trainer configured the way users turn FSDP2 on:
-`fsdp=True, fsdp_config={"fsdp_version": 2, ...}`. Rank 0 saves the logged per-step losses, the gathered
+`fsdp=True, fsdp_config={"fsdp_version": 2, ...}`. Rank 0 saves the logged per-step losses and grad norms, the gathered
 parameters, its dispatch counts and what accelerate actually did (distributed type, wrapper, whether the
 parameters ended up as DTensor shards) to OUT/trainer.pt; rank 1 saves its counts and that record to
 OUT/counts1.pt.
@@ -46,7 +46,7 @@ def fsdp_kwargs():
 def train(out_dir, world, fsdp):
     """Train the patched tiny Llama for STEPS steps of PER_DEVICE * WORLD rows in all, in order (no shuffling).
 
-    Returns (per-step logged losses, the Trainer, this process's dispatch counts)."""
+    Returns (per-step logged (loss, grad_norm), the Trainer, this process's dispatch counts)."""
     import transformers
 
     import tigon
@@ -66,7 +66,8 @@ def train(out_dir, world, fsdp):
     _library.dispatch_counts.clear()
     trainer.train()
     counts = {f"{op}/{path}": n for (op, path), n in _library.dispatch_counts.items()}
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    # (loss, grad norm before clipping) per step: under FSDP2 the norm is reduced over DTensor shards
+    losses = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
     return losses, trainer, counts
 
 

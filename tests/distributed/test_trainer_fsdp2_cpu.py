@@ -2,10 +2,10 @@
 
 Each rank patches the tiny Llama (fused linear cross-entropy on) and hands it to a Trainer configured the way
 users turn FSDP2 on: `TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2, ...})` (`fsdp="full_shard"`,
-deprecated in transformers 5.17, translates to the same plugin). Three steps
-in data order (sequential sampler) with gradient clipping active; the per-step logged losses and the gathered
-parameters must equal a single-process Trainer on the same global batch (per-device batch x 2), and every
-rank must have run the fused kernels.
+deprecated in transformers 5.17, translates to the same plugin). Three steps in data order (sequential
+sampler) with gradient clipping active; the per-step logged losses and grad norms and the gathered parameters
+must equal a single-process Trainer on the same global batch (per-device batch x 2), and every rank must have
+run the fused kernels.
 
 accelerate 1.15 does not refuse FSDP on a CPU/gloo group: AcceleratorState.__init__ turns the FSDP plugin on
 only for accelerator distributed types (MULTI_GPU, MULTI_XPU, MULTI_NPU, ...), so on MULTI_CPU it drops it
@@ -103,7 +103,10 @@ def _check(tmp_path):
         assert out["counts"].get("swiglu_mlp/triton", 0) > 0, (rank, out["counts"])
     losses, params = _reference(tmp_path)
     assert len(got["losses"]) == worker.STEPS
-    _close(torch.tensor(got["losses"]), torch.tensor(losses), "per-step logged loss")
+    got_losses, want = torch.tensor(got["losses"], dtype=torch.float64), torch.tensor(losses, dtype=torch.float64)
+    _close(got_losses[:, 0], want[:, 0], "per-step logged loss")
+    assert (want[:, 1] > 1.0).all(), "max_grad_norm=1 must clip: the clipping path is part of the check"
+    _close(got_losses[:, 1], want[:, 1], "per-step grad norm (before clipping)")
     assert got["params"].keys() == params.keys()
     # Adam turns a near-zero gradient into a full-size step: atol is a tenth of lr, as in test_fsdp2_cpu.py
     for name, p in params.items():
