@@ -496,7 +496,7 @@ def _fmt(v) -> str:
 
 
 def _labels(lab, extra=None) -> str:
-    items = list(lab.items()) + list((extra or {}).items())
+    items = sorted(lab.items()) + list((extra or {}).items())  # sorted names, as the client's label order
     if not items:
         return ""
     esc = lambda s: str(s).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
