@@ -118,6 +118,7 @@ def test_decode_bench_quick_profile_writes_the_section(tmp_path, harness, monkey
 
     from tests.test_generate import _fake_capture
     from tigon import bench_decode as core
+    from tigon import decode_profile as profiling
     from tigon import generation
 
     monkeypatch.setattr(generation, "_graphs_available", lambda device: True)
@@ -135,7 +136,7 @@ def test_decode_bench_quick_profile_writes_the_section(tmp_path, harness, monkey
     assert decode["cuda_graph"] and decode["traced_from"] == "after the capture"
     assert generation._capture is _fake_capture  # put back
     assert decode["kernels"] > 0 and decode["kernel_ms"] > 0 and decode["span_ms"] >= decode["kernel_ms"] * 0.5
-    assert set(decode["buckets_ms"]) == {name for name, _ in core.BUCKETS}
+    assert set(decode["buckets_ms"]) == {name for name, _ in profiling.BUCKETS}
     assert sum(decode["buckets_ms"].values()) == pytest.approx(decode["kernel_ms"])
     assert decode["buckets_ms"]["gemm"] > 0 and decode["gemm_GBps"] > 0  # aten::mm on a CPU
     assert decode["gap_ms"] == pytest.approx(decode["measured_p50_ms"] - decode["kernel_ms"])
@@ -149,6 +150,7 @@ def test_decode_bench_quick_profile_writes_the_section(tmp_path, harness, monkey
 
 def test_decode_bench_profile_buckets_and_plan():
     from tigon import bench_decode as core
+    from tigon import decode_profile as profiling
 
     names = {"nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "gemm", "void gemv2T_kernel_val<int, int, __nv_bfloat16>": "gemm",
              "void cutlass::Kernel2<cutlass_80_wmma_tensorop>": "gemm", "_decode_attention_split_kernel": "attention",
@@ -156,12 +158,12 @@ def test_decode_bench_profile_buckets_and_plan():
              "_rms_norm_fwd_kernel": "norms", "_glu_fwd_kernel": "glu", "triton_poi_fused_add_0": "other triton",
              "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>>": "other torch",
              "Memcpy DtoD (Device -> Device)": "other torch", "aten::argmax": "other torch"}
-    assert {n: core._bucket(n) for n in names} == names
+    assert {n: profiling._bucket(n) for n in names} == names
     # The per-name fallback (kernel counts that differ from step to step): 2 steps of 3 kernels past a short call.
     ev = lambda t, name: (t, t + 1.0, name, 1.0)
     small = [ev(0, "prefill"), ev(1, "a")]
     big = small + [ev(2 + i, n) for i, n in enumerate("abcabc")]
-    assert [(e[0], e[2]) for e in core._by_name_difference(big, small)] == list(enumerate("abcabc", start=2))
+    assert [(e[0], e[2]) for e in profiling._by_name_difference(big, small)] == list(enumerate("abcabc", start=2))
     specs = core.plan(["tigon", "hf-static-compile@1", "tigon-nograph@2+4"], [1, 8], 512, 256, quick=False,
                       device="cuda", profile=True)
     assert [(s["variant"], s["batch"], s.get("profile", False)) for s in specs] == [

@@ -10,6 +10,7 @@ import torch
 from tests.hf._tiny import tiny_model
 
 gen = importlib.import_module("tigon.generation")
+metrics = importlib.import_module("tigon.metrics")
 # Tests of the loop itself (EOS, sampling) pass attention=HF: the same loop without the interpreter's cost of
 # the "tigon" decode kernels, which the attention tests below cover.
 HF = "hf"
@@ -465,8 +466,8 @@ def _check_exposition(text, stats, labels=()):
     steps = stats["step_s"]
     assert got[(p + "step_latency_seconds_count", lab)] == len(steps)
     assert got[(p + "step_latency_seconds_sum", lab)] == pytest.approx(sum(steps))
-    for le in (*gen.LATENCY_BUCKETS, float("inf")):
-        key = (p + "step_latency_seconds_bucket", tuple(sorted(labels + (("le", gen._fmt(le)),))))
+    for le in (*metrics.LATENCY_BUCKETS, float("inf")):
+        key = (p + "step_latency_seconds_bucket", tuple(sorted(labels + (("le", metrics._fmt(le)),))))
         assert got[key] == sum(s <= le for s in steps)
 
 
