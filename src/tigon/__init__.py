@@ -10,11 +10,11 @@ Importing tigon is cheap: no CUDA initialisation, no kernel compilation. Submodu
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["ops", "modules", "memory", "hf", "patch", "unpatch", "generate", "__version__"]
+__all__ = ["ops", "modules", "memory", "hf", "metrics", "patch", "unpatch", "generate", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("ops", "modules", "memory", "hf"):
+    if name in ("ops", "modules", "memory", "hf", "metrics"):
         return importlib.import_module(f"tigon.{name}")
     if name in ("patch", "unpatch", "PatchReport"):
         return getattr(importlib.import_module("tigon.hf.patch"), name)
