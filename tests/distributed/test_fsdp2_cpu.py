@@ -9,67 +9,22 @@ kernel reads it. Reading `lm_head.weight` outside the call hands the op a DTenso
 "tigon.linear_cross_entropy_fwd.default got mixed torch.Tensor and DTensor"), which this test catches.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
 
 import tigon
+from tests.distributed._ranks import SKIPS, launch, wait
 from tests.hf._tiny import batch, tiny_model
 
 WORLD = 2
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_fsdp2_worker.py")
 
-_NUMPY = tuple(int(part) for part in __import__("numpy").__version__.split(".")[:2])
-pytestmark = [
-    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo"),
-    # the ranks run the kernels through Triton 3.6's interpreter, which breaks on numpy >= 2.4 ("only 0-dimensional
-    # arrays can be converted to Python scalars"); CI pins numpy<2.4, a GPU image may not
-    pytest.mark.skipif(_NUMPY >= (2, 4), reason="Triton 3.6's interpreter needs numpy < 2.4"),
-]
+pytestmark = SKIPS
 
 
 def _close(a, b, name, rtol=1e-4, atol=1e-6):
     torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
-
-
-def _launch(tmp_path):
-    """Start the ranks like torchrun would (RANK, WORLD_SIZE), rendezvous through a FileStore: no port."""
-    procs = []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-            TIGON_DIST_STORE=str(tmp_path / "store"), TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-        )
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=env, cwd=ROOT,
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    return procs
-
-
-def _wait(procs, tmp_path, timeout=240):
-    failed = []
-    try:
-        for rank, (proc, log) in enumerate(procs):
-            proc.wait(timeout=timeout)
-            log.close()
-            if proc.returncode != 0:
-                failed.append(rank)
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    if failed:
-        logs = "\n".join(f"--- rank {r} ---\n{(tmp_path / f'rank{r}.log').read_text()[-4000:]}" for r in failed)
-        pytest.fail(f"FSDP2 ranks {failed} failed:\n{logs}")
 
 
 def _reference(ids, labels):
@@ -87,10 +42,10 @@ def _reference(ids, labels):
 
 
 def test_fsdp2_sharded_lm_head_fused_loss_matches_single_process(tmp_path):
-    procs = _launch(tmp_path)  # the ranks run while this process computes the reference
+    procs = launch(WORKER, tmp_path, WORLD)  # the ranks run while this process computes the reference
     ids, labels = batch(131, b=2 * WORLD, t=7)  # row 0 has ignored tokens: the halves weigh differently
     loss, grads, loss2, params = _reference(ids, labels)
-    _wait(procs, tmp_path)
+    wait(procs, tmp_path, "FSDP2")
     got = torch.load(tmp_path / "fsdp2.pt")
 
     # every rank ran the fused path through the Triton kernels (interpreter), lm_head included

@@ -16,72 +16,26 @@ worker), so accelerate's own fsdp2_prepare_model shards the patched model (decod
 [norm, lm_head] tail group, the root) and the Trainer drives it: the FSDP2 path a GPU user runs.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from tests.distributed import _trainer_fsdp2_worker as worker  # noqa: E402
+from tests.distributed._ranks import SKIPS, launch, wait  # noqa: E402
 
 WORLD = worker.WORLD
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(worker.__file__)
 
-_NUMPY = tuple(int(part) for part in __import__("numpy").__version__.split(".")[:2])
-pytestmark = [
-    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo"),
-    # the ranks run the kernels through Triton 3.6's interpreter, which breaks on numpy >= 2.4 ("only 0-dimensional
-    # arrays can be converted to Python scalars"); CI pins numpy<2.4, a GPU image may not
-    pytest.mark.skipif(_NUMPY >= (2, 4), reason="Triton 3.6's interpreter needs numpy < 2.4"),
-]
+pytestmark = SKIPS
 _REFERENCE = {}
 
 
 def _close(a, b, name, rtol=1e-4, atol=1e-6):
     torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
-
-
-def _launch(tmp_path, force_fsdp):
-    """Start the ranks like torchrun would (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; accelerate's CPU
-    setup wants MASTER_ADDR or a one-node world), rendezvous through a FileStore: no port."""
-    procs = []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-            TIGON_DIST_STORE=str(tmp_path / "store"), TIGON_FORCE_FSDP="1" if force_fsdp else "0",
-            TRITON_INTERPRET="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-        )
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=env, cwd=ROOT,
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    return procs
-
-
-def _wait(procs, tmp_path, timeout=240):
-    failed = []
-    try:
-        for rank, (proc, log) in enumerate(procs):
-            proc.wait(timeout=timeout)
-            log.close()
-            if proc.returncode != 0:
-                failed.append(rank)
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    if failed:
-        logs = "\n".join(f"--- rank {r} ---\n{(tmp_path / f'rank{r}.log').read_text()[-4000:]}" for r in failed)
-        pytest.fail(f"Trainer ranks {failed} failed:\n{logs}")
 
 
 def _reference(tmp_path):
@@ -115,9 +69,9 @@ def _check(tmp_path):
 
 
 def test_trainer_fsdp2_matches_single_process(tmp_path):
-    procs = _launch(tmp_path, force_fsdp=True)  # the ranks run while this process computes the reference
+    procs = launch(WORKER, tmp_path, WORLD, TIGON_FORCE_FSDP="1")  # ranks run while this process takes the reference
     _reference(tmp_path)
-    _wait(procs, tmp_path)
+    wait(procs, tmp_path, "Trainer")
     info = _check(tmp_path)
     # accelerate's fsdp2_prepare_model sharded every parameter and the Trainer trained the FSDP2 module
     assert info["is_fsdp_enabled"] and info["distributed_type"] == "DistributedType.FSDP", info
@@ -125,9 +79,9 @@ def test_trainer_fsdp2_matches_single_process(tmp_path):
 
 
 def test_trainer_fsdp_config_as_users_run_it(tmp_path):
-    procs = _launch(tmp_path, force_fsdp=False)
+    procs = launch(WORKER, tmp_path, WORLD, TIGON_FORCE_FSDP="0")
     _reference(tmp_path)
-    _wait(procs, tmp_path)
+    wait(procs, tmp_path, "Trainer")
     info = _check(tmp_path)  # the numbers hold whatever accelerate wrapped the model in
     if not info["is_fsdp_enabled"]:
         pytest.skip(f"accelerate ignores the FSDP plugin on a CPU/gloo group: distributed type "
