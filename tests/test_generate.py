@@ -335,12 +335,10 @@ def test_gpu_cuda_graph_matches_eager(do_sample):
     assert sa["peak_memory_bytes"] > 0 and sa["p50_step_s"] > 0
 
 
-@pytest.mark.gpu
-def test_gpu_replayed_steps_do_not_sync(monkeypatch):
-    # Every replayed step (replay + token choice + bookkeeping) runs under sync-debug "error"; capture itself
-    # synchronizes (torch.cuda.graph does), so the mode is switched on at the first replay.
-    model = _gpu_model()
-    ids = torch.randint(0, 32000, (2, 50), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+def _sync_checked_replays(monkeypatch):
+    """From the first CUDA-graph replay on, sync-debug mode "error" (any host sync raises; the capture itself
+    synchronizes, so the mode cannot be on before it). Returns the list that counts the replays; the caller
+    resets the mode."""
     replay = torch.cuda.CUDAGraph.replay
     calls = []
 
@@ -350,6 +348,16 @@ def test_gpu_replayed_steps_do_not_sync(monkeypatch):
         replay(self)
 
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", checked_replay)
+    return calls
+
+
+@pytest.mark.gpu
+def test_gpu_replayed_steps_do_not_sync(monkeypatch):
+    # Every replayed step (replay + token choice + bookkeeping) runs under sync-debug "error"; capture itself
+    # synchronizes (torch.cuda.graph does), so the mode is switched on at the first replay.
+    model = _gpu_model()
+    ids = torch.randint(0, 32000, (2, 50), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    calls = _sync_checked_replays(monkeypatch)
     try:
         seqs = gen.generate(model, ids, max_new_tokens=40, do_sample=True, top_k=50, top_p=0.9,
                             generator=torch.Generator("cuda").manual_seed(1))
@@ -411,15 +419,7 @@ def test_gpu_tigon_replay_past_the_ring_does_not_sync(monkeypatch, model_type, o
     # As test_gpu_replayed_steps_do_not_sync, on rings that wrap, with left padding (the mask gather runs).
     model, ids, mask = _gpu_wrap_model(model_type, overrides)
     gen.generate(model, ids, max_new_tokens=4, attention_mask=mask, capacity=capacity)  # Triton JIT, outside
-    replay = torch.cuda.CUDAGraph.replay
-    calls = []
-
-    def checked_replay(self):
-        calls.append(1)
-        torch.cuda.set_sync_debug_mode("error")
-        replay(self)
-
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", checked_replay)
+    calls = _sync_checked_replays(monkeypatch)
     try:
         seqs = gen.generate(model, ids, max_new_tokens=40, attention_mask=mask, capacity=capacity, do_sample=True,
                             top_k=50, generator=torch.Generator("cuda").manual_seed(1))
