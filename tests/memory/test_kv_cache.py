@@ -119,6 +119,24 @@ def _llama_as_mistral(window):
     return llama, mistral
 
 
+def test_a_chunk_attends_to_the_written_slots_and_a_decode_step_to_the_ring():
+    """A prefill that fits sees only what was written (kv_length == q for the first one, so HF may drop the
+    mask and SDPA run its causal kernels); a decode step sees the whole ring, one shape for CUDA graphs."""
+    cache = RollingKVCache(tiny_config("llama"), batch_size=2, capacity=12, dtype=torch.float32)
+    layer = cache.layers[0]
+    h, d = layer.num_heads, layer.head_dim
+    assert layer.get_mask_sizes(5) == (5, 0)
+    k, v = (torch.randn(2, h, 5, d) for _ in range(2))
+    got_k, got_v = cache.update(k, v, 0)
+    assert got_k.shape == (2, h, 5, d) and torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert layer.get_mask_sizes(3) == (8, 0) and layer.get_mask_sizes(1) == (12, 0)
+    k2, v2 = (torch.randn(2, h, 3, d) for _ in range(2))
+    got_k, _ = cache.update(k2, v2, 0)
+    assert got_k.shape == (2, h, 8, d) and torch.equal(got_k[:, :, 5:], k2)
+    got_k, _ = cache.update(*(torch.randn(2, h, 1, d) for _ in range(2)), 0)
+    assert got_k.shape == (2, h, 12, d)
+
+
 def test_eviction_on_a_full_attention_model_is_a_sliding_window():
     llama, mistral = _llama_as_mistral(7)
     ids = _ids(2, 6)  # the prompt fits; the 14 decode steps evict

@@ -9,7 +9,9 @@ and no sinks: the window is all they may attend, which makes them exact past cap
 
 Hugging Face builds the attention mask from `get_mask_sizes` as if key j sat at position `kv_offset + j`.
 The ring satisfies that contract in three cases, chosen by host integers that depend on shapes only:
-- fits (seen + q <= ring): slot == position; return the whole ring, mask sizes (ring, 0). Exact.
+- fits (seen + q <= ring): slot == position. A decode step returns the whole ring, mask sizes (ring, 0): one
+  shape for every step (CUDA graphs); a chunk (prefill) returns the slots written so far, sizes (seen + q, 0).
+  Exact.
 - decode past the ring (q == 1): write one slot, return the whole ring in slot order with sizes
   (ring, seen - ring + 1). HF's mask is then all-true (every slot is inside the window), and attention is
   order-free, so slot order is harmless. Decode allocates nothing: the slot index is computed on the device
@@ -129,12 +131,13 @@ class RollingKVLayer(CacheLayerMixin):
             self._next.add_(self._one_t)
             return keys, values
         if seen + q <= self.ring:
-            # Fits: slot == position, a plain strided copy.
+            # Fits: slot == position, a plain strided copy. A chunk attends to the written slots only (a first
+            # prefill then has kv_length == q, so SDPA may run its causal kernels without a mask).
             keys[:, :, seen:seen + q].copy_(key_states)
             values[:, :, seen:seen + q].copy_(value_states)
             self.positions[seen:seen + q].copy_(self._next + torch.arange(q, device=self.device))
             self._next.add_(q)
-            return keys, values
+            return keys[:, :, :seen + q], values[:, :, :seen + q]
         # A chunk that overflows: attention needs the cached tokens (position order) and the whole chunk.
         dev = self.device
         old = torch.cat((torch.arange(min(self.sink, seen), device=dev),
@@ -195,7 +198,8 @@ class RollingKVLayer(CacheLayerMixin):
         """(kv_length, kv_offset) of what `update` returns for a chunk of `query_length` tokens."""
         seen = self.seen
         if seen + query_length <= self.ring:
-            return self.ring, 0
+            # decode: the whole ring (a constant size for CUDA graphs); a chunk: the slots written so far
+            return (self.ring if query_length == 1 else seen + query_length), 0
         if query_length == 1:
             return self.ring, seen - self.ring + 1
         cached = min(seen, self.ring)
