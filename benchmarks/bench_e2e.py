@@ -26,7 +26,8 @@ CONFIGS = {"llama": LLAMA_1B5, "qwen3": QWEN3, "gemma2": GEMMA2}
 MODEL_FLOPS_PER_TOKEN = 7.82e9  # anchors: 6 * N_non-emb (incl. lm_head) + 6 * L * s * h, for the llama config
 
 
-def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
+def _build(variant, config_name, max_positions, ckpt=False):
+    """The variant's model in bf16 on the GPU, in training mode: (model, config, tigon's patch report or None)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -36,7 +37,7 @@ def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
         import liger_kernel.transformers as lk
 
         getattr(lk, f"apply_liger_kernel_to_{model_type}")()
-    config = AutoConfig.for_model(model_type, **cfg, max_position_embeddings=max(4096, seq),
+    config = AutoConfig.for_model(model_type, **cfg, max_position_embeddings=max_positions,
                                   tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -49,6 +50,13 @@ def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
         import tigon
 
         report = str(tigon.patch(model))
+    return model, config, report
+
+
+def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
+    import torch
+
+    model, config, report = _build(variant, config_name, max(4096, seq), ckpt)
     if variant == "compile":
         model = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -84,23 +92,8 @@ def _longest(variant, config_name, start, cap, grain):
     """The longest sequence one training step (fwd + bwd + AdamW step) fits at batch 1, in this process: the
     model is built once, lengths double from `start` until a step runs out of memory, then bisect to `grain`."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(CONFIGS[config_name])
-    model_type = cfg.pop("model_type")
-    if variant == "liger":
-        import liger_kernel.transformers as lk
-
-        getattr(lk, f"apply_liger_kernel_to_{model_type}")()
-    config = AutoConfig.for_model(model_type, **cfg, max_position_embeddings=cap, tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device("cuda"):  # random init on the GPU: seconds, where 1.5B parameters on the CPU take ~30 s
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
-    if variant == "tigon":
-        import tigon
-
-        tigon.patch(model)
+    model, config, _ = _build(variant, config_name, cap)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def fits(seq):
