@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from .decode_profile import BUCKETS, PROFILE_STEPS, profile_tigon
+from .decode_profile import BUCKETS, PROFILE_STEPS, profile_tigon, sync
 
 LLAMA_1B5 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
@@ -105,13 +105,6 @@ def _build(spec):
     return model, ids
 
 
-def _sync(device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _peak_reset(device):
     import torch
 
@@ -137,7 +130,7 @@ def _child_hf(spec, model, ids):
             self.t = []
 
         def __call__(self, input_ids, scores, **kw):
-            _sync(device)
+            sync(device)
             self.t.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -150,13 +143,13 @@ def _child_hf(spec, model, ids):
         model.generate(ids, **kw)  # the full length: the auto-compile's recompiles happen here, not below
     else:
         model.generate(ids, **dict(kw, max_new_tokens=8, min_new_tokens=8))
-    _sync(device)
+    sync(device)
     warmup_s = time.perf_counter() - t
     _peak_reset(device)
     stamp = Stamp()
     t0 = time.perf_counter()
     model.generate(ids, stopping_criteria=[stamp], **kw)
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     ts = stamp.t
     steps = [b - a for a, b in zip(ts, ts[1:])]
@@ -174,12 +167,12 @@ def _child_tigon(spec, model, ids):
     device = ids.device
     t = time.perf_counter()
     tigon.generate(model, ids, **kw)  # Triton JIT and autotuning
-    _sync(device)
+    sync(device)
     warmup_s = time.perf_counter() - t
     _peak_reset(device)
     t0 = time.perf_counter()
     seqs, stats = tigon.generate(model, ids, **kw)
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     assert seqs.shape == (ids.shape[0], ids.shape[1] + spec["new"]), seqs.shape
     peak = stats["peak_memory_bytes"]

@@ -7,7 +7,8 @@ Used by `tigon.bench_decode --profile` (its module docstring describes the metho
 import re
 
 
-def _sync(device):
+def sync(device):
+    """Wait for the device (CUDA); a no-op on a CPU."""
     import torch
 
     if device.type == "cuda":
@@ -121,14 +122,14 @@ def profile_tigon(model, ids, kw, spec, stats, steps=PROFILE_STEPS):
     kw = dict(kw, return_stats=True, capacity=max(p + spec["new"], p + 3 + steps))  # the timed call's ring
 
     def trace(new, after_capture=False):
-        _sync(device)
+        sync(device)
         prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
         capture = generation._capture
         started = []
 
         def capture_then_start(*args, **kwargs):
             result = capture(*args, **kwargs)
-            _sync(device)
+            sync(device)
             prof.start()
             started.append(True)
             return result
@@ -140,7 +141,7 @@ def profile_tigon(model, ids, kw, spec, stats, steps=PROFILE_STEPS):
             started.append(True)
         try:
             _, st = tigon.generate(model, ids, **dict(kw, max_new_tokens=new))
-            _sync(device)
+            sync(device)
         finally:
             generation._capture = capture
             if started:
