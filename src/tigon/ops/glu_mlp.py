@@ -21,13 +21,6 @@ from .swiglu import _GELU_TANH, _SILU
 _ACTS = {"swiglu_mlp": _SILU, "geglu_mlp": _GELU_TANH}
 
 
-def _glu_mlp_reference(x, gate_weight, up_weight, down_weight, act):
-    gu = x @ gate_weight.t()
-    gate, up = (gu, x @ up_weight.t()) if up_weight is not None else gu.chunk(2, dim=-1)
-    glu = reference.swiglu if act == _SILU else reference.geglu
-    return glu(gate, up) @ down_weight.t()
-
-
 class _GLUMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_weight, up_weight, down_weight, act):
@@ -111,10 +104,9 @@ def _validate(op, x, gate_weight, up_weight, down_weight):
 
 def _glu_mlp(op, x, gate_weight, up_weight, down_weight):
     _validate(op, x, gate_weight, up_weight, down_weight)
-    act = _ACTS[op]
     if not _library.use_kernels(op, x):
-        return _glu_mlp_reference(x, gate_weight, up_weight, down_weight, act).to(x.dtype)
-    return _GLUMLP.apply(x, gate_weight, up_weight, down_weight, act)
+        return getattr(reference, op)(x, gate_weight, up_weight, down_weight)
+    return _GLUMLP.apply(x, gate_weight, up_weight, down_weight, _ACTS[op])
 
 
 def swiglu_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: Optional[torch.Tensor],

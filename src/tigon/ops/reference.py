@@ -75,6 +75,21 @@ def geglu(gate, up):
     return (F.gelu(_f(gate), approximate="tanh") * _f(up)).to(gate.dtype)
 
 
+def _glu_mlp(glu, x, gate_weight, up_weight, down_weight):
+    gate_up = x @ gate_weight.t()
+    gate, up = (gate_up, x @ up_weight.t()) if up_weight is not None else gate_up.chunk(2, dim=-1)
+    return glu(gate, up) @ down_weight.t()
+
+
+def swiglu_mlp(x, gate_weight, up_weight, down_weight):
+    """(silu(x W_g^T) * (x W_u^T)) W_d^T; up_weight None: gate_weight is packed [2I, H] = [gate; up]."""
+    return _glu_mlp(swiglu, x, gate_weight, up_weight, down_weight)
+
+
+def geglu_mlp(x, gate_weight, up_weight, down_weight):
+    return _glu_mlp(geglu, x, gate_weight, up_weight, down_weight)
+
+
 def cross_entropy(
     logits,
     target,
