@@ -29,8 +29,8 @@ def _config_act(config):
 class _GatedMLP(nn.Module):
     _ACTS: tuple = ()
 
-    def __init__(self, config=None, *, hidden_size=None, intermediate_size=None, bias=None, fused_gate_up=False,
-                 device=None, dtype=None):
+    def __init__(self, config=None, *, hidden_size: Optional[int] = None, intermediate_size: Optional[int] = None,
+                 bias: Optional[bool] = None, fused_gate_up: bool = False, device=None, dtype=None):
         super().__init__()
         name = type(self).__name__
         if config is not None:
@@ -147,11 +147,6 @@ class SwiGLUMLP(_GatedMLP):
     _ACTS = SWIGLU_ACTS
     _fused_mlp = staticmethod(swiglu_mlp)
 
-    def __init__(self, config=None, *, hidden_size: Optional[int] = None, intermediate_size: Optional[int] = None,
-                 bias: Optional[bool] = None, fused_gate_up: bool = False, device=None, dtype=None):
-        super().__init__(config, hidden_size=hidden_size, intermediate_size=intermediate_size, bias=bias,
-                         fused_gate_up=fused_gate_up, device=device, dtype=dtype)
-
     def _glu(self, gate, up):
         return ops.swiglu(gate, up, inplace_backward=True)
 
@@ -165,11 +160,6 @@ class GeGLUMLP(_GatedMLP):
 
     _ACTS = GEGLU_ACTS
     _fused_mlp = staticmethod(geglu_mlp)
-
-    def __init__(self, config=None, *, hidden_size: Optional[int] = None, intermediate_size: Optional[int] = None,
-                 bias: Optional[bool] = None, fused_gate_up: bool = False, device=None, dtype=None):
-        super().__init__(config, hidden_size=hidden_size, intermediate_size=intermediate_size, bias=bias,
-                         fused_gate_up=fused_gate_up, device=device, dtype=dtype)
 
     def _glu(self, gate, up):
         return ops.geglu(gate, up, inplace_backward=True)
