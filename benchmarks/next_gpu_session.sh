@@ -33,10 +33,14 @@ exec 3>&1  # the terminal: log lines go there and to session.log, whatever a ste
 log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$LOG" >&3; }
 left() { echo $(( BUDGET - SECONDS )); }
 
+# STEPS (default "tests decode e2e") picks the steps to run.
+STEPS=" ${STEPS:-tests decode e2e} "
+
 # step NAME CAP_S CMD...: runs CMD under timeout min(CAP_S, what is left of the budget - RESERVE_S).
 step() {
     local name="$1" cap="$2"
     shift 2
+    [[ "$STEPS" == *" $name "* ]] || { log "not asked for: $name"; return; }
     local limit
     limit=$(( $(left) - ${RESERVE_S:-0} ))
     (( limit > cap )) && limit=$cap

@@ -22,7 +22,7 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 def _counts():
     """Calls of each op, kernel or reference path (a CPU without the interpreter runs the reference)."""
     return {op: ops.dispatch_counts[(op, "triton")] + ops.dispatch_counts[(op, "reference")]
-            for op in ("decode_attention", "rope_kv_write")}
+            for op in ("decode_attention", "rope_kv_append")}
 
 
 def _compare(model, ids, new, cache_kw, **gen_kw):
@@ -50,7 +50,7 @@ def test_generate_matches_hf(model_type, overrides, ref_attn, prompt, capacity, 
     new = 5
     ran = _compare(model, _ids(2, prompt), new, dict(capacity=capacity))
     steps = model.config.num_hidden_layers * (new - 1)  # every decode step of every layer, none of the prefill
-    assert ran == {"decode_attention": steps, "rope_kv_write": steps if rope_on_write else 0}
+    assert ran == {"decode_attention": steps, "rope_kv_append": steps if rope_on_write else 0}
 
 
 def test_left_padded_batch():
@@ -68,7 +68,7 @@ def test_full_attention_ring_wraps_with_sinks():
     # capacity 8 < 6 + 5 with 2 sink slots: decode steps overwrite the oldest non-sink slot.
     model = tiny_model("llama", attn_implementation="sdpa").eval()
     ran = _compare(model, _ids(2, 6), 5, dict(capacity=8, sink_tokens=2))
-    assert ran["rope_kv_write"] == 2 * 4
+    assert ran["rope_kv_append"] == 2 * 4
 
 
 def test_tigon_generate_loop():
@@ -81,7 +81,7 @@ def test_tigon_generate_loop():
     use_tigon_attention(model)
     before = _counts()
     assert torch.equal(tigon.generate(model, ids, attention_mask=mask, max_new_tokens=5), ref)
-    assert _counts()["rope_kv_write"] - before["rope_kv_write"] == 2 * 4
+    assert _counts()["rope_kv_append"] - before["rope_kv_append"] == 2 * 4
 
 
 def test_prefill_training_and_other_caches_are_sdpa():

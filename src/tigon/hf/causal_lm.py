@@ -155,6 +155,12 @@ def fused_prenorm_decoder_forward(self, hidden_states, attention_mask=None, posi
         return hf_forward(self)(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                 past_key_values=past_key_values, use_cache=use_cache,
                                 position_embeddings=position_embeddings, **kwargs)
+    if past_key_values is not None and not torch.is_grad_enabled():
+        from .decode_layer import decode_layer_step
+
+        out = decode_layer_step(self, hidden_states, attention_mask, past_key_values, position_embeddings)
+        if out is not None:  # one decode step over a RollingKVCache: six fused kernels
+            return out
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(

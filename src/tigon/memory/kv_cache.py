@@ -164,12 +164,12 @@ class RollingKVLayer(CacheLayerMixin):
     def update_rope(self, key_states, value_states, cos, sin, query_states=None):
         """`update` for keys before RoPE: returns (keys, values, rotated query or None).
 
-        A decode step (one token) rotates the key (and the query) and writes key and value into the ring in one
-        kernel (`tigon.ops.rope_kv_write`), with no allocation besides the rotated query and no host sync. A
-        longer chunk rotates with `tigon.ops.apply_rope` and goes through `update`. cos, sin
+        A decode step (one token) computes its slot, rotates the key (and the query) and writes key and value
+        into the ring in one kernel (`tigon.ops.rope_kv_append`), with no allocation besides the rotated query
+        and no host sync. A longer chunk rotates with `tigon.ops.apply_rope` and goes through `update`. cos, sin
         `[1 or batch, seq, rotary_dim]` as HF's rotary embedding returns them. Inference only.
         """
-        from ..ops import apply_rope, rope_kv_write
+        from ..ops import apply_rope, rope_kv_append
 
         self._check(key_states, value_states)
         b, q = key_states.shape[0], key_states.shape[2]
@@ -180,9 +180,9 @@ class RollingKVLayer(CacheLayerMixin):
             return keys, values, (q_embed if query_states is not None else None)
         keys, values = (self.keys, self.values) if b == self.batch_size else (self.keys[:b], self.values[:b])
         self.seen += 1
-        self._decode_slot()
-        q_embed = rope_kv_write(key_states, value_states, cos, sin, keys, values, self._slot, query=query_states)
-        self.positions.index_copy_(0, self._slot, self._next)
+        # One kernel computes the slot of `_next` on the device, records it in `positions` and writes K/V.
+        q_embed = rope_kv_append(key_states, value_states, cos, sin, keys, values, self.positions, self._next,
+                                 sink=self.sink, query=query_states)
         self._next.add_(self._one_t)
         return keys, values, q_embed
 

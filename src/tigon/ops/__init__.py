@@ -4,8 +4,9 @@ pure-PyTorch reference otherwise; see `tigon.ops._library` for the dispatch rule
 from ._library import backend_for, dispatch_counts
 from .cross_entropy import cross_entropy
 from .decode_attention import decode_attention
+from .decode_linear import decode_linear
 from .glu_mlp import geglu_mlp, swiglu_mlp
-from .kv_write import rope_kv_write
+from .kv_write import rope_kv_append, rope_kv_write
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
 from .rms_norm import add_rms_norm, rms_norm
@@ -18,12 +19,14 @@ __all__ = [
     "backend_for",
     "cross_entropy",
     "decode_attention",
+    "decode_linear",
     "dispatch_counts",
     "geglu",
     "geglu_mlp",
     "layer_norm",
     "linear_cross_entropy",
     "rms_norm",
+    "rope_kv_append",
     "rope_kv_write",
     "swiglu",
     "swiglu_mlp",

@@ -53,7 +53,9 @@ def _rope_kv_write_kernel(
     SIN,
     K_CACHE,  # [B, Hkv, C, D] written at slot SLOTS[t], unit stride on D
     V_CACHE,
-    SLOTS,  # [T] int64 slot of each token; outside [0, C): not written
+    SLOTS,  # [T] int64 slot of each token; outside [0, C): not written (unless SLOT_FROM_NEXT)
+    NEXT,  # [1] int64 position of token 0 (SLOT_FROM_NEXT)
+    POSITIONS,  # [C] int64 position held by each slot, written (SLOT_FROM_NEXT)
     QO,  # [B, Hq, T, D] rotated query (written when Hq > 0)
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
@@ -70,6 +72,8 @@ def _rope_kv_write_kernel(
     C,  # cache slots
     D,  # head dim
     HALF,  # rd / 2
+    sink,  # SLOT_FROM_NEXT: slots [0, sink) keep their positions; the other C - sink slots roll
+    SLOT_FROM_NEXT: tl.constexpr,
     HAS_PASS: tl.constexpr,  # rd < D
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
@@ -89,7 +93,15 @@ def _rope_kv_write_kernel(
         stride_qb, stride_qh, stride_qt, stride_qob, stride_qoh, stride_qot,
         Hq, D, HALF, HAS_PASS, BLOCK_HQ, BLOCK_R, BLOCK_P,
     )
-    slot = tl.load(SLOTS + t * stride_slot)
+    if SLOT_FROM_NEXT:  # position p = next + t goes to p below the sinks, else sink + (p - sink) % recent
+        p = tl.load(NEXT) + t
+        recent = C - sink
+        laps = tl.maximum((p - sink) // recent, 0)  # p - sink < 0 truncates to 0 either way
+        slot = p - laps * recent
+        if b == 0:
+            tl.store(POSITIONS + slot, p)
+    else:
+        slot = tl.load(SLOTS + t * stride_slot)
     if (slot >= 0) & (slot < C):
         # The source row (b, t) and the destination row (b, slot) differ along the sequence axis: both are
         # folded into the base pointers, and the helper walks heads and dims from there (its t is 0).
@@ -108,7 +120,7 @@ def _heads_block(n_heads: int, width: int) -> int:
     return max(1, min(triton.next_power_of_2(max(n_heads, 1)), _TILE // width))
 
 
-def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query):
+def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query, next_pos=None, positions=None, sink=0):
     B, Hkv, T, D = key.shape
     qo = torch.empty_like(query) if query is not None else cos.new_empty(0)
     if B * T == 0 or Hkv == 0:
@@ -121,12 +133,13 @@ def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query):
     qos = qo.stride()[:3] if query is not None else (0, 0, 0)
     _rope_kv_write_kernel[(B * T,)](
         key, value, query if query is not None else key, cos, sin, k_cache, v_cache, slots,
+        next_pos if next_pos is not None else slots, positions if positions is not None else slots,
         qo if query is not None else key,
         *key.stride()[:3], *value.stride()[:3], *qs, *qos,
         cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2),
         sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1), sin.stride(2),
         *k_cache.stride()[:3], *v_cache.stride()[:3], slots.stride(0),
-        T, Hq, Hkv, k_cache.shape[2], D, rd // 2,
+        T, Hq, Hkv, k_cache.shape[2], D, rd // 2, sink, SLOT_FROM_NEXT=next_pos is not None,
         HAS_PASS=rd < D, BLOCK_HQ=_heads_block(Hq, block_r), BLOCK_HK=_heads_block(Hkv, block_r),
         BLOCK_HV=_heads_block(Hkv, block_d), BLOCK_R=block_r, BLOCK_P=triton.next_power_of_2(max(D - rd, 1)),
         BLOCK_D=block_d, num_warps=_NUM_WARPS,
@@ -221,4 +234,69 @@ def rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, *, query=None):
         # Eager: the launcher directly, as decode_attention does (the dispatcher's ~10 us of host time is
         # more than this kernel takes at decode shapes).
         q_embed = _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query)
+    return q_embed if query is not None else None
+
+
+@torch.library.custom_op("tigon::rope_kv_append", mutates_args=("k_cache", "v_cache", "positions"))
+def rope_kv_append_op(
+    key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, positions: torch.Tensor, next_position: torch.Tensor, sink: int,
+    query: torch.Tensor | None,
+) -> torch.Tensor:
+    """rope_kv_write at the ring slots of positions next_position + t; records them in `positions`."""
+    return _fwd_launch(key, value, cos, sin, k_cache, v_cache, next_position, query, next_position, positions, sink)
+
+
+@rope_kv_append_op.register_fake
+def _(key, value, cos, sin, k_cache, v_cache, positions, next_position, sink, query):
+    return torch.empty_like(query) if query is not None else cos.new_empty(0)
+
+
+def ring_slots(p: torch.Tensor, capacity: int, sink: int) -> torch.Tensor:
+    """Slot of absolute position p in a ring of `capacity` slots whose first `sink` never roll."""
+    laps = torch.div(p - sink, capacity - sink, rounding_mode="floor").clamp(min=0)
+    return p - laps * (capacity - sink)
+
+
+def rope_kv_append_reference(key, value, cos, sin, k_cache, v_cache, positions, next_position, *, sink=0,
+                             query=None):
+    p = next_position.reshape(1) + torch.arange(key.shape[2], device=next_position.device)
+    slots = ring_slots(p, k_cache.shape[2], sink)
+    positions.index_copy_(0, slots, p)
+    return rope_kv_write_reference(key, value, cos, sin, k_cache, v_cache, slots, query=query)
+
+
+def rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position, *, sink=0, query=None):
+    """`rope_kv_write` for a ring-buffer cache whose slot is computed on the device: token t of the chunk has
+    position `p = next_position + t` and goes to slot p while p < sink, else `sink + (p - sink) % (C - sink)`;
+    `positions[slot] = p` is recorded in the same kernel. positions int64 [C], next_position int64 [1] (not
+    advanced: the caller adds T). Saves a decode step the slot arithmetic kernels. Returns RoPE(query) or None.
+    """
+    op = "rope_kv_append"
+    _launch.check_tensor(op, "next_position", next_position, floating=False)
+    _launch.check_tensor(op, "positions", positions, floating=False)
+    if next_position.dtype != torch.int64 or next_position.numel() != 1:
+        raise ValueError(f"{op}: next_position must be one int64 element, got {next_position.dtype} "
+                         f"{tuple(next_position.shape)}")
+    T = key.shape[2] if key.dim() == 4 else 0
+    _validate(key, value, cos, sin, k_cache, v_cache, next_position.reshape(1).expand(T), query)
+    C = k_cache.shape[2]
+    if positions.dtype != torch.int64 or tuple(positions.shape) != (C,) or positions.stride(0) != 1:
+        raise ValueError(f"{op}: positions must be a contiguous int64 [{C}] tensor (one per cache slot), got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+    _launch.check_same_device(op, "key", key, positions=positions, next_position=next_position)
+    if isinstance(sink, bool) or not isinstance(sink, int) or not 0 <= sink < C:
+        raise ValueError(f"{op}: sink must be an int in [0, {C}), got {sink!r}")
+    if not _library.use_kernels("rope_kv_append", key):
+        return rope_kv_append_reference(key, value, cos, sin, k_cache, v_cache, positions, next_position,
+                                        sink=sink, query=query)
+    key, value = _unit_last(key), _unit_last(value)
+    query = _unit_last(query) if query is not None else None
+    next_position = next_position.reshape(1)
+    if torch.compiler.is_compiling():
+        q_embed = torch.ops.tigon.rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position,
+                                                 sink, query)
+    else:
+        q_embed = _fwd_launch(key, value, cos, sin, k_cache, v_cache, next_position, query, next_position,
+                              positions, sink)
     return q_embed if query is not None else None

@@ -1,0 +1,331 @@
+"""Decode-step linear layers: y = x @ W^T for a few rows x (the batch of one decode step), with the neighbours
+of a transformer's projections fused in.
+
+At decode a projection reads its whole weight to produce a handful of rows: it is bound by the weight bytes
+and, at 1-2 B parameters, by how many kernels a step launches. One kernel here does, for `x [M, K]`:
+- `norm_weight`: RMSNorm of each row first ("llama" casting, as `ops.rms_norm`); every program recomputes the
+  row statistics from x, which is a few KiB and sits in L2, so the norm costs no kernel and no pass over HBM;
+- `weights`: 1 to 3 matrices `[N_i, K]` whose outputs are concatenated (q, k, v in one launch);
+- `activation` ("silu" / "gelu_tanh"): exactly two weights (gate, up), the output is act(gate) * up: the
+  gated MLP's first half without its `[M, 2 * I]` intermediate;
+- `residual [M, N]`: added to the rounded product (the decoder's residual stream).
+
+Each program owns BLOCK_N output columns of one matrix for BLOCK_M rows and walks K; the product is a
+`tl.dot` with M padded to 16 (tensor cores, fp32 accumulation), which makes M = 1..16 cost the same. Rounding
+follows the unfused modules: the norm output, each projection output and the GLU product are rounded to the
+input dtype where the separate ops would round them. Inference only (no autograd).
+"""
+
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch, _library, reference
+
+ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
+MAX_WEIGHTS = 3
+# Launch settings; None picks from the shapes (benchmarks/bench_decode_ops.py sweeps them on a GPU).
+CONFIG = None  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    if ACT == 1:  # silu
+        return g / (1.0 + tl.exp(-g))
+    # gelu, tanh approximation; tanh(z) = 1 - 2 / (exp(2z) + 1) (no libdevice under the interpreter)
+    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    return 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+
+
+@triton.jit
+def _dot(b_x, b_w, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    if UPCAST:  # the interpreter computes raw 16-bit products wrongly: fp32 numpy matmul instead
+        return tl.dot(b_x.to(tl.float32), tl.trans(b_w.to(tl.float32)), input_precision="ieee")
+    return tl.dot(b_x, tl.trans(b_w), input_precision=PRECISION)
+
+
+@triton.jit(do_not_specialize=["N0", "N1", "N2", "NB0", "NB1"])
+def _decode_linear_kernel(
+    X,  # [M, K], unit stride on K
+    NW,  # [K] RMSNorm weight (read when NORM)
+    W,  # [N0, K] first weight, contiguous; the others sit at element offsets D1, D2 from it
+    R,  # [M, N_total] residual (read when RESIDUAL)
+    Y,  # [M, N_total] output
+    WS,  # fp32 [M * N_total] zeros: split-K partial sums (SPLIT_K > 1; each tile is zeroed again after use)
+    CNT,  # int32 [n_blocks * m_blocks] zeros: split-K arrival counters (reset by the last arrival)
+    M, K, N0, N1, N2,
+    NB0, NB1,  # column blocks of weights 0 and 1 (program ranges: [0, NB0), [NB0, NB0 + NB1), the rest)
+    D1, D2,  # element offsets of weights 1 and 2 from W (weight 1 = up when ACT)
+    K_SPLIT,  # K elements per split, a multiple of BLOCK_K
+    stride_xm, stride_rm, stride_ym,
+    eps,
+    NUM_W: tl.constexpr,
+    NORM: tl.constexpr,
+    ACT: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0 and the splits tile K exactly: no mask along K
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    # The matrix this program reads (an element offset from W, so the loads keep W's alignment); with ACT
+    # every program reads gate (W) and up (W + D1) for the same columns.
+    off = tl.zeros([], dtype=tl.int64)
+    N, col0, blk = N0, 0, pid_n
+    if NUM_W > 1 and ACT == 0:
+        if pid_n >= NB0 + NB1:
+            off, N, col0, blk = D2.to(tl.int64), N2, N0 + N1, pid_n - NB0 - NB1
+        elif pid_n >= NB0:
+            off, N, col0, blk = D1.to(tl.int64), N1, N0, pid_n - NB0
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    o_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_k = tl.arange(0, BLOCK_K)
+    p_x = X + o_m.to(tl.int64)[:, None] * stride_xm
+    dt = X.dtype.element_ty
+
+    if NORM:  # the row statistics over all of K, whatever this program's split
+        b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + o_k
+            b_x = tl.load(p_x + kk[None, :], mask=m_m[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+            b_ss += tl.sum(b_x * b_x, axis=1)
+        b_rstd = tl.rsqrt(b_ss / K + tl.cast(eps, tl.float32))
+
+    p_w = W + off + o_n.to(tl.int64)[:, None] * K
+    p_u = W + D1.to(tl.int64) + o_n.to(tl.int64)[:, None] * K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = pid_k * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+        kk = k0 + o_k
+        if EVEN_K:
+            m_k = o_k < BLOCK_K
+        else:
+            m_k = kk < K
+        b_x = tl.load(p_x + kk[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        if NORM:  # round the normalized value to the input dtype, then scale by the weight (LlamaRMSNorm)
+            b_nw = tl.load(NW + kk, mask=m_k, other=0.0).to(tl.float32)
+            b_n = (b_x.to(tl.float32) * b_rstd[:, None]).to(dt).to(tl.float32)
+            b_x = (b_n * b_nw[None, :]).to(dt)
+        m_w = m_n[:, None] & m_k[None, :]
+        acc += _dot(b_x, tl.load(p_w + kk[None, :], mask=m_w, other=0.0), UPCAST, PRECISION)
+        if ACT != 0:
+            acc_u += _dot(b_x, tl.load(p_u + kk[None, :], mask=m_w, other=0.0), UPCAST, PRECISION)
+
+    o_col = col0 + o_n
+    m_y = m_m[:, None] & m_n[None, :]
+    if SPLIT_K > 1:  # add into the fp32 tile; the last split to arrive takes the sum (and zeroes the tile)
+        n_total = N0 + N1 + N2
+        p_ws = WS + o_m.to(tl.int64)[:, None] * n_total + o_col[None, :]
+        tl.atomic_add(p_ws, acc, mask=m_y)
+        p_cnt = CNT + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(p_cnt, 1) == SPLIT_K - 1:
+            zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc = tl.atomic_add(p_ws, zero, mask=m_y)  # an atomic read: the sum, coherent at L2
+            tl.store(p_ws, zero, mask=m_y)  # every split has arrived: nothing else touches the tile or counter
+            tl.store(p_cnt, 0)
+            _epilogue(acc, acc_u, R, Y, o_m, o_col, m_y, stride_rm, stride_ym, dt, ACT, RESIDUAL)
+    else:
+        _epilogue(acc, acc_u, R, Y, o_m, o_col, m_y, stride_rm, stride_ym, dt, ACT, RESIDUAL)
+
+
+@triton.jit
+def _epilogue(acc, acc_u, R, Y, o_m, o_col, m_y, stride_rm, stride_ym, dt, ACT: tl.constexpr,
+              RESIDUAL: tl.constexpr):
+    if ACT != 0:  # act and product on the rounded projections, one rounding after (ops.swiglu / geglu)
+        b_g = acc.to(dt).to(tl.float32)
+        b_y = _act(b_g, ACT) * acc_u.to(dt).to(tl.float32)
+    else:
+        b_y = acc
+    if RESIDUAL:  # HF: residual + proj(x), with proj(x) rounded first
+        p_r = R + o_m.to(tl.int64)[:, None] * stride_rm + o_col[None, :]
+        b_y = b_y.to(dt).to(tl.float32) + tl.load(p_r, mask=m_y, other=0.0).to(tl.float32)
+    tl.store(Y + o_m.to(tl.int64)[:, None] * stride_ym + o_col[None, :], b_y.to(Y.dtype.element_ty), mask=m_y)
+
+
+_TUNED = None  # {(K, N out, glu): config} from the JSON file named by TIGON_DECODE_LINEAR_TUNED, if set
+
+
+def _tuned() -> dict:
+    global _TUNED
+    if _TUNED is None:
+        path = os.environ.get("TIGON_DECODE_LINEAR_TUNED")
+        _TUNED = {}
+        if path:
+            with open(path) as f:
+                _TUNED = {tuple(int(v) for v in key.split("x")): tuple(cfg) for key, cfg in json.load(f).items()}
+    return _TUNED
+
+
+def _pick_config(M: int, K: int, n_total: int, glu: bool, device) -> tuple:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)."""
+    if CONFIG is not None:
+        return CONFIG
+    tuned = _tuned().get((K, n_total, int(glu)))
+    if tuned is not None and device.type == "cuda":
+        return tuned
+    if device.type != "cuda":
+        return 16, 64, 4, 1, 1  # the interpreter: a few K steps on small test shapes
+    block_k = 256 if K >= 256 else max(16, triton.next_power_of_2(K))
+    return 16, block_k, 4, 3, 1
+
+
+_WORKSPACE: dict = {}  # (device, stream) -> (fp32 partial sums, int32 counters), zeros between calls
+
+
+def _workspace(device, n_sums: int, n_counters: int):
+    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
+    ws = _WORKSPACE.get(key)
+    if ws is None or ws[0].numel() < n_sums or ws[1].numel() < n_counters:
+        size = max(n_sums, 1 << 18, 0 if ws is None else ws[0].numel())
+        count = max(n_counters, 1 << 12, 0 if ws is None else ws[1].numel())
+        ws = _WORKSPACE[key] = (torch.zeros(size, dtype=torch.float32, device=device),
+                                torch.zeros(count, dtype=torch.int32, device=device))
+    return ws
+
+
+def _launch_kernel(x, weights, norm_weight, eps, residual, act):
+    M, K = x.shape
+    ns = [w.shape[0] for w in weights]
+    n_out = ns[0] if act else sum(ns)
+    y = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    if M == 0 or n_out == 0:
+        return y
+    block_n, block_k, warps, stages, split = _pick_config(M, K, n_out, bool(act), x.device)
+    if act:
+        split = 1  # two accumulators: the GLU's 2 x N columns fill the GPU without splitting K
+    ns_all = ns + [0] * (MAX_WEIGHTS - len(ns))
+    nb = [triton.cdiv(n, block_n) for n in ns_all]
+    n_blocks = nb[0] if act else sum(nb)
+    block_m = 16
+    m_blocks = triton.cdiv(M, block_m)
+    k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    split = triton.cdiv(K, k_split)
+    if split > 1:
+        ws, cnt = _workspace(x.device, M * n_out, n_blocks * m_blocks)
+    else:
+        ws, cnt = y, y
+    esize = x.element_size()
+    # Unused offsets get 16: a value Triton neither specializes to a constant nor misaligns.
+    deltas = [(w.data_ptr() - weights[0].data_ptr()) // esize for w in weights[1:]] + [16, 16]
+    interp = x.device.type == "cpu"
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    _decode_linear_kernel[(n_blocks, m_blocks, split)](
+        x, norm_weight if norm_weight is not None else x, weights[0],
+        residual if residual is not None else y, y, ws, cnt,
+        M, K, ns_all[0], ns_all[1], ns_all[2], nb[0], nb[1], deltas[0], deltas[1], k_split,
+        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), float(eps),
+        NUM_W=len(weights), NORM=norm_weight is not None, ACT=act, RESIDUAL=residual is not None, SPLIT_K=split,
+        EVEN_K=K % block_k == 0 and k_split * split == K, UPCAST=interp, PRECISION=precision, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+@torch.library.custom_op("tigon::decode_linear", mutates_args=())
+def decode_linear_op(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: torch.Tensor | None, eps: float,
+                     residual: torch.Tensor | None, activation: int) -> torch.Tensor:
+    """x [M, K], weights 1-3 x [N_i, K]; returns [M, sum N_i] ([M, N] with an activation)."""
+    return _launch_kernel(x, weights, norm_weight, eps, residual, activation)
+
+
+@decode_linear_op.register_fake
+def _(x, weights, norm_weight, eps, residual, activation):
+    n = weights[0].shape[0] if activation else sum(w.shape[0] for w in weights)
+    return x.new_empty((x.shape[0], n))
+
+
+def decode_linear_reference(x, weights, *, norm_weight=None, eps=1e-6, residual=None, activation=None):
+    """The spec: the unfused modules in fp32 (fp64 for fp64 inputs), rounding where they round."""
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = reference.rms_norm(x, norm_weight, eps) if norm_weight is not None else x
+    outs = [(h.to(ct) @ w.to(ct).t()).to(x.dtype) for w in weights]
+    if activation is not None:
+        glu = reference.swiglu if activation == "silu" else reference.geglu
+        y = glu(outs[0], outs[1])
+    else:
+        y = torch.cat(outs, dim=-1)
+    if residual is not None:
+        y = (y.to(ct) + residual.to(ct)).to(x.dtype)
+    return y
+
+
+def _validate(x, weights, norm_weight, eps, residual, activation):
+    op = "decode_linear"
+    _launch.check_tensor(op, "x", x)
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have shape [..., K], got a 0-d tensor")
+    if isinstance(weights, torch.Tensor):
+        weights = (weights,)
+    if not isinstance(weights, (list, tuple)) or not 1 <= len(weights) <= MAX_WEIGHTS:
+        raise TypeError(f"{op}: weights must be a tensor or a list of 1 to {MAX_WEIGHTS} tensors, got {weights!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    if activation is not None and len(weights) != 2:
+        raise ValueError(f"{op}: activation={activation!r} needs exactly two weights (gate, up), got {len(weights)}")
+    K = x.shape[-1]
+    for i, w in enumerate(weights):
+        _launch.check_tensor(op, f"weights[{i}]", w)
+        if w.dim() != 2 or w.shape[1] != K:
+            raise ValueError(f"{op}: weights[{i}] must have shape [N, K={K}], got {tuple(w.shape)}")
+        if not w.is_contiguous():
+            raise ValueError(f"{op}: weights[{i}] must be contiguous, got strides {w.stride()}")
+    if activation is not None and weights[0].shape != weights[1].shape:
+        raise ValueError(f"{op}: gate {tuple(weights[0].shape)} and up {tuple(weights[1].shape)} weights differ")
+    _launch.check_same_dtype(op, "x", x, **{f"weights[{i}]": w for i, w in enumerate(weights)},
+                             norm_weight=norm_weight, residual=residual)
+    _launch.check_same_device(op, "x", x, **{f"weights[{i}]": w for i, w in enumerate(weights)},
+                              norm_weight=norm_weight, residual=residual)
+    if norm_weight is not None:
+        _launch.check_shape(op, "norm_weight", norm_weight, (K,))
+    n_out = weights[0].shape[0] if activation is not None else sum(w.shape[0] for w in weights)
+    if residual is not None:
+        _launch.check_shape(op, "residual", residual, tuple(x.shape[:-1]) + (n_out,))
+    eps = _launch.check_eps(op, eps)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, norm_weight, residual, *weights)):
+        raise RuntimeError(f"{op}: inference only, no backward; call it under torch.no_grad() or on detached "
+                           "tensors")
+    return tuple(weights), eps, n_out
+
+
+def decode_linear(x, weights, *, norm_weight=None, eps=1e-6, residual=None, activation=None):
+    """`x @ W^T` for the few rows of a decode step, with an RMSNorm before and a GLU or residual add after.
+
+    x [..., K]; weights: one `[N, K]` tensor or a list of up to three (outputs concatenated along the last dim,
+    e.g. q, k, v); norm_weight [K]: `rms_norm(x, norm_weight, eps)` first; activation "silu" / "gelu_tanh":
+    weights must be (gate, up) and the result is `act(x gate^T) * (x up^T)`; residual [..., N]: added last.
+    All tensors share x's dtype and device; the weights are contiguous. Returns [..., N] in x's dtype.
+    Any number of rows is correct; it is fast for up to 16 (one decode step's batch). Inference only.
+    """
+    weights, eps, n_out = _validate(x, weights, norm_weight, eps, residual, activation)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[-1] > 1 and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r2 = None
+    if residual is not None:
+        r2 = residual.reshape(-1, n_out)
+        if n_out > 1 and r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+    nw = norm_weight.contiguous() if norm_weight is not None else None
+    if not _library.use_kernels("decode_linear", x):
+        y = decode_linear_reference(x2, weights, norm_weight=nw, eps=eps, residual=r2, activation=activation)
+        return y.reshape(*lead, n_out)
+    act = ACTIVATIONS[activation]
+    if torch.compiler.is_compiling():
+        y = torch.ops.tigon.decode_linear(x2, list(weights), nw, eps, r2, act)
+    else:  # eager: the launcher directly (the custom-op dispatcher's host time is a kernel's worth here)
+        y = _launch_kernel(x2, weights, nw, eps, r2, act)
+    return y.reshape(*lead, n_out)
