@@ -535,3 +535,13 @@ def test_ttft_phases_sum_to_ttft(attention):
         assert all(s >= 0 for s in phases.values())
         assert sum(phases.values()) == pytest.approx(stats["ttft_s"], rel=1e-6, abs=1e-6)
     assert stats["ttft_phases_s"]["prefill"] > 0
+
+
+@pytest.mark.parametrize("v", [128256, 8192 * 3, 8209])  # 8209 is prime: one pass
+def test_two_pass_argmax_is_argmax_with_first_index_ties(v):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, v, generator=g).to(torch.bfloat16)  # bf16: many ties
+    x[1, 7] = x[1, v - 5] = 100.0  # a tie of the maximum across groups: the first index wins
+    x[2, :] = 0.0  # all equal: index 0
+    assert torch.equal(gen._argmax(x, two_pass=True), x.float().argmax(-1))
+    assert gen._argmax(x, two_pass=True)[1] == 7

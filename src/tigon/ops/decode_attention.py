@@ -34,7 +34,9 @@ _BLOCK_N = None  # slots per loop step: 64 for D <= 128 on GPU (16 on the interp
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _SPLITS_PER_SM = 2  # target programs per SM for kernel 1
-_MIN_SPLIT_SLOTS = 256  # a split reads >= 256 slots (128 KiB of bf16 K+V at D = 128): amortizes the merge
+# A split reads >= 64 slots: swept on an H200 (bench_decode_ops, 1.5B Llama shapes, C = 768): 256 -> 64 took the
+# step's attention from 9.3 to 5.4 us per layer at batch 1 (more programs in flight for a short cache).
+_MIN_SPLIT_SLOTS = 64
 _MAX_SPLITS = 64
 _MAX_GROUP_BLOCK = 64  # query heads per program; a larger GQA group is split over programs
 MAX_HEAD_DIM = 256

@@ -73,6 +73,7 @@ def _decode_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -96,8 +97,9 @@ def _decode_linear_kernel(
 
     if NORM:  # the row statistics over all of K, whatever this program's split
         b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + o_k
+        o_nk = tl.arange(0, NORM_BLOCK)  # wider steps than the main loop: fewer dependent loads before it
+        for k0 in range(0, K, NORM_BLOCK):
+            kk = k0 + o_nk
             b_x = tl.load(p_x + kk[None, :], mask=m_m[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
             b_ss += tl.sum(b_x * b_x, axis=1)
         b_rstd = tl.rsqrt(b_ss / K + tl.cast(eps, tl.float32))
@@ -168,7 +170,7 @@ def _tuned() -> dict:
     return _TUNED
 
 
-def _pick_config(M: int, K: int, n_total: int, glu: bool, device) -> tuple:
+def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, device) -> tuple:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)."""
     if CONFIG is not None:
         return CONFIG
@@ -177,8 +179,15 @@ def _pick_config(M: int, K: int, n_total: int, glu: bool, device) -> tuple:
         return tuned
     if device.type != "cuda":
         return 16, 64, 4, 1, 1  # the interpreter: a few K steps on small test shapes
+    # From the H200 sweep (benchmarks/results/decode_ops.md, 1.5B Llama shapes, batch 1 and 8): 32 columns a
+    # program except for a plain square projection (o_proj: 16, twice the programs), 256-wide K steps, 4 warps;
+    # a long K over few column blocks (down_proj, K = 4 N) splits K in 4 so that ~2 programs run per SM.
     block_k = 256 if K >= 256 else max(16, triton.next_power_of_2(K))
-    return 16, block_k, 4, 3, 1
+    block_n = 32 if glu or norm or n_total >= 4096 else 16
+    split = 1
+    if not glu and K >= 4 * 2048 and triton.cdiv(n_total, block_n) < 2 * _launch.sm_count(device.index or 0):
+        split = 4
+    return block_n, block_k, 4, 3 if glu or split > 1 else 4, split
 
 
 _WORKSPACE: dict = {}  # (device, stream) -> (fp32 partial sums, int32 counters), zeros between calls
@@ -202,7 +211,7 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act):
     y = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     if M == 0 or n_out == 0:
         return y
-    block_n, block_k, warps, stages, split = _pick_config(M, K, n_out, bool(act), x.device)
+    block_n, block_k, warps, stages, split = _pick_config(M, K, n_out, bool(act), norm_weight is not None, x.device)
     if act:
         split = 1  # two accumulators: the GLU's 2 x N columns fill the GPU without splitting K
     ns_all = ns + [0] * (MAX_WEIGHTS - len(ns))
@@ -228,7 +237,8 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act):
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), float(eps),
         NUM_W=len(weights), NORM=norm_weight is not None, ACT=act, RESIDUAL=residual is not None, SPLIT_K=split,
         EVEN_K=K % block_k == 0 and k_split * split == K, UPCAST=interp, PRECISION=precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, NORM_BLOCK=max(block_k, min(1024, triton.next_power_of_2(K))),
+        num_warps=warps, num_stages=stages,
     )
     return y
 
