@@ -52,9 +52,11 @@ def _graph_time(fns, reps=8):
 
 
 def copy_ceiling_gbps():
+    from triton.testing import do_bench
+
     x = torch.empty(1 << 29, dtype=torch.uint8, device="cuda").random_()
     y = torch.empty_like(x)
-    return 2 * x.numel() / _graph_time([lambda: y.copy_(x)] * 4) / 1e6
+    return 2 * x.numel() / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6
 
 
 def linear_cases(m):
@@ -108,6 +110,9 @@ def sweep_linear(batches, quick, ceiling):
             t_cublas = _graph_time(cub)
             mod.CONFIG = None
             t_default = _graph_time(fused)
+            mod.PDL = False  # the same launches without programmatic dependent launch
+            t_nopdl = _graph_time(fused)
+            mod.PDL = None
             if name == "lm_head" or quick:
                 configs = []
             elif m == batches[0]:
@@ -134,7 +139,8 @@ def sweep_linear(batches, quick, ceiling):
             best = results[0] if results else (None, t_default)
             gbps = nbytes / best[1] / 1e6
             row = dict(op=name, batch=m, weight_MB=round(nbytes / 1e6, 1), cublas_us=round(1e3 * t_cublas, 2),
-                       default_us=round(1e3 * t_default, 2), best_us=round(1e3 * best[1], 2), best_config=best[0],
+                       default_us=round(1e3 * t_default, 2), default_no_pdl_us=round(1e3 * t_nopdl, 2),
+                       best_us=round(1e3 * best[1], 2), best_config=best[0],
                        best_GBps=round(gbps), best_frac_copy=round(gbps / ceiling, 3),
                        cublas_GBps=round(nbytes / t_cublas / 1e6), max_rel_err_vs_cublas=round(err, 5),
                        top=[(c, round(1e3 * t, 2)) for c, t in results[:8]])
@@ -183,11 +189,13 @@ def write(out, meta, lin, att):
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; copy ceiling "
              f"{meta['copy_GBps']:.0f} GB/s measured in this run. Times: CUDA-graph replays of back-to-back calls "
              "over >= 256 MiB of distinct weights (cold L2, no host time), median of 8.", "",
-             "| op | batch | weight MB | cuBLAS (unfused) us | tigon default us | tigon best us | best (BN, BK, warps, "
+             "| op | batch | weight MB | cuBLAS (unfused) us | tigon default us | default, no PDL | tigon best us | "
+             "best (BN, BK, warps, "
              "stages, split-K) | best GB/s | of copy ceiling | speedup vs cuBLAS |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in lin:
         lines.append(f"| {r['op']} | {r['batch']} | {r['weight_MB']} | {r['cublas_us']} | {r['default_us']} | "
+                     f"{r['default_no_pdl_us']} | "
                      f"{r['best_us']} | {tuple(r['best_config'] or ('default',))} | {r['best_GBps']} | "
                      f"{r['best_frac_copy']:.1%} | "
                      f"x{r['cublas_us'] / r['best_us']:.2f} |")

@@ -233,7 +233,10 @@ class _TigonMasks:
         self.single = len({(layer.ring, layer.sink) for layer in self.kinds.values()}) == 1
         self.constant = None
         if keep is None:
-            self.constant = {kind: torch.ones((1, 1, 1, layer.ring), dtype=torch.bool, device=layer.device)
+            from tigon.hf.attention import mark_unmasked
+
+            self.constant = {kind: mark_unmasked(torch.ones((1, 1, 1, layer.ring), dtype=torch.bool,
+                                                            device=layer.device))
                              for kind, layer in self.kinds.items()}
 
     def _one(self, kind):

@@ -24,6 +24,7 @@ autograd take the HF path.
 """
 
 import collections
+import functools
 import inspect
 import sys
 import types
@@ -98,13 +99,20 @@ def _mask_usable(attention_mask, batch: int, ring: int) -> bool:
             and (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()))
 
 
+def mark_unmasked(mask: torch.Tensor) -> torch.Tensor:
+    """Record on the (all-true) 4-D `mask` that it masks nothing, so a decode step reads the slot positions as
+    they are (saves a where and a fill kernel per layer and step). Returns `mask`."""
+    mask._tigon_unmasked = True
+    return mask
+
+
 def _slot_positions(layer, attention_mask, batch: int):
     """The positions decode_attention reads: the layer's `[ring]`, or `[B, ring]` with masked slots set to -1.
 
     In a decode step HF's mask column j is slot j (the ring is returned whole, in slot order), so folding the
     mask into the positions attends exactly the slots sdpa would."""
     positions, _ = layer.decode_positions()
-    if attention_mask is None:
+    if attention_mask is None or getattr(attention_mask, "_tigon_unmasked", False):
         return positions
     row = attention_mask[:, 0, -1, :]
     allowed = row if row.dtype == torch.bool else row == 0
@@ -191,6 +199,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
                    **{_RING: layer})
 
 
+@functools.cache
 def _call_shape_ok(cls) -> bool:
     try:
         names = tuple(inspect.signature(cls.forward).parameters)
@@ -212,9 +221,24 @@ def _unwrap(model):
     return _unwrap_model(model)
 
 
+_PLAIN_SWITCH = set()  # model classes whose set_attn_implementation was seen to only set the one config
+
+
 def _set_impl(hf, name) -> None:
+    # transformers' set_attn_implementation re-checks the class (reading its source) and walks the modules
+    # for sub-models on every call: ~2.5 ms of each generate call's time to first token. A model with one
+    # config (no sub-model of another config class) that switched once gets the config set directly.
+    cls = type(hf)
+    if cls in _PLAIN_SWITCH:
+        hf.config._attn_implementation = name
+        return
     if hasattr(hf, "set_attn_implementation"):
         hf.set_attn_implementation(name)
+        from transformers import PreTrainedModel
+
+        if not any(isinstance(m, PreTrainedModel) and m is not hf and type(m.config) is not type(hf.config)
+                   for m in hf.modules()):
+            _PLAIN_SWITCH.add(cls)
     if hf.config._attn_implementation != name:  # a class that refuses dynamic switching: the config directly
         hf.config._attn_implementation = name
 

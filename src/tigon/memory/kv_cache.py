@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 _NAME = "RollingKVCache"
 _SUPPORTED = ("full_attention", "sliding_attention")
+_CONSTS: dict = {}  # (sink, recent, device) -> the decode step's int64 constants, read-only, shared by layers
 
 
 def _resolve_dtype(dtype, config) -> torch.dtype:
@@ -49,6 +50,24 @@ def _positive_int(name: str, value, minimum: int) -> int:
     return value
 
 
+def _layer_storage(shape, dtype, device, n_layers=1, rings=None):
+    """Zeroed keys and values, positions at -1 and zeroed (next, slot) counters for `n_layers` layers of
+    `[B, H, ring_i, D]`, as per-layer views of one buffer of each kind: [(keys, values, positions, next, slot)]."""
+    b, h, ring, d = shape
+    rings = rings or [ring] * n_layers
+    per = [b * h * r * d for r in rings]
+    kv = torch.zeros(2 * sum(per), dtype=dtype, device=device)
+    pos = torch.full((sum(rings),), -1, dtype=torch.int64, device=device)
+    state = torch.zeros((len(rings), 2), dtype=torch.int64, device=device)
+    out, k_off, p_off = [], 0, 0
+    for i, (r, n) in enumerate(zip(rings, per)):
+        keys = kv[k_off:k_off + n].view(b, h, r, d)
+        values = kv[k_off + n:k_off + 2 * n].view(b, h, r, d)
+        out.append((keys, values, pos[p_off:p_off + r], state[i, 0:1], state[i, 1:2]))
+        k_off, p_off = k_off + 2 * n, p_off + r
+    return out
+
+
 class RollingKVLayer(CacheLayerMixin):
     """One layer's ring: `keys`/`values` `[batch, kv_heads, ring, head_dim]`, `positions` `[ring]` int64 on the
     device (the absolute position held by each slot, -1 while empty)."""
@@ -57,22 +76,28 @@ class RollingKVLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = True  # allocated in __init__: early init is a no-op
 
-    def __init__(self, *, layer_idx, batch_size, kv_heads, head_dim, ring, sink_tokens, sliding, dtype, device):
+    def __init__(self, *, layer_idx, batch_size, kv_heads, head_dim, ring, sink_tokens, sliding, dtype, device,
+                 storage=None):
         super().__init__()
         self.layer_idx, self.batch_size, self.num_heads, self.head_dim = layer_idx, batch_size, kv_heads, head_dim
         self.ring, self.sink, self.is_sliding = ring, sink_tokens, sliding
         self.recent = ring - sink_tokens  # slots that roll; the first `sink` slots never move
         self.dtype, self.device = dtype, device
         shape = (batch_size, kv_heads, ring, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.positions = torch.full((ring,), -1, dtype=torch.int64, device=device)
-        # The next absolute position on the device, and the decode step's slot: both updated in place.
-        self._next = torch.zeros((1,), dtype=torch.int64, device=device)
-        self._slot = torch.zeros((1,), dtype=torch.int64, device=device)
+        if storage is None:
+            storage = _layer_storage(shape, dtype, device)[0]
+        # keys and values start as zeros, not garbage: HF's attention over the whole ring (attention="hf")
+        # multiplies masked slots by 0. positions start at -1 (empty). `_next` is the next absolute position on
+        # the device and `_slot` the decode step's slot, both updated in place. RollingKVCache hands every
+        # layer views of one allocation of each kind (a few kernels to build a cache, not six per layer).
+        self.keys, self.values, self.positions, self._next, self._slot = storage
         # The decode step's constants as device tensors: a Python scalar operand would be wrapped in a fresh
         # 8-byte tensor per op (4 host allocations per step, seen with the profiler).
-        consts = torch.tensor([sink_tokens, self.recent, -self.recent, 1], dtype=torch.int64, device=device)
+        key = (sink_tokens, self.recent, device)
+        consts = _CONSTS.get(key)
+        if consts is None:  # one host-to-device copy per ring shape, not per layer (time to first token)
+            consts = _CONSTS[key] = torch.tensor([sink_tokens, self.recent, -self.recent, 1], dtype=torch.int64,
+                                                 device=device)
         self._sink_t, self._recent_t, self._neg_recent_t, self._one_t = consts.split(1)
         self.seen = 0  # the same count on the host, derived from shapes only (no sync): drives the branches
         self.is_initialized = True
@@ -135,7 +160,7 @@ class RollingKVLayer(CacheLayerMixin):
             # prefill then has kv_length == q, so SDPA may run its causal kernels without a mask).
             keys[:, :, seen:seen + q].copy_(key_states)
             values[:, :, seen:seen + q].copy_(value_states)
-            self.positions[seen:seen + q].copy_(self._next + torch.arange(q, device=self.device))
+            torch.arange(seen, seen + q, out=self.positions[seen:seen + q])  # _next == seen here
             self._next.add_(q)
             return keys[:, :, :seen + q], values[:, :, :seen + q]
         # A chunk that overflows: attention needs the cached tokens (position order) and the whole chunk.
@@ -273,13 +298,13 @@ class RollingKVCache(Cache):
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         window = kwargs.get("sliding_window")
-        layers = []
-        for i, kind in enumerate(layer_types):
-            sliding = kind == "sliding_attention"
-            layers.append(RollingKVLayer(
-                layer_idx=i, batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim,
-                ring=min(capacity, window) if sliding else capacity, sink_tokens=0 if sliding else sink_tokens,
-                sliding=sliding, dtype=dtype, device=device))
+        slidings = [kind == "sliding_attention" for kind in layer_types]
+        rings = [min(capacity, window) if sliding else capacity for sliding in slidings]
+        storage = _layer_storage((batch_size, kv_heads, capacity, head_dim), dtype, device, len(rings), rings)
+        layers = [RollingKVLayer(layer_idx=i, batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim,
+                                 ring=rings[i], sink_tokens=0 if sliding else sink_tokens, sliding=sliding,
+                                 dtype=dtype, device=device, storage=storage[i])
+                  for i, sliding in enumerate(slidings)]
         super().__init__(layers=layers)
         self.capacity, self.sink_tokens, self.dtype, self.device = capacity, sink_tokens, dtype, device
 

@@ -73,3 +73,14 @@ def call(op, function, *args):
         return op(*args)
     return function.apply(*args)
 
+
+
+def eager_body(custom_op, *tensors):
+    """The Python body of a torch.library custom op, to call directly in eager inference: the dispatcher and
+    the autograd wrapper cost ~140 us of host time per call (measured in a 1.5B Llama prefill on an H200,
+    torch 2.11), more than the kernel. None (use the op) while compiling or when any of `tensors` needs grad."""
+    if torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return None
+    return getattr(custom_op, "_init_fn", None)

@@ -25,6 +25,11 @@ import triton.language as tl
 
 from . import _launch, _library, reference
 
+try:  # programmatic dependent launch (Hopper and later); absent from older Tritons
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 MAX_WEIGHTS = 3
 # Launch settings; None picks from the shapes (benchmarks/bench_decode_ops.py sweeps them on a GPU).
@@ -73,7 +78,7 @@ def _decode_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -94,12 +99,20 @@ def _decode_linear_kernel(
     o_k = tl.arange(0, BLOCK_K)
     p_x = X + o_m.to(tl.int64)[:, None] * stride_xm
     dt = X.dtype.element_ty
+    k_lo = pid_k * K_SPLIT
+    if PDL:
+        # Programmatic dependent launch: this kernel may start while the previous one finishes. The weights
+        # are not written by it, so the first steps of this program's weight rows head for L2 now; then wait
+        # for the previous kernel (x, the residual and the workspace are read only after the wait), and let
+        # the next kernel's programs launch as soon as all of ours have.
+        _prefetch_l2(W + off, D1, o_n, m_n, K, k_lo, ACT, BLOCK_N, BLOCK_K)
+        gdc_wait()
+        gdc_launch_dependents()
 
     if NORM:  # the row statistics over all of K, whatever this program's split
         b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        o_nk = tl.arange(0, NORM_BLOCK)  # wider steps than the main loop: fewer dependent loads before it
-        for k0 in range(0, K, NORM_BLOCK):
-            kk = k0 + o_nk
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + o_k
             b_x = tl.load(p_x + kk[None, :], mask=m_m[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
             b_ss += tl.sum(b_x * b_x, axis=1)
         b_rstd = tl.rsqrt(b_ss / K + tl.cast(eps, tl.float32))
@@ -108,7 +121,6 @@ def _decode_linear_kernel(
     p_u = W + D1.to(tl.int64) + o_n.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo = pid_k * K_SPLIT
     for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
         kk = k0 + o_k
         if EVEN_K:
@@ -140,6 +152,20 @@ def _decode_linear_kernel(
             _epilogue(acc, acc_u, R, Y, o_m, o_col, m_y, stride_rm, stride_ym, dt, ACT, RESIDUAL)
     else:
         _epilogue(acc, acc_u, R, Y, o_m, o_col, m_y, stride_rm, stride_ym, dt, ACT, RESIDUAL)
+
+
+@triton.jit
+def _prefetch_l2(W, D1, o_n, m_n, K, k_lo, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """L2 prefetch of the first two K steps of this program's rows (one instruction per 128-byte line);
+    masked-out lines prefetch W's first line instead (always valid, no predicate needed)."""
+    o_l = tl.arange(0, 2 * BLOCK_K // 64) * 64  # a bf16 line is 64 elements
+    m = m_n[:, None] & ((k_lo + o_l) < K)[None, :]
+    offs = tl.where(m, o_n.to(tl.int64)[:, None] * K + (k_lo + o_l)[None, :], 0)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [W + offs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+    if ACT != 0:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [W + D1 + offs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -179,15 +205,26 @@ def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, device) ->
         return tuned
     if device.type != "cuda":
         return 16, 64, 4, 1, 1  # the interpreter: a few K steps on small test shapes
-    # From the H200 sweep (benchmarks/results/decode_ops.md, 1.5B Llama shapes, batch 1 and 8): 32 columns a
+    # From the H200 sweeps (benchmarks/results/decode_ops.md, 1.5B Llama shapes, batch 1 and 8): 32 columns a
     # program except for a plain square projection (o_proj: 16, twice the programs), 256-wide K steps, 4 warps;
-    # a long K over few column blocks (down_proj, K = 4 N) splits K in 4 so that ~2 programs run per SM.
+    # a long K over few column blocks (down_proj, K = 4 N) splits K in 4 over 64-column blocks.
     block_k = 256 if K >= 256 else max(16, triton.next_power_of_2(K))
+    if not glu and K >= 4 * 2048 and triton.cdiv(n_total, 64) < 2 * _launch.sm_count(device.index or 0):
+        return 64, block_k, 4, 4, 4
     block_n = 32 if glu or norm or n_total >= 4096 else 16
-    split = 1
-    if not glu and K >= 4 * 2048 and triton.cdiv(n_total, block_n) < 2 * _launch.sm_count(device.index or 0):
-        split = 4
-    return block_n, block_k, 4, 3 if glu or split > 1 else 4, split
+    return block_n, block_k, 4, 3 if glu else 4, 1
+
+
+PDL = None  # None: on for Hopper and later GPUs (sm >= 90) where Triton has it; False: off (a/b comparisons)
+
+
+def _pdl_options(device) -> dict:
+    on = PDL
+    if on is None:
+        on = (device.type == "cuda" and gdc_wait is not None
+              and torch.cuda.get_device_capability(device)[0] >= 9)
+    on = bool(on) and device.type == "cuda"
+    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
 
 
 _WORKSPACE: dict = {}  # (device, stream) -> (fp32 partial sums, int32 counters), zeros between calls
@@ -237,8 +274,7 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act):
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), float(eps),
         NUM_W=len(weights), NORM=norm_weight is not None, ACT=act, RESIDUAL=residual is not None, SPLIT_K=split,
         EVEN_K=K % block_k == 0 and k_split * split == K, UPCAST=interp, PRECISION=precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, NORM_BLOCK=max(block_k, min(1024, triton.next_power_of_2(K))),
-        num_warps=warps, num_stages=stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **_pdl_options(x.device),
     )
     return y
 

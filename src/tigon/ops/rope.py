@@ -251,7 +251,8 @@ def apply_rope(q, k, cos, sin, unsqueeze_dim=1):
         return reference.apply_rope(q, k, cos, sin, unsqueeze_dim)
     if unsqueeze_dim == 2:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q_embed, k_embed = torch.ops.tigon.rope(_unit_last(q), _unit_last(k), cos, sin, False)
+    body = _library.eager_body(rope, q, k, cos, sin)
+    q_embed, k_embed = (body or torch.ops.tigon.rope)(_unit_last(q), _unit_last(k), cos, sin, False)
     if unsqueeze_dim == 2:
         q_embed, k_embed = q_embed.transpose(1, 2), k_embed.transpose(1, 2)
     return q_embed, k_embed

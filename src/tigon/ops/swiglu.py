@@ -331,7 +331,8 @@ def _glu(op, act, ref_fn, gate, up, inplace_backward):
     _validate(op, gate, up, inplace_backward)
     if not _library.use_kernels(op, gate):
         return ref_fn(gate, up)
-    y = torch.ops.tigon.glu_fwd(_as_rows(gate), _as_rows(up), act, inplace_backward)
+    body = _library.eager_body(glu_fwd, gate, up)
+    y = (body or torch.ops.tigon.glu_fwd)(_as_rows(gate), _as_rows(up), act, inplace_backward)
     return y.view(gate.shape)
 
 
@@ -343,7 +344,8 @@ def _glu_packed(op, act, ref_fn, gate_up, inplace_backward):
         raise TypeError(f"{op}: inplace_backward must be a bool, got {type(inplace_backward).__name__}")
     if not _library.use_kernels(op, gate_up):
         return ref_fn(*gate_up.chunk(2, dim=-1))
-    y = torch.ops.tigon.glu_fwd(_as_rows(gate_up), None, act, inplace_backward)
+    body = _library.eager_body(glu_fwd, gate_up)
+    y = (body or torch.ops.tigon.glu_fwd)(_as_rows(gate_up), None, act, inplace_backward)
     return y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
