@@ -267,15 +267,29 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act):
     deltas = [(w.data_ptr() - weights[0].data_ptr()) // esize for w in weights[1:]] + [16, 16]
     interp = x.device.type == "cpu"
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    _decode_linear_kernel[(n_blocks, m_blocks, split)](
+    grid = (n_blocks, m_blocks, split)
+    args = (
         x, norm_weight if norm_weight is not None else x, weights[0],
         residual if residual is not None else y, y, ws, cnt,
         M, K, ns_all[0], ns_all[1], ns_all[2], nb[0], nb[1], deltas[0], deltas[1], k_split,
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), float(eps),
+    )
+    meta = dict(
         NUM_W=len(weights), NORM=norm_weight is not None, ACT=act, RESIDUAL=residual is not None, SPLIT_K=split,
         EVEN_K=K % block_k == 0 and k_split * split == K, UPCAST=interp, PRECISION=precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **_pdl_options(x.device),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )
+    pdl = _pdl_options(x.device)
+    try:
+        _decode_linear_kernel[grid](*args, **meta, **pdl)
+    except Exception as e:  # a Triton or driver without programmatic dependent launch: once, then without
+        if not pdl["PDL"]:
+            raise
+        global PDL
+        PDL = False
+        _library.logger.warning("tigon: decode_linear without programmatic dependent launch (%s: %s)",
+                                type(e).__name__, str(e)[:200])
+        _decode_linear_kernel[grid](*args, **meta, PDL=False)
     return y
 
 
