@@ -98,3 +98,41 @@ def test_gpu_bf16_graph_decode_close_to_hf():
     eager = tigon.generate(patched, ids, max_new_tokens=12, cuda_graph=False)
     graph = tigon.generate(patched, ids, max_new_tokens=12)
     assert torch.equal(eager, graph)
+
+
+def _count_prefill(monkeypatch):
+    from tigon.hf import decode_layer
+
+    ran = []
+    original = decode_layer.prefill_layer_step
+
+    def counting(*args):
+        out = original(*args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode_layer, "prefill_layer_step", counting)
+    return ran
+
+
+@pytest.mark.parametrize("model_type,overrides", CASES, ids=[c[0] for c in CASES])
+def test_direct_prefill_runs_for_a_first_unpadded_chunk(monkeypatch, model_type, overrides):
+    ref, patched = _pair(model_type, overrides, "cpu")
+    ids = _ids(2, 7, "cpu")  # 7 < mistral's window 8: the direct prefill applies to every family here
+    ran = _count_prefill(monkeypatch)
+    got = tigon.generate(patched, ids, max_new_tokens=4)
+    assert ran == [True] * patched.config.num_hidden_layers
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+def test_direct_prefill_declines_padding_and_a_prompt_past_the_window(monkeypatch):
+    ref, patched = _pair("mistral", dict(sliding_window=8), "cpu")
+    ran = _count_prefill(monkeypatch)
+    ids = _ids(2, 11, "cpu")  # 11 > window 8
+    assert torch.equal(tigon.generate(patched, ids, max_new_tokens=3), ref.generate(ids, max_new_tokens=3,
+                                                                                    do_sample=False))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    assert torch.equal(tigon.generate(patched, ids[:, :7], max_new_tokens=3, attention_mask=mask[:, :7]),
+                       ref.generate(ids[:, :7], max_new_tokens=3, do_sample=False, attention_mask=mask[:, :7]))
+    assert not any(ran)

@@ -156,10 +156,11 @@ def fused_prenorm_decoder_forward(self, hidden_states, attention_mask=None, posi
                                 past_key_values=past_key_values, use_cache=use_cache,
                                 position_embeddings=position_embeddings, **kwargs)
     if past_key_values is not None and not torch.is_grad_enabled():
-        from .decode_layer import decode_layer_step
+        from .decode_layer import decode_layer_step, prefill_layer_step
 
-        out = decode_layer_step(self, hidden_states, attention_mask, past_key_values, position_embeddings)
-        if out is not None:  # one decode step over a RollingKVCache: six fused kernels
+        step = decode_layer_step if hidden_states.shape[1] == 1 else prefill_layer_step
+        out = step(self, hidden_states, attention_mask, past_key_values, position_embeddings)
+        if out is not None:  # generation over a RollingKVCache: the fused decode step, the direct prefill
             return out
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)

@@ -1,4 +1,5 @@
-"""A whole Llama-style decoder layer for one decode step over a RollingKVCache, in six kernels.
+"""A whole Llama-style decoder layer for one decode step over a RollingKVCache, in six kernels; and the
+first prompt chunk's layer without the module-by-module host time (`prefill_layer_step`).
 
 The module-by-module decode step launches ~25 kernels per layer (norms, three projections, the cache's slot
 arithmetic, RoPE, attention, residual adds, the GLU), most far too small to fill an H200, and cuBLAS reads
@@ -19,12 +20,15 @@ dtype, a SwiGLU or GeGLU MLP, no hooks, no autograd. Anything else returns None 
 forward as before.
 """
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..memory.kv_cache import RollingKVCache
 from ..modules import RMSNorm
 from ..modules.mlp import GeGLUMLP, SwiGLUMLP
-from .attention import _attention_forward, _decode, _mask_usable, _ring_layer, _slot_positions, _window
+from .attention import NAME, _attention_forward, _decode, _mask_usable, _ring_layer, _slot_positions, _window
 
 _ACT = {SwiGLUMLP: "silu", GeGLUMLP: "gelu_tanh"}
 
@@ -66,13 +70,60 @@ def _weights(layer, dtype):
     return [p.weight for p in projs], gate, up, mlp.down_proj.weight, act
 
 
-def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):
-    """The layer's output for one decode step, or None where the layer must run its own forward."""
+def _tigon_attention(layer, position_embeddings):
+    """The layer's attention module when it runs the "tigon" implementation with RoPE on write, unhooked."""
     attn = getattr(layer, "self_attn", None)
     if attn is None or not attn.__dict__.get("_tigon_rope_on_write") or position_embeddings is None:
         return None
     if (getattr(attn.__dict__.get("forward"), "__func__", None) is not _attention_forward or attn._forward_hooks
             or attn._forward_pre_hooks):
+        return None
+    return attn
+
+
+def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):
+    """The layer's output for a first, unpadded prompt chunk that fits the ring, or None (its own forward).
+
+    The same kernels and cuBLAS calls as the module-by-module forward (RMSNorm, q/k/v, RoPE, the cache write,
+    HF's sdpa attention with is_causal, o_proj, the fused residual add and norm, the MLP), called directly: a
+    prefill of a 1-2 B model is bound by the host's time per op, and the module calls, the attention
+    interface and the cache dispatch around ~20 kernels a layer cost as much as the kernels themselves."""
+    attn = _tigon_attention(layer, position_embeddings)
+    if (attn is None or attention_mask is not None or not isinstance(past_key_values, RollingKVCache)
+            or torch.is_grad_enabled() or attn.config._attn_implementation != NAME):
+        return None
+    b, t = hidden_states.shape[0], hidden_states.shape[1]
+    idx = getattr(attn, "layer_idx", None)
+    if t < 2 or not isinstance(idx, int) or not 0 <= idx < len(past_key_values.layers):
+        return None
+    ring = past_key_values.layers[idx]
+    window = _window(attn)
+    if ring.seen != 0 or t > ring.ring or b > ring.batch_size or (window and t > window):
+        return None  # a later chunk, a chunk past the ring or the window: HF's masks are needed
+    if _weights(layer, hidden_states.dtype) is None or not hidden_states.is_contiguous():
+        return None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    h = ops.rms_norm(hidden_states, ln1.weight, ln1.eps)
+    shape = (b, t, -1, attn.head_dim)
+    q = F.linear(h, attn.q_proj.weight).view(shape)
+    k = F.linear(h, attn.k_proj.weight).view(shape)
+    v = F.linear(h, attn.v_proj.weight).view(shape)
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on the head dim before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = position_embeddings
+    keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2))
+    out, _ = sdpa_attention_forward(attn, q, keys, values, None, dropout=0.0, scaling=attn.scaling)
+    o = F.linear(out.reshape(b, t, -1), attn.o_proj.weight)
+    normed, h2 = ops.add_rms_norm(o, hidden_states, ln2.weight, ln2.eps)
+    return h2 + layer.mlp(normed)
+
+
+def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):
+    """The layer's output for one decode step, or None where the layer must run its own forward."""
+    attn = _tigon_attention(layer, position_embeddings)
+    if attn is None:
         return None
     ring = _ring_layer(attn, hidden_states, past_key_values)
     if ring is None or hidden_states.shape[0] > 16:  # the fused projections are for decode-sized batches
