@@ -66,6 +66,7 @@ PROFILE_NEED_S = 15  # the three profiled calls and the trace parsing of a 1.5B 
 # swa-tigon-hf-attn: two eager 256-step calls (warm-up and timed) at an estimated 20-60 ms per step.
 NEED_S = {"hf-static-compile": 110, "swa-hf-static-compile": 120, "hf-eager": 60, "swa-tigon-hf-attn": 70}
 NEED_DEFAULT_S = 50
+TTFT_REPEATS = 5  # prefill-only calls after the timed one; their median is the TTFT the targets are checked on
 TARGETS = dict(b1_ms=1.0, b8_ms=1.4, p99_over_p50=1.15, ttft_ms=15.0, ring_over_full=1.05)
 ANCHORS = ("Anchors (same method, H200, torch 2.11, transformers 5.17): HF eager DynamicCache p50 64-68 ms/step "
            "(batch 1), 55.6 (batch 8); HF static cache + compile 2.70 ms (batch 1), 3.93 ms (batch 8); Mistral "
@@ -153,7 +154,14 @@ def _child_hf(spec, model, ids):
     t1 = time.perf_counter()
     ts = stamp.t
     steps = [b - a for a, b in zip(ts, ts[1:])]
-    return dict(ttft_s=ts[0] - t0, step_s=steps, total_s=t1 - t0, peak_gib=_peak_gib(device), warmup_s=warmup_s,
+    repeats = []
+    for _ in range(TTFT_REPEATS):  # the first token alone, again: one call's TTFT is host-noise sensitive
+        stamp = Stamp()
+        t_r = time.perf_counter()
+        model.generate(ids, stopping_criteria=[stamp], **dict(kw, max_new_tokens=1, min_new_tokens=1))
+        repeats.append(stamp.t[0] - t_r)
+    return dict(ttft_s=ts[0] - t0, ttft_repeats_s=repeats, step_s=steps, total_s=t1 - t0, peak_gib=_peak_gib(device),
+                warmup_s=warmup_s,
                 cuda_graph=None, stats=None)
 
 
@@ -176,7 +184,8 @@ def _child_tigon(spec, model, ids):
     t1 = time.perf_counter()
     assert seqs.shape == (ids.shape[0], ids.shape[1] + spec["new"]), seqs.shape
     peak = stats["peak_memory_bytes"]
-    out = dict(ttft_s=stats["ttft_s"], step_s=list(stats["step_s"]), total_s=t1 - t0,
+    repeats = [tigon.generate(model, ids, **dict(kw, max_new_tokens=1))[1]["ttft_s"] for _ in range(TTFT_REPEATS)]
+    out = dict(ttft_s=stats["ttft_s"], ttft_repeats_s=repeats, step_s=list(stats["step_s"]), total_s=t1 - t0,
                peak_gib=peak / 2**30 if peak is not None else None, warmup_s=warmup_s,
                cuda_graph=stats["cuda_graph"], attention=stats["attention"], stats=stats,
                patch=report.splitlines()[0] if report else None)
@@ -200,7 +209,9 @@ def child(spec):
     ordered = sorted(steps)
     mean = sum(steps) / len(steps) if steps else float("nan")
     wall_step = (r["total_s"] - r["ttft_s"]) / len(steps) if steps else None
-    row = dict(spec, ttft_ms=1e3 * r["ttft_s"], p50_ms=1e3 * _percentile(ordered, 0.5),
+    rep = sorted(r.get("ttft_repeats_s") or [])
+    row = dict(spec, ttft_ms=1e3 * r["ttft_s"], ttft_median_ms=1e3 * rep[len(rep) // 2] if rep else None,
+               ttft_repeats_ms=[round(1e3 * v, 2) for v in rep], p50_ms=1e3 * _percentile(ordered, 0.5),
                p99_ms=1e3 * _percentile(ordered, 0.99), mean_ms=1e3 * mean, tokens_per_s=spec["batch"] / mean,
                wall_ms_per_step=1e3 * wall_step if wall_step else None, total_s=r["total_s"],
                peak_gib=r["peak_gib"], warmup_s=r["warmup_s"], cuda_graph=r["cuda_graph"],
@@ -328,8 +339,10 @@ def targets(rows):
             out.append((f"tigon batch {r['batch']} p50 <= {limit} ms/step", f"{r['p50_ms']:.3f} ms",
                         r["p50_ms"] <= limit))
         if r["prompt"] == 512:
-            out.append((f"tigon batch {r['batch']} TTFT <= {TARGETS['ttft_ms']:.0f} ms (prompt 512)",
-                        f"{r['ttft_ms']:.1f} ms", r["ttft_ms"] <= TARGETS["ttft_ms"]))
+            ttft = r.get("ttft_median_ms") or r["ttft_ms"]
+            out.append((f"tigon batch {r['batch']} TTFT <= {TARGETS['ttft_ms']:.0f} ms (prompt 512; median of "
+                        f"{len(r.get('ttft_repeats_ms') or [1])} prefill-only calls)", f"{ttft:.1f} ms",
+                        ttft <= TARGETS["ttft_ms"]))
     for r in rows:
         if "p50_ms" in r and r["variant"] in ("tigon", "swa-tigon", "swa-tigon-full"):
             ratio = r["p99_ms"] / r["p50_ms"]
@@ -347,18 +360,20 @@ def targets(rows):
 
 def markdown(rows, meta):
     lines = [f"## Decode: {meta.get('title', 'tigon.generate vs HF generate')}", "",
-             "| model | variant | batch | prompt | new | TTFT ms | p50 ms/step | p99 ms/step | p99/p50 | mean ms/step "
-             "| wall ms/step | tokens/s | peak GiB | graph | speedup vs hf-static-compile (p50) |",
-             "|" + "---|" * 15]
+             "| model | variant | batch | prompt | new | TTFT ms | TTFT median ms | p50 ms/step | p99 ms/step "
+             "| p99/p50 | mean ms/step | wall ms/step | tokens/s | peak GiB | graph "
+             "| speedup vs hf-static-compile (p50) |",
+             "|" + "---|" * 16]
     for r in rows:
         head = f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | {r['new']} |"
         if "p50_ms" not in r:
-            lines.append(head + f" {r.get('skipped') or 'error: ' + str(r.get('error'))[:200]} |" + " |" * 9)
+            lines.append(head + f" {r.get('skipped') or 'error: ' + str(r.get('error'))[:200]} |" + " |" * 10)
             continue
         base = _baseline(rows, r)
         speed = f"x{base['p50_ms'] / r['p50_ms']:.2f}" if base else "-"
         graph = "-" if r.get("cuda_graph") is None else ("yes" if r["cuda_graph"] else "no")
-        lines.append(head + f" {_num(r['ttft_ms'], '.1f')} | {_num(r['p50_ms'], '.3f')} | {_num(r['p99_ms'], '.3f')} | "
+        lines.append(head + f" {_num(r['ttft_ms'], '.1f')} | {_num(r.get('ttft_median_ms'), '.1f')} | "
+                     f"{_num(r['p50_ms'], '.3f')} | {_num(r['p99_ms'], '.3f')} | "
                      f"{_num(r['p99_ms'] / r['p50_ms'], '.2f')} | {_num(r['mean_ms'], '.3f')} | "
                      f"{_num(r.get('wall_ms_per_step'), '.3f')} | {_num(r['tokens_per_s'], '.0f')} | "
                      f"{_num(r['peak_gib'])} | {graph} | {speed} |")
@@ -369,7 +384,9 @@ def markdown(rows, meta):
     skipped = [r for r in rows if r.get("skipped")]
     lines += ["", ANCHORS,
               "tokens/s = batch / mean decode step (the anchors' definition). TTFT: prefill + first token "
-              "(tigon: from the call, cache allocation included). wall ms/step: host clock around the timed call "
+              "(tigon: from the call, cache allocation included), in the timed call; TTFT median: of "
+              f"{TTFT_REPEATS} prefill-only calls after it (max_new_tokens=1; one call's TTFT moves with the "
+              "host's noise). wall ms/step: host clock around the timed call "
               "minus TTFT, over the decode steps (a cross-check of the per-step timer). The graph path's first "
               "decode step includes the CUDA-graph capture."]
     if skipped:

@@ -21,7 +21,7 @@ PROFILE_STEPS = 20
 # Kernel-name buckets of the profile, first match wins (lowercased substrings; CPU op names in --quick).
 BUCKETS = (
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "cublas", "xmma", "splitkreduce", "aten::mm", "aten::addmm",
-              "aten::bmm")),
+              "aten::bmm", "decode_linear")),  # tigon's decode_linear: the projections of a fused decode step
     ("attention", ("decode_attention", "attention", "flash", "fmha", "sdpa")),
     ("rope_kv_write", ("rope",)),
     ("norms", ("rms_norm", "layer_norm", "rmsnorm", "layernorm")),
