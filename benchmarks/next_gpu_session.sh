@@ -17,9 +17,9 @@
 #      kernel time vs the measured p50 (the gap = launch gaps / idle), GEMM GB/s, and the TTFT kernel profile.
 #   3. bench_e2e.py: tigon and liger, without and with activation checkpointing (Tigon's checkpointing row,
 #      311.3 ms in results/e2e.md, predates the MLP fix and is re-measured here; ~2-3 min).
-# Everything lands in $OUT (7 files, the device returns at most 8): session.log (this script's log and the
-# benchmarks' stdout), tests.log, decode.md, decode.json, decode_latency.png (with matplotlib), e2e.md,
-# e2e.json. Exit status: 0 when every step succeeded, else the number of failed steps.
+# Everything lands in $OUT (8 files, the device returns at most 8): session.log (this script's log and the
+# benchmarks' stdout), tests.log, decode.md, decode.json, decode_latency.png (with matplotlib), decode_ops.md,
+# e2e.md, e2e.json. Exit status: 0 when every step succeeded, else the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-session-out}"
@@ -33,8 +33,8 @@ exec 3>&1  # the terminal: log lines go there and to session.log, whatever a ste
 log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$LOG" >&3; }
 left() { echo $(( BUDGET - SECONDS )); }
 
-# STEPS (default "tests decode e2e") picks the steps to run.
-STEPS=" ${STEPS:-tests decode e2e} "
+# STEPS (default "tests decode decode_ops e2e") picks the steps to run.
+STEPS=" ${STEPS:-tests decode decode_ops e2e} "
 
 # step NAME CAP_S CMD...: runs CMD under timeout min(CAP_S, what is left of the budget - RESERVE_S).
 step() {
@@ -83,12 +83,17 @@ export PYTHONUNBUFFERED=1
 # 1. GPU tests (the reserve keeps room for the two benchmarks whatever the tests do).
 RESERVE_S=330 step tests 180 python3 -m pytest -q -n 8 -o cache_dir=/tmp/pytest_cache \
     tests/test_generate.py tests/hf/test_attention_impl.py tests/ops/test_decode_attention.py \
-    tests/ops/test_kv_write.py tests/ops/test_glu_mlp.py tests/hf/test_qlora.py >"$OUT/tests.log" 2>&1
+    tests/ops/test_kv_write.py tests/ops/test_glu_mlp.py tests/hf/test_qlora.py tests/hf/test_decode_layer.py \
+    tests/ops/test_decode_linear.py >"$OUT/tests.log" 2>&1
 { tail -n 3 "$OUT/tests.log"; echo; } | tee -a "$LOG"
 
 # 2. Decode: TTFT phases and the decode-step profile.
 RESERVE_S=160 step decode 240 python3 -m tigon.bench_decode --out "$OUT" --variants tigon,hf-static-compile@1 \
     --batches 1,8 --profile --budget 220 >>"$LOG" 2>&1
+
+# 2b. Decode kernels: decode_linear defaults with and without PDL vs cuBLAS (quick: no launch sweep).
+step decode_ops 90 python3 benchmarks/bench_decode_ops.py --out /tmp/decode_ops --quick >>"$LOG" 2>&1
+cp /tmp/decode_ops/decode_ops.md "$OUT/" 2>/dev/null  # the JSON stays behind: the device returns at most 8 files
 
 # 3. E2E training step, checkpointing rows re-measured.
 step e2e 400 python3 benchmarks/bench_e2e.py --out "$OUT" --variants tigon,liger --with-ckpt \
