@@ -4,7 +4,13 @@ import torch
 from tests._grid import DTYPES, assert_bound, assert_no_sync_and_deterministic, randn
 from tigon import ops
 from tigon.ops import reference
-from tigon.ops.kv_write import rope_kv_write, rope_kv_write_reference
+from tigon.ops.kv_write import (
+    ring_slots,
+    rope_kv_append,
+    rope_kv_append_reference,
+    rope_kv_write,
+    rope_kv_write_reference,
+)
 
 
 def _inputs(dtype, B=3, Hq=6, Hkv=3, T=2, D=16, rd=None, C=7, slots=(5, 1), device="cpu", cos_batch=1, seed=0):
@@ -198,3 +204,233 @@ def test_rolling_cache_update_rope_equals_rope_then_update(device):
                     (ref.layers[0].keys, ref.layers[0].positions, ref.layers[0]._next)):
         torch.testing.assert_close(a, b)
     assert ours.get_seq_length() == ref.get_seq_length() == 10
+
+
+# ----------------------------------------------------------------------------------------------------------
+# rope_kv_append: rope_kv_write at ring slots computed in the kernel from next_position
+
+
+def _ring_slot(p, C, sink):
+    """The documented rule, in plain Python: p below the sinks stays, the rest rolls over C - sink slots."""
+    return p if p < sink else sink + (p - sink) % (C - sink)
+
+
+def _append_inputs(dtype, *, C=8, T=1, next_pos=0, device, **kw):
+    """_inputs' tensors (NaN-poisoned ring), positions all -1 (empty) and next_position int64 [1]."""
+    key, value, cos, sin, k_cache, v_cache, _, query = _inputs(dtype, T=T, C=C, slots=(0,) * T, device=device, **kw)
+    positions = torch.full((C,), -1, dtype=torch.int64, device=device)
+    return key, value, cos, sin, k_cache, v_cache, positions, torch.tensor([next_pos], device=device), query
+
+
+def _same(a, b):
+    """Bitwise equal, NaN (the unwritten poison) included."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _check_append(dtype, key, value, cos, sin, k_cache, v_cache, positions, next_position, *, sink=0, query=None):
+    """rope_kv_append against its reference, against rope_kv_write at the slots the rule gives, and the rotated
+    keys against fp64; positions records the chunk, next_position is left as it was."""
+    C, T = k_cache.shape[2], key.shape[2]
+    ps = [int(next_position.item()) + t for t in range(T)]
+    slots = [_ring_slot(p, C, sink) for p in ps]
+    assert len(set(slots)) == T, "test precondition: no two tokens of the chunk share a slot"
+    assert ring_slots(torch.tensor(ps), C, sink).tolist() == slots
+    kc_ref, vc_ref, pos_ref = k_cache.clone(), v_cache.clone(), positions.clone()
+    kc_w, vc_w = k_cache.clone(), v_cache.clone()
+    pos_before, next_before = positions.clone(), next_position.clone()
+
+    q_embed = rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position, sink=sink,
+                             query=query)
+    q_ref = rope_kv_append_reference(key, value, cos, sin, kc_ref, vc_ref, pos_ref, next_position.clone(),
+                                     sink=sink, query=query)
+    q_w = rope_kv_write(key, value, cos, sin, kc_w, vc_w, torch.tensor(slots, device=key.device), query=query)
+
+    assert torch.equal(next_position, next_before), "next_position must not be advanced"
+    expected = pos_before.clone()
+    expected[slots] = torch.tensor(ps, device=expected.device)
+    assert torch.equal(positions, expected), (positions.tolist(), expected.tolist())
+    assert torch.equal(pos_ref, expected)
+    # The same kernel as rope_kv_write given the slots: the same bits, written at the same places only.
+    assert _same(k_cache, kc_w) and _same(v_cache, vc_w)
+    assert torch.equal(k_cache.isnan(), kc_ref.isnan()) and torch.equal(v_cache.isnan(), vc_ref.isnan())
+    assert torch.isfinite(k_cache[:, :, slots]).all() and torch.isfinite(v_cache[:, :, slots]).all()
+    assert torch.equal(v_cache.nan_to_num(), vc_ref.nan_to_num())
+    q_or_k = query if query is not None else key
+    q64, k64 = reference.apply_rope(q_or_k.double(), key.double(), cos.double(), sin.double())
+    q_dt, k_dt = _torch_rope(q_or_k, key, cos, sin)
+    assert_bound("k", k_cache[:, :, slots], k_dt, k64, dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(k_cache.nan_to_num(), kc_ref.nan_to_num())
+    if query is None:
+        assert q_embed is None and q_ref is None and q_w is None
+    else:
+        assert torch.equal(q_embed, q_w) and q_embed.stride() == query.stride()
+        assert_bound("q", q_embed, q_dt, q64, dtype)
+    return slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sink", [0, 2])
+@pytest.mark.parametrize("next_pos", [0, 5, 7, 8, 13])
+@pytest.mark.parametrize("T", [1, 3])
+def test_append_ring_slots(device, dtype, sink, next_pos, T):
+    """C = 8: a chunk before the ring is full, at its end, wrapping within the chunk (7, 8, 9), one lap on (8),
+    and several (13); with 2 sink slots the wrap lands on slot 2, never on the sinks."""
+    args = _append_inputs(dtype, C=8, T=T, next_pos=next_pos, B=2, device=device, seed=next_pos + T)
+    slots = _check_append(dtype, *args[:-1], sink=sink, query=args[-1])
+    assert all(s >= sink for s, p in zip(slots, range(next_pos, next_pos + T)) if p >= sink)
+
+
+@pytest.mark.parametrize("next_pos,T", [(0, 3), (4, 3), (6, 1), (7, 1), (12, 1)])
+def test_append_all_but_one_slot_are_sinks(device, next_pos, T):
+    # sink = C - 1: positions 0..6 keep their slots, every later one lands on slot 7 (p - sink is down to -7
+    # here: more than one lap below zero, which must still count as no lap).
+    args = _append_inputs(torch.bfloat16, C=8, T=T, next_pos=next_pos, B=2, device=device, seed=next_pos)
+    slots = _check_append(torch.bfloat16, *args[:-1], sink=7, query=args[-1])
+    assert slots == [min(p, 7) for p in range(next_pos, next_pos + T)]
+
+
+def test_append_without_query_partial_rotary_and_per_batch_cos(device):
+    # fp16, B = 3 with one cos row per sequence, rotary dim 6 of D = 10, no query; the chunk wraps past C.
+    args = _append_inputs(torch.float16, C=5, T=2, next_pos=4, B=3, D=10, rd=6, cos_batch=3, device=device)
+    _check_append(torch.float16, *args[:-1], sink=1, query=None)
+
+
+def test_append_contiguous_inputs_and_a_zero_dim_next_position(device):
+    key, value, cos, sin, kc, vc, pos, nxt, query = _append_inputs(torch.float32, C=8, T=2, next_pos=6,
+                                                                   device=device)
+    nxt0 = nxt.reshape(())
+    _check_append(torch.float32, key.contiguous(), value.contiguous(), cos, sin, kc, vc, pos, nxt0, sink=3,
+                  query=query.contiguous())
+    assert nxt0.shape == () and nxt0.item() == 6
+
+
+def test_append_decode_sequence_wraps_the_ring(device):
+    """A prefill chunk, then decode steps and a second chunk, the caller advancing next_position by T: the ring
+    of C = 8 with 2 sinks wraps twice; cache and positions equal the reference run step for step."""
+    C, sink, B = 8, 2, 2
+    _, _, _, _, kc, vc, pos, nxt, _ = _append_inputs(torch.bfloat16, C=C, B=B, device=device)
+    kc_ref, vc_ref, pos_ref = kc.clone(), vc.clone(), pos.clone()
+    for step, T in enumerate((5, 1, 1, 1, 1, 3, 1, 4, 1)):
+        key, value, cos, sin, _, _, _, query = _inputs(torch.bfloat16, B=B, T=T, C=C, slots=(0,) * T,
+                                                       device=device, seed=step)
+        q = rope_kv_append(key, value, cos, sin, kc, vc, pos, nxt, sink=sink, query=query)
+        q_ref = rope_kv_append_reference(key, value, cos, sin, kc_ref, vc_ref, pos_ref, nxt, sink=sink,
+                                         query=query)
+        nxt += T
+        assert torch.equal(pos, pos_ref)
+        assert _same(vc, vc_ref)
+        torch.testing.assert_close(kc.nan_to_num(), kc_ref.nan_to_num(), rtol=2**-7, atol=2**-7)
+        torch.testing.assert_close(q, q_ref.to(q.dtype), rtol=2**-7, atol=2**-7)
+    n = int(nxt.item())
+    assert n == 18
+    # Each slot holds the latest position that maps to it: sinks 0, 1; the rolling slots the last lap.
+    latest = {_ring_slot(p, C, sink): p for p in range(n)}
+    assert pos.tolist() == [latest[s] for s in range(C)]
+    assert not kc.isnan().any() and not vc.isnan().any()
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_append_records_positions_once_for_the_batch(device, B):
+    # positions is shared by the batch (one [C] row); a slot outside the chunk keeps what it had.
+    args = list(_append_inputs(torch.float32, C=8, T=2, next_pos=9, B=B, device=device))
+    args[6] = torch.arange(100, 108, device=device)
+    _check_append(torch.float32, *args[:-1], sink=0, query=None)
+    assert args[6].tolist() == [100, 9, 10, 103, 104, 105, 106, 107]
+
+
+def test_append_runs_the_kernel_on_this_device(device):
+    args = _append_inputs(torch.float32, device=device)
+    before = ops.dispatch_counts[("rope_kv_append", "triton")]
+    ref_before = ops.dispatch_counts[("rope_kv_append", "reference")]
+    rope_kv_append(*args[:-1])
+    assert ops.dispatch_counts[("rope_kv_append", "triton")] == before + 1
+    assert ops.dispatch_counts[("rope_kv_append", "reference")] == ref_before
+
+
+def _bad_append(**over):
+    def call(d):
+        names = ("key", "value", "cos", "sin", "k_cache", "v_cache", "positions", "next_position", "query")
+        a = dict(zip(names, _append_inputs(torch.float32, C=8, T=2, device=d)), sink=2)
+        a.update({n: (f(a) if callable(f) else f) for n, f in over.items()})
+        kw = {n: a.pop(n) for n in ("sink", "query")}
+        return rope_kv_append(*a.values(), **kw)
+    return call
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (_bad_append(positions=lambda a: a["positions"].int()), ValueError,
+         r"rope_kv_append: positions must be a contiguous int64 \[8\] tensor"),
+        (_bad_append(positions=lambda a: a["positions"].float()), ValueError, "rope_kv_append: positions must be"),
+        (_bad_append(positions=lambda a: a["positions"][:7]), ValueError,
+         r"rope_kv_append: positions must be a contiguous int64 \[8\] tensor .* got torch.int64 \(7,\)"),
+        (_bad_append(positions=lambda a: a["positions"].view(1, 8)), ValueError, "rope_kv_append: positions must"),
+        (_bad_append(positions=lambda a: torch.arange(16, device=a["positions"].device)[::2]), ValueError,
+         "rope_kv_append: positions must be a contiguous"),
+        (_bad_append(positions=[0] * 8), TypeError, "rope_kv_append: positions must be a torch.Tensor"),
+        (_bad_append(next_position=lambda a: torch.tensor([3, 4], device=a["key"].device)), ValueError,
+         r"rope_kv_append: next_position must be one int64 element, got torch.int64 \(2,\)"),
+        (_bad_append(next_position=lambda a: a["next_position"][:0]), ValueError,
+         "rope_kv_append: next_position must be one int64 element"),
+        (_bad_append(next_position=lambda a: a["next_position"].int()), ValueError,
+         "rope_kv_append: next_position must be one int64 element, got torch.int32"),
+        (_bad_append(next_position=lambda a: a["next_position"].float()), ValueError,
+         "rope_kv_append: next_position must be one int64 element"),
+        (_bad_append(next_position=5), TypeError, "rope_kv_append: next_position must be a torch.Tensor"),
+        (_bad_append(sink=8), ValueError, r"rope_kv_append: sink must be an int in \[0, 8\), got 8"),
+        (_bad_append(sink=9), ValueError, r"rope_kv_append: sink must be an int in \[0, 8\)"),
+        (_bad_append(sink=-1), ValueError, r"rope_kv_append: sink must be an int in \[0, 8\), got -1"),
+        (_bad_append(sink=True), ValueError, r"rope_kv_append: sink must be an int in \[0, 8\), got True"),
+        (_bad_append(sink=2.0), ValueError, "rope_kv_append: sink must be an int"),
+        (_bad_append(sink=None), ValueError, "rope_kv_append: sink must be an int"),
+        (_bad_append(sink=lambda a: torch.tensor(2)), ValueError, "rope_kv_append: sink must be an int"),
+        # The tensors' own checks are rope_kv_write's (its message names it: see the xfail below).
+        (_bad_append(key=lambda a: a["key"][0]), ValueError, r"key must have shape \[B, Hkv, T, D\]"),
+        (_bad_append(k_cache=lambda a: a["k_cache"][:, :, :7]), ValueError, "v_cache must have shape"),
+        (_bad_append(v_cache=lambda a: a["v_cache"].half()), TypeError, "v_cache has dtype"),
+        (_bad_append(key=lambda a: a["key"].requires_grad_()), RuntimeError, "inference only"),
+    ],
+)
+def test_append_bad_input(device, call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(device)
+
+
+@pytest.mark.xfail(strict=True, reason="rope_kv_append validates its tensors through rope_kv_write's _validate, "
+                   "whose messages name rope_kv_write")
+def test_append_bad_tensor_names_the_op(device):
+    with pytest.raises(ValueError, match="rope_kv_append: key must have shape"):
+        _bad_append(key=lambda a: a["key"][0])(device)
+
+
+def test_append_opcheck(device):
+    key, value, cos, sin, kc, vc, pos, nxt, query = _append_inputs(torch.bfloat16, B=1, Hq=2, Hkv=1, C=8, T=1,
+                                                                   next_pos=9, device=device)
+    kc.zero_()
+    vc.zero_()
+    args = (key.contiguous(), value.contiguous(), cos, sin, kc, vc, pos, nxt, 2, query.contiguous())
+    torch.library.opcheck(torch.ops.tigon.rope_kv_append, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_append_compile_fullgraph_uses_the_custom_op(device):
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    key, value, cos, sin, kc, vc, pos, nxt, query = _append_inputs(torch.float32, C=8, T=2, next_pos=7,
+                                                                   device=device)
+    kc.zero_()
+    vc.zero_()
+    kc2, vc2, pos2 = kc.clone(), vc.clone(), pos.clone()
+
+    def fn(k, v, kc, vc, pos, q):
+        return rope_kv_append(k * 1, v, cos, sin, kc, vc, pos, nxt, sink=2, query=q) + 1
+
+    before = ops.dispatch_counts[("rope_kv_append", "triton")]
+    got = torch.compile(fn, fullgraph=True, backend=backend)(key, value, kc, vc, pos, query)
+    assert ops.dispatch_counts[("rope_kv_append", "triton")] == before  # traced, not run eagerly
+    torch.testing.assert_close(got, fn(key, value, kc2, vc2, pos2, query))
+    torch.testing.assert_close(kc, kc2)
+    torch.testing.assert_close(vc, vc2)
+    assert torch.equal(pos, pos2) and pos.tolist() == [-1, -1, 8, -1, -1, -1, -1, 7]
+    assert nxt.item() == 7
