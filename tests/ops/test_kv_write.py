@@ -361,9 +361,9 @@ def _bad_append(**over):
 @pytest.mark.parametrize(
     "call,exc,match",
     [
-        (_bad_append(positions=lambda a: a["positions"].int()), ValueError,
-         r"rope_kv_append: positions must be a contiguous int64 \[8\] tensor"),
-        (_bad_append(positions=lambda a: a["positions"].float()), ValueError, "rope_kv_append: positions must be"),
+        (_bad_append(positions=lambda a: a["positions"].int()), TypeError,
+         "rope_kv_append: positions must be int64, got torch.int32"),
+        (_bad_append(positions=lambda a: a["positions"].float()), TypeError, "rope_kv_append: positions must be"),
         (_bad_append(positions=lambda a: a["positions"][:7]), ValueError,
          r"rope_kv_append: positions must be a contiguous int64 \[8\] tensor .* got torch.int64 \(7,\)"),
         (_bad_append(positions=lambda a: a["positions"].view(1, 8)), ValueError, "rope_kv_append: positions must"),
@@ -374,10 +374,10 @@ def _bad_append(**over):
          r"rope_kv_append: next_position must be one int64 element, got torch.int64 \(2,\)"),
         (_bad_append(next_position=lambda a: a["next_position"][:0]), ValueError,
          "rope_kv_append: next_position must be one int64 element"),
-        (_bad_append(next_position=lambda a: a["next_position"].int()), ValueError,
-         "rope_kv_append: next_position must be one int64 element, got torch.int32"),
-        (_bad_append(next_position=lambda a: a["next_position"].float()), ValueError,
-         "rope_kv_append: next_position must be one int64 element"),
+        (_bad_append(next_position=lambda a: a["next_position"].int()), TypeError,
+         "rope_kv_append: next_position must be int64, got torch.int32"),
+        (_bad_append(next_position=lambda a: a["next_position"].float()), TypeError,
+         "rope_kv_append: next_position must be int64"),
         (_bad_append(next_position=5), TypeError, "rope_kv_append: next_position must be a torch.Tensor"),
         (_bad_append(sink=8), ValueError, r"rope_kv_append: sink must be an int in \[0, 8\), got 8"),
         (_bad_append(sink=9), ValueError, r"rope_kv_append: sink must be an int in \[0, 8\)"),
@@ -386,7 +386,7 @@ def _bad_append(**over):
         (_bad_append(sink=2.0), ValueError, "rope_kv_append: sink must be an int"),
         (_bad_append(sink=None), ValueError, "rope_kv_append: sink must be an int"),
         (_bad_append(sink=lambda a: torch.tensor(2)), ValueError, "rope_kv_append: sink must be an int"),
-        # The tensors' own checks are rope_kv_write's (its message names it: see the xfail below).
+        # The tensors' own checks (shared with rope_kv_write, naming rope_kv_append).
         (_bad_append(key=lambda a: a["key"][0]), ValueError, r"key must have shape \[B, Hkv, T, D\]"),
         (_bad_append(k_cache=lambda a: a["k_cache"][:, :, :7]), ValueError, "v_cache must have shape"),
         (_bad_append(v_cache=lambda a: a["v_cache"].half()), TypeError, "v_cache has dtype"),
@@ -398,8 +398,6 @@ def test_append_bad_input(device, call, exc, match):
         call(device)
 
 
-@pytest.mark.xfail(strict=True, reason="rope_kv_append validates its tensors through rope_kv_write's _validate, "
-                   "whose messages name rope_kv_write")
 def test_append_bad_tensor_names_the_op(device):
     with pytest.raises(ValueError, match="rope_kv_append: key must have shape"):
         _bad_append(key=lambda a: a["key"][0])(device)

@@ -59,7 +59,7 @@ def _decode_linear_kernel(
     W,  # [N0, K] first weight, contiguous; the others sit at element offsets D1, D2 from it
     R,  # [M, N_total] residual (read when RESIDUAL)
     Y,  # [M, N_total] output
-    WS,  # fp32 [M * N_total] zeros: split-K partial sums (SPLIT_K > 1; each tile is zeroed again after use)
+    WS,  # fp32 [SPLIT_K, M, N_total]: split-K partial tiles (SPLIT_K > 1)
     CNT,  # int32 [n_blocks * m_blocks] zeros: split-K arrival counters (reset by the last arrival)
     M, K, N0, N1, N2,
     NB0, NB1,  # column blocks of weights 0 and 1 (program ranges: [0, NB0), [NB0, NB0 + NB1), the rest)
@@ -139,16 +139,19 @@ def _decode_linear_kernel(
 
     o_col = col0 + o_n
     m_y = m_m[:, None] & m_n[None, :]
-    if SPLIT_K > 1:  # add into the fp32 tile; the last split to arrive takes the sum (and zeroes the tile)
+    if SPLIT_K > 1:
+        # Each split stores its fp32 partial tile in its own workspace slice; the last split to arrive (an
+        # arrival counter per tile, acq_rel atomics) sums the slices in split order: the same sum every run.
         n_total = N0 + N1 + N2
-        p_ws = WS + o_m.to(tl.int64)[:, None] * n_total + o_col[None, :]
-        tl.atomic_add(p_ws, acc, mask=m_y)
+        o_ws = o_m.to(tl.int64)[:, None] * n_total + o_col[None, :]
+        slice_size = n_total.to(tl.int64) * M  # (M may be the constant 1: no .to on it)
+        tl.store(WS + pid_k * slice_size + o_ws, acc, mask=m_y)
         p_cnt = CNT + pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(p_cnt, 1) == SPLIT_K - 1:
-            zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc = tl.atomic_add(p_ws, zero, mask=m_y)  # an atomic read: the sum, coherent at L2
-            tl.store(p_ws, zero, mask=m_y)  # every split has arrived: nothing else touches the tile or counter
-            tl.store(p_cnt, 0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):  # L2 reads (.cg): the other splits' stores, made visible by the counter
+                acc += tl.load(WS + s * slice_size + o_ws, mask=m_y, other=0.0, cache_modifier=".cg")
+            tl.store(p_cnt, 0)  # every split has arrived: the counter is free for the next call
             _epilogue(acc, acc_u, R, Y, o_m, o_col, m_y, stride_rm, stride_ym, dt, ACT, RESIDUAL)
     else:
         _epilogue(acc, acc_u, R, Y, o_m, o_col, m_y, stride_rm, stride_ym, dt, ACT, RESIDUAL)
@@ -227,7 +230,7 @@ def _pdl_options(device) -> dict:
     return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
 
 
-_WORKSPACE: dict = {}  # (device, stream) -> (fp32 partial sums, int32 counters), zeros between calls
+_WORKSPACE: dict = {}  # (device, stream) -> (fp32 partial tiles, int32 arrival counters: zeros between calls)
 
 
 def _workspace(device, n_sums: int, n_counters: int):
@@ -259,7 +262,7 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act):
     k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_split)
     if split > 1:
-        ws, cnt = _workspace(x.device, M * n_out, n_blocks * m_blocks)
+        ws, cnt = _workspace(x.device, split * M * n_out, n_blocks * m_blocks)
     else:
         ws, cnt = y, y
     esize = x.element_size()
@@ -282,14 +285,16 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act):
     pdl = _pdl_options(x.device)
     try:
         _decode_linear_kernel[grid](*args, **meta, **pdl)
-    except Exception as e:  # a Triton or driver without programmatic dependent launch: once, then without
+    except Exception as e:
         if not pdl["PDL"]:
             raise
+        # A Triton or driver without programmatic dependent launch? If the plain launch works, PDL stays off
+        # for the process (said once); if it fails too, that error is the real one and PDL is left as it was.
+        _decode_linear_kernel[grid](*args, **meta, PDL=False)
         global PDL
         PDL = False
-        _library.logger.warning("tigon: decode_linear without programmatic dependent launch (%s: %s)",
+        _library.logger.warning("tigon: decode_linear runs without programmatic dependent launch (%s: %s)",
                                 type(e).__name__, str(e)[:200])
-        _decode_linear_kernel[grid](*args, **meta, PDL=False)
     return y
 
 
@@ -330,11 +335,16 @@ def _validate(x, weights, norm_weight, eps, residual, activation):
         weights = (weights,)
     if not isinstance(weights, (list, tuple)) or not 1 <= len(weights) <= MAX_WEIGHTS:
         raise TypeError(f"{op}: weights must be a tensor or a list of 1 to {MAX_WEIGHTS} tensors, got {weights!r}")
-    if activation not in ACTIVATIONS:
+    if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     if activation is not None and len(weights) != 2:
         raise ValueError(f"{op}: activation={activation!r} needs exactly two weights (gate, up), got {len(weights)}")
     K = x.shape[-1]
+    if K < 1:
+        raise ValueError(f"{op}: x must have K >= 1 features (its last dim), got shape {tuple(x.shape)}")
+    for name, t in (("norm_weight", norm_weight), ("residual", residual)):
+        if t is not None:
+            _launch.check_tensor(op, name, t, floating=False)  # its dtype: checked against x below
     for i, w in enumerate(weights):
         _launch.check_tensor(op, f"weights[{i}]", w)
         if w.dim() != 2 or w.shape[1] != K:

@@ -101,7 +101,7 @@ def _rope_kv_write_kernel(
             recent = C - sink
             laps = tl.maximum((p - sink) // recent, 0)  # p - sink < 0 truncates to 0 either way
             slot = p - laps * recent
-            if (b == 0) & (part == 1):
+            if (b == 0) & (part == 1) & (slot >= 0) & (slot < C):
                 tl.store(POSITIONS + slot, p)
         else:
             slot = tl.load(SLOTS + t * stride_slot)
@@ -177,8 +177,7 @@ def rope_kv_write_reference(key, value, cos, sin, k_cache, v_cache, slots, *, qu
     return q_embed if query is not None else None
 
 
-def _validate(key, value, cos, sin, k_cache, v_cache, slots, query):
-    op = "rope_kv_write"
+def _validate(key, value, cos, sin, k_cache, v_cache, slots, query, op="rope_kv_write"):
     for name, t in (("key", key), ("value", value), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
                     ("v_cache", v_cache)):
         _launch.check_tensor(op, name, t)
@@ -278,17 +277,24 @@ def rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_posit
     position `p = next_position + t` and goes to slot p while p < sink, else `sink + (p - sink) % (C - sink)`;
     `positions[slot] = p` is recorded in the same kernel. positions int64 [C], next_position int64 [1] (not
     advanced: the caller adds T). Saves a decode step the slot arithmetic kernels. Returns RoPE(query) or None.
+    A chunk longer than the ring's rolling part maps two tokens to one slot: which token's key, value and
+    position land there is unspecified (they may even come from different tokens); RollingKVCache only
+    appends one token at a time.
     """
     op = "rope_kv_append"
     _launch.check_tensor(op, "next_position", next_position, floating=False)
     _launch.check_tensor(op, "positions", positions, floating=False)
-    if next_position.dtype != torch.int64 or next_position.numel() != 1:
+    if next_position.dtype != torch.int64:
+        raise TypeError(f"{op}: next_position must be int64, got {next_position.dtype}")
+    if next_position.numel() != 1:
         raise ValueError(f"{op}: next_position must be one int64 element, got {next_position.dtype} "
                          f"{tuple(next_position.shape)}")
-    T = key.shape[2] if key.dim() == 4 else 0
-    _validate(key, value, cos, sin, k_cache, v_cache, next_position.reshape(1).expand(T), query)
+    if positions.dtype != torch.int64:
+        raise TypeError(f"{op}: positions must be int64, got {positions.dtype}")
+    T = key.shape[2] if isinstance(key, torch.Tensor) and key.dim() == 4 else 0
+    _validate(key, value, cos, sin, k_cache, v_cache, next_position.reshape(1).expand(T), query, op=op)
     C = k_cache.shape[2]
-    if positions.dtype != torch.int64 or tuple(positions.shape) != (C,) or positions.stride(0) != 1:
+    if tuple(positions.shape) != (C,) or positions.stride(0) != 1:
         raise ValueError(f"{op}: positions must be a contiguous int64 [{C}] tensor (one per cache slot), got "
                          f"{positions.dtype} {tuple(positions.shape)}")
     _launch.check_same_device(op, "key", key, positions=positions, next_position=next_position)
