@@ -146,8 +146,11 @@ def _decode_linear_kernel(
         o_ws = o_m.to(tl.int64)[:, None] * n_total + o_col[None, :]
         slice_size = n_total.to(tl.int64) * M  # (M may be the constant 1: no .to on it)
         tl.store(WS + pid_k * slice_size + o_ws, acc, mask=m_y)
+        # All of this program's threads' stores happen before the counter's release (barrier, then the
+        # gpu-scope acq_rel atomic: the threadfence-reduction pattern).
+        tl.debug_barrier()
         p_cnt = CNT + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(p_cnt, 1) == SPLIT_K - 1:
+        if tl.atomic_add(p_cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(SPLIT_K):  # L2 reads (.cg): the other splits' stores, made visible by the counter
                 acc += tl.load(WS + s * slice_size + o_ws, mask=m_y, other=0.0, cache_modifier=".cg")
