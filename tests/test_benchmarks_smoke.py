@@ -198,4 +198,9 @@ def test_decode_bench_budget_skips_and_targets():
     assert verdict["tigon batch 1 TTFT <= 15 ms (prompt 512)"]
     assert verdict["batch 1: ring past capacity p50 <= 1.05x full cache"]
     md = core.markdown(rows, {})
-    assert "| llama-1.5b | tigon | 1 | 512 | 256 | 12.0 | 0.900 |" in md and "x3.00 |" in md
+    assert "| llama-1.5b | tigon | 1 | 512 | 256 | 12.0 | - | 0.900 |" in md and "x3.00 |" in md
+    # With prefill-only repeats the target reads their median, not the single timed call.
+    rows[1].update(ttft_ms=40.0, ttft_median_ms=14.0, ttft_repeats_ms=[13.0, 14.0, 14.5, 15.5, 30.0])
+    checks = {t: (v, ok) for t, v, ok in core.targets(rows)}
+    assert checks["tigon batch 1 TTFT <= 15 ms (prompt 512)"] == ("14.0 ms (median of 5 prefill-only calls)", True)
+    assert "| 40.0 | 14.0 | 0.900 |" in core.markdown(rows, {})

@@ -339,10 +339,12 @@ def targets(rows):
             out.append((f"tigon batch {r['batch']} p50 <= {limit} ms/step", f"{r['p50_ms']:.3f} ms",
                         r["p50_ms"] <= limit))
         if r["prompt"] == 512:
-            ttft = r.get("ttft_median_ms") or r["ttft_ms"]
-            out.append((f"tigon batch {r['batch']} TTFT <= {TARGETS['ttft_ms']:.0f} ms (prompt 512; median of "
-                        f"{len(r.get('ttft_repeats_ms') or [1])} prefill-only calls)", f"{ttft:.1f} ms",
-                        ttft <= TARGETS["ttft_ms"]))
+            median = r.get("ttft_median_ms")
+            ttft = median if median is not None else r["ttft_ms"]
+            how = (f" (median of {len(r['ttft_repeats_ms'])} prefill-only calls)" if median is not None
+                   else " (the timed call)")
+            out.append((f"tigon batch {r['batch']} TTFT <= {TARGETS['ttft_ms']:.0f} ms (prompt 512)",
+                        f"{ttft:.1f} ms{how}", ttft <= TARGETS["ttft_ms"]))
     for r in rows:
         if "p50_ms" in r and r["variant"] in ("tigon", "swa-tigon", "swa-tigon-full"):
             ratio = r["p99_ms"] / r["p50_ms"]
