@@ -21,6 +21,8 @@ import torch
 
 H, HQ, HKV, D, INTER, VOCAB = 2048, 32, 8, 64, 8192, 128256
 CONFIGS = list(itertools.product((16, 32, 64), (256, 512), (4, 8), (3, 4), (1, 2, 4)))  # (BN, BK, warps, stages, split)
+# The M == 1 experiment: fp32 multiply-adds instead of tl.dot (no 16-row padding; BN below 16 allowed).
+CONFIGS += [c + (True,) for c in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (3,), (1, 4))]
 REPLICA_BYTES = 256 << 20  # each timed graph streams >= 256 MiB of distinct weights: L2 (50 MiB) stays cold
 
 

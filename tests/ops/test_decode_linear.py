@@ -525,3 +525,20 @@ def test_split_k_sums_in_split_order_every_call(monkeypatch):
 def test_no_features_is_refused():
     with pytest.raises(ValueError, match="decode_linear: x must have K >= 1"):
         decode_linear(torch.ones(2, 0), torch.ones(3, 0))
+
+
+@pytest.mark.parametrize("config", [(8, 32, 4, 1, 1, True), (16, 16, 4, 1, 3, True)], ids=["fma", "fma-split3"])
+def test_fma_mode_for_one_row(monkeypatch, config, device):
+    # The M == 1 experiment (CONFIG's sixth element): multiply-adds instead of tl.dot, same results; M > 1
+    # ignores it and takes the tl.dot path with the same blocks.
+    monkeypatch.setattr(dl, "CONFIG", config)
+    for m in (1, 3):
+        x, ws, nw, r = _inputs(torch.float32, m, 40, (24,), device=device, norm=True, residual=True)
+        with torch.no_grad():
+            got = decode_linear(x, ws, norm_weight=nw, residual=r)
+            g2 = decode_linear(x, [ws[0], ws[0] * 0.5], norm_weight=nw, activation="silu")
+        torch.testing.assert_close(got, decode_linear_reference(x, ws, norm_weight=nw, residual=r), rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(g2, decode_linear_reference(x, [ws[0], ws[0] * 0.5], norm_weight=nw,
+                                                               activation="silu"), rtol=1e-5, atol=1e-5)
+    _assert_workspace_clean()

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 MAX_WEIGHTS = 3
 # Launch settings; None picks from the shapes (benchmarks/bench_decode_ops.py sweeps them on a GPU).
-CONFIG = None  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
+CONFIG = None  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K[, FMA]); FMA: the M == 1 experiment
 
 
 @triton.jit
@@ -79,6 +79,7 @@ def _decode_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    FMA: tl.constexpr = False,  # M == 1 and BLOCK_M == 1: fp32 multiply-adds on [BLOCK_N, BLOCK_K], no tl.dot
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -121,6 +122,8 @@ def _decode_linear_kernel(
     p_u = W + D1.to(tl.int64) + o_n.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # FMA: per-lane partial sums, reduced once after
+    acc2_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
         kk = k0 + o_k
         if EVEN_K:
@@ -133,9 +136,18 @@ def _decode_linear_kernel(
             b_n = (b_x.to(tl.float32) * b_rstd[:, None]).to(dt).to(tl.float32)
             b_x = (b_n * b_nw[None, :]).to(dt)
         m_w = m_n[:, None] & m_k[None, :]
-        acc += _dot(b_x, tl.load(p_w + kk[None, :], mask=m_w, other=0.0), UPCAST, PRECISION)
-        if ACT != 0:
-            acc_u += _dot(b_x, tl.load(p_u + kk[None, :], mask=m_w, other=0.0), UPCAST, PRECISION)
+        if FMA:
+            b_xf = b_x.to(tl.float32)  # [1, BLOCK_K], broadcast over the rows
+            acc2 += tl.load(p_w + kk[None, :], mask=m_w, other=0.0).to(tl.float32) * b_xf
+            if ACT != 0:
+                acc2_u += tl.load(p_u + kk[None, :], mask=m_w, other=0.0).to(tl.float32) * b_xf
+        else:
+            acc += _dot(b_x, tl.load(p_w + kk[None, :], mask=m_w, other=0.0), UPCAST, PRECISION)
+            if ACT != 0:
+                acc_u += _dot(b_x, tl.load(p_u + kk[None, :], mask=m_w, other=0.0), UPCAST, PRECISION)
+    if FMA:
+        acc = tl.sum(acc2, axis=1)[None, :]
+        acc_u = tl.sum(acc2_u, axis=1)[None, :]
 
     o_col = col0 + o_n
     m_y = m_m[:, None] & m_n[None, :]
@@ -254,13 +266,15 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act):
     y = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     if M == 0 or n_out == 0:
         return y
-    block_n, block_k, warps, stages, split = _pick_config(M, K, n_out, bool(act), norm_weight is not None, x.device)
+    config = _pick_config(M, K, n_out, bool(act), norm_weight is not None, x.device)
+    block_n, block_k, warps, stages, split = config[:5]
+    fma = len(config) > 5 and bool(config[5]) and M == 1  # an experiment (bench_decode_ops): M == 1 only
     if act:
         split = 1  # two accumulators: the GLU's 2 x N columns fill the GPU without splitting K
     ns_all = ns + [0] * (MAX_WEIGHTS - len(ns))
     nb = [triton.cdiv(n, block_n) for n in ns_all]
     n_blocks = nb[0] if act else sum(nb)
-    block_m = 16
+    block_m = 1 if fma else 16
     m_blocks = triton.cdiv(M, block_m)
     k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_split)
@@ -283,7 +297,7 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act):
     meta = dict(
         NUM_W=len(weights), NORM=norm_weight is not None, ACT=act, RESIDUAL=residual is not None, SPLIT_K=split,
         EVEN_K=K % block_k == 0 and k_split * split == K, UPCAST=interp, PRECISION=precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, FMA=fma,
     )
     pdl = _pdl_options(x.device)
     try:
