@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
-from .rope import _cos_sin_halves, _rope_heads
+from .rope import _cos_sin_halves, _rope_heads, check_cos_sin
 
 _TILE = 512  # elements of one [heads, rd/2] (or [heads, D]) tile, as in rope.py
 _NUM_WARPS = 4
@@ -197,12 +197,7 @@ def _validate(key, value, cos, sin, k_cache, v_cache, slots, query, op="rope_kv_
     _launch.check_same_dtype(op, "key", key, value=value, k_cache=k_cache, v_cache=v_cache, query=query)
     _launch.check_same_device(op, "key", key, value=value, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
                               slots=slots, query=query)
-    if cos.dim() != 3 or cos.shape[0] not in (1, B) or cos.shape[1] != T:
-        raise ValueError(f"{op}: cos must have shape [1 or {B}, {T}, rotary_dim], got {tuple(cos.shape)}")
-    _launch.check_shape(op, "sin", sin, cos.shape)
-    rd = cos.shape[2]
-    if rd % 2 or rd == 0 or rd > D:
-        raise ValueError(f"{op}: cos rotary_dim {rd} must be even, > 0 and <= the head dim {D}")
+    check_cos_sin(op, cos, sin, B, T, D)
     if slots.dtype != torch.int64:
         raise TypeError(f"{op}: slots must be int64, got {slots.dtype}")
     if tuple(slots.shape) != (T,):

@@ -225,6 +225,11 @@ def _validate(q, k, cos, sin, unsqueeze_dim):
         raise ValueError(
             f"{op}: k {tuple(k.shape)} must match q {tuple(q.shape)} in batch, sequence and head dim"
         )
+    check_cos_sin(op, cos, sin, B, T, D)
+
+
+def check_cos_sin(op, cos, sin, B, T, D):
+    """cos, sin `[1 or B, T, rd]` with rd even, > 0 and <= the head dim D (the rotate-half tables)."""
     if cos.dim() != 3 or cos.shape[0] not in (1, B) or cos.shape[1] != T:
         raise ValueError(f"{op}: cos must have shape [1 or {B}, {T}, rotary_dim], got {tuple(cos.shape)}")
     _launch.check_shape(op, "sin", sin, cos.shape)
