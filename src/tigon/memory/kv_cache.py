@@ -29,7 +29,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 _NAME = "RollingKVCache"
 _SUPPORTED = ("full_attention", "sliding_attention")
-_CONSTS: dict = {}  # (sink, recent, device) -> the decode step's int64 constants, read-only, shared by layers
 
 
 def _resolve_dtype(dtype, config) -> torch.dtype:
@@ -50,20 +49,25 @@ def _positive_int(name: str, value, minimum: int) -> int:
     return value
 
 
-def _layer_storage(shape, dtype, device, n_layers=1, rings=None):
-    """Zeroed keys and values, positions at -1 and zeroed (next, slot) counters for `n_layers` layers of
-    `[B, H, ring_i, D]`, as per-layer views of one buffer of each kind: [(keys, values, positions, next, slot)]."""
-    b, h, ring, d = shape
-    rings = rings or [ring] * n_layers
-    per = [b * h * r * d for r in rings]
+def _layer_storage(batch, heads, head_dim, rings, sinks, dtype, device):
+    """Per layer i (ring_i slots, sinks_i of them kept): (keys, values, positions, next, slot, consts), views of
+    one buffer of each kind (a few kernels to build a cache, not six per layer). keys and values are zeros, not
+    garbage: HF's attention over the whole ring (attention="hf") multiplies masked slots by 0; positions are
+    -1 (empty); next (the next absolute position) and slot (the decode step's) are zero counters updated in
+    place; consts are the decode step's int64 constants (sink, recent, -recent, 1) as device tensors, one
+    host-to-device copy per distinct ring shape (a Python scalar operand would be a fresh 8-byte tensor per op)."""
+    per = [batch * heads * r * head_dim for r in rings]
     kv = torch.zeros(2 * sum(per), dtype=dtype, device=device)
     pos = torch.full((sum(rings),), -1, dtype=torch.int64, device=device)
     state = torch.zeros((len(rings), 2), dtype=torch.int64, device=device)
+    consts = {}
     out, k_off, p_off = [], 0, 0
-    for i, (r, n) in enumerate(zip(rings, per)):
-        keys = kv[k_off:k_off + n].view(b, h, r, d)
-        values = kv[k_off + n:k_off + 2 * n].view(b, h, r, d)
-        out.append((keys, values, pos[p_off:p_off + r], state[i, 0:1], state[i, 1:2]))
+    for i, (r, n, sink) in enumerate(zip(rings, per, sinks)):
+        if (r, sink) not in consts:
+            consts[r, sink] = torch.tensor([sink, r - sink, sink - r, 1], dtype=torch.int64, device=device)
+        keys = kv[k_off:k_off + n].view(batch, heads, r, head_dim)
+        values = kv[k_off + n:k_off + 2 * n].view(batch, heads, r, head_dim)
+        out.append((keys, values, pos[p_off:p_off + r], state[i, 0:1], state[i, 1:2], consts[r, sink]))
         k_off, p_off = k_off + 2 * n, p_off + r
     return out
 
@@ -83,21 +87,9 @@ class RollingKVLayer(CacheLayerMixin):
         self.ring, self.sink, self.is_sliding = ring, sink_tokens, sliding
         self.recent = ring - sink_tokens  # slots that roll; the first `sink` slots never move
         self.dtype, self.device = dtype, device
-        shape = (batch_size, kv_heads, ring, head_dim)
-        if storage is None:
-            storage = _layer_storage(shape, dtype, device)[0]
-        # keys and values start as zeros, not garbage: HF's attention over the whole ring (attention="hf")
-        # multiplies masked slots by 0. positions start at -1 (empty). `_next` is the next absolute position on
-        # the device and `_slot` the decode step's slot, both updated in place. RollingKVCache hands every
-        # layer views of one allocation of each kind (a few kernels to build a cache, not six per layer).
-        self.keys, self.values, self.positions, self._next, self._slot = storage
-        # The decode step's constants as device tensors: a Python scalar operand would be wrapped in a fresh
-        # 8-byte tensor per op (4 host allocations per step, seen with the profiler).
-        key = (sink_tokens, self.recent, device)
-        consts = _CONSTS.get(key)
-        if consts is None:  # one host-to-device copy per ring shape, not per layer (time to first token)
-            consts = _CONSTS[key] = torch.tensor([sink_tokens, self.recent, -self.recent, 1], dtype=torch.int64,
-                                                 device=device)
+        if storage is None:  # a layer on its own; RollingKVCache hands its layers views of shared buffers
+            storage = _layer_storage(batch_size, kv_heads, head_dim, [ring], [sink_tokens], dtype, device)[0]
+        self.keys, self.values, self.positions, self._next, self._slot, consts = storage
         self._sink_t, self._recent_t, self._neg_recent_t, self._one_t = consts.split(1)
         self.seen = 0  # the same count on the host, derived from shapes only (no sync): drives the branches
         self.is_initialized = True
@@ -300,11 +292,12 @@ class RollingKVCache(Cache):
         window = kwargs.get("sliding_window")
         slidings = [kind == "sliding_attention" for kind in layer_types]
         rings = [min(capacity, window) if sliding else capacity for sliding in slidings]
-        storage = _layer_storage((batch_size, kv_heads, capacity, head_dim), dtype, device, len(rings), rings)
+        sinks = [0 if sliding else sink_tokens for sliding in slidings]
+        storage = _layer_storage(batch_size, kv_heads, head_dim, rings, sinks, dtype, device)
         layers = [RollingKVLayer(layer_idx=i, batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim,
-                                 ring=rings[i], sink_tokens=0 if sliding else sink_tokens, sliding=sliding,
-                                 dtype=dtype, device=device, storage=storage[i])
-                  for i, sliding in enumerate(slidings)]
+                                 ring=rings[i], sink_tokens=sinks[i], sliding=slidings[i], dtype=dtype,
+                                 device=device, storage=storage[i])
+                  for i in range(len(rings))]
         super().__init__(layers=layers)
         self.capacity, self.sink_tokens, self.dtype, self.device = capacity, sink_tokens, dtype, device
 
