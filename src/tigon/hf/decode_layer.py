@@ -27,15 +27,14 @@ from torch import nn
 from .. import ops
 from ..memory.kv_cache import RollingKVCache
 from ..modules import RMSNorm
-from ..modules.mlp import GeGLUMLP, SwiGLUMLP
+from ..modules.mlp import GeGLUMLP, SwiGLUMLP, plain_linear
 from .attention import NAME, _attention_forward, _decode, _mask_usable, _ring_layer, _slot_positions, _window
 
 _ACT = {SwiGLUMLP: "silu", GeGLUMLP: "gelu_tanh"}
 
 
 def _plain(lin, dtype) -> bool:
-    return (type(lin) is nn.Linear and lin.bias is None and not lin._forward_hooks and not lin._forward_pre_hooks
-            and lin.weight.dtype == dtype and lin.weight.is_contiguous())
+    return plain_linear(lin) and lin.weight.dtype == dtype and lin.weight.is_contiguous()
 
 
 def _norm_ok(norm, dtype) -> bool:

@@ -26,6 +26,14 @@ def _config_act(config):
     return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
 
 
+def plain_linear(lin) -> bool:
+    """An nn.Linear itself (no PEFT / quantized wrapper), bias-free, hook-free, with a plain tensor weight (no
+    DTensor): what a fused kernel may replace by reading `lin.weight` directly."""
+    return (type(lin) is nn.Linear and lin.bias is None and not lin._forward_hooks and not lin._forward_pre_hooks
+            and not lin._backward_hooks and not lin._backward_pre_hooks
+            and type(lin.weight) in (nn.Parameter, torch.Tensor))
+
+
 class _GatedMLP(nn.Module):
     _ACTS: tuple = ()
 
@@ -77,11 +85,8 @@ class _GatedMLP(nn.Module):
         projs += (self.down_proj,)
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return None
-        for lin in projs:
-            if (type(lin) is not nn.Linear or lin.bias is not None or lin._forward_hooks or lin._forward_pre_hooks
-                    or lin._backward_hooks or lin._backward_pre_hooks
-                    or type(lin.weight) not in (nn.Parameter, torch.Tensor)):
-                return None
+        if not all(plain_linear(lin) for lin in projs):
+            return None
         weights = [lin.weight for lin in projs]
         if not (x.requires_grad or any(w.requires_grad for w in weights)):
             return None
