@@ -106,15 +106,16 @@ def linear_cases(m):
 
 def sweep_linear(batches, quick, ceiling):
     mod = importlib.import_module("tigon.ops.decode_linear")
+    pdl = importlib.import_module("tigon.ops._pdl")
     rows, ranked = [], {}
     for m in batches:
         for name, nbytes, glu, cub, fused in linear_cases(m):
             t_cublas = _graph_time(cub)
             mod.CONFIG = None
             t_default = _graph_time(fused)
-            mod.PDL = False  # the same launches without programmatic dependent launch
+            pdl.ENABLED = False  # the same launches without programmatic dependent launch
             t_nopdl = _graph_time(fused)
-            mod.PDL = None
+            pdl.ENABLED = None
             if name == "lm_head" or quick:
                 configs = []
             elif m == batches[0]:

@@ -11,6 +11,8 @@
 #      PYTHONPATH=src:/tmp/site:benchmarks; logs GPU, driver and versions.
 #   1. GPU tests of generation, attention (HF attention implementation, decode_attention, rope_kv_write),
 #      glu_mlp and qlora: pytest -q -n 8 (~1-2 min).
+#   1b. sweep_decode_pdl.py: the decode step with programmatic dependent launch off / on the projections /
+#      on the whole chain, and the projections' L2 prefetch budgets; tokens checked equal; TTFT median (~2 min).
 #   2. bench_decode --profile: tigon at batch 1 and 8, hf-static-compile at batch 1 as the comparator
 #      (~2 min): decode.md gets the TTFT phases per tigon row (device / host ms), the decode-step kernel time
 #      by bucket (GEMM, attention, rope_kv_write, norms, GLU, other Triton, other torch), kernels per step,
@@ -33,8 +35,8 @@ exec 3>&1  # the terminal: log lines go there and to session.log, whatever a ste
 log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$LOG" >&3; }
 left() { echo $(( BUDGET - SECONDS )); }
 
-# STEPS (default "tests decode decode_ops e2e") picks the steps to run.
-STEPS=" ${STEPS:-tests decode decode_ops e2e} "
+# STEPS (default "tests pdl decode decode_ops"; e2e is the fifth) picks the steps to run.
+STEPS=" ${STEPS:-tests pdl decode decode_ops} "
 
 # step NAME CAP_S CMD...: runs CMD under timeout min(CAP_S, what is left of the budget - RESERVE_S).
 step() {
@@ -84,8 +86,11 @@ export PYTHONUNBUFFERED=1
 RESERVE_S=330 step tests 180 python3 -m pytest -q -n 8 -o cache_dir=/tmp/pytest_cache \
     tests/test_generate.py tests/hf/test_attention_impl.py tests/ops/test_decode_attention.py \
     tests/ops/test_kv_write.py tests/ops/test_glu_mlp.py tests/hf/test_qlora.py tests/hf/test_decode_layer.py \
-    tests/ops/test_decode_linear.py >"$OUT/tests.log" 2>&1
+    tests/ops/test_decode_linear.py tests/ops/test_pdl.py >"$OUT/tests.log" 2>&1
 { tail -n 3 "$OUT/tests.log"; echo; } | tee -a "$LOG"
+
+# 1b. Launch chaining A/B (PDL off / projections / whole chain, prefetch budgets) and the TTFT median.
+step pdl 200 python3 benchmarks/sweep_decode_pdl.py --out "$OUT" >>"$LOG" 2>&1
 
 # 2. Decode: TTFT phases and the decode-step profile.
 RESERVE_S=160 step decode 240 python3 -m tigon.bench_decode --out "$OUT" --variants tigon,hf-static-compile@1 \

@@ -172,6 +172,38 @@ def test_nothing_attended_is_nan(device, n_splits, monkeypatch):
     torch.testing.assert_close(out[1], ref[1])
 
 
+@pytest.mark.parametrize("n_splits", [1, 3])
+@pytest.mark.parametrize("shared", [True, False])
+def test_advance_q_pos(device, n_splits, shared, monkeypatch):
+    """advance_q_pos adds one to the caller's positions after they are read: the output is the one at the old
+    positions (the merge kernel carries the add; one split falls back to a separate add)."""
+    monkeypatch.setattr(da, "_N_SPLITS", n_splits)
+    q, k, v, sp, qp = _inputs(torch.float32, 16, 40, "wrapped", device=device)
+    if shared:
+        qp, sp = qp[:1].clone(), sp[0]
+    counter = qp.clone()
+    out = decode_attention(q, k, v, sp, counter, sliding_window=30, advance_q_pos=True)
+    torch.testing.assert_close(out, decode_attention(q, k, v, sp, qp, sliding_window=30), rtol=0, atol=0)
+    assert torch.equal(counter, qp + 1)
+    zero_d = qp[0].clone()  # a 0-d counter
+    decode_attention(q, k, v, sp, zero_d, advance_q_pos=True)
+    assert zero_d.item() == qp[0].item() + 1
+    if not shared:  # (one element is contiguous whatever its stride)
+        with pytest.raises(ValueError, match="advance_q_pos=True needs a contiguous q_pos"):
+            decode_attention(q, k, v, sp, torch.stack([qp, qp], 1)[:, 0], advance_q_pos=True)
+
+
+def test_advance_q_pos_compiled(device):
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    q, k, v, sp, qp = _inputs(torch.float32, 16, 20, "wrapped", device=device)
+    expected = decode_attention(q, k, v, sp, qp)
+    counter = qp.clone()
+    fn = torch.compile(lambda q, c: decode_attention(q, k, v, sp, c, advance_q_pos=True), fullgraph=True,
+                       backend=backend)
+    torch.testing.assert_close(fn(q, counter), expected)
+    assert torch.equal(counter, qp + 1)
+
+
 def test_runs_the_kernel_on_this_device(device):
     before = ops.dispatch_counts[("decode_attention", "triton")]
     decode_attention(*_inputs(torch.float32, 16, 7, "linear", device=device))

@@ -119,12 +119,16 @@ def _slot_positions(layer, attention_mask, batch: int):
     return torch.where(allowed, positions, -1).expand(batch, -1)
 
 
-def _decode(layer, query, keys, values, slot_pos, *, scaling, sliding_window, softcap):
+def _decode(layer, query, keys, values, slot_pos, *, scaling, sliding_window, softcap, advanced=True):
+    """advanced: the ring's next position was advanced by the write (the query sits at next - 1); else it is
+    the query's position and the attention advances it (update_rope(advance=False))."""
     _, nxt = layer.decode_positions()
-    # The query sits at next - 1. Passing `next` (and the window + 1) attends the same slots: no slot holds
-    # position `next` yet, and next - p < w + 1 iff (next - 1) - p < w. This saves a subtraction kernel per layer.
+    # Advanced: passing `next` (and the window + 1) attends the same slots as next - 1 and the window: no slot
+    # holds position `next` yet, and next - p < w + 1 iff (next - 1) - p < w. No subtraction kernel per layer.
+    widen = 1 if advanced else 0
     out = decode_attention(query, keys, values, slot_pos, nxt, scale=scaling,
-                           sliding_window=sliding_window + 1 if sliding_window else None, softcap=softcap or None)
+                           sliding_window=sliding_window + widen if sliding_window else None, softcap=softcap or None,
+                           advance_q_pos=not advanced)
     return out.transpose(1, 2)  # [B, 1, Hq, D], as HF's attention functions return it
 
 

@@ -7,7 +7,8 @@ the small projections at a third of the bandwidth. `decode_layer_step` runs inst
 
     qkv = decode_linear(h, [Wq, Wk, Wv], norm=input_layernorm)        # RMSNorm fused, q/k/v in one launch
     q   = rope_kv_append(k, v, ..., query=q)                           # RoPE, slot and K/V write, one launch
-    a   = decode_attention(q, ring)                                    # (+ its split merge)
+    a   = decode_attention(q, ring, advance_q_pos=True)                # (+ its split merge, which advances
+                                                                       #  the ring's next position)
     h2  = decode_linear(a, Wo, residual=h)                             # residual add fused
     m   = decode_linear(h2, [Wgate, Wup], norm=post_attention_layernorm, activation=act)
     out = decode_linear(m, Wdown, residual=h2)
@@ -144,10 +145,12 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
     if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on the head dim before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     cos, sin = position_embeddings
-    keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2))
+    # The ring's next position advances in the attention's merge kernel, not in a kernel of its own.
+    keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2),
+                                       advance=False)
     slot_pos = _slot_positions(ring, attention_mask, b)
     out = _decode(ring, q, keys, values, slot_pos, scaling=attn.scaling, sliding_window=_window(attn),
-                  softcap=None)
+                  softcap=None, advanced=False)
     h = ops.decode_linear(out.reshape(b, -1), wo, residual=x)
     m = ops.decode_linear(h, [gate, up], norm_weight=ln2.weight, eps=ln2.eps, activation=act)
     return ops.decode_linear(m, down, residual=h).view_as(hidden_states)

@@ -178,13 +178,16 @@ class RollingKVLayer(CacheLayerMixin):
         self._slot.div_(self._recent_t, rounding_mode="floor").clamp_(min=0)
         self._slot.mul_(self._neg_recent_t).add_(self._next)
 
-    def update_rope(self, key_states, value_states, cos, sin, query_states=None):
+    def update_rope(self, key_states, value_states, cos, sin, query_states=None, *, advance=True):
         """`update` for keys before RoPE: returns (keys, values, rotated query or None).
 
         A decode step (one token) computes its slot, rotates the key (and the query) and writes key and value
         into the ring in one kernel (`tigon.ops.rope_kv_append`), with no allocation besides the rotated query
         and no host sync. A longer chunk rotates with `tigon.ops.apply_rope` and goes through `update`. cos, sin
         `[1 or batch, seq, rotary_dim]` as HF's rotary embedding returns them. Inference only.
+        advance=False (one token only): the device's next position is left at the new token's position, and the
+        caller advances it after attention (`decode_attention(..., advance_q_pos=True)` on `decode_positions()`'s
+        next, which saves the step a kernel per layer).
         """
         from ..ops import apply_rope, rope_kv_append
 
@@ -200,7 +203,8 @@ class RollingKVLayer(CacheLayerMixin):
         # One kernel computes the slot of `_next` on the device, records it in `positions` and writes K/V.
         q_embed = rope_kv_append(key_states, value_states, cos, sin, keys, values, self.positions, self._next,
                                  sink=self.sink, query=query_states)
-        self._next.add_(self._one_t)
+        if advance:
+            self._next.add_(self._one_t)
         return keys, values, q_embed
 
     def decode_positions(self):

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _library
+from . import _launch, _library, _pdl
+from ._pdl import gdc_launch_dependents, gdc_wait
 
 # Launch settings; None picks from the shapes. The GPU values are first guesses, to be swept on an H200.
 _N_SPLITS = None  # splits of the cache length per (sequence, kv head); tests force it
@@ -79,7 +80,11 @@ def _decode_attention_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # ops/_pdl.py: the next kernel may launch now; q and the cache after the wait
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1)
     gblk = pid % n_gblk
@@ -170,14 +175,28 @@ def _decode_attention_merge_kernel(
     L_PART,  # [B * Hq, n_splits] fp32
     ACC_PART,  # [B * Hq, n_splits, D] fp32
     OUT,  # [B, Hq, 1, D]
+    Q_POS,  # int64 [n_pos] query positions, each advanced by one (ADVANCE) after kernel 1 has read them
     stride_ob, stride_oh,
     Hq,
     D,
     n_splits,
+    n_pos,
+    stride_qp,
+    ADVANCE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
+    if ADVANCE:  # the caller's position counter, for the next step: kernel 1 has finished reading it
+        if row == 0:
+            o_p = tl.arange(0, BLOCK_P)
+            p_p = Q_POS + o_p * stride_qp
+            tl.store(p_p, tl.load(p_p, mask=o_p < n_pos) + 1, mask=o_p < n_pos)
     b = row // Hq
     hq = row % Hq
     o_s = tl.arange(0, BLOCK_S)
@@ -222,12 +241,15 @@ def _dot_precision(dtype, interp: bool) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap):
+def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, advance=None):
+    """advance: None, or the int64 tensor q_pos is a view of, to add one to once the positions are read."""
     B, Hq, _, D = q.shape
     Hkv, C = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     out = torch.empty((B, Hq, 1, D), dtype=q.dtype, device=q.device)
     if B == 0 or Hq == 0:
+        if advance is not None:
+            advance.add_(1)
         return out
     block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs every dim >= 16
     block_g = min(max(16, triton.next_power_of_2(G)), _MAX_GROUP_BLOCK)
@@ -245,7 +267,7 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap):
         acc_part = torch.empty((B * Hq, n_splits, D), dtype=torch.float32, device=q.device)
     interp = q.device.type != "cuda"
     shared_pos = slot_pos.dim() == 1
-    _decode_attention_split_kernel[(B * Hkv * n_gblk, n_splits)](
+    _pdl.launch(_decode_attention_split_kernel, (B * Hkv * n_gblk, n_splits), (
         q, k_cache, v_cache, slot_pos, q_pos, out, m_part, l_part, acc_part,
         q.stride(0), q.stride(1), q.stride(3),
         *k_cache.stride(), *v_cache.stride(),
@@ -253,15 +275,22 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap):
         q_pos.stride(0),
         out.stride(0), out.stride(1),
         Hq, Hkv, G, C, D, chunk, n_splits, n_gblk, scale, window, softcap if softcap else 1.0,
+    ), dict(
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), ONE_SPLIT=one,
         UPCAST=interp, SPLIT_P=q.dtype != torch.float32, DOT_PRECISION=_dot_precision(q.dtype, interp),
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
-    )
+    ), q.device)
     if not one:
-        _decode_attention_merge_kernel[(B * Hq,)](
-            m_part, l_part, acc_part, out, out.stride(0), out.stride(1), Hq, D, n_splits,
-            BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d, num_warps=_NUM_WARPS,
-        )
+        adv = advance if advance is not None else q_pos
+        _pdl.launch(_decode_attention_merge_kernel, (B * Hq,), (
+            m_part, l_part, acc_part, out, adv, out.stride(0), out.stride(1), Hq, D, n_splits,
+            adv.numel(), adv.stride(0) if adv.dim() else 1,
+        ), dict(
+            ADVANCE=advance is not None, BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d,
+            BLOCK_P=triton.next_power_of_2(max(adv.numel(), 1)), num_warps=_NUM_WARPS,
+        ), q.device)
+    elif advance is not None:  # no merge kernel to carry it
+        advance.add_(1)
     return out
 
 
@@ -350,21 +379,33 @@ def _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softc
     return float(scale), int(sliding_window or 0), float(softcap or 0.0)
 
 
-def decode_attention(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, sliding_window=None, softcap=None):
+def decode_attention(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, sliding_window=None, softcap=None,
+                     advance_q_pos=False):
     """One decode step of attention over a ring-buffer KV cache read in place (layout: the module docstring).
 
     q [B, Hq, 1, D], k_cache / v_cache [B, Hkv, C, D] in q's dtype (fp32/fp16/bf16), Hq a multiple of Hkv,
     D <= 256; slot_pos int64 [B, C] or [C] (-1 = empty), q_pos int64 [B], [1] or []. scale defaults to
     1/sqrt(D); sliding_window w keeps q_pos - pos < w; softcap c maps the scaled scores s to c * tanh(s / c)
-    (Gemma-2). Returns [B, Hq, 1, D] in q's dtype. No autograd; no host sync.
+    (Gemma-2). advance_q_pos: add 1 to q_pos in place once it is read (a decode loop's position counter for
+    the next step, folded into the split merge: no kernel of its own); q_pos must then be contiguous.
+    Returns [B, Hq, 1, D] in q's dtype. No autograd; no host sync.
     """
     scale, window, softcap = _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap)
+    if advance_q_pos and not q_pos.is_contiguous():
+        raise ValueError(f"decode_attention: advance_q_pos=True needs a contiguous q_pos (it is updated in place), "
+                         f"got strides {q_pos.stride()}")
+    counter = q_pos
     q_pos = q_pos.reshape(-1).expand(q.shape[0])  # one position for the batch: a stride-0 view, no copy
     if not _library.use_kernels("decode_attention", q):
-        return decode_attention_reference(q, k_cache, v_cache, slot_pos, q_pos, scale=scale,
-                                          sliding_window=window, softcap=softcap)
-    if torch.compiler.is_compiling():
-        return torch.ops.tigon.decode_attention(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap)
-    # Eager: the launcher directly; the custom-op dispatcher's host time (~10 us) is the size of the whole
-    # kernel at small decode shapes.
-    return _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap)
+        out = decode_attention_reference(q, k_cache, v_cache, slot_pos, q_pos, scale=scale,
+                                         sliding_window=window, softcap=softcap)
+    elif torch.compiler.is_compiling():
+        out = torch.ops.tigon.decode_attention(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap)
+    else:
+        # Eager: the launcher directly; the custom-op dispatcher's host time (~10 us) is the size of the whole
+        # kernel at small decode shapes.
+        return _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap,
+                           advance=counter.view(-1) if advance_q_pos else None)
+    if advance_q_pos:
+        counter.add_(1)
+    return out

@@ -23,17 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _library, reference
-
-try:  # programmatic dependent launch (Hopper and later); absent from older Tritons
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
+from . import _launch, _library, _pdl, reference
+from ._pdl import gdc_launch_dependents, gdc_wait
 
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 MAX_WEIGHTS = 3
 # Launch settings; None picks from the shapes (benchmarks/bench_decode_ops.py sweeps them on a GPU).
 CONFIG = None  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K[, FMA]); FMA: the M == 1 experiment
+# With programmatic dependent launch a program may start before the previous kernel ends: it then prefetches
+# its weight rows into L2 while it waits, up to this many bytes per launch (the whole weight of a q/k/v or
+# o projection; a first part of the MLP's), so the wait overlaps the weight stream. 50 MB of L2 on an H200.
+PREFETCH_BYTES = 24 << 20
 
 
 @triton.jit
@@ -79,6 +79,7 @@ def _decode_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr = 0,  # weight elements per row to prefetch into L2 before the PDL wait
     FMA: tl.constexpr = False,  # M == 1 and BLOCK_M == 1: fp32 multiply-adds on [BLOCK_N, BLOCK_K], no tl.dot
 ):
     pid_n = tl.program_id(0)
@@ -102,11 +103,11 @@ def _decode_linear_kernel(
     dt = X.dtype.element_ty
     k_lo = pid_k * K_SPLIT
     if PDL:
-        # Programmatic dependent launch: this kernel may start while the previous one finishes. The weights
-        # are not written by it, so the first steps of this program's weight rows head for L2 now; then wait
-        # for the previous kernel (x, the residual and the workspace are read only after the wait), and let
-        # the next kernel's programs launch as soon as all of ours have.
-        _prefetch_l2(W + off, D1, o_n, m_n, K, k_lo, ACT, BLOCK_N, BLOCK_K)
+        # Programmatic dependent launch (ops/_pdl.py): this kernel may start while the previous one runs. No
+        # kernel writes the weights, so this program's weight rows head for L2 now; then wait for the previous
+        # kernel (x, the residual and the workspace are read only after the wait), and let the next kernel's
+        # programs launch once all of ours are past their wait.
+        _prefetch_l2(W + off, D1, o_n, m_n, K, k_lo, ACT, BLOCK_N, BLOCK_K, PREFETCH_K)
         gdc_wait()
         gdc_launch_dependents()
 
@@ -173,17 +174,20 @@ def _decode_linear_kernel(
 
 
 @triton.jit
-def _prefetch_l2(W, D1, o_n, m_n, K, k_lo, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """L2 prefetch of the first two K steps of this program's rows (one instruction per 128-byte line);
-    masked-out lines prefetch W's first line instead (always valid, no predicate needed)."""
-    o_l = tl.arange(0, 2 * BLOCK_K // 64) * 64  # a bf16 line is 64 elements
-    m = m_n[:, None] & ((k_lo + o_l) < K)[None, :]
-    offs = tl.where(m, o_n.to(tl.int64)[:, None] * K + (k_lo + o_l)[None, :], 0)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [W + offs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-    if ACT != 0:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [W + D1 + offs],
+def _prefetch_l2(W, D1, o_n, m_n, K, k_lo, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PREFETCH_K: tl.constexpr):
+    """L2 prefetch of PREFETCH_K elements of each of this program's rows from k_lo (one instruction per
+    128-byte line, 2 K steps per loop step); masked-out lines prefetch W's first line (always valid)."""
+    o_l = tl.arange(0, 2 * BLOCK_K // 64) * 64  # a 16-bit line is 64 elements
+    for k0 in range(0, PREFETCH_K, 2 * BLOCK_K):
+        kk = k_lo + k0 + o_l
+        m = m_n[:, None] & (kk < K)[None, :]
+        offs = tl.where(m, o_n.to(tl.int64)[:, None] * K + kk[None, :], 0)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [W + offs],
                                   dtype=tl.int32, is_pure=False, pack=1)
+        if ACT != 0:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [W + D1 + offs],
+                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -233,16 +237,12 @@ def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, device) ->
     return block_n, block_k, 4, 3 if glu else 4, 1
 
 
-PDL = None  # None: on for Hopper and later GPUs (sm >= 90) where Triton has it; False: off (a/b comparisons)
-
-
-def _pdl_options(device) -> dict:
-    on = PDL
-    if on is None:
-        on = (device.type == "cuda" and gdc_wait is not None
-              and torch.cuda.get_device_capability(device)[0] >= 9)
-    on = bool(on) and device.type == "cuda"
-    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+def _prefetch_k(rows: int, K: int, k_split: int, block_k: int, esize: int) -> int:
+    """Elements per weight row (from the program's split start) to prefetch: PREFETCH_BYTES over all rows and
+    splits, in whole loop steps of 2 * BLOCK_K, at least one, at most the split."""
+    step = 2 * block_k
+    per_row = PREFETCH_BYTES // max(1, rows * esize * triton.cdiv(K, k_split))
+    return min(triton.cdiv(k_split, step), max(1, per_row // step)) * step
 
 
 _WORKSPACE: dict = {}  # (device, stream) -> (fp32 partial tiles, int32 arrival counters: zeros between calls)
@@ -298,20 +298,9 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act):
         NUM_W=len(weights), NORM=norm_weight is not None, ACT=act, RESIDUAL=residual is not None, SPLIT_K=split,
         EVEN_K=K % block_k == 0 and k_split * split == K, UPCAST=interp, PRECISION=precision, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, FMA=fma,
+        PREFETCH_K=_prefetch_k(sum(ns), K, k_split, block_k, esize),
     )
-    pdl = _pdl_options(x.device)
-    try:
-        _decode_linear_kernel[grid](*args, **meta, **pdl)
-    except Exception as e:
-        if not pdl["PDL"]:
-            raise
-        # A Triton or driver without programmatic dependent launch? If the plain launch works, PDL stays off
-        # for the process (said once); if it fails too, that error is the real one and PDL is left as it was.
-        _decode_linear_kernel[grid](*args, **meta, PDL=False)
-        global PDL
-        PDL = False
-        _library.logger.warning("tigon: decode_linear runs without programmatic dependent launch (%s: %s)",
-                                type(e).__name__, str(e)[:200])
+    _pdl.launch(_decode_linear_kernel, grid, args, meta, x.device)
     return y
 
 

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _library, reference
+from . import _launch, _library, _pdl, reference
+from ._pdl import gdc_launch_dependents, gdc_wait
 from .rope import _cos_sin_halves, _rope_heads, check_cos_sin
 
 _TILE = 512  # elements of one [heads, rd/2] (or [heads, D]) tile, as in rope.py
@@ -82,7 +83,11 @@ def _rope_kv_write_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # ops/_pdl.py: the next kernel may launch now; every input after the wait
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)  # 0: the query, 1: the key (and the slot's position), 2: the value
     b = pid // T
@@ -138,7 +143,7 @@ def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query, next_pos=N
     Hq = query.shape[1] if query is not None else 0
     qs = query.stride()[:3] if query is not None else (0, 0, 0)
     qos = qo.stride()[:3] if query is not None else (0, 0, 0)
-    _rope_kv_write_kernel[(B * T, 3)](
+    _pdl.launch(_rope_kv_write_kernel, (B * T, 3), (
         key, value, query if query is not None else key, cos, sin, k_cache, v_cache, slots,
         next_pos if next_pos is not None else slots, positions if positions is not None else slots,
         qo if query is not None else key,
@@ -146,11 +151,13 @@ def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query, next_pos=N
         cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), cos.stride(2),
         sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1), sin.stride(2),
         *k_cache.stride()[:3], *v_cache.stride()[:3], slots.stride(0),
-        T, Hq, Hkv, k_cache.shape[2], D, rd // 2, sink, SLOT_FROM_NEXT=next_pos is not None,
-        HAS_PASS=rd < D, BLOCK_HQ=_heads_block(Hq, block_r), BLOCK_HK=_heads_block(Hkv, block_r),
+        T, Hq, Hkv, k_cache.shape[2], D, rd // 2, sink,
+    ), dict(
+        SLOT_FROM_NEXT=next_pos is not None, HAS_PASS=rd < D, BLOCK_HQ=_heads_block(Hq, block_r),
+        BLOCK_HK=_heads_block(Hkv, block_r),
         BLOCK_HV=_heads_block(Hkv, block_d), BLOCK_R=block_r, BLOCK_P=triton.next_power_of_2(max(D - rd, 1)),
         BLOCK_D=block_d, num_warps=_NUM_WARPS,
-    )
+    ), key.device)
     return qo
 
 
