@@ -17,21 +17,28 @@ import types
 
 import torch
 
-SETTINGS = [  # (name, PDL on, chain (RoPE / attention kernels too), prefetch bytes per projection)
-    ("no PDL", False, False, 0),
-    ("PDL projections, prefetch 2 K steps", True, False, 0),
-    ("PDL chain, prefetch 2 K steps", True, True, 0),
-    ("PDL chain, prefetch 8 MB", True, True, 8 << 20),
-    ("PDL chain, prefetch 24 MB (default)", True, True, 24 << 20),
-    ("PDL chain, prefetch 48 MB", True, True, 48 << 20),
+SETTINGS = [  # (name, PDL on, chain (RoPE / attention kernels too), prefetch bytes per projection, min split slots)
+    ("no PDL", False, False, 0, 64),
+    ("no PDL, attention splits >= 32 slots", False, False, 0, 32),
+    ("PDL projections only", True, False, 0, 64),
+    ("PDL chain", True, True, 0, 64),
+    ("PDL chain, attention splits >= 32 slots", True, True, 0, 32),
+    ("PDL chain, prefetch 24 MB", True, True, 24 << 20, 64),
 ]
 
 
-def _apply(pdl_on, chain, prefetch):
+def _defaults():
+    from tigon.ops import _pdl, decode_attention, decode_linear
+
+    return (_pdl.ENABLED is not False, True, decode_linear.PREFETCH_BYTES, decode_attention._MIN_SPLIT_SLOTS)
+
+
+def _apply(pdl_on, chain, prefetch, min_split):
     from tigon.ops import _pdl, decode_attention, decode_linear, kv_write
 
     _pdl.ENABLED = None if pdl_on else False
     decode_linear.PREFETCH_BYTES = prefetch
+    decode_attention._MIN_SPLIT_SLOTS = min_split
     # Without the chain the RoPE and attention kernels launch plainly (their PDL constexpr off).
     plain = types.SimpleNamespace(launch=lambda kernel, grid, args, meta, device: kernel[grid](*args, **meta))
     for mod in (decode_attention, kv_write):
@@ -51,6 +58,8 @@ def main(argv=None):
     import tigon
     from tigon.bench_decode import _build, _percentile
 
+    global DEFAULT
+    DEFAULT = _defaults()  # the library's own settings, restored for the TTFT calls and at the end
     rows, ttfts = [], {}
     for batch in [int(b) for b in args.batches.split(",")]:
         spec = dict(quick=False, prompt=args.prompt, new=args.new, device="cuda", family="llama", batch=batch,
@@ -58,8 +67,8 @@ def main(argv=None):
         model, ids = _build(spec)
         tigon.patch(model)
         ref = None
-        for name, pdl_on, chain, prefetch in SETTINGS:
-            _apply(pdl_on, chain, prefetch)
+        for name, *setting in SETTINGS:
+            _apply(*setting)
             kw = dict(max_new_tokens=args.new, return_stats=True)
             tigon.generate(model, ids, **dict(kw, max_new_tokens=16))  # JIT for this setting
             seqs, stats = tigon.generate(model, ids, **kw)
@@ -71,14 +80,14 @@ def main(argv=None):
                        tokens_equal_first=same, cuda_graph=stats["cuda_graph"])
             rows.append(row)
             print(json.dumps(row), flush=True)
-        # Time to first token at the default setting: median of 5 prefill-only calls (host phases included).
-        _apply(True, True, 24 << 20)
+        # Time to first token with the library's defaults: median of 5 prefill-only calls (host phases included).
+        _apply(*DEFAULT)
         ttft = sorted(tigon.generate(model, ids, max_new_tokens=1, return_stats=True)[1]["ttft_s"] for _ in range(5))
         ttfts[batch] = 1e3 * ttft[2]
         print(json.dumps(dict(batch=batch, ttft_ms_median=ttfts[batch], ttft_ms=[1e3 * t for t in ttft])), flush=True)
         del model
         torch.cuda.empty_cache()
-    _apply(True, True, 24 << 20)
+    _apply(*DEFAULT)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "decode_pdl.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows, ttft_ms_median=ttfts),
@@ -87,11 +96,11 @@ def main(argv=None):
              f"{args.new} new, greedy, CUDA graph)", "",
              "| batch | setting | p50 ms/step | p99 ms/step | mean ms/step | p50 vs no PDL | tokens equal |",
              "|---|---|---|---|---|---|---|"]
-    base = {r["batch"]: r["p50_ms"] for r in rows if r["setting"] == "no PDL"}
+    base = {r["batch"]: r["p50_ms"] for r in rows if r["setting"] == SETTINGS[0][0]}
     for r in rows:
         lines.append(f"| {r['batch']} | {r['setting']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['mean_ms']:.3f} | "
                      f"{r['p50_ms'] / base[r['batch']]:.3f} | {'yes' if r['tokens_equal_first'] else '**no**'} |")
-    lines += ["", "TTFT (median of 5 prefill-only calls, default setting): "
+    lines += ["", "TTFT (median of 5 prefill-only calls, the library's defaults): "
               + ", ".join(f"batch {b}: {t:.1f} ms" for b, t in ttfts.items())]
     with open(os.path.join(args.out, "decode_pdl.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

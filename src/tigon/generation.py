@@ -32,6 +32,7 @@ constant `(ring, 0)`, and the query offset is read from the cache's device count
 `stats["cuda_graph"]` says which path ran, `stats["attention"]` which attention.
 """
 
+import contextlib
 import math
 import time
 
@@ -40,6 +41,9 @@ import torch
 from .metrics import LATENCY_BUCKETS, prometheus_text  # noqa: F401 - re-exported: the metrics of these stats
 
 EOS_CHECK_EVERY = 16  # host syncs on `finished` every 16 steps: < 1% of a ~10 us graph step's launch stream
+# The rotary module reads cos/sin from a per-call table (tigon.hf.rotary_table): one gather instead of ~8 kernels
+# per step. False runs HF's module as it is (A/B).
+ROTARY_TABLE = True
 
 _NAME = "generate"
 ATTENTION = ("auto", "tigon", "hf")
@@ -277,9 +281,10 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     ttft_host_phases_s (the host's wall time of each phase: host ~ device = host-bound), step_s
     (one latency per later step), p50_step_s, p99_step_s, tokens_per_s (B * n / total time),
     decode_tokens_per_s, peak_memory_bytes (CUDA only, else None), new_tokens, batch_size, cuda_graph (whether
-    the replay path ran), attention ("tigon" or "hf": which attention ran). Step times are CUDA events on CUDA
-    (read once at the end, no sync in the loop), perf_counter on a CPU. `prometheus_text(stats)` formats them
-    for scraping."""
+    the replay path ran), attention ("tigon" or "hf": which attention ran), rotary_tables (the cos/sin tables the
+    rotary modules read for the call, `tigon.hf.rotary_table`; 0 = HF's modules computed them every step). Step
+    times are CUDA events on CUDA (read once at the end, no sync in the loop), perf_counter on a CPU.
+    `prometheus_text(stats)` formats them for scraping."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1 or (
             input_ids.dtype not in (torch.int64, torch.int32)):
         raise ValueError(f"{_NAME}: input_ids must be a [batch, seq] integer tensor with seq >= 1, got "
@@ -303,12 +308,14 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     clock.mark()  # TTFT counts from here: the attention switch, the cache allocation and the prompt copies
     ran, undo = _switch_attention(model, attention)
     clock.phase("attention_switch")
+    scope = contextlib.ExitStack()  # what the loop switches for the call (the rotary tables), undone here
     try:
         sequences, stats = _decode_loop(
-            model, input_ids, clock, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
+            model, input_ids, clock, scope, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
             capacity=capacity, cuda_graph=cuda_graph, tigon=ran == "tigon", return_stats=return_stats,
             sampling=(do_sample, temperature, top_k, top_p, generator), eos=eos, pad_token_id=pad_token_id)
     finally:
+        scope.close()
         if undo is not None:
             undo()
     if not return_stats:
@@ -317,7 +324,7 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     return sequences, stats
 
 
-def _decode_loop(model, input_ids, clock, *, max_new_tokens, attention_mask, capacity, cuda_graph, tigon,
+def _decode_loop(model, input_ids, clock, scope, *, max_new_tokens, attention_mask, capacity, cuda_graph, tigon,
                  return_stats, sampling, eos, pad_token_id):
     do_sample, temperature, top_k, top_p, generator = sampling
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
@@ -338,6 +345,11 @@ def _decode_loop(model, input_ids, clock, *, max_new_tokens, attention_mask, cap
                  and (tigon or total <= min(layer.ring for layer in cache.layers)))
 
     ids = input_ids.to(device=device, dtype=torch.int64)
+    rotary_tables = 0
+    if ROTARY_TABLE:  # positions stay < total: left padding only lowers them
+        from tigon.hf.rotary_table import cached_rotary
+
+        rotary_tables = scope.enter_context(cached_rotary(model, total, dtype=model.dtype, device=device))
     out = torch.full((b, total), pad, dtype=torch.int64, device=device)
     out[:, :p].copy_(ids)
     if attention_mask is not None:
@@ -417,7 +429,7 @@ def _decode_loop(model, input_ids, clock, *, max_new_tokens, attention_mask, cap
         tokens_per_s=b * steps / elapsed if elapsed > 0 else float("inf"),
         decode_tokens_per_s=b * len(step_s) / sum(step_s) if sum(step_s) > 0 else None,
         peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        new_tokens=steps, batch_size=b, cuda_graph=graph is not None)
+        new_tokens=steps, batch_size=b, cuda_graph=graph is not None, rotary_tables=rotary_tables)
     return sequences, stats
 
 

@@ -55,17 +55,20 @@ def test_launch_reraises_when_the_plain_launch_fails_too(monkeypatch):
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 20, 24 << 20, 1 << 40])
+@pytest.mark.parametrize("esize", [2, 4])
 @pytest.mark.parametrize("rows,K,k_split,block_k", [(3072, 2048, 2048, 256), (16384, 2048, 2048, 256),
-                                                    (2048, 8192, 2048, 256), (40, 130, 192, 64)])
-def test_prefetch_budget(monkeypatch, budget, rows, K, k_split, block_k):
+                                                    (2048, 8192, 2048, 256), (40, 130, 192, 64), (9, 40, 16, 16)])
+def test_prefetch_budget(monkeypatch, budget, esize, rows, K, k_split, block_k):
     monkeypatch.setattr(dl, "PREFETCH_BYTES", budget)
-    n = dl._prefetch_k(rows, K, k_split, block_k, 2)
-    step = 2 * block_k
+    p = dl._prefetch(rows, K, k_split, block_k, esize)
+    n, step = p["PREFETCH_K"], p["PF_LINES"] * p["PF_LINE"]
+    assert p["PF_LINE"] * esize == 128 and p["PF_LINES"] >= 1 and p["PF_LINES"] & (p["PF_LINES"] - 1) == 0
+    assert step >= min(2 * block_k, p["PF_LINE"])  # a loop step covers two K steps (at least one line)
     assert n % step == 0 and step <= n <= -(-k_split // step) * step  # whole loop steps, one to the split
     splits = -(-K // k_split)
     if n > step:  # more than the minimum: within the budget
-        assert n * rows * splits * 2 <= budget
-    if budget >= rows * K * 2:
+        assert n * rows * splits * esize <= budget
+    if budget >= rows * K * esize:
         assert n >= k_split  # the whole weight fits the budget: all of it
 
 

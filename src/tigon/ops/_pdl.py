@@ -1,13 +1,13 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the decode-step kernels.
 
-A decode step is a chain of small kernels (projection, RoPE + cache write, attention, its merge, projection,
-...), each too short to hide the next one's launch and ramp-up. With PDL a kernel is launched with the
+A decode step is a chain of small kernels (projection, RoPE + cache write, attention, projection, ...),
+each too short to hide the next one's launch and ramp-up. With PDL a kernel is launched with the
 `launch_pdl` attribute and may start while its predecessor still runs; inside, `gdc_wait()` blocks until the
 predecessor has finished and its writes are visible, and `gdc_launch_dependents()` lets the successor launch.
-The kernels that take part (decode_linear, rope_kv_append / rope_kv_write, decode_attention's two kernels):
+The kernels that take part (decode_linear, rope_kv_append / rope_kv_write, decode_attention):
 - read nothing another kernel writes before `gdc_wait()` (a projection only prefetches its weights into L2
   there, which no kernel writes);
-- the short ones (RoPE, attention, merge) let their successor launch first thing, so a projection behind
+- the short ones (RoPE, attention) let their successor launch first thing, so a projection behind
   them is resident early and streams its weights into L2 while they run; a projection lets its successor
   launch only once it has passed its own wait, so at most one big weight is prefetched ahead.
 A kernel launched without the attribute (the first in a chain, or any kernel on an older GPU) passes its

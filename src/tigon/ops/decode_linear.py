@@ -31,9 +31,9 @@ MAX_WEIGHTS = 3
 # Launch settings; None picks from the shapes (benchmarks/bench_decode_ops.py sweeps them on a GPU).
 CONFIG = None  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K[, FMA]); FMA: the M == 1 experiment
 # With programmatic dependent launch a program may start before the previous kernel ends: it then prefetches
-# its weight rows into L2 while it waits, up to this many bytes per launch (the whole weight of a q/k/v or
-# o projection; a first part of the MLP's), so the wait overlaps the weight stream. 50 MB of L2 on an H200.
-PREFETCH_BYTES = 24 << 20
+# its weight rows into L2 while it waits, up to this many bytes per launch (24 << 20 would take the whole
+# weight of a q/k/v or o projection, a first part of the MLP's), at least its first two K steps.
+PREFETCH_BYTES = 0  # 0: two K steps (the H200 A/B in benchmarks/results/decode_pdl.md: larger budgets gained nothing)
 
 
 @triton.jit
@@ -79,7 +79,9 @@ def _decode_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_K: tl.constexpr = 0,  # weight elements per row to prefetch into L2 before the PDL wait
+    PREFETCH_K: tl.constexpr = 0,  # weight elements per row to prefetch into L2 before the PDL wait,
+    PF_LINES: tl.constexpr = 1,  # in loop steps of PF_LINES 128-byte lines of PF_LINE elements
+    PF_LINE: tl.constexpr = 64,
     FMA: tl.constexpr = False,  # M == 1 and BLOCK_M == 1: fp32 multiply-adds on [BLOCK_N, BLOCK_K], no tl.dot
 ):
     pid_n = tl.program_id(0)
@@ -107,7 +109,7 @@ def _decode_linear_kernel(
         # kernel writes the weights, so this program's weight rows head for L2 now; then wait for the previous
         # kernel (x, the residual and the workspace are read only after the wait), and let the next kernel's
         # programs launch once all of ours are past their wait.
-        _prefetch_l2(W + off, D1, o_n, m_n, K, k_lo, ACT, BLOCK_N, BLOCK_K, PREFETCH_K)
+        _prefetch_l2(W + off, D1, o_n, m_n, K, k_lo, ACT, PF_LINES, PF_LINE, PREFETCH_K)
         gdc_wait()
         gdc_launch_dependents()
 
@@ -174,12 +176,13 @@ def _decode_linear_kernel(
 
 
 @triton.jit
-def _prefetch_l2(W, D1, o_n, m_n, K, k_lo, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _prefetch_l2(W, D1, o_n, m_n, K, k_lo, ACT: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE: tl.constexpr,
                  PREFETCH_K: tl.constexpr):
-    """L2 prefetch of PREFETCH_K elements of each of this program's rows from k_lo (one instruction per
-    128-byte line, 2 K steps per loop step); masked-out lines prefetch W's first line (always valid)."""
-    o_l = tl.arange(0, 2 * BLOCK_K // 64) * 64  # a 16-bit line is 64 elements
-    for k0 in range(0, PREFETCH_K, 2 * BLOCK_K):
+    """L2 prefetch of PREFETCH_K elements of each of this program's rows from k_lo: one instruction per
+    128-byte line (PF_LINE elements), PF_LINES lines per row and loop step; masked-out lines prefetch W's
+    first line (always valid)."""
+    o_l = tl.arange(0, PF_LINES) * PF_LINE
+    for k0 in range(0, PREFETCH_K, PF_LINES * PF_LINE):
         kk = k_lo + k0 + o_l
         m = m_n[:, None] & (kk < K)[None, :]
         offs = tl.where(m, o_n.to(tl.int64)[:, None] * K + kk[None, :], 0)
@@ -237,12 +240,16 @@ def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, device) ->
     return block_n, block_k, 4, 3 if glu else 4, 1
 
 
-def _prefetch_k(rows: int, K: int, k_split: int, block_k: int, esize: int) -> int:
-    """Elements per weight row (from the program's split start) to prefetch: PREFETCH_BYTES over all rows and
-    splits, in whole loop steps of 2 * BLOCK_K, at least one, at most the split."""
-    step = 2 * block_k
+def _prefetch(rows: int, K: int, k_split: int, block_k: int, esize: int) -> dict:
+    """The prefetch constexprs: 128-byte lines of PF_LINE elements, PF_LINES of them per row and loop step (two
+    K steps' worth), and PREFETCH_K elements per row from the program's split start: PREFETCH_BYTES over all
+    rows and splits, in whole loop steps, at least one, at most the split."""
+    line = 128 // esize
+    lines = max(1, 2 * block_k // line)
+    step = lines * line
     per_row = PREFETCH_BYTES // max(1, rows * esize * triton.cdiv(K, k_split))
-    return min(triton.cdiv(k_split, step), max(1, per_row // step)) * step
+    n = min(triton.cdiv(k_split, step), max(1, per_row // step)) * step
+    return dict(PREFETCH_K=n, PF_LINES=lines, PF_LINE=line)
 
 
 _WORKSPACE: dict = {}  # (device, stream) -> (fp32 partial tiles, int32 arrival counters: zeros between calls)
@@ -298,7 +305,7 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act):
         NUM_W=len(weights), NORM=norm_weight is not None, ACT=act, RESIDUAL=residual is not None, SPLIT_K=split,
         EVEN_K=K % block_k == 0 and k_split * split == K, UPCAST=interp, PRECISION=precision, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, FMA=fma,
-        PREFETCH_K=_prefetch_k(sum(ns), K, k_split, block_k, esize),
+        **_prefetch(sum(ns), K, k_split, block_k, esize),
     )
     _pdl.launch(_decode_linear_kernel, grid, args, meta, x.device)
     return y
