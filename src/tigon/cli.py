@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 OPS = ("rms_norm", "add_rms_norm", "layer_norm", "apply_rope", "swiglu", "geglu", "swiglu_mlp", "geglu_mlp",
-       "cross_entropy", "linear_cross_entropy", "decode_attention", "decode_linear", "rope_kv_write",
-       "rope_kv_append")
+       "cross_entropy", "linear_cross_entropy", "decode_attention", "decode_linear", "decode_qkv_rope",
+       "rope_kv_write", "rope_kv_append")
 
 
 def _version(dist: str):

@@ -15,12 +15,19 @@ from tests.hf._tiny import tiny_model
 from tigon import ops
 from tigon.memory import RollingKVCache
 
-CASES = [("llama", {}), ("qwen3", {}), ("mistral", dict(sliding_window=8))]
+# head_dim 32: q/k/v, RoPE and the cache write in one kernel (decode_qkv_rope); 16 and Qwen3: rope_kv_append after
+CASES = [("llama", {}), ("qwen3", {}), ("mistral", dict(sliding_window=8)), ("llama", dict(head_dim=32)),
+         ("mistral", dict(sliding_window=8, head_dim=32)), ("qwen3", dict(head_dim=32))]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def _calls(op):
+    return ops.dispatch_counts[(op, "triton")] + ops.dispatch_counts[(op, "reference")]
+
+
 def _fused_calls():
-    return ops.dispatch_counts[("decode_linear", "triton")] + ops.dispatch_counts[("decode_linear", "reference")]
+    """Projection launches: decode_linear's and decode_qkv_rope's (4 a layer either way)."""
+    return _calls("decode_linear") + _calls("decode_qkv_rope")
 
 
 def _pair(model_type, overrides, device):
@@ -37,14 +44,18 @@ def _ids(b, t, device, seed=1):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("model_type,overrides", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("model_type,overrides", CASES,
+                         ids=[c[0] + ("-hd32" if c[1].get("head_dim") else "") for c in CASES])
 def test_generate_uses_the_fused_layer_and_matches_hf(model_type, overrides, device):
     ref, patched = _pair(model_type, overrides, device)
     ids = _ids(2, 9, device)  # mistral: window 8 < 9 + 8, the ring wraps
     want = ref.generate(ids, max_new_tokens=8, do_sample=False)
-    before = _fused_calls()
+    before, before_rope = _fused_calls(), _calls("decode_qkv_rope")
     got = tigon.generate(patched, ids, max_new_tokens=8, cuda_graph=False)
-    assert _fused_calls() - before == 4 * patched.config.num_hidden_layers * 7  # every layer of every decode step
+    layer_steps = patched.config.num_hidden_layers * 7
+    assert _fused_calls() - before == 4 * layer_steps  # every layer of every decode step
+    rope_fused = overrides.get("head_dim") == 32 and model_type != "qwen3"
+    assert _calls("decode_qkv_rope") - before_rope == (layer_steps if rope_fused else 0)
     assert torch.equal(got, want)
 
 

@@ -1,24 +1,25 @@
-"""A whole Llama-style decoder layer for one decode step over a RollingKVCache, in six kernels; and the
+"""A whole Llama-style decoder layer for one decode step over a RollingKVCache, in five kernels; and the
 first prompt chunk's layer without the module-by-module host time (`prefill_layer_step`).
 
 The module-by-module decode step launches ~25 kernels per layer (norms, three projections, the cache's slot
 arithmetic, RoPE, attention, residual adds, the GLU), most far too small to fill an H200, and cuBLAS reads
 the small projections at a third of the bandwidth. `decode_layer_step` runs instead:
 
-    qkv = decode_linear(h, [Wq, Wk, Wv], norm=input_layernorm)        # RMSNorm fused, q/k/v in one launch
-    q   = rope_kv_append(k, v, ..., query=q)                           # RoPE, slot and K/V write, one launch
-    a   = decode_attention(q, ring, advance_q_pos=True)                # (+ its split merge, which advances
-                                                                       #  the ring's next position)
-    h2  = decode_linear(a, Wo, residual=h)                             # residual add fused
+    q   = decode_qkv_rope(h, [Wq, Wk, Wv], norm=input_layernorm, ring)  # RMSNorm, q/k/v, RoPE, the ring slot
+                                                                        # and the K/V write: one launch
+    a   = decode_attention(q, ring, advance_q_pos=True)                 # split, merge by the last split, the
+                                                                        # ring's next position advanced
+    h2  = decode_linear(a, Wo, residual=h)                              # residual add fused
     m   = decode_linear(h2, [Wgate, Wup], norm=post_attention_layernorm, activation=act)
     out = decode_linear(m, Wdown, residual=h2)
 
-with the roundings of the unfused modules (each projection output, the norm output and the GLU product are
-rounded to the model dtype where they would be). It applies only where that is exactly what the layer's own
-forward computes: the "tigon" attention with RoPE on write (Llama, Mistral, Qwen2 without q/k/v bias, Qwen3),
-Tigon's RMSNorm modules in "llama" casting with no offset, plain bias-free nn.Linear projections in the model
-dtype, a SwiGLU or GeGLU MLP, no hooks, no autograd. Anything else returns None and the layer runs its
-forward as before.
+(Qwen3's per-head q/k norms, or a head dim that is not a multiple of 32, take decode_linear for q/k/v and
+rope_kv_append after: six kernels.) The roundings are the unfused modules' (each projection output, the norm
+output and the GLU product are rounded to the model dtype where they would be). It applies only where that is
+exactly what the layer's own forward computes: the "tigon" attention with RoPE on write (Llama, Mistral, Qwen2
+without q/k/v bias, Qwen3), Tigon's RMSNorm modules in "llama" casting with no offset, plain bias-free
+nn.Linear projections in the model dtype, a SwiGLU or GeGLU MLP, no hooks, no autograd. Anything else returns
+None and the layer runs its forward as before.
 """
 
 import torch
@@ -120,6 +121,14 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     return h2 + layer.mlp(normed)
 
 
+def _rope_in_epilogue(cos, sin, head_dim, batch, ring, x) -> bool:
+    """Whether ops.decode_qkv_rope takes this step: HF's cos/sin of one token over the full head dim (a
+    multiple of 32) in the model dtype, and a ring of that dtype and device (else update_rope's checks run)."""
+    return (head_dim % 32 == 0 and ring.dtype == x.dtype and ring.device == x.device
+            and all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] in (1, batch) and t.shape[1] == 1
+                    and t.shape[2] == head_dim and t.dtype == x.dtype and t.stride(-1) == 1 for t in (cos, sin)))
+
+
 def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):
     """The layer's output for one decode step, or None where the layer must run its own forward."""
     attn = _tigon_attention(layer, position_embeddings)
@@ -137,17 +146,25 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
     (wq, wk, wv, wo), gate, up, down, act = found
     x = hidden_states.view(b, -1)
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    qkv = ops.decode_linear(x, [wq, wk, wv], norm_weight=ln1.weight, eps=ln1.eps)
     nq, nk, d = wq.shape[0], wk.shape[0], attn.head_dim
-    q = qkv[:, :nq].view(b, 1, -1, d)
-    k = qkv[:, nq:nq + nk].view(b, 1, -1, d)
-    v = qkv[:, nq + nk:].view(b, 1, -1, d)
-    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on the head dim before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
     cos, sin = position_embeddings
-    # The ring's next position advances in the attention's merge kernel, not in a kernel of its own.
-    keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2),
-                                       advance=False)
+    # The ring's next position advances in the attention kernel, not in a kernel of its own.
+    if not hasattr(attn, "q_norm") and _rope_in_epilogue(cos, sin, d, b, ring, x):
+        # q/k/v, RoPE and the cache write in one kernel
+        keys, values, positions, nxt = ring.decode_write_target(b)
+        qkv = ops.decode_qkv_rope(x, [wq, wk, wv], norm_weight=ln1.weight, eps=ln1.eps, cos=cos, sin=sin,
+                                  k_cache=keys, v_cache=values, positions=positions, next_position=nxt,
+                                  sink=ring.sink)
+        q = qkv[:, :nq].view(b, -1, 1, d)
+    else:
+        qkv = ops.decode_linear(x, [wq, wk, wv], norm_weight=ln1.weight, eps=ln1.eps)
+        q = qkv[:, :nq].view(b, 1, -1, d)
+        k = qkv[:, nq:nq + nk].view(b, 1, -1, d)
+        v = qkv[:, nq + nk:].view(b, 1, -1, d)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on the head dim before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2),
+                                           advance=False)
     slot_pos = _slot_positions(ring, attention_mask, b)
     out = _decode(ring, q, keys, values, slot_pos, scaling=attn.scaling, sliding_window=_window(attn),
                   softcap=None, advanced=False)

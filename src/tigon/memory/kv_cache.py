@@ -207,6 +207,16 @@ class RollingKVLayer(CacheLayerMixin):
             self._next.add_(self._one_t)
         return keys, values, q_embed
 
+    def decode_write_target(self, batch: int):
+        """(keys, values, positions, next) for a kernel that writes a decode token into this ring itself
+        (`tigon.ops.decode_qkv_rope`): the views `update_rope` would write and return, with the host count
+        advanced; `next` stays at the token's position, for the attention to advance
+        (`decode_attention(..., advance_q_pos=True)`), as after `update_rope(..., advance=False)`."""
+        self.seen += 1
+        if batch == self.batch_size:
+            return self.keys, self.values, self.positions, self._next
+        return self.keys[:batch], self.values[:batch], self.positions, self._next
+
     def decode_positions(self):
         """(slot positions `[ring]`, next position `[1]`), both int64 device tensors kept by the layer.
 

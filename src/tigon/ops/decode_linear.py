@@ -33,6 +33,7 @@ CONFIG = None  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K[, FMA]); FMA:
 # With programmatic dependent launch a program may start before the previous kernel ends: it then prefetches
 # its weight rows into L2 while it waits, up to this many bytes per launch (24 << 20 would take the whole
 # weight of a q/k/v or o projection, a first part of the MLP's), at least its first two K steps.
+ROPE_BLOCK_N = 16  # decode_qkv_rope: rotation pairs per program (a program covers twice as many rows)
 PREFETCH_BYTES = 0  # 0: two K steps (the H200 A/B in benchmarks/results/decode_pdl.md: larger budgets gained nothing)
 
 
@@ -67,6 +68,12 @@ def _decode_linear_kernel(
     K_SPLIT,  # K elements per split, a multiple of BLOCK_K
     stride_xm, stride_rm, stride_ym,
     eps,
+    # ROPE (decode_qkv_rope): RoPE tables, the KV cache, its slot positions and next position
+    COS, SIN, K_CACHE, V_CACHE, POS, NEXT,
+    stride_cb, stride_sb,  # batch strides of cos / sin (0: one row for the batch); unit stride on the dim
+    HD, HALF,  # head dim, HD // 2
+    C_SLOTS, sink,  # cache slots; the first `sink` slots keep their positions, the others roll
+    s_kcb, s_kch, s_kcc, s_vcb, s_vch, s_vcc,
     NUM_W: tl.constexpr,
     NORM: tl.constexpr,
     ACT: tl.constexpr,
@@ -83,6 +90,7 @@ def _decode_linear_kernel(
     PF_LINES: tl.constexpr = 1,  # in loop steps of PF_LINES 128-byte lines of PF_LINE elements
     PF_LINE: tl.constexpr = 64,
     FMA: tl.constexpr = False,  # M == 1 and BLOCK_M == 1: fp32 multiply-adds on [BLOCK_N, BLOCK_K], no tl.dot
+    ROPE: tl.constexpr = False,  # q, k, v weights; q and k rotated, k and v written into the cache
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -98,8 +106,21 @@ def _decode_linear_kernel(
             off, N, col0, blk = D1.to(tl.int64), N1, N0, pid_n - NB0
     o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
-    o_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The second accumulator's rows (ACT: up's, at D1; ROPE: each row's RoPE partner, du rows further on)
+    is_v = pid_n >= NB0 + NB1
+    if ROPE:
+        # q and k programs own BLOCK_N rotation pairs (rows i and i + HALF of one head); a v program owns
+        # 2 * BLOCK_N consecutive rows, as two halves
+        per_head = HALF // BLOCK_N
+        base = tl.where(is_v, blk * 2 * BLOCK_N, (blk // per_head) * HD + (blk % per_head) * BLOCK_N)
+        du = tl.where(is_v, BLOCK_N, HALF)
+    else:
+        base = blk * BLOCK_N
+        du = 0
+    o_n = base + tl.arange(0, BLOCK_N)
     m_n = o_n < N
+    o_n2 = o_n + du
+    m_n2 = o_n2 < N
     o_k = tl.arange(0, BLOCK_K)
     p_x = X + o_m.to(tl.int64)[:, None] * stride_xm
     dt = X.dtype.element_ty
@@ -110,6 +131,8 @@ def _decode_linear_kernel(
         # kernel (x, the residual and the workspace are read only after the wait), and let the next kernel's
         # programs launch once all of ours are past their wait.
         _prefetch_l2(W + off, D1, o_n, m_n, K, k_lo, ACT, PF_LINES, PF_LINE, PREFETCH_K)
+        if ROPE:
+            _prefetch_l2(W + off, D1, o_n2, m_n2, K, k_lo, 0, PF_LINES, PF_LINE, PREFETCH_K)
         gdc_wait()
         gdc_launch_dependents()
 
@@ -122,7 +145,10 @@ def _decode_linear_kernel(
         b_rstd = tl.rsqrt(b_ss / K + tl.cast(eps, tl.float32))
 
     p_w = W + off + o_n.to(tl.int64)[:, None] * K
-    p_u = W + D1.to(tl.int64) + o_n.to(tl.int64)[:, None] * K
+    if ROPE:
+        p_u = W + off + o_n2.to(tl.int64)[:, None] * K
+    else:
+        p_u = W + D1.to(tl.int64) + o_n.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # FMA: per-lane partial sums, reduced once after
@@ -148,13 +174,20 @@ def _decode_linear_kernel(
             acc += _dot(b_x, tl.load(p_w + kk[None, :], mask=m_w, other=0.0), UPCAST, PRECISION)
             if ACT != 0:
                 acc_u += _dot(b_x, tl.load(p_u + kk[None, :], mask=m_w, other=0.0), UPCAST, PRECISION)
+            if ROPE:
+                m_w2 = m_n2[:, None] & m_k[None, :]
+                acc_u += _dot(b_x, tl.load(p_u + kk[None, :], mask=m_w2, other=0.0), UPCAST, PRECISION)
     if FMA:
         acc = tl.sum(acc2, axis=1)[None, :]
         acc_u = tl.sum(acc2_u, axis=1)[None, :]
 
     o_col = col0 + o_n
     m_y = m_m[:, None] & m_n[None, :]
-    if SPLIT_K > 1:
+    if ROPE:
+        _rope_epilogue(acc, acc_u, Y, o_m, m_m, o_n, o_n2, m_n, m_n2, col0, stride_ym, is_v, pid_n == NB0, dt,
+                       COS, SIN, stride_cb, stride_sb, HD, HALF, K_CACHE, V_CACHE, POS, NEXT, C_SLOTS, sink,
+                       s_kcb, s_kch, s_kcc, s_vcb, s_vch, s_vcc, pid_m, pid_n >= NB0)
+    elif SPLIT_K > 1:
         # Each split stores its fp32 partial tile in its own workspace slice; the last split to arrive (an
         # arrival counter per tile, acq_rel atomics) sums the slices in split order: the same sum every run.
         n_total = N0 + N1 + N2
@@ -191,6 +224,52 @@ def _prefetch_l2(W, D1, o_n, m_n, K, k_lo, ACT: tl.constexpr, PF_LINES: tl.const
         if ACT != 0:
             tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [W + D1 + offs],
                                       dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _rope_epilogue(acc, acc_u, Y, o_m, m_m, o_n, o_n2, m_n, m_n2, col0, stride_ym, is_v, first_k, dt,
+                   COS, SIN, stride_cb, stride_sb, HD, HALF, K_CACHE, V_CACHE, POS, NEXT, C_SLOTS, sink,
+                   s_kcb, s_kch, s_kcc, s_vcb, s_vch, s_vcc, pid_m, is_kv):
+    """q, k: RoPE of the rounded projections (x1 = row i, x2 = row i + HALF of a head; fp32 math, one rounding:
+    ops.rope_kv_append's), v as is; all three into Y, k and v also into cache slot `slot(NEXT)` of each row's
+    sequence, and the slot's position recorded (the first k program of the first row block)."""
+    x1 = acc.to(dt).to(tl.float32)
+    x2 = acc_u.to(dt).to(tl.float32)
+    m1 = m_m[:, None] & m_n[None, :]
+    m2 = m_m[:, None] & m_n2[None, :]
+    if is_v:
+        y1, y2 = x1, x2
+    else:
+        i = (o_n % HD)[None, :]  # in [0, HALF): the pair's index
+        p_c = COS + o_m.to(tl.int64)[:, None] * stride_cb + i
+        p_s = SIN + o_m.to(tl.int64)[:, None] * stride_sb + i
+        c1 = tl.load(p_c, mask=m1, other=0.0).to(tl.float32)
+        c2 = tl.load(p_c + HALF, mask=m1, other=0.0).to(tl.float32)
+        s1 = tl.load(p_s, mask=m1, other=0.0).to(tl.float32)
+        s2 = tl.load(p_s + HALF, mask=m1, other=0.0).to(tl.float32)
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    p_y = Y + o_m.to(tl.int64)[:, None] * stride_ym + col0
+    tl.store(p_y + o_n[None, :], y1.to(Y.dtype.element_ty), mask=m1)
+    tl.store(p_y + o_n2[None, :], y2.to(Y.dtype.element_ty), mask=m2)
+    if is_kv:
+        p = tl.load(NEXT)  # the new token's position; its slot: below the sinks, or sink + (p - sink) % recent
+        recent = C_SLOTS - sink
+        slot = p - tl.maximum((p - sink) // recent, 0) * recent
+        if (slot >= 0) & (slot < C_SLOTS):
+            om = o_m.to(tl.int64)[:, None]
+            h1, d1 = (o_n // HD)[None, :], (o_n % HD)[None, :]
+            h2, d2 = (o_n2 // HD)[None, :], (o_n2 % HD)[None, :]
+            if is_v:
+                p_c1 = V_CACHE + om * s_vcb + h1 * s_vch + slot * s_vcc + d1
+                p_c2 = V_CACHE + om * s_vcb + h2 * s_vch + slot * s_vcc + d2
+            else:
+                p_c1 = K_CACHE + om * s_kcb + h1 * s_kch + slot * s_kcc + d1
+                p_c2 = K_CACHE + om * s_kcb + h2 * s_kch + slot * s_kcc + d2
+            tl.store(p_c1, y1.to(K_CACHE.dtype.element_ty), mask=m1)
+            tl.store(p_c2, y2.to(K_CACHE.dtype.element_ty), mask=m2)
+            if first_k & (pid_m == 0):
+                tl.store(POS + slot, p)
 
 
 @triton.jit
@@ -266,7 +345,8 @@ def _workspace(device, n_sums: int, n_counters: int):
     return ws
 
 
-def _launch_kernel(x, weights, norm_weight, eps, residual, act):
+def _launch_kernel(x, weights, norm_weight, eps, residual, act, rope=None):
+    """rope: None, or (cos, sin, k_cache, v_cache, positions, next_position, sink) for decode_qkv_rope."""
     M, K = x.shape
     ns = [w.shape[0] for w in weights]
     n_out = ns[0] if act else sum(ns)
@@ -275,11 +355,18 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act):
         return y
     config = _pick_config(M, K, n_out, bool(act), norm_weight is not None, x.device)
     block_n, block_k, warps, stages, split = config[:5]
-    fma = len(config) > 5 and bool(config[5]) and M == 1  # an experiment (bench_decode_ops): M == 1 only
-    if act:
-        split = 1  # two accumulators: the GLU's 2 x N columns fill the GPU without splitting K
+    fma = len(config) > 5 and bool(config[5]) and M == 1 and rope is None  # M == 1 experiment (bench_decode_ops)
     ns_all = ns + [0] * (MAX_WEIGHTS - len(ns))
-    nb = [triton.cdiv(n, block_n) for n in ns_all]
+    if rope is not None:
+        hd = rope[2].shape[-1]
+        block_n = min(ROPE_BLOCK_N if CONFIG is None else block_n, hd // 2)
+        while (hd // 2) % block_n:
+            block_n //= 2
+        nb = [ns_all[0] // (2 * block_n), ns_all[1] // (2 * block_n), triton.cdiv(ns_all[2], 2 * block_n)]
+    else:
+        nb = [triton.cdiv(n, block_n) for n in ns_all]
+    if act or rope is not None:
+        split = 1  # two accumulators: twice the columns per program fill the GPU without splitting K
     n_blocks = nb[0] if act else sum(nb)
     block_m = 1 if fma else 16
     m_blocks = triton.cdiv(M, block_m)
@@ -295,16 +382,23 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act):
     interp = x.device.type == "cpu"
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (n_blocks, m_blocks, split)
+    if rope is not None:
+        cos, sin, kc, vc, positions, nxt, sink = rope
+        rope_args = (cos, sin, kc, vc, positions, nxt, cos.stride(0) if cos.shape[0] > 1 else 0,
+                     sin.stride(0) if sin.shape[0] > 1 else 0, kc.shape[-1], kc.shape[-1] // 2, kc.shape[2], sink,
+                     *kc.stride()[:3], *vc.stride()[:3])
+    else:
+        rope_args = (y, y, y, y, y, y, 0, 0, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0)
     args = (
         x, norm_weight if norm_weight is not None else x, weights[0],
         residual if residual is not None else y, y, ws, cnt,
         M, K, ns_all[0], ns_all[1], ns_all[2], nb[0], nb[1], deltas[0], deltas[1], k_split,
-        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), float(eps),
+        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), float(eps), *rope_args,
     )
     meta = dict(
         NUM_W=len(weights), NORM=norm_weight is not None, ACT=act, RESIDUAL=residual is not None, SPLIT_K=split,
         EVEN_K=K % block_k == 0 and k_split * split == K, UPCAST=interp, PRECISION=precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, FMA=fma,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, FMA=fma, ROPE=rope is not None,
         **_prefetch(sum(ns), K, k_split, block_k, esize),
     )
     _pdl.launch(_decode_linear_kernel, grid, args, meta, x.device)
@@ -412,3 +506,104 @@ def decode_linear(x, weights, *, norm_weight=None, eps=1e-6, residual=None, acti
     else:  # eager: the launcher directly (the custom-op dispatcher's host time is a kernel's worth here)
         y = _launch_kernel(x2, weights, nw, eps, r2, act)
     return y.reshape(*lead, n_out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# decode_qkv_rope: the q/k/v projection of a decode step with RoPE and the KV-cache write in its epilogue.
+
+
+@torch.library.custom_op("tigon::decode_qkv_rope", mutates_args=("k_cache", "v_cache", "positions"))
+def decode_qkv_rope_op(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: torch.Tensor | None, eps: float,
+                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       positions: torch.Tensor, next_position: torch.Tensor, sink: int) -> torch.Tensor:
+    """x [M, K], weights (q, k, v); returns [M, Nq + Nk + Nv] (q and k rotated) and writes the cache."""
+    return _launch_kernel(x, weights, norm_weight, eps, None, 0,
+                          rope=(cos, sin, k_cache, v_cache, positions, next_position, sink))
+
+
+@decode_qkv_rope_op.register_fake
+def _(x, weights, norm_weight, eps, cos, sin, k_cache, v_cache, positions, next_position, sink):
+    return x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
+
+
+def decode_qkv_rope_reference(x, weights, *, norm_weight=None, eps=1e-6, cos, sin, k_cache, v_cache, positions,
+                              next_position, sink=0):
+    """The spec: decode_linear's reference for q, k, v, then ops.rope_kv_append's reference (RoPE on the
+    rounded projections, the cache write at the ring slot of next_position, the slot's position)."""
+    from .kv_write import rope_kv_append_reference
+
+    M, hd = x.shape[0], k_cache.shape[-1]
+    nq, nk = weights[0].shape[0], weights[1].shape[0]
+    y = decode_linear_reference(x, weights, norm_weight=norm_weight, eps=eps)
+    q = y[:, :nq].reshape(M, 1, -1, hd).transpose(1, 2)
+    k = y[:, nq:nq + nk].reshape(M, 1, -1, hd).transpose(1, 2)
+    v = y[:, nq + nk:].reshape(M, 1, -1, hd).transpose(1, 2)
+    kc, vc = k_cache[:M], v_cache[:M]
+    q_rot = rope_kv_append_reference(k, v, cos, sin, kc, vc, positions, next_position, sink=sink, query=q)
+    from .kv_write import ring_slots
+
+    slot = ring_slots(next_position.reshape(1), k_cache.shape[2], sink)
+    k_rot = kc.index_select(2, slot).transpose(1, 2).reshape(M, nk)
+    return torch.cat((q_rot.transpose(1, 2).reshape(M, nq), k_rot, y[:, nq + nk:]), dim=-1)
+
+
+def decode_qkv_rope(x, weights, *, norm_weight=None, eps=1e-6, cos, sin, k_cache, v_cache, positions,
+                    next_position, sink=0):
+    """The q/k/v projection of a decode step with RoPE and the KV-cache write fused in: one kernel for what
+    `decode_linear(x, [wq, wk, wv], norm_weight=...)` then `rope_kv_append(k, v, cos, sin, ..., query=q)` do.
+
+    x [M, K] (M = batch, one token each); weights (wq [Hq*D, K], wk [Hkv*D, K], wv [Hkv*D, K]); cos, sin
+    [1 or M, 1, D] (HF's rotary embedding of the new token, full rotary dim, D a multiple of 32); k_cache,
+    v_cache [>= M, Hkv, C, D] with unit stride on D; positions int64 [C], next_position int64 [1]: the token
+    goes to the ring slot of next_position (after `sink` fixed slots) and its position is recorded there;
+    next_position is not advanced. Returns [M, Nq + Nk + Nv]: RoPE(q), RoPE(k), v. Inference only.
+    """
+    op = "decode_qkv_rope"
+    if isinstance(weights, torch.Tensor) or not isinstance(weights, (list, tuple)) or len(weights) != 3:
+        raise TypeError(f"{op}: weights must be the three tensors (wq, wk, wv), got {type(weights).__name__}")
+    weights, eps, n_out = _validate(x, weights, norm_weight, eps, None, None)
+    for name, t in (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _launch.check_tensor(op, name, t)
+    for name, t in (("positions", positions), ("next_position", next_position)):
+        _launch.check_tensor(op, name, t, floating=False)
+        if t.dtype != torch.int64:
+            raise TypeError(f"{op}: {name} must be int64, got {t.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must have shape [M, K] (one token per sequence), got {tuple(x.shape)}")
+    M = x.shape[0]
+    if k_cache.dim() != 4 or k_cache.shape[0] < M or k_cache.stride(-1) != 1:
+        raise ValueError(f"{op}: k_cache must be [B >= {M}, Hkv, C, D] with unit stride on D, got "
+                         f"{tuple(k_cache.shape)} strides {k_cache.stride()}")
+    _launch.check_shape(op, "v_cache", v_cache, k_cache.shape)
+    if v_cache.stride(-1) != 1:
+        raise ValueError(f"{op}: v_cache must have unit stride on D, got strides {v_cache.stride()}")
+    hkv, C, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    if hd % 32:
+        raise ValueError(f"{op}: head dim {hd} must be a multiple of 32")
+    nq, nk, nv = (w.shape[0] for w in weights)
+    if nq % hd or nk != hkv * hd or nv != nk:
+        raise ValueError(f"{op}: weights must have Hq * {hd}, {hkv} * {hd} and {hkv} * {hd} rows for a cache of "
+                         f"{hkv} heads of {hd}, got {nq}, {nk}, {nv}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 3 or t.shape[0] not in (1, M) or t.shape[1] != 1 or t.shape[2] != hd or t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must be [1 or {M}, 1, {hd}] with unit stride on the last dim (full "
+                             f"rotary dim), got {tuple(t.shape)} strides {t.stride()}")
+    _launch.check_same_dtype(op, "x", x, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache)
+    _launch.check_same_device(op, "x", x, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, positions=positions,
+                              next_position=next_position)
+    if tuple(positions.shape) != (C,) or positions.stride(0) != 1:
+        raise ValueError(f"{op}: positions must be a contiguous int64 [{C}] tensor, got {tuple(positions.shape)}")
+    if next_position.numel() != 1:
+        raise ValueError(f"{op}: next_position must be one int64 element, got shape {tuple(next_position.shape)}")
+    if isinstance(sink, bool) or not isinstance(sink, int) or not 0 <= sink < C:
+        raise ValueError(f"{op}: sink must be an int in [0, {C}), got {sink!r}")
+    nw = norm_weight.contiguous() if norm_weight is not None else None
+    nxt = next_position.reshape(1)
+    if not _library.use_kernels(op, x):
+        return decode_qkv_rope_reference(x, weights, norm_weight=nw, eps=eps, cos=cos, sin=sin, k_cache=k_cache,
+                                         v_cache=v_cache, positions=positions, next_position=nxt, sink=sink)
+    x2 = x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+    if torch.compiler.is_compiling():
+        return torch.ops.tigon.decode_qkv_rope(x2, list(weights), nw, eps, cos, sin, k_cache, v_cache, positions,
+                                               nxt, sink)
+    return _launch_kernel(x2, weights, nw, eps, None, 0, rope=(cos, sin, k_cache, v_cache, positions, nxt, sink))
