@@ -30,6 +30,11 @@ attention it holds only while the whole generation fits every layer's ring (HF's
 constant `(ring, 0)`, and the query offset is read from the cache's device counter; past the ring HF's
 `kv_offset` is a host integer that grows every step), so such a generation runs eagerly.
 `stats["cuda_graph"]` says which path ran, `stats["attention"]` which attention.
+
+Rotary embedding (`ROTARY_TABLE`): for the call, the model's rotary module reads cos/sin from a table that its own
+forward computes once for positions 0 .. P + max_new_tokens - 1 (`tigon.hf.rotary_table`: bit for bit the rows it
+would compute; one gather per step instead of ~8 kernels), where the rope type's inv_freq does not depend on the
+sequence length; its class forward is back at the end.
 """
 
 import contextlib

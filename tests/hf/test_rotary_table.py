@@ -16,6 +16,7 @@ CASES = [("llama", {}), ("qwen3", {}), ("gemma3_text", GEMMA3), ("llama", dict(p
          ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))]
 IDS = ["llama", "qwen3", "gemma3", "llama-partial", "llama3-scaling"]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _model(model_type, **overrides):
@@ -37,26 +38,27 @@ def _call(fn, x, pid, kind):
     return fn(x, pid) if kind is None else fn(x, pid, kind)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("model_type,overrides", CASES, ids=IDS)
-def test_table_rows_equal_the_module_bit_for_bit(model_type, overrides, dtype):
-    model = _model(model_type, **overrides).to(dtype)
+def test_table_rows_equal_the_module_bit_for_bit(model_type, overrides, dtype, device):
+    model = _model(model_type, **overrides).to(device=device, dtype=dtype)
     rot = model.model.rotary_emb
     original = type(rot).forward.__get__(rot)
-    x = torch.zeros(1, dtype=dtype)
+    x = torch.zeros(1, dtype=dtype, device=device)
     g = torch.Generator().manual_seed(0)
     length = 300
     with cached_rotary(model, length) as tables:
         assert tables == len(_kinds(rot)) and "forward" in rot.__dict__
         for kind in _kinds(rot):
             for shape in [(1, 1), (3, 1), (2, 7), (1, length)]:
-                pid = torch.randint(0, length, shape, generator=g)
+                pid = torch.randint(0, length, shape, generator=g).to(device)
                 got, want = _call(rot, x, pid, kind), _call(original, x, pid, kind)
                 for a, b in zip(got, want):
                     assert a.dtype == b.dtype and a.shape == b.shape == (*shape, b.shape[-1])
                     assert torch.equal(a, b)
             # Another dtype, or positions that are not [B, T] integers: the module's own forward.
-            pid = torch.arange(5)[None]
+            pid = torch.arange(5, device=device)[None]
             for args in [(x.double(), pid), (x, pid.float())]:
                 for a, b in zip(_call(rot, *args, kind), _call(original, *args, kind)):
                     assert a.dtype == b.dtype and torch.equal(a, b)
@@ -154,6 +156,8 @@ def test_left_alone():
     assert _layer_types(rot) is None
     del rot.forward
     rot.__class__ = type("CustomRotaryEmbedding", (type(rot),), {})
+    assert _layer_types(rot) is None
+    rot.__class__ = type("LlamaRotaryEmbedding", (type(rot),), {})  # the name alone, not transformers' class
     assert _layer_types(rot) is None
     gemma = _model("gemma3_text", **GEMMA3).model.rotary_emb
     assert _layer_types(gemma) == ["full_attention", "sliding_attention"]

@@ -5,12 +5,14 @@ decode step (expand, float cast, a K = 1 matmul, transpose, cat, cos, sin, the s
 casts). Inside `cached_rotary(model, length)` the module's forward is one `index_select` into a `[2, length, rd]`
 table that the module's own forward computed once for positions `0 .. length - 1`. Every op of that forward is
 elementwise per (position, dim) (the matmul has K = 1: an exact fp32 product), so a row of the table is bit for
-bit what the module returns for that position (tests/hf/test_rotary_table.py checks it with `torch.equal`).
+bit what the module returns for that position (tests/hf/test_rotary_table.py checks it with `torch.equal`). This
+assumes fp32 matmuls (PyTorch's default): with TF32 allowed, cuBLAS may round `inv_freq` for one shape and not
+for another.
 
 Applies only where the result depends on the positions alone:
-- a class in `_FORWARD_FORMS` (rotary forwards whose source was read in transformers 5.17; the test checks it
-  still is), with the `inv_freq` (or `{layer_type}_inv_freq`) buffer, the class's own forward (no instance-level
-  forward installed by someone else);
+- a transformers class in `_FORWARD_FORMS` (rotary forwards whose source was read in transformers 5.17; the
+  test checks it still is), with the `inv_freq` (or `{layer_type}_inv_freq`) buffer, the class's own forward
+  (no instance-level forward installed by someone else);
 - rope types whose `inv_freq` is fixed at init (`STATIC_ROPE_TYPES`): "dynamic" and "longrope" are left out,
   `dynamic_rope_update` replaces their `inv_freq` with the sequence length;
 - per call, the dtype and device the table was built for, int32/int64 `[B, T]` positions on that device;
@@ -45,7 +47,7 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 def _layer_types(module):
     """The keys of the module's tables ([None] for a single `inv_freq`), or None when it is not eligible."""
     per_type = _FORWARD_FORMS.get(type(module).__name__)
-    if per_type is None or "forward" in module.__dict__:
+    if per_type is None or not type(module).__module__.startswith("transformers.") or "forward" in module.__dict__:
         return None
     rope = getattr(module, "rope_type", None)
     if per_type:
