@@ -86,7 +86,8 @@ export PYTHONUNBUFFERED=1
 RESERVE_S=330 step tests 180 python3 -m pytest -q -n 8 -o cache_dir=/tmp/pytest_cache \
     tests/test_generate.py tests/hf/test_attention_impl.py tests/ops/test_decode_attention.py \
     tests/ops/test_kv_write.py tests/ops/test_glu_mlp.py tests/hf/test_qlora.py tests/hf/test_decode_layer.py \
-    tests/ops/test_decode_linear.py tests/ops/test_pdl.py >"$OUT/tests.log" 2>&1
+    tests/ops/test_decode_linear.py tests/ops/test_pdl.py tests/ops/test_decode_qkv_rope.py \
+    tests/hf/test_rotary_table.py >"$OUT/tests.log" 2>&1
 { tail -n 3 "$OUT/tests.log"; echo; } | tee -a "$LOG"
 
 # 1b. Launch chaining A/B (PDL off / projections / whole chain, prefetch budgets) and the TTFT median.

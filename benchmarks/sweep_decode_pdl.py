@@ -1,12 +1,13 @@
-"""A/B of the decode step's launch chaining on the 1.5B Llama of bench_decode (GPU): programmatic dependent
-launch off, on the projections only, on the whole chain (RoPE + cache write, attention, its merge), and the
-projections' L2 prefetch budget (ops.decode_linear.PREFETCH_BYTES). Every setting runs tigon.generate (CUDA
-graph, greedy) in the same process on the same model and prompt; the tokens must equal the first setting's.
+"""A/B of the decode step's settings on the 1.5B Llama of bench_decode (GPU): programmatic dependent launch
+off, on the projections only, on the whole chain (RoPE + cache write, attention), the projections' L2 prefetch
+budget (ops.decode_linear.PREFETCH_BYTES), the attention's split size and decode_qkv_rope on or off. Every
+setting runs tigon.generate (CUDA graph, greedy) in the same process on the same model and prompt; the tokens
+must equal the first setting's.
 
     PYTHONPATH=src python benchmarks/sweep_decode_pdl.py --out benchmarks/results [--batches 1,8] [--new 256]
 
 Writes decode_pdl.md / decode_pdl.json: p50 / p99 / mean ms per step per setting and batch, and the ratio to
-the no-PDL row.
+the first row, and the TTFT median with the library's defaults.
 """
 
 import argparse
@@ -17,32 +18,48 @@ import types
 
 import torch
 
-SETTINGS = [  # (name, PDL on, chain (RoPE / attention kernels too), prefetch bytes per projection, min split slots)
-    ("no PDL", False, False, 0, 64),
-    ("no PDL, attention splits >= 32 slots", False, False, 0, 32),
-    ("PDL projections only", True, False, 0, 64),
-    ("PDL chain", True, True, 0, 64),
-    ("PDL chain, attention splits >= 32 slots", True, True, 0, 32),
-    ("PDL chain, prefetch 24 MB", True, True, 24 << 20, 64),
+# Each setting: the library's defaults with these overrides. pdl: programmatic dependent launch on; chain: the
+# RoPE / attention kernels take part too; prefetch: bytes per projection; split: min slots per attention split;
+# rope: q/k/v, RoPE and the cache write in one kernel (decode_qkv_rope); rope_bn: its rotation pairs per program;
+# table: the cos/sin table of tigon.hf.rotary_table instead of HF's rotary module each step.
+SETTINGS = [
+    ("no PDL", dict(pdl=False)),
+    ("no PDL, RoPE kernel separate", dict(pdl=False, rope=False)),
+    ("no PDL, HF rotary module every step", dict(pdl=False, table=False)),
+    ("no PDL, attention splits >= 32 slots", dict(pdl=False, split=32)),
+    ("no PDL, decode_qkv_rope 32 pairs a program", dict(pdl=False, rope_bn=32)),
+    ("PDL projections only", dict(pdl=True, chain=False)),
+    ("PDL chain", dict(pdl=True)),
+    ("PDL chain, prefetch 24 MB", dict(pdl=True, prefetch=24 << 20)),
 ]
+DEFAULT = None  # the library's settings, read before the sweep changes them
 
 
 def _defaults():
+    from tigon import generation
     from tigon.ops import _pdl, decode_attention, decode_linear
 
-    return (_pdl.ENABLED is not False, True, decode_linear.PREFETCH_BYTES, decode_attention._MIN_SPLIT_SLOTS)
+    return dict(pdl=_pdl.ENABLED is not False, chain=True, prefetch=decode_linear.PREFETCH_BYTES,
+                split=decode_attention._MIN_SPLIT_SLOTS, rope=True, rope_bn=decode_linear.ROPE_BLOCK_N,
+                table=generation.ROTARY_TABLE)
 
 
-def _apply(pdl_on, chain, prefetch, min_split):
+def _apply(over):
+    from tigon import generation
+    from tigon.hf import decode_layer
     from tigon.ops import _pdl, decode_attention, decode_linear, kv_write
 
-    _pdl.ENABLED = None if pdl_on else False
-    decode_linear.PREFETCH_BYTES = prefetch
-    decode_attention._MIN_SPLIT_SLOTS = min_split
+    c = dict(DEFAULT, **over)
+    generation.ROTARY_TABLE = c["table"]
+    _pdl.ENABLED = None if c["pdl"] else False
+    decode_linear.PREFETCH_BYTES = c["prefetch"]
+    decode_linear.ROPE_BLOCK_N = c["rope_bn"]
+    decode_attention._MIN_SPLIT_SLOTS = c["split"]
+    decode_layer._rope_in_epilogue = _ROPE_CHECK if c["rope"] else (lambda *a: False)
     # Without the chain the RoPE and attention kernels launch plainly (their PDL constexpr off).
     plain = types.SimpleNamespace(launch=lambda kernel, grid, args, meta, device: kernel[grid](*args, **meta))
     for mod in (decode_attention, kv_write):
-        mod._pdl = _pdl if chain else plain
+        mod._pdl = _pdl if c["chain"] else plain
 
 
 def main(argv=None):
@@ -58,8 +75,10 @@ def main(argv=None):
     import tigon
     from tigon.bench_decode import _build, _percentile
 
-    global DEFAULT
-    DEFAULT = _defaults()  # the library's own settings, restored for the TTFT calls and at the end
+    global DEFAULT, _ROPE_CHECK
+    from tigon.hf import decode_layer
+
+    DEFAULT, _ROPE_CHECK = _defaults(), decode_layer._rope_in_epilogue  # restored for the TTFT calls and at the end
     rows, ttfts = [], {}
     for batch in [int(b) for b in args.batches.split(",")]:
         spec = dict(quick=False, prompt=args.prompt, new=args.new, device="cuda", family="llama", batch=batch,
@@ -67,8 +86,8 @@ def main(argv=None):
         model, ids = _build(spec)
         tigon.patch(model)
         ref = None
-        for name, *setting in SETTINGS:
-            _apply(*setting)
+        for name, over in SETTINGS:
+            _apply(over)
             kw = dict(max_new_tokens=args.new, return_stats=True)
             tigon.generate(model, ids, **dict(kw, max_new_tokens=16))  # JIT for this setting
             seqs, stats = tigon.generate(model, ids, **kw)
@@ -81,13 +100,13 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
         # Time to first token with the library's defaults: median of 5 prefill-only calls (host phases included).
-        _apply(*DEFAULT)
+        _apply({})
         ttft = sorted(tigon.generate(model, ids, max_new_tokens=1, return_stats=True)[1]["ttft_s"] for _ in range(5))
         ttfts[batch] = 1e3 * ttft[2]
         print(json.dumps(dict(batch=batch, ttft_ms_median=ttfts[batch], ttft_ms=[1e3 * t for t in ttft])), flush=True)
         del model
         torch.cuda.empty_cache()
-    _apply(*DEFAULT)
+    _apply({})
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "decode_pdl.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows, ttft_ms_median=ttfts),

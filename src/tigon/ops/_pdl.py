@@ -23,7 +23,9 @@ try:  # absent from older Tritons
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
-ENABLED = None  # None: on for sm >= 90 where Triton has it; False: off everywhere (a/b comparisons)
+# Off by default: on the 1.5B Llama decode step (H200, benchmarks/results/decode_pdl.md) PDL on the whole chain
+# measured no faster than plain launches in a CUDA graph, and on the projections alone ~8% slower.
+ENABLED = False  # None: on for sm >= 90 where Triton has it; False: off everywhere
 
 
 def options(device) -> dict:
