@@ -13,6 +13,7 @@
 #      glu_mlp and qlora: pytest -q -n 8 (~1-2 min).
 #   1b. sweep_decode_pdl.py: the decode step with programmatic dependent launch off / on the projections /
 #      on the whole chain, and the projections' L2 prefetch budgets; tokens checked equal; TTFT median (~2 min).
+#   1c. profile_ttft.py (STEPS must name ttftprof): cProfile of the prefill's host time (~1 min).
 #   2. bench_decode --profile: tigon at batch 1 and 8, hf-static-compile at batch 1 as the comparator
 #      (~2 min): decode.md gets the TTFT phases per tigon row (device / host ms), the decode-step kernel time
 #      by bucket (GEMM, attention, rope_kv_write, norms, GLU, other Triton, other torch), kernels per step,
@@ -92,6 +93,9 @@ RESERVE_S=330 step tests 180 python3 -m pytest -q -n 8 -o cache_dir=/tmp/pytest_
 
 # 1b. Launch chaining A/B (PDL off / projections / whole chain, prefetch budgets) and the TTFT median.
 step pdl 200 python3 benchmarks/sweep_decode_pdl.py --out "$OUT" >>"$LOG" 2>&1
+
+# 1c. Where the TTFT's host time goes (cProfile of warm prefill-only calls).
+step ttftprof 90 python3 benchmarks/profile_ttft.py --top 40 >"$OUT/ttft_host_profile.log" 2>&1
 
 # 2. Decode: TTFT phases and the decode-step profile.
 RESERVE_S=160 step decode 240 python3 -m tigon.bench_decode --out "$OUT" --variants tigon,hf-static-compile@1 \

@@ -11,6 +11,7 @@ the first row, and the TTFT median with the library's defaults.
 """
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -21,35 +22,43 @@ import torch
 # Each setting: the library's defaults with these overrides. pdl: programmatic dependent launch on; chain: the
 # RoPE / attention kernels take part too; prefetch: bytes per projection; split: min slots per attention split;
 # rope: q/k/v, RoPE and the cache write in one kernel (decode_qkv_rope); rope_bn: its rotation pairs per program;
-# table: the cos/sin table of tigon.hf.rotary_table instead of HF's rotary module each step.
+# table: the cos/sin table of tigon.hf.rotary_table instead of HF's rotary module each step; merge_in_split: the
+# attention's splits merged by the last one to finish instead of a merge kernel.
 SETTINGS = [
     ("no PDL", dict(pdl=False)),
     ("no PDL, RoPE kernel separate", dict(pdl=False, rope=False)),
     ("no PDL, HF rotary module every step", dict(pdl=False, table=False)),
     ("no PDL, attention splits >= 32 slots", dict(pdl=False, split=32)),
     ("no PDL, decode_qkv_rope 32 pairs a program", dict(pdl=False, rope_bn=32)),
+    ("no PDL, attention merged by its last split", dict(pdl=False, merge_in_split=True)),
     ("PDL projections only", dict(pdl=True, chain=False)),
     ("PDL chain", dict(pdl=True)),
     ("PDL chain, prefetch 24 MB", dict(pdl=True, prefetch=24 << 20)),
+    ("PDL chain, attention merged by its last split", dict(pdl=True, merge_in_split=True)),
 ]
 DEFAULT = None  # the library's settings, read before the sweep changes them
 
 
+def _mods():
+    """(generation, decode_layer, _pdl, decode_attention, decode_linear, kv_write) modules (tigon.ops.decode_linear
+    and tigon.ops.decode_attention are the functions: importlib for the modules)."""
+    return tuple(importlib.import_module(f"tigon.{m}") for m in ("generation", "hf.decode_layer", "ops._pdl",
+                                                                  "ops.decode_attention", "ops.decode_linear",
+                                                                  "ops.kv_write"))
+
+
 def _defaults():
-    from tigon import generation
-    from tigon.ops import _pdl, decode_attention, decode_linear
+    generation, _, _pdl, decode_attention, decode_linear, _ = _mods()
 
     return dict(pdl=_pdl.ENABLED is not False, chain=True, prefetch=decode_linear.PREFETCH_BYTES,
                 split=decode_attention._MIN_SPLIT_SLOTS, rope=True, rope_bn=decode_linear.ROPE_BLOCK_N,
-                table=generation.ROTARY_TABLE)
+                table=generation.ROTARY_TABLE, merge_in_split=decode_attention._MERGE_IN_SPLIT)
 
 
 def _apply(over):
-    from tigon import generation
-    from tigon.hf import decode_layer
-    from tigon.ops import _pdl, decode_attention, decode_linear, kv_write
-
+    generation, decode_layer, _pdl, decode_attention, decode_linear, kv_write = _mods()
     c = dict(DEFAULT, **over)
+    decode_attention._MERGE_IN_SPLIT = c["merge_in_split"]
     generation.ROTARY_TABLE = c["table"]
     _pdl.ENABLED = None if c["pdl"] else False
     decode_linear.PREFETCH_BYTES = c["prefetch"]
@@ -76,7 +85,7 @@ def main(argv=None):
     from tigon.bench_decode import _build, _percentile
 
     global DEFAULT, _ROPE_CHECK
-    from tigon.hf import decode_layer
+    decode_layer = _mods()[1]
 
     DEFAULT, _ROPE_CHECK = _defaults(), decode_layer._rope_in_epilogue  # restored for the TTFT calls and at the end
     rows, ttfts = [], {}

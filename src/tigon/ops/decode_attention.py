@@ -16,8 +16,8 @@ a row with no attended slot comes out NaN (softmax over nothing), as in the refe
 
 The kernel splits the C slots over `n_splits` programs per (sequence, kv head); each program loads the
 Hq/Hkv query heads that share the kv head as one tile (K and V are read once per kv head), runs an online
-softmax over its slots and writes (max, sum, unnormalized output) in fp32; the last split of a tile to finish
-(an arrival counter) merges the tile's splits in split order. One kernel, deterministic.
+softmax over its slots and writes (max, sum, unnormalized output) in fp32; a merge kernel combines the splits
+(or, with `_MERGE_IN_SPLIT`, the last split of a tile to finish, found by an arrival counter). Deterministic.
 The math and the byte model are in docs/ops/decode_attention.md.
 """
 
@@ -40,6 +40,7 @@ _SPLITS_PER_SM = 2  # target programs per SM for kernel 1
 # step's attention from 9.3 to 5.4 us per layer at batch 1 (more programs in flight for a short cache).
 _MIN_SPLIT_SLOTS = 64
 _MAX_SPLITS = 64
+_MERGE_IN_SPLIT = False  # True: the last split of a tile merges it (one launch); False: a merge kernel
 _MAX_GROUP_BLOCK = 64  # query heads per program; a larger GQA group is split over programs
 MAX_HEAD_DIM = 256
 
@@ -83,6 +84,7 @@ def _decode_attention_split_kernel(
     SPLIT_P: tl.constexpr,  # 16-bit inputs: p = p_hi + p_lo in the input dtype, two dots (p to ~2^-16)
     DOT_PRECISION: tl.constexpr,  # fp32 inputs on GPU: "tf32x3" (about fp32 accuracy on tensor cores)
     ADVANCE: tl.constexpr,
+    MERGE_LAST: tl.constexpr,  # the last split of a tile merges it (else the merge kernel does)
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -173,8 +175,10 @@ def _decode_attention_split_kernel(
         tl.store(M_PART + o_row * n_splits + pid_s, b_m, mask=m_g)
         tl.store(L_PART + o_row * n_splits + pid_s, b_l, mask=m_g)
         tl.store(ACC_PART + (o_row[:, None] * n_splits + pid_s) * D + o_d[None, :], b_acc, mask=m_gd)
+    if MERGE_LAST:
         # The last split of this tile to arrive merges the tile's splits, in split order (the same sum every
         # run): the threadfence-reduction pattern, a CTA barrier then a gpu-scope acq_rel arrival counter.
+        o_row = b * Hq + o_hq
         tl.debug_barrier()
         p_cnt = CNT + pid
         if tl.atomic_add(p_cnt, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
@@ -194,6 +198,51 @@ def _decode_attention_split_kernel(
 
 
 @triton.jit
+def _decode_attention_merge_kernel(
+    M_PART,  # [B * Hq, n_splits] fp32
+    L_PART,  # [B * Hq, n_splits] fp32
+    ACC_PART,  # [B * Hq, n_splits, D] fp32
+    OUT,  # [B, Hq, 1, D]
+    Q_POS,  # int64 [n_pos] query positions, each advanced by one (ADVANCE) after kernel 1 has read them
+    stride_ob, stride_oh,
+    Hq,
+    D,
+    n_splits,
+    n_pos,
+    stride_qp,
+    ADVANCE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    if ADVANCE:  # the caller's position counter, for the next step: kernel 1 has finished reading it
+        if row == 0:
+            o_p = tl.arange(0, BLOCK_P)
+            p_p = Q_POS + o_p * stride_qp
+            tl.store(p_p, tl.load(p_p, mask=o_p < n_pos) + 1, mask=o_p < n_pos)
+    b = row // Hq
+    hq = row % Hq
+    o_s = tl.arange(0, BLOCK_S)
+    o_d = tl.arange(0, BLOCK_D)
+    m_s = o_s < n_splits
+    m_d = o_d < D
+    b_m = tl.load(M_PART + row * n_splits + o_s, mask=m_s, other=float("-inf"))
+    b_l = tl.load(L_PART + row * n_splits + o_s, mask=m_s, other=0.0)
+    p_a = ACC_PART + (row * n_splits + o_s[:, None]) * D + o_d[None, :]
+    b_a = tl.load(p_a, mask=m_s[:, None] & m_d[None, :], other=0.0)
+    b_mx = tl.max(b_m, axis=0)
+    b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)  # no split attended anything: 0 / 0 = NaN below
+    b_w = tl.exp(b_m - b_mx)  # splits that attended nothing (max -inf) weigh 0
+    b_o = tl.sum(b_w[:, None] * b_a, axis=0) / tl.sum(b_w * b_l, axis=0)
+    tl.store(OUT + b * stride_ob + hq * stride_oh + o_d, b_o.to(OUT.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
 def _merge_splits(M_PART, L_PART, ACC_PART, p_o, o_row, o_d, m_g, m_gd, D, n_splits, BLOCK_G: tl.constexpr,
                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max m), summed in split order (.cg: L2 reads
@@ -208,11 +257,12 @@ def _merge_splits(M_PART, L_PART, ACC_PART, p_o, o_row, o_d, m_g, m_gd, D, n_spl
     b_w = tl.exp(b_ms - b_mx[:, None])  # [BLOCK_G, BLOCK_S]; splits that attended nothing (max -inf) weigh 0
     b_den = tl.zeros([BLOCK_G], dtype=tl.float32)
     b_out = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for s in range(n_splits):
-        b_ws = tl.sum(tl.where(o_s[None, :] == s, b_w, 0.0), axis=1)  # column s (a sum of one term: exact)
-        b_den += b_ws * tl.sum(tl.where(o_s[None, :] == s, b_ls, 0.0), axis=1)
-        p_a = ACC_PART + (o_row[:, None] * n_splits + s) * D + o_d[None, :]
-        b_out += b_ws[:, None] * tl.load(p_a, mask=m_gd, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(BLOCK_S):  # unrolled: the splits' loads go out together
+        if s < n_splits:
+            b_ws = tl.sum(tl.where(o_s[None, :] == s, b_w, 0.0), axis=1)  # column s (one term: exact)
+            b_den += b_ws * tl.sum(tl.where(o_s[None, :] == s, b_ls, 0.0), axis=1)
+            p_a = ACC_PART + (o_row[:, None] * n_splits + s) * D + o_d[None, :]
+            b_out += b_ws[:, None] * tl.load(p_a, mask=m_gd, other=0.0, cache_modifier=".cg")
     b_den = tl.where(m_g, b_den, 1.0)  # padding rows of the group tile: not stored, no 0 / 0 either
     tl.store(p_o, (b_out / b_den[:, None]).to(p_o.dtype.element_ty), mask=m_gd)
 
@@ -284,6 +334,8 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
     tiles = B * Hkv * n_gblk
     cnt = _counters(q.device, tiles + 1)
     adv = advance if advance is not None else q_pos
+    merge_last = _MERGE_IN_SPLIT and not one
+    advance_here = advance is not None and (one or merge_last)  # else the merge kernel advances
     _pdl.launch(_decode_attention_split_kernel, (tiles, n_splits), (
         q, k_cache, v_cache, slot_pos, q_pos, out, m_part, l_part, acc_part, cnt, adv,
         q.stride(0), q.stride(1), q.stride(3),
@@ -296,10 +348,18 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
     ), dict(
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), ONE_SPLIT=one,
         UPCAST=interp, SPLIT_P=q.dtype != torch.float32, DOT_PRECISION=_dot_precision(q.dtype, interp),
-        ADVANCE=advance is not None, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        ADVANCE=advance_here, MERGE_LAST=merge_last, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_P=triton.next_power_of_2(max(adv.numel(), 1)),
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     ), q.device)
+    if not one and not merge_last:
+        _pdl.launch(_decode_attention_merge_kernel, (B * Hq,), (
+            m_part, l_part, acc_part, out, adv, out.stride(0), out.stride(1), Hq, D, n_splits,
+            adv.numel(), adv.stride(0) if adv.dim() else 1,
+        ), dict(
+            ADVANCE=advance is not None, BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d,
+            BLOCK_P=triton.next_power_of_2(max(adv.numel(), 1)), num_warps=_NUM_WARPS,
+        ), q.device)
     return out
 
 
