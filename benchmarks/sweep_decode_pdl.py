@@ -22,19 +22,16 @@ import torch
 # Each setting: the library's defaults with these overrides. pdl: programmatic dependent launch on; chain: the
 # RoPE / attention kernels take part too; prefetch: bytes per projection; split: min slots per attention split;
 # rope: q/k/v, RoPE and the cache write in one kernel (decode_qkv_rope); rope_bn: its rotation pairs per program;
-# table: the cos/sin table of tigon.hf.rotary_table instead of HF's rotary module each step; merge_in_split: the
-# attention's splits merged by the last one to finish instead of a merge kernel.
+# table: the cos/sin table of tigon.hf.rotary_table instead of HF's rotary module each step.
 SETTINGS = [
     ("no PDL", dict(pdl=False)),
     ("no PDL, RoPE kernel separate", dict(pdl=False, rope=False)),
     ("no PDL, HF rotary module every step", dict(pdl=False, table=False)),
     ("no PDL, attention splits >= 32 slots", dict(pdl=False, split=32)),
     ("no PDL, decode_qkv_rope 32 pairs a program", dict(pdl=False, rope_bn=32)),
-    ("no PDL, attention merged by its last split", dict(pdl=False, merge_in_split=True)),
     ("PDL projections only", dict(pdl=True, chain=False)),
     ("PDL chain", dict(pdl=True)),
     ("PDL chain, prefetch 24 MB", dict(pdl=True, prefetch=24 << 20)),
-    ("PDL chain, attention merged by its last split", dict(pdl=True, merge_in_split=True)),
 ]
 DEFAULT = None  # the library's settings, read before the sweep changes them
 
@@ -52,13 +49,12 @@ def _defaults():
 
     return dict(pdl=_pdl.ENABLED is not False, chain=True, prefetch=decode_linear.PREFETCH_BYTES,
                 split=decode_attention._MIN_SPLIT_SLOTS, rope=True, rope_bn=decode_linear.ROPE_BLOCK_N,
-                table=generation.ROTARY_TABLE, merge_in_split=decode_attention._MERGE_IN_SPLIT)
+                table=generation.ROTARY_TABLE)
 
 
 def _apply(over):
     generation, decode_layer, _pdl, decode_attention, decode_linear, kv_write = _mods()
     c = dict(DEFAULT, **over)
-    decode_attention._MERGE_IN_SPLIT = c["merge_in_split"]
     generation.ROTARY_TABLE = c["table"]
     _pdl.ENABLED = None if c["pdl"] else False
     decode_linear.PREFETCH_BYTES = c["prefetch"]

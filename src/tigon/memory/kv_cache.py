@@ -183,7 +183,8 @@ class RollingKVLayer(CacheLayerMixin):
 
         A decode step (one token) computes its slot, rotates the key (and the query) and writes key and value
         into the ring in one kernel (`tigon.ops.rope_kv_append`), with no allocation besides the rotated query
-        and no host sync. A longer chunk rotates with `tigon.ops.apply_rope` and goes through `update`. cos, sin
+        and no host sync; so does a chunk that fits the ring. A chunk past the ring rotates with
+        `tigon.ops.apply_rope` and goes through `update`. cos, sin
         `[1 or batch, seq, rotary_dim]` as HF's rotary embedding returns them. Inference only.
         advance=False (one token only): the device's next position is left at the new token's position, and the
         caller advances it after attention (`decode_attention(..., advance_q_pos=True)` on `decode_positions()`'s
@@ -193,12 +194,20 @@ class RollingKVLayer(CacheLayerMixin):
 
         self._check(key_states, value_states)
         b, q = key_states.shape[0], key_states.shape[2]
+        keys, values = (self.keys, self.values) if b == self.batch_size else (self.keys[:b], self.values[:b])
+        if q != 1 and self.seen + q <= self.ring:
+            # A chunk that fits: slot == position, so rope_kv_append writes it (one kernel for RoPE, the K/V
+            # write and the positions; apply_rope + update would take five).
+            seen, self.seen = self.seen, self.seen + q
+            q_embed = rope_kv_append(key_states, value_states, cos, sin, keys, values, self.positions, self._next,
+                                     sink=self.sink, query=query_states)
+            self._next.add_(q)
+            return keys[:, :, :seen + q], values[:, :, :seen + q], q_embed
         if q != 1:
             q_embed, k_embed = apply_rope(query_states if query_states is not None else key_states, key_states,
                                           cos, sin)
             keys, values = self.update(k_embed, value_states)
             return keys, values, (q_embed if query_states is not None else None)
-        keys, values = (self.keys, self.values) if b == self.batch_size else (self.keys[:b], self.values[:b])
         self.seen += 1
         # One kernel computes the slot of `_next` on the device, records it in `positions` and writes K/V.
         q_embed = rope_kv_append(key_states, value_states, cos, sin, keys, values, self.positions, self._next,

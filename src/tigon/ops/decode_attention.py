@@ -14,10 +14,9 @@ Slot s is attended iff `0 <= slot_pos[s] <= q_pos` and, with a sliding window w,
 The caller writes the current token's key/value into the cache first, so at least one slot is attended;
 a row with no attended slot comes out NaN (softmax over nothing), as in the reference.
 
-The kernel splits the C slots over `n_splits` programs per (sequence, kv head); each program loads the
+Kernel 1 splits the C slots over `n_splits` programs per (sequence, kv head); each program loads the
 Hq/Hkv query heads that share the kv head as one tile (K and V are read once per kv head), runs an online
-softmax over its slots and writes (max, sum, unnormalized output) in fp32; a merge kernel combines the splits
-(or, with `_MERGE_IN_SPLIT`, the last split of a tile to finish, found by an arrival counter). Deterministic.
+softmax over its slots and writes (max, sum, unnormalized output) in fp32. Kernel 2 merges the splits.
 The math and the byte model are in docs/ops/decode_attention.md.
 """
 
@@ -40,7 +39,6 @@ _SPLITS_PER_SM = 2  # target programs per SM for kernel 1
 # step's attention from 9.3 to 5.4 us per layer at batch 1 (more programs in flight for a short cache).
 _MIN_SPLIT_SLOTS = 64
 _MAX_SPLITS = 64
-_MERGE_IN_SPLIT = False  # True: the last split of a tile merges it (one launch); False: a merge kernel
 _MAX_GROUP_BLOCK = 64  # query heads per program; a larger GQA group is split over programs
 MAX_HEAD_DIM = 256
 
@@ -56,8 +54,6 @@ def _decode_attention_split_kernel(
     M_PART,  # [B * Hq, n_splits] fp32 running max per split (when not ONE_SPLIT)
     L_PART,  # [B * Hq, n_splits] fp32 softmax denominator per split
     ACC_PART,  # [B * Hq, n_splits, D] fp32 unnormalized output per split
-    CNT,  # int32 [programs along axis 0 + 1] zeros: arrivals per (sequence, kv head) tile, then all arrivals
-    Q_ADV,  # int64 [n_adv] positions to advance by one once every program has read Q_POS (ADVANCE)
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_vb, stride_vh, stride_vc, stride_vd,
@@ -75,21 +71,15 @@ def _decode_attention_split_kernel(
     scale,  # runtime float: 1/sqrt(D) or the model's
     window,  # sliding window (read when HAS_WINDOW)
     softcap,  # logit softcap (read when HAS_SOFTCAP)
-    n_adv,
-    stride_adv,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter: fp32 dots (its bf16/fp16 arithmetic is wrong); GPU: native dots
     SPLIT_P: tl.constexpr,  # 16-bit inputs: p = p_hi + p_lo in the input dtype, two dots (p to ~2^-16)
     DOT_PRECISION: tl.constexpr,  # fp32 inputs on GPU: "tf32x3" (about fp32 accuracy on tensor cores)
-    ADVANCE: tl.constexpr,
-    MERGE_LAST: tl.constexpr,  # the last split of a tile merges it (else the merge kernel does)
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # next power of 2 of n_splits
-    BLOCK_P: tl.constexpr,  # next power of 2 of n_adv
     PDL: tl.constexpr = False,  # ops/_pdl.py: the next kernel may launch now; q and the cache after the wait
 ):
     if PDL:
@@ -166,35 +156,17 @@ def _decode_attention_split_kernel(
         b_m = b_mn
 
     m_gd = m_g[:, None] & m_d[None, :]
-    p_o = OUT + b * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
     if ONE_SPLIT:
         # nothing attended: l = 0 and acc = 0 give NaN, as the reference's softmax over no keys
-        tl.store(p_o, (b_acc / b_l[:, None]).to(OUT.dtype.element_ty), mask=m_gd)
+        b_o = b_acc / b_l[:, None]
+        p_o = OUT + b * stride_ob + o_hq[:, None] * stride_oh + o_d[None, :]
+        tl.store(p_o, b_o.to(OUT.dtype.element_ty), mask=m_gd)
     else:
         o_row = b * Hq + o_hq  # [BLOCK_G] row of the [B * Hq, n_splits] partials
         tl.store(M_PART + o_row * n_splits + pid_s, b_m, mask=m_g)
         tl.store(L_PART + o_row * n_splits + pid_s, b_l, mask=m_g)
-        tl.store(ACC_PART + (o_row[:, None] * n_splits + pid_s) * D + o_d[None, :], b_acc, mask=m_gd)
-    if MERGE_LAST:
-        # The last split of this tile to arrive merges the tile's splits, in split order (the same sum every
-        # run): the threadfence-reduction pattern, a CTA barrier then a gpu-scope acq_rel arrival counter.
-        o_row = b * Hq + o_hq
-        tl.debug_barrier()
-        p_cnt = CNT + pid
-        if tl.atomic_add(p_cnt, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            _merge_splits(M_PART, L_PART, ACC_PART, p_o, o_row, o_d, m_g, m_gd, D, n_splits, BLOCK_G, BLOCK_S,
-                          BLOCK_D)
-            tl.store(p_cnt, 0)  # every split has arrived: free for the next call
-    if ADVANCE:
-        # The caller's position counter, for its next step: the last program of the grid to arrive adds one,
-        # when every program has read Q_POS.
-        tl.debug_barrier()
-        p_all = CNT + tl.num_programs(0)
-        if tl.atomic_add(p_all, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) * tl.num_programs(1) - 1:
-            o_p = tl.arange(0, BLOCK_P)
-            p_p = Q_ADV + o_p * stride_adv
-            tl.store(p_p, tl.load(p_p, mask=o_p < n_adv, cache_modifier=".cg") + 1, mask=o_p < n_adv)
-            tl.store(p_all, 0)
+        p_a = ACC_PART + (o_row[:, None] * n_splits + pid_s) * D + o_d[None, :]
+        tl.store(p_a, b_acc, mask=m_gd)
 
 
 @triton.jit
@@ -240,42 +212,6 @@ def _decode_attention_merge_kernel(
     b_w = tl.exp(b_m - b_mx)  # splits that attended nothing (max -inf) weigh 0
     b_o = tl.sum(b_w[:, None] * b_a, axis=0) / tl.sum(b_w * b_l, axis=0)
     tl.store(OUT + b * stride_ob + hq * stride_oh + o_d, b_o.to(OUT.dtype.element_ty), mask=m_d)
-
-
-@triton.jit
-def _merge_splits(M_PART, L_PART, ACC_PART, p_o, o_row, o_d, m_g, m_gd, D, n_splits, BLOCK_G: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max m), summed in split order (.cg: L2 reads
-    of the other programs' partials, made visible by the arrival counter)."""
-    o_s = tl.arange(0, BLOCK_S)
-    m_gs = m_g[:, None] & (o_s < n_splits)[None, :]
-    p_ml = o_row[:, None] * n_splits + o_s[None, :]
-    b_ms = tl.load(M_PART + p_ml, mask=m_gs, other=float("-inf"), cache_modifier=".cg")
-    b_ls = tl.load(L_PART + p_ml, mask=m_gs, other=0.0, cache_modifier=".cg")
-    b_mx = tl.max(b_ms, axis=1)
-    b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)  # no split attended anything: 0 / 0 = NaN below
-    b_w = tl.exp(b_ms - b_mx[:, None])  # [BLOCK_G, BLOCK_S]; splits that attended nothing (max -inf) weigh 0
-    b_den = tl.zeros([BLOCK_G], dtype=tl.float32)
-    b_out = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for s in tl.static_range(BLOCK_S):  # unrolled: the splits' loads go out together
-        if s < n_splits:
-            b_ws = tl.sum(tl.where(o_s[None, :] == s, b_w, 0.0), axis=1)  # column s (one term: exact)
-            b_den += b_ws * tl.sum(tl.where(o_s[None, :] == s, b_ls, 0.0), axis=1)
-            p_a = ACC_PART + (o_row[:, None] * n_splits + s) * D + o_d[None, :]
-            b_out += b_ws[:, None] * tl.load(p_a, mask=m_gd, other=0.0, cache_modifier=".cg")
-    b_den = tl.where(m_g, b_den, 1.0)  # padding rows of the group tile: not stored, no 0 / 0 either
-    tl.store(p_o, (b_out / b_den[:, None]).to(p_o.dtype.element_ty), mask=m_gd)
-
-
-_COUNTERS: dict = {}  # (device, stream) -> int32 arrival counters, zeros between calls
-
-
-def _counters(device, n: int) -> torch.Tensor:
-    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
-    cnt = _COUNTERS.get(key)
-    if cnt is None or cnt.numel() < n:
-        cnt = _COUNTERS[key] = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
-    return cnt
 
 
 def _block_n(device, d_block: int) -> int:
@@ -331,28 +267,21 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
         acc_part = torch.empty((B * Hq, n_splits, D), dtype=torch.float32, device=q.device)
     interp = q.device.type != "cuda"
     shared_pos = slot_pos.dim() == 1
-    tiles = B * Hkv * n_gblk
-    cnt = _counters(q.device, tiles + 1)
-    adv = advance if advance is not None else q_pos
-    merge_last = _MERGE_IN_SPLIT and not one
-    advance_here = advance is not None and (one or merge_last)  # else the merge kernel advances
-    _pdl.launch(_decode_attention_split_kernel, (tiles, n_splits), (
-        q, k_cache, v_cache, slot_pos, q_pos, out, m_part, l_part, acc_part, cnt, adv,
+    _pdl.launch(_decode_attention_split_kernel, (B * Hkv * n_gblk, n_splits), (
+        q, k_cache, v_cache, slot_pos, q_pos, out, m_part, l_part, acc_part,
         q.stride(0), q.stride(1), q.stride(3),
         *k_cache.stride(), *v_cache.stride(),
         0 if shared_pos else slot_pos.stride(0), slot_pos.stride(-1),
         q_pos.stride(0),
         out.stride(0), out.stride(1),
         Hq, Hkv, G, C, D, chunk, n_splits, n_gblk, scale, window, softcap if softcap else 1.0,
-        adv.numel(), adv.stride(0) if adv.dim() else 1,
     ), dict(
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), ONE_SPLIT=one,
         UPCAST=interp, SPLIT_P=q.dtype != torch.float32, DOT_PRECISION=_dot_precision(q.dtype, interp),
-        ADVANCE=advance_here, MERGE_LAST=merge_last, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_P=triton.next_power_of_2(max(adv.numel(), 1)),
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     ), q.device)
-    if not one and not merge_last:
+    if not one:
+        adv = advance if advance is not None else q_pos
         _pdl.launch(_decode_attention_merge_kernel, (B * Hq,), (
             m_part, l_part, acc_part, out, adv, out.stride(0), out.stride(1), Hq, D, n_splits,
             adv.numel(), adv.stride(0) if adv.dim() else 1,
@@ -360,6 +289,8 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
             ADVANCE=advance is not None, BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d,
             BLOCK_P=triton.next_power_of_2(max(adv.numel(), 1)), num_warps=_NUM_WARPS,
         ), q.device)
+    elif advance is not None:  # no merge kernel to carry it
+        advance.add_(1)
     return out
 
 

@@ -144,6 +144,9 @@ def _decode_linear_kernel(
             b_ss += tl.sum(b_x * b_x, axis=1)
         b_rstd = tl.rsqrt(b_ss / K + tl.cast(eps, tl.float32))
 
+    if ROPE:  # the token's slot and the cos/sin tiles, loaded before the K loop so their latency hides in it
+        c1, c2, s1, s2, p_new, slot = _rope_operands(COS, SIN, NEXT, o_m, m_m, o_n, m_n, is_v, stride_cb, stride_sb,
+                                                     HD, HALF, C_SLOTS, sink)
     p_w = W + off + o_n.to(tl.int64)[:, None] * K
     if ROPE:
         p_u = W + off + o_n2.to(tl.int64)[:, None] * K
@@ -185,7 +188,7 @@ def _decode_linear_kernel(
     m_y = m_m[:, None] & m_n[None, :]
     if ROPE:
         _rope_epilogue(acc, acc_u, Y, o_m, m_m, o_n, o_n2, m_n, m_n2, col0, stride_ym, is_v, pid_n == NB0, dt,
-                       COS, SIN, stride_cb, stride_sb, HD, HALF, K_CACHE, V_CACHE, POS, NEXT, C_SLOTS, sink,
+                       c1, c2, s1, s2, HD, K_CACHE, V_CACHE, POS, p_new, slot, C_SLOTS,
                        s_kcb, s_kch, s_kcc, s_vcb, s_vch, s_vcc, pid_m, pid_n >= NB0)
     elif SPLIT_K > 1:
         # Each split stores its fp32 partial tile in its own workspace slice; the last split to arrive (an
@@ -227,11 +230,30 @@ def _prefetch_l2(W, D1, o_n, m_n, K, k_lo, ACT: tl.constexpr, PF_LINES: tl.const
 
 
 @triton.jit
+def _rope_operands(COS, SIN, NEXT, o_m, m_m, o_n, m_n, is_v, stride_cb, stride_sb, HD, HALF, C_SLOTS, sink):
+    """cos and sin of each row's pair (c1, s1 at index i of the head's first half, c2, s2 at i + HALF; zeros for
+    a v program), the new token's position (NEXT) and its ring slot: below the sinks, else sink + (p - sink) %
+    recent."""
+    i = (o_n % HD)[None, :]  # in [0, HALF) for a q or k program
+    m = m_m[:, None] & m_n[None, :] & (is_v == 0)
+    p_c = COS + o_m.to(tl.int64)[:, None] * stride_cb + i
+    p_s = SIN + o_m.to(tl.int64)[:, None] * stride_sb + i
+    c1 = tl.load(p_c, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(p_c + HALF, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(p_s, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(p_s + HALF, mask=m, other=0.0).to(tl.float32)
+    p = tl.load(NEXT)
+    recent = C_SLOTS - sink
+    slot = p - tl.maximum((p - sink) // recent, 0) * recent
+    return c1, c2, s1, s2, p, slot
+
+
+@triton.jit
 def _rope_epilogue(acc, acc_u, Y, o_m, m_m, o_n, o_n2, m_n, m_n2, col0, stride_ym, is_v, first_k, dt,
-                   COS, SIN, stride_cb, stride_sb, HD, HALF, K_CACHE, V_CACHE, POS, NEXT, C_SLOTS, sink,
+                   c1, c2, s1, s2, HD, K_CACHE, V_CACHE, POS, p_new, slot, C_SLOTS,
                    s_kcb, s_kch, s_kcc, s_vcb, s_vch, s_vcc, pid_m, is_kv):
     """q, k: RoPE of the rounded projections (x1 = row i, x2 = row i + HALF of a head; fp32 math, one rounding:
-    ops.rope_kv_append's), v as is; all three into Y, k and v also into cache slot `slot(NEXT)` of each row's
+    ops.rope_kv_append's), v as is; all three into Y, k and v also into the token's cache slot of each row's
     sequence, and the slot's position recorded (the first k program of the first row block)."""
     x1 = acc.to(dt).to(tl.float32)
     x2 = acc_u.to(dt).to(tl.float32)
@@ -240,22 +262,12 @@ def _rope_epilogue(acc, acc_u, Y, o_m, m_m, o_n, o_n2, m_n, m_n2, col0, stride_y
     if is_v:
         y1, y2 = x1, x2
     else:
-        i = (o_n % HD)[None, :]  # in [0, HALF): the pair's index
-        p_c = COS + o_m.to(tl.int64)[:, None] * stride_cb + i
-        p_s = SIN + o_m.to(tl.int64)[:, None] * stride_sb + i
-        c1 = tl.load(p_c, mask=m1, other=0.0).to(tl.float32)
-        c2 = tl.load(p_c + HALF, mask=m1, other=0.0).to(tl.float32)
-        s1 = tl.load(p_s, mask=m1, other=0.0).to(tl.float32)
-        s2 = tl.load(p_s + HALF, mask=m1, other=0.0).to(tl.float32)
         y1 = x1 * c1 - x2 * s1
         y2 = x2 * c2 + x1 * s2
     p_y = Y + o_m.to(tl.int64)[:, None] * stride_ym + col0
     tl.store(p_y + o_n[None, :], y1.to(Y.dtype.element_ty), mask=m1)
     tl.store(p_y + o_n2[None, :], y2.to(Y.dtype.element_ty), mask=m2)
     if is_kv:
-        p = tl.load(NEXT)  # the new token's position; its slot: below the sinks, or sink + (p - sink) % recent
-        recent = C_SLOTS - sink
-        slot = p - tl.maximum((p - sink) // recent, 0) * recent
         if (slot >= 0) & (slot < C_SLOTS):
             om = o_m.to(tl.int64)[:, None]
             h1, d1 = (o_n // HD)[None, :], (o_n % HD)[None, :]
@@ -269,7 +281,7 @@ def _rope_epilogue(acc, acc_u, Y, o_m, m_m, o_n, o_n2, m_n, m_n2, col0, stride_y
             tl.store(p_c1, y1.to(K_CACHE.dtype.element_ty), mask=m1)
             tl.store(p_c2, y2.to(K_CACHE.dtype.element_ty), mask=m2)
             if first_k & (pid_m == 0):
-                tl.store(POS + slot, p)
+                tl.store(POS + slot, p_new)
 
 
 @triton.jit

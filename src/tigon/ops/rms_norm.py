@@ -268,10 +268,9 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
         return reference.rms_norm(x, weight, eps, offset=offset, casting_mode=casting_mode)
     out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
     weight = None if weight is None else weight.contiguous()  # the kernel reads it at unit stride
-    y, _, _ = _library.call(
-        torch.ops.tigon.rms_norm_fwd, RMSNormFunction,
-        _launch.as_rows(x), None, weight, eps, float(offset), _CASTING[casting_mode], out_dtype,
-    )
+    args = (_launch.as_rows(x), None, weight, eps, float(offset), _CASTING[casting_mode], out_dtype)
+    body = _library.eager_body(rms_norm_fwd, x, weight)  # inference: the launcher without autograd's wrapper
+    y, _, _ = body(*args) if body is not None else _library.call(torch.ops.tigon.rms_norm_fwd, RMSNormFunction, *args)
     return y.view(x.shape)
 
 
@@ -282,8 +281,9 @@ def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting_mode="lla
         return reference.add_rms_norm(x, residual, weight, eps, offset=offset, casting_mode=casting_mode)
     out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
     weight = None if weight is None else weight.contiguous()
-    y, s, _ = _library.call(
-        torch.ops.tigon.rms_norm_fwd, RMSNormFunction,
-        _launch.as_rows(x), _launch.as_rows(residual), weight, eps, float(offset), _CASTING[casting_mode], out_dtype,
-    )
+    args = (_launch.as_rows(x), _launch.as_rows(residual), weight, eps, float(offset), _CASTING[casting_mode],
+            out_dtype)
+    body = _library.eager_body(rms_norm_fwd, x, residual, weight)
+    y, s, _ = body(*args) if body is not None else _library.call(torch.ops.tigon.rms_norm_fwd, RMSNormFunction,
+                                                                 *args)
     return y.view(x.shape), s.view(x.shape)
