@@ -25,10 +25,10 @@ import torch
 # table: the cos/sin table of tigon.hf.rotary_table instead of HF's rotary module each step.
 SETTINGS = [
     ("no PDL", dict(pdl=False)),
-    ("no PDL, RoPE kernel separate", dict(pdl=False, rope=False)),
+    ("no PDL, decode_qkv_rope (q/k/v + RoPE + cache write)", dict(pdl=False, rope=True)),
     ("no PDL, HF rotary module every step", dict(pdl=False, table=False)),
     ("no PDL, attention splits >= 32 slots", dict(pdl=False, split=32)),
-    ("no PDL, decode_qkv_rope 32 pairs a program", dict(pdl=False, rope_bn=32)),
+    ("no PDL, decode_qkv_rope, 32 pairs a program", dict(pdl=False, rope=True, rope_bn=32)),
     ("PDL projections only", dict(pdl=True, chain=False)),
     ("PDL chain", dict(pdl=True)),
     ("PDL chain, prefetch 24 MB", dict(pdl=True, prefetch=24 << 20)),
@@ -45,11 +45,11 @@ def _mods():
 
 
 def _defaults():
-    generation, _, _pdl, decode_attention, decode_linear, _ = _mods()
+    generation, decode_layer, _pdl, decode_attention, decode_linear, _ = _mods()
 
     return dict(pdl=_pdl.ENABLED is not False, chain=True, prefetch=decode_linear.PREFETCH_BYTES,
-                split=decode_attention._MIN_SPLIT_SLOTS, rope=True, rope_bn=decode_linear.ROPE_BLOCK_N,
-                table=generation.ROTARY_TABLE)
+                split=decode_attention._MIN_SPLIT_SLOTS, rope=decode_layer.ROPE_IN_QKV,
+                rope_bn=decode_linear.ROPE_BLOCK_N, table=generation.ROTARY_TABLE)
 
 
 def _apply(over):
@@ -60,7 +60,7 @@ def _apply(over):
     decode_linear.PREFETCH_BYTES = c["prefetch"]
     decode_linear.ROPE_BLOCK_N = c["rope_bn"]
     decode_attention._MIN_SPLIT_SLOTS = c["split"]
-    decode_layer._rope_in_epilogue = _ROPE_CHECK if c["rope"] else (lambda *a: False)
+    decode_layer.ROPE_IN_QKV = c["rope"]
     # Without the chain the RoPE and attention kernels launch plainly (their PDL constexpr off).
     plain = types.SimpleNamespace(launch=lambda kernel, grid, args, meta, device: kernel[grid](*args, **meta))
     for mod in (decode_attention, kv_write):
@@ -80,10 +80,8 @@ def main(argv=None):
     import tigon
     from tigon.bench_decode import _build, _percentile
 
-    global DEFAULT, _ROPE_CHECK
-    decode_layer = _mods()[1]
-
-    DEFAULT, _ROPE_CHECK = _defaults(), decode_layer._rope_in_epilogue  # restored for the TTFT calls and at the end
+    global DEFAULT
+    DEFAULT = _defaults()  # the library's own settings, restored for the TTFT calls and at the end
     rows, ttfts = [], {}
     for batch in [int(b) for b in args.batches.split(",")]:
         spec = dict(quick=False, prompt=args.prompt, new=args.new, device="cuda", family="llama", batch=batch,

@@ -1,25 +1,25 @@
-"""A whole Llama-style decoder layer for one decode step over a RollingKVCache, in five kernels; and the
+"""A whole Llama-style decoder layer for one decode step over a RollingKVCache, in six kernels; and the
 first prompt chunk's layer without the module-by-module host time (`prefill_layer_step`).
 
 The module-by-module decode step launches ~25 kernels per layer (norms, three projections, the cache's slot
 arithmetic, RoPE, attention, residual adds, the GLU), most far too small to fill an H200, and cuBLAS reads
 the small projections at a third of the bandwidth. `decode_layer_step` runs instead:
 
-    q   = decode_qkv_rope(h, [Wq, Wk, Wv], norm=input_layernorm, ring)  # RMSNorm, q/k/v, RoPE, the ring slot
-                                                                        # and the K/V write: one launch
-    a   = decode_attention(q, ring, advance_q_pos=True)                 # split, merge by the last split, the
-                                                                        # ring's next position advanced
+    qkv = decode_linear(h, [Wq, Wk, Wv], norm=input_layernorm)         # RMSNorm fused, q/k/v in one launch
+    q   = rope_kv_append(k, v, ..., query=q)                            # RoPE, ring slot and K/V write
+    a   = decode_attention(q, ring, advance_q_pos=True)                 # + its split merge, which advances
+                                                                        # the ring's next position
     h2  = decode_linear(a, Wo, residual=h)                              # residual add fused
     m   = decode_linear(h2, [Wgate, Wup], norm=post_attention_layernorm, activation=act)
     out = decode_linear(m, Wdown, residual=h2)
 
-(Qwen3's per-head q/k norms, or a head dim that is not a multiple of 32, take decode_linear for q/k/v and
-rope_kv_append after: six kernels.) The roundings are the unfused modules' (each projection output, the norm
-output and the GLU product are rounded to the model dtype where they would be). It applies only where that is
-exactly what the layer's own forward computes: the "tigon" attention with RoPE on write (Llama, Mistral, Qwen2
-without q/k/v bias, Qwen3), Tigon's RMSNorm modules in "llama" casting with no offset, plain bias-free
-nn.Linear projections in the model dtype, a SwiGLU or GeGLU MLP, no hooks, no autograd. Anything else returns
-None and the layer runs its forward as before.
+With ROPE_IN_QKV the first two are one kernel (`decode_qkv_rope`; not for Qwen3's per-head q/k norms or a head
+dim that is not a multiple of 32), measured slower on an H200 and off by default. The roundings are the unfused
+modules' (each projection output, the norm output and the GLU product are rounded to the model dtype where they
+would be). It applies only where that is exactly what the layer's own forward computes: the "tigon" attention
+with RoPE on write (Llama, Mistral, Qwen2 without q/k/v bias, Qwen3), Tigon's RMSNorm modules in "llama"
+casting with no offset, plain bias-free nn.Linear projections in the model dtype, a SwiGLU or GeGLU MLP, no
+hooks, no autograd. Anything else returns None and the layer runs its forward as before.
 """
 
 import torch
@@ -33,6 +33,10 @@ from ..modules.mlp import GeGLUMLP, SwiGLUMLP, plain_linear
 from .attention import NAME, _attention_forward, _decode, _mask_usable, _ring_layer, _slot_positions, _window
 
 _ACT = {SwiGLUMLP: "silu", GeGLUMLP: "gelu_tanh"}
+# q/k/v, RoPE and the cache write in one kernel (ops.decode_qkv_rope). Off: on the H200 1.5B Llama decode step
+# it measured slower than decode_linear + rope_kv_append (1.115 vs 1.072 ms at batch 1, 1.262 vs 1.235 at batch
+# 8; benchmarks/results/decode_pdl.md), the fused kernel's epilogue costing more than the launch it saves.
+ROPE_IN_QKV = False
 
 
 def _plain(lin, dtype) -> bool:
@@ -149,7 +153,7 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
     nq, nk, d = wq.shape[0], wk.shape[0], attn.head_dim
     cos, sin = position_embeddings
     # The ring's next position advances in the attention kernel, not in a kernel of its own.
-    if not hasattr(attn, "q_norm") and _rope_in_epilogue(cos, sin, d, b, ring, x):
+    if ROPE_IN_QKV and not hasattr(attn, "q_norm") and _rope_in_epilogue(cos, sin, d, b, ring, x):
         # q/k/v, RoPE and the cache write in one kernel
         keys, values, positions, nxt = ring.decode_write_target(b)
         qkv = ops.decode_qkv_rope(x, [wq, wk, wv], norm_weight=ln1.weight, eps=ln1.eps, cos=cos, sin=sin,
