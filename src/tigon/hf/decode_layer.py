@@ -105,8 +105,10 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     window = _window(attn)
     if ring.seen != 0 or t > ring.ring or b > ring.batch_size or (window and t > window):
         return None  # a later chunk, a chunk past the ring or the window: HF's masks are needed
-    if _weights(layer, hidden_states.dtype) is None or not hidden_states.is_contiguous():
+    found = _weights(layer, hidden_states.dtype)
+    if found is None or not hidden_states.is_contiguous():
         return None
+    _, gate, up, down, _ = found
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
@@ -122,7 +124,12 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     out, _ = sdpa_attention_forward(attn, q, keys, values, None, dropout=0.0, scaling=attn.scaling)
     o = F.linear(out.reshape(b, t, -1), attn.o_proj.weight)
     normed, h2 = ops.add_rms_norm(o, hidden_states, ln2.weight, ln2.eps)
-    return h2 + layer.mlp(normed)
+    mlp = layer.mlp  # its inference forward, without the four module calls: the same GEMMs and GLU kernel
+    if mlp.fused_gate_up:
+        m = mlp._glu_packed(F.linear(normed, mlp.gate_up_proj.weight))
+    else:
+        m = mlp._glu(F.linear(normed, gate), F.linear(normed, up))
+    return h2 + F.linear(m, down)
 
 
 def _rope_in_epilogue(cos, sin, head_dim, batch, ring, x) -> bool:
