@@ -104,6 +104,12 @@ class RollingKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states) -> None:  # preallocated in __init__
         return None
 
+    def _views(self, batch: int):
+        """keys and values of the first `batch` sequences (the tensors themselves for the whole batch)."""
+        if batch == self.batch_size:
+            return self.keys, self.values
+        return self.keys[:batch], self.values[:batch]
+
     def _slots_of(self, p: torch.Tensor) -> torch.Tensor:
         """Slot of each absolute position: p below the sinks, else sink + (p - sink) % recent."""
         laps = torch.div(p - self.sink, self.recent, rounding_mode="floor").clamp_(min=0)
@@ -136,7 +142,7 @@ class RollingKVLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         self._check(key_states, value_states)
         b, q = key_states.shape[0], key_states.shape[2]
-        keys, values = (self.keys, self.values) if b == self.batch_size else (self.keys[:b], self.values[:b])
+        keys, values = self._views(b)
         seen, self.seen = self.seen, self.seen + q
         if q == 1:
             # Decode: the slot on the device into a preallocated tensor, then one column written; no
@@ -194,24 +200,20 @@ class RollingKVLayer(CacheLayerMixin):
 
         self._check(key_states, value_states)
         b, q = key_states.shape[0], key_states.shape[2]
-        keys, values = (self.keys, self.values) if b == self.batch_size else (self.keys[:b], self.values[:b])
-        if q != 1 and self.seen + q <= self.ring:
-            # A chunk that fits: slot == position, so rope_kv_append writes it (one kernel for RoPE, the K/V
-            # write and the positions; apply_rope + update would take five).
-            seen, self.seen = self.seen, self.seen + q
-            q_embed = rope_kv_append(key_states, value_states, cos, sin, keys, values, self.positions, self._next,
-                                     sink=self.sink, query=query_states)
-            self._next.add_(q)
-            return keys[:, :, :seen + q], values[:, :, :seen + q], q_embed
-        if q != 1:
+        if q != 1 and self.seen + q > self.ring:
             q_embed, k_embed = apply_rope(query_states if query_states is not None else key_states, key_states,
                                           cos, sin)
             keys, values = self.update(k_embed, value_states)
             return keys, values, (q_embed if query_states is not None else None)
-        self.seen += 1
-        # One kernel computes the slot of `_next` on the device, records it in `positions` and writes K/V.
+        # One kernel computes the slots from `_next` on the device, records their positions and writes K/V (a
+        # chunk that fits has slot == position; apply_rope + update would take five kernels).
+        keys, values = self._views(b)
+        seen, self.seen = self.seen, self.seen + q
         q_embed = rope_kv_append(key_states, value_states, cos, sin, keys, values, self.positions, self._next,
                                  sink=self.sink, query=query_states)
+        if q != 1:  # a chunk attends to the written slots only
+            self._next.add_(q)
+            return keys[:, :, :seen + q], values[:, :, :seen + q], q_embed
         if advance:
             self._next.add_(self._one_t)
         return keys, values, q_embed
@@ -222,9 +224,7 @@ class RollingKVLayer(CacheLayerMixin):
         advanced; `next` stays at the token's position, for the attention to advance
         (`decode_attention(..., advance_q_pos=True)`), as after `update_rope(..., advance=False)`."""
         self.seen += 1
-        if batch == self.batch_size:
-            return self.keys, self.values, self.positions, self._next
-        return self.keys[:batch], self.values[:batch], self.positions, self._next
+        return (*self._views(batch), self.positions, self._next)
 
     def decode_positions(self):
         """(slot positions `[ring]`, next position `[1]`), both int64 device tensors kept by the layer.

@@ -30,10 +30,10 @@ ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 MAX_WEIGHTS = 3
 # Launch settings; None picks from the shapes (benchmarks/bench_decode_ops.py sweeps them on a GPU).
 CONFIG = None  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K[, FMA]); FMA: the M == 1 experiment
+ROPE_BLOCK_N = 16  # decode_qkv_rope: rotation pairs per program (a program covers twice as many rows)
 # With programmatic dependent launch a program may start before the previous kernel ends: it then prefetches
 # its weight rows into L2 while it waits, up to this many bytes per launch (24 << 20 would take the whole
 # weight of a q/k/v or o projection, a first part of the MLP's), at least its first two K steps.
-ROPE_BLOCK_N = 16  # decode_qkv_rope: rotation pairs per program (a program covers twice as many rows)
 PREFETCH_BYTES = 0  # 0: two K steps (the H200 A/B in benchmarks/results/decode_pdl.md: larger budgets gained nothing)
 
 
@@ -542,7 +542,7 @@ def decode_qkv_rope_reference(x, weights, *, norm_weight=None, eps=1e-6, cos, si
                               next_position, sink=0):
     """The spec: decode_linear's reference for q, k, v, then ops.rope_kv_append's reference (RoPE on the
     rounded projections, the cache write at the ring slot of next_position, the slot's position)."""
-    from .kv_write import rope_kv_append_reference
+    from .kv_write import ring_slots, rope_kv_append_reference
 
     M, hd = x.shape[0], k_cache.shape[-1]
     nq, nk = weights[0].shape[0], weights[1].shape[0]
@@ -552,8 +552,6 @@ def decode_qkv_rope_reference(x, weights, *, norm_weight=None, eps=1e-6, cos, si
     v = y[:, nq + nk:].reshape(M, 1, -1, hd).transpose(1, 2)
     kc, vc = k_cache[:M], v_cache[:M]
     q_rot = rope_kv_append_reference(k, v, cos, sin, kc, vc, positions, next_position, sink=sink, query=q)
-    from .kv_write import ring_slots
-
     slot = ring_slots(next_position.reshape(1), k_cache.shape[2], sink)
     k_rot = kc.index_select(2, slot).transpose(1, 2).reshape(M, nk)
     return torch.cat((q_rot.transpose(1, 2).reshape(M, nq), k_rot, y[:, nq + nk:]), dim=-1)
