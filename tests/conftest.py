@@ -1,7 +1,15 @@
 """Test setup: run the Triton kernels through the interpreter when there is no GPU, and poison every
-buffer the kernels allocate with NaN, so a masked-out or forgotten store shows up as a failure."""
+buffer the kernels allocate with NaN, so a masked-out or forgotten store shows up as a failure.
+
+This file is the only place that sets the process environment. Triton picks interpreter or compiler when a
+kernel is decorated (`triton.jit` reads TRITON_INTERPRET at import), so a test module that set it while being
+collected would turn every kernel imported later into an interpreted one, CUDA tests included: collection
+fails on any module that changes os.environ, and on a CUDA machine every CUDA test checks afterwards that no
+Tigon kernel is an interpreted one.
+"""
 
 import os
+import sys
 
 import torch
 
@@ -37,3 +45,49 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    if after != before:
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        os.environ.clear()
+        os.environ.update(before)
+        raise pytest.UsageError(f"{collector.nodeid or collector.path}: importing it changed os.environ {changed}; "
+                                "tests may set the environment only in tests/conftest.py or in a subprocess's env")
+
+
+def interpreted_kernels() -> list[str]:
+    """Names of the loaded Tigon kernels that Triton built as interpreted functions (autotuner and heuristics
+    wrappers unwrapped)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return []
+    found = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("tigon.") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            while hasattr(value, "fn") and not isinstance(value, InterpretedFunction):
+                value = value.fn
+            if isinstance(value, InterpretedFunction):
+                found.append(f"{name}.{attr}")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def cuda_kernels_are_native(request):
+    """On a CUDA device the GPU suite must test compiled kernels: fail a CUDA test if any Tigon kernel was built
+    by Triton's interpreter."""
+    yield
+    params = getattr(request.node, "callspec", None)
+    on_cuda = params is not None and any(
+        (isinstance(v, torch.device) and v.type == "cuda") or (isinstance(v, str) and v.startswith("cuda"))
+        for v in params.params.values())
+    if on_cuda or "gpu" in request.node.keywords:
+        interpreted = interpreted_kernels()
+        assert not interpreted, f"CUDA test ran with interpreted Triton kernels: {interpreted[:5]}"
