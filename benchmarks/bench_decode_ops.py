@@ -1,16 +1,17 @@
 """Decode-step kernels at the 1.5B Llama shapes (H2048, 32 q / 8 kv heads of 64, I8192, V128256):
 `ops.decode_linear` (fused norm / q,k,v / GLU / residual) against cuBLAS doing the same work unfused, and
 `ops.decode_attention` launch settings. GPU only; weights are replicated so L2 stays cold, and the
-timing below is CUDA-graph replays (a decode step is a graph: host time would hide the kernels).
+timing below is CUDA-graph replays (a decode step is a graph: host time would hide the kernels). Each
+setting is a config passed to the op (`tigon.ops._config`), never a module attribute.
 
     PYTHONPATH=src python benchmarks/bench_decode_ops.py --out benchmarks/results [--quick]
 
-Writes decode_ops.json / decode_ops.md: per shape and batch the cuBLAS time, the best decode_linear launch
-config and its time, GB/s of weight bytes and the fraction of the copy ceiling measured in the same run.
+Writes decode_ops.json / decode_ops.md: per shape and batch the cuBLAS time, the library's default launch,
+the best decode_linear launch config and its time, GB/s of weight bytes and the fraction of the copy ceiling
+measured in the same run. A winner that beats the default is a new default in `decode_linear._pick_config`.
 """
 
 import argparse
-import importlib
 import itertools
 import json
 import os
@@ -19,10 +20,11 @@ import time
 
 import torch
 
+from tigon.ops._config import DecodeAttentionConfig, DecodeLinearConfig
+
 H, HQ, HKV, D, INTER, VOCAB = 2048, 32, 8, 64, 8192, 128256
-CONFIGS = list(itertools.product((16, 32, 64), (256, 512), (4, 8), (3, 4), (1, 2, 4)))  # (BN, BK, warps, stages, split)
-# The M == 1 experiment: fp32 multiply-adds instead of tl.dot (no 16-row padding; BN below 16 allowed).
-CONFIGS += [c + (True,) for c in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (3,), (1, 4))]
+CONFIGS = [DecodeLinearConfig(*c) for c in  # (BN, BK, warps, stages, split)
+           itertools.product((16, 32, 64), (256, 512), (4, 8), (3, 4), (1, 2, 4))]
 REPLICA_BYTES = 256 << 20  # each timed graph streams >= 256 MiB of distinct weights: L2 (50 MiB) stays cold
 
 
@@ -62,7 +64,8 @@ def copy_ceiling_gbps():
 
 
 def linear_cases(m):
-    """(name, weight bytes, glu, [cuBLAS callables], [decode_linear callables]) at batch m, one per replica."""
+    """(name, weight bytes, glu, [cuBLAS callables], [decode_linear callables of a config (None: the default
+    launch)]) at batch m, one per replica."""
     from tigon import ops
 
     dt, dev = torch.bfloat16, "cuda"
@@ -86,76 +89,71 @@ def linear_cases(m):
             ws = [w(n, k) for n, k in shapes]
             if name == "qkv+norm":
                 cub.append(lambda ws=ws: [F.linear(ops.rms_norm(x, nw, 1e-5), wi) for wi in ws])
-                fused.append(lambda ws=ws: ops.decode_linear(x, ws, norm_weight=nw, eps=1e-5))
+                fused.append(lambda cfg, ws=ws: ops.decode_linear(x, ws, norm_weight=nw, eps=1e-5, config=cfg))
             elif name == "o+residual":
                 cub.append(lambda ws=ws: x + F.linear(x, ws[0]))
-                fused.append(lambda ws=ws: ops.decode_linear(x, ws[0], residual=x))
+                fused.append(lambda cfg, ws=ws: ops.decode_linear(x, ws[0], residual=x, config=cfg))
             elif glu:
                 cub.append(lambda ws=ws: ops.swiglu(F.linear(ops.rms_norm(x, nw, 1e-5), ws[0]),
                                                     F.linear(ops.rms_norm(x, nw, 1e-5), ws[1])))
-                fused.append(lambda ws=ws: ops.decode_linear(x, ws, norm_weight=nw, eps=1e-5, activation="silu"))
+                fused.append(lambda cfg, ws=ws: ops.decode_linear(x, ws, norm_weight=nw, eps=1e-5, activation="silu",
+                                                                  config=cfg))
             elif name == "down+residual":
                 cub.append(lambda ws=ws: x + F.linear(xi, ws[0]))
-                fused.append(lambda ws=ws: ops.decode_linear(xi, ws[0], residual=x))
+                fused.append(lambda cfg, ws=ws: ops.decode_linear(xi, ws[0], residual=x, config=cfg))
             else:
                 cub.append(lambda ws=ws: F.linear(x, ws[0]))
-                fused.append(lambda ws=ws: ops.decode_linear(x, ws[0]))
+                fused.append(lambda cfg, ws=ws: ops.decode_linear(x, ws[0], config=cfg))
         out.append((name, nbytes, glu, cub, fused))
     return out
 
 
+def _with(fns, cfg):
+    return [lambda f=f: f(cfg) for f in fns]
+
+
 def sweep_linear(batches, quick, ceiling):
-    mod = importlib.import_module("tigon.ops.decode_linear")
-    pdl = importlib.import_module("tigon.ops._pdl")
     rows, ranked = [], {}
     for m in batches:
         for name, nbytes, glu, cub, fused in linear_cases(m):
             t_cublas = _graph_time(cub)
-            mod.CONFIG = None
-            saved = pdl.ENABLED
-            pdl.ENABLED = False  # the library's default: plain launches
-            t_default = _graph_time(fused)
-            pdl.ENABLED = None  # the same launches with programmatic dependent launch (where the GPU has it)
-            t_pdl = _graph_time(fused)
-            pdl.ENABLED = saved
+            t_default = _graph_time(_with(fused, None))  # the library's launch for the shapes
             if name == "lm_head" or quick:
                 configs = []
             elif m == batches[0]:
-                configs = [c for c in CONFIGS if not (glu and c[4] > 1)]
+                configs = [c for c in CONFIGS if not (glu and c.split_k > 1)]
             else:  # later batches: the first batch's five best
                 configs = ranked.get(name, [])[:5]
             results = []
             for cfg in configs:
-                mod.CONFIG = cfg
                 try:
-                    results.append((cfg, _graph_time(fused)))
+                    results.append((cfg, _graph_time(_with(fused, cfg))))
                 except Exception as e:  # a config the compiler refuses (shared memory): skip it
                     print(f"  {name} m={m} {cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
             results.sort(key=lambda r: r[1])
             # The winner must also be right: its output against cuBLAS's unfused one (bf16: a few ulps).
-            mod.CONFIG = results[0][0] if results else None
-            got, want = fused[0](), cub[0]()
+            got, want = fused[0](results[0][0] if results else None), cub[0]()
             if isinstance(want, list):
                 want = torch.cat(want, dim=-1)
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-            mod.CONFIG = None
             if m == batches[0]:
                 ranked[name] = [c for c, _ in results]
             best = results[0] if results else (None, t_default)
             gbps = nbytes / best[1] / 1e6
             row = dict(op=name, batch=m, weight_MB=round(nbytes / 1e6, 1), cublas_us=round(1e3 * t_cublas, 2),
-                       default_us=round(1e3 * t_default, 2), default_pdl_us=round(1e3 * t_pdl, 2),
-                       best_us=round(1e3 * best[1], 2), best_config=best[0],
+                       default_us=round(1e3 * t_default, 2), best_us=round(1e3 * best[1], 2),
+                       best_config=best[0].ints() if best[0] else None,
                        best_GBps=round(gbps), best_frac_copy=round(gbps / ceiling, 3),
                        cublas_GBps=round(nbytes / t_cublas / 1e6), max_rel_err_vs_cublas=round(err, 5),
-                       top=[(c, round(1e3 * t, 2)) for c, t in results[:8]])
+                       top=[(c.ints(), round(1e3 * t, 2)) for c, t in results[:8]])
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
 
 
 def sweep_attention(batches, capacity, quick):
-    mod = importlib.import_module("tigon.ops.decode_attention")
+    from tigon import ops
+
     rows = []
     dt = torch.bfloat16
     for b in batches:
@@ -167,16 +165,17 @@ def sweep_attention(batches, capacity, quick):
             pos = torch.arange(capacity, device="cuda")
             qpos = torch.full((b,), capacity, device="cuda")
             calls.append((q, kc, vc, pos, qpos))
-        fns = [lambda a=a: mod.decode_attention(*a) for a in calls]
+
+        def fns(cfg, calls=calls):
+            return [lambda a=a: ops.decode_attention(*a, config=cfg) for a in calls]
+
         results = []
-        defaults = (mod._MIN_SPLIT_SLOTS, mod._BLOCK_N, mod._NUM_WARPS)  # the library's, restored below
         for min_slots, block_n, warps in itertools.product((32, 64, 128, 256), (16, 32, 64), (2, 4)):
             if quick and (warps == 2 or block_n == 16):
                 continue
-            mod._MIN_SPLIT_SLOTS, mod._BLOCK_N, mod._NUM_WARPS = min_slots, block_n, warps
-            results.append(((min_slots, block_n, warps), _graph_time(fns)))
-        mod._MIN_SPLIT_SLOTS, mod._BLOCK_N, mod._NUM_WARPS = defaults
-        t_default = _graph_time(fns)
+            cfg = DecodeAttentionConfig(min_split_slots=min_slots, block_n=block_n, num_warps=warps)
+            results.append(((min_slots, block_n, warps), _graph_time(fns(cfg))))
+        t_default = _graph_time(fns(None))  # the library's settings
         best = min(results, key=lambda r: r[1])
         row = dict(op="decode_attention", batch=b, capacity=capacity, default_us=round(1e3 * t_default, 2),
                    best_us=round(1e3 * best[1], 2), best_config=dict(min_split_slots=best[0][0],
@@ -195,13 +194,11 @@ def write(out, meta, lin, att):
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; copy ceiling "
              f"{meta['copy_GBps']:.0f} GB/s measured in this run. Times: CUDA-graph replays of back-to-back calls "
              "over >= 256 MiB of distinct weights (cold L2, no host time), median of 8.", "",
-             "| op | batch | weight MB | cuBLAS (unfused) us | tigon default us | default with PDL | tigon best us | "
-             "best (BN, BK, warps, "
-             "stages, split-K) | best GB/s | of copy ceiling | speedup vs cuBLAS |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| op | batch | weight MB | cuBLAS (unfused) us | tigon default us | tigon best us | "
+             "best (BN, BK, warps, stages, split-K) | best GB/s | of copy ceiling | speedup vs cuBLAS |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in lin:
         lines.append(f"| {r['op']} | {r['batch']} | {r['weight_MB']} | {r['cublas_us']} | {r['default_us']} | "
-                     f"{r['default_pdl_us']} | "
                      f"{r['best_us']} | {tuple(r['best_config'] or ('default',))} | {r['best_GBps']} | "
                      f"{r['best_frac_copy']:.1%} | "
                      f"x{r['cublas_us'] / r['best_us']:.2f} |")
@@ -236,14 +233,6 @@ def main():
         lin = sweep_linear(batches, args.quick, ceiling)
         att = sweep_attention(batches, args.capacity, args.quick)
     meta["seconds"] = round(time.time() - t0, 1)
-    # The batch-1 winners as a table decode_linear reads (TIGON_DECODE_LINEAR_TUNED=path): "KxNxglu" -> config.
-    os.makedirs(args.out, exist_ok=True)
-    shapes = {"qkv+norm": (H, H + 2 * HKV * D, 0), "o+residual": (H, H, 0), "gate_up+norm+swiglu": (H, INTER, 1),
-              "down+residual": (INTER, H, 0)}
-    tuned = {"x".join(map(str, shapes[r["op"]])): r["best_config"] for r in lin
-             if r["batch"] == batches[0] and r["op"] in shapes and r["best_config"]}
-    with open(os.path.join(args.out, "decode_linear_tuned.json"), "w") as f:
-        json.dump(tuned, f, indent=1)
     write(args.out, meta, lin, att)
 
 

@@ -1,4 +1,3 @@
-import importlib
 import math
 
 import pytest
@@ -7,11 +6,15 @@ import torch.nn.functional as F
 
 from tests._grid import DTYPES, assert_bound, assert_no_sync_and_deterministic, randn
 from tigon import ops
+from tigon.ops._config import DecodeAttentionConfig
 from tigon.ops.decode_attention import decode_attention, decode_attention_reference
 
-da = importlib.import_module("tigon.ops.decode_attention")  # the module: tigon.ops.decode_attention is the op
-
 B, HQ, HKV = 2, 4, 2
+
+
+def _splits(n):
+    """The launch with n splits of the cache (the heuristic's 2 on the interpreter, made explicit)."""
+    return DecodeAttentionConfig(n_splits=n)
 
 
 def _slot_pos(layout, C, q_pos, seed=0):
@@ -71,8 +74,8 @@ def _eager_in_dtype(q, k, v, sp, qp, scale=None, sliding_window=None, softcap=No
     return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def _check(name, q, k, v, sp, qp, dtype, **kw):
-    out = decode_attention(q, k, v, sp, qp, **kw)
+def _check(name, q, k, v, sp, qp, dtype, config=None, **kw):
+    out = decode_attention(q, k, v, sp, qp, config=config, **kw)
     ref = decode_attention_reference(q.double(), k.double(), v.double(), sp, qp, **kw)
     assert out.dtype == dtype and out.shape == q.shape
     assert_bound(name, out, _eager_in_dtype(q, k, v, sp, qp, **kw), ref, dtype)
@@ -82,30 +85,28 @@ def _check(name, q, k, v, sp, qp, dtype, **kw):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout,D,C", [("linear", 16, 23), ("wrapped", 64, 7), ("sinks", 16, 40),
                                         ("shuffled", 64, 23)])
-def test_matches_reference(device, dtype, layout, D, C, monkeypatch):
-    monkeypatch.setattr(da, "_N_SPLITS", 2)
-    _check(f"{layout} D={D} C={C}", *_inputs(dtype, D, C, layout, device=device), dtype)
+def test_matches_reference(device, dtype, layout, D, C):
+    _check(f"{layout} D={D} C={C}", *_inputs(dtype, D, C, layout, device=device), dtype, config=_splits(2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kw", [dict(sliding_window=5), dict(softcap=1.5), dict(sliding_window=9, softcap=3.0,
                                                                                   scale=0.7)])
-def test_window_softcap_scale(device, dtype, kw, monkeypatch):
-    monkeypatch.setattr(da, "_N_SPLITS", 2)
+def test_window_softcap_scale(device, dtype, kw):
     q, k, v, sp, qp = _inputs(dtype, 16, 31, "wrapped", device=device)
     if "sliding_window" in kw:  # the window cuts into the filled part of the ring
         assert (_allowed(sp, qp, None).sum(1) > kw["sliding_window"]).all()
-    _check(f"{kw}", q * 3, k, v, sp, qp, dtype, **kw)  # * 3: scores up to ~20, where the softcap bends
+    _check(f"{kw}", q * 3, k, v, sp, qp, dtype, config=_splits(2), **kw)  # * 3: scores ~20, the softcap bends
 
 
 @pytest.mark.parametrize("n_splits", [1, 2, 3, 5])
-def test_splits(device, n_splits, monkeypatch):
+def test_splits(device, n_splits):
     # C = 40 in 16-slot steps: 1 split of 3 steps, 2 of 32 + 8 slots, 3 (= 3 chunks of 16), 5 -> 3 chunks
-    monkeypatch.setattr(da, "_N_SPLITS", n_splits)
+    cfg = _splits(n_splits)
     inputs = _inputs(torch.float32, 16, 40, "sinks", device=device)
-    out = _check(f"splits={n_splits}", *inputs, torch.float32, sliding_window=30)
+    out = _check(f"splits={n_splits}", *inputs, torch.float32, config=cfg, sliding_window=30)
     # The merge sums in split order: the same bits every call.
-    assert all(torch.equal(out, decode_attention(*inputs, sliding_window=30)) for _ in range(3))
+    assert all(torch.equal(out, decode_attention(*inputs, sliding_window=30, config=cfg)) for _ in range(3))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -162,12 +163,11 @@ def test_large_group_split_over_programs(device):
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide")
 @pytest.mark.parametrize("n_splits", [1, 2])
-def test_nothing_attended_is_nan(device, n_splits, monkeypatch):
+def test_nothing_attended_is_nan(device, n_splits):
     """Impossible under the contract (the current token is in the cache); if broken, NaN, never a silent 0."""
-    monkeypatch.setattr(da, "_N_SPLITS", n_splits)
     q, k, v, sp, qp = _inputs(torch.float32, 16, 20, "linear", device=device)
     sp[0] = torch.where(sp[0] >= 0, sp[0] + 100, -1)  # all of sequence 0's slots are in its future
-    out = decode_attention(q, k, v, sp, qp)
+    out = decode_attention(q, k, v, sp, qp, config=_splits(n_splits))
     assert out[0].isnan().all() and torch.isfinite(out[1]).all()
     ref = decode_attention_reference(q, k, v, sp, qp)
     assert ref[0].isnan().all()
@@ -176,19 +176,20 @@ def test_nothing_attended_is_nan(device, n_splits, monkeypatch):
 
 @pytest.mark.parametrize("n_splits", [1, 3])
 @pytest.mark.parametrize("shared", [True, False])
-def test_advance_q_pos(device, n_splits, shared, monkeypatch):
+def test_advance_q_pos(device, n_splits, shared):
     """advance_q_pos adds one to the caller's positions after they are read: the output is the one at the old
     positions (the merge kernel carries the add; one split falls back to a separate add)."""
-    monkeypatch.setattr(da, "_N_SPLITS", n_splits)
+    cfg = _splits(n_splits)
     q, k, v, sp, qp = _inputs(torch.float32, 16, 40, "wrapped", device=device)
     if shared:
         qp, sp = qp[:1].clone(), sp[0]
     counter = qp.clone()
-    out = decode_attention(q, k, v, sp, counter, sliding_window=30, advance_q_pos=True)
-    torch.testing.assert_close(out, decode_attention(q, k, v, sp, qp, sliding_window=30), rtol=0, atol=0)
+    out = decode_attention(q, k, v, sp, counter, sliding_window=30, advance_q_pos=True, config=cfg)
+    torch.testing.assert_close(out, decode_attention(q, k, v, sp, qp, sliding_window=30, config=cfg), rtol=0,
+                               atol=0)
     assert torch.equal(counter, qp + 1)
     zero_d = qp[0].clone()  # a 0-d counter
-    decode_attention(q, k, v, sp, zero_d, advance_q_pos=True)
+    decode_attention(q, k, v, sp, zero_d, advance_q_pos=True, config=cfg)
     assert zero_d.item() == qp[0].item() + 1
     if not shared:  # (one element is contiguous whatever its stride)
         with pytest.raises(ValueError, match="advance_q_pos=True needs a contiguous q_pos"):
@@ -261,20 +262,36 @@ def test_grad_tensors_under_no_grad_are_fine(device):
         assert torch.isfinite(decode_attention(q.requires_grad_(), k, v, sp, qp)).all()
 
 
-def test_opcheck(device, monkeypatch):
-    monkeypatch.setattr(da, "_N_SPLITS", 2)
+def test_opcheck(device):
     q, k, v, sp, qp = _inputs(torch.bfloat16, 16, 20, "wrapped", device=device)
-    torch.library.opcheck(torch.ops.tigon.decode_attention, (q, k, v, sp, qp, 0.25, 8, 5.0))
+    torch.library.opcheck(torch.ops.tigon.decode_attention, (q, k, v, sp, qp, 0.25, 8, 5.0, _splits(2).ints()))
     # slot_pos [C]: sp[1] (positions 0..13) is attended by both sequences
     torch.library.opcheck(torch.ops.tigon.decode_attention, (q, k, v, sp[1], qp, 0.25, 0, 0.0))
 
 
-def test_compile_fullgraph_uses_the_custom_op(device):
+@pytest.mark.parametrize("config", [None, DecodeAttentionConfig(n_splits=3, block_n=16, num_warps=2)],
+                         ids=["default", "config"])
+def test_compile_fullgraph_uses_the_custom_op(device, config):
+    # A config passed in crosses the custom-op boundary as plain ints (a frozen dataclass is no op argument).
     backend = "inductor" if device.type == "cuda" else "aot_eager"
-    q, k, v, sp, qp = _inputs(torch.float32, 16, 20, "wrapped", device=device)
-    fn = lambda q, k, v, sp, qp: decode_attention(q * 2, k, v, sp, qp + 0, softcap=4.0).sum(1)
+    q, k, v, sp, qp = _inputs(torch.float32, 16, 40, "wrapped", device=device)
+    fn = lambda q, k, v, sp, qp: decode_attention(q * 2, k, v, sp, qp + 0, softcap=4.0, config=config).sum(1)
     torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend=backend)(q, k, v, sp, qp),
                                fn(q, k, v, sp, qp))
+
+
+def test_config_is_a_frozen_validated_value():
+    cfg = DecodeAttentionConfig(n_splits=3)
+    with pytest.raises(AttributeError):
+        cfg.n_splits = 4
+    assert DecodeAttentionConfig(*cfg.ints()) == cfg
+    for bad, match in ((dict(block_n=24), "block_n must be a power of two"), (dict(block_n=8), "block_n must be 0 or"),
+                       (dict(n_splits=-1), "n_splits must be an int >= 0"), (dict(min_split_slots=0), "min_split")):
+        with pytest.raises(ValueError, match=f"DecodeAttentionConfig: {match}"):
+            DecodeAttentionConfig(**bad)
+    q, k, v, sp, qp = _inputs(torch.float32, 16, 7, "linear")
+    with pytest.raises(TypeError, match="decode_attention: config must be a tigon.ops._config.DecodeAttentionConfig"):
+        decode_attention(q, k, v, sp, qp, config=dict(n_splits=2))
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ import triton.language as tl
 from tests._grid import DTYPES, UNIT_ROUNDOFF, assert_bound, err, randn
 from tigon import ops
 from tigon.ops import reference
+from tigon.ops._config import DecodeLinearConfig
 from tigon.ops.decode_linear import decode_linear, decode_linear_reference
 
 dl = importlib.import_module("tigon.ops.decode_linear")  # the module: tigon.ops.decode_linear is the op
@@ -52,10 +53,6 @@ def grids(monkeypatch):
 
     monkeypatch.setattr(dl, "_decode_linear_kernel", Spy())
     return seen
-
-
-def _set_config(monkeypatch, config):
-    monkeypatch.setattr(dl, "CONFIG", config)
 
 
 @triton.jit
@@ -132,10 +129,10 @@ def _assert_workspace_clean():
         assert not counters.any(), "split-K arrival counters left in the workspace"
 
 
-def _check(name, x, weights, **kw):
+def _check(name, x, weights, config=None, **kw):
     dtype = x.dtype
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
-    y = decode_linear(x, weights, **kw)
+    y = decode_linear(x, weights, config=config, **kw)
     spec = decode_linear_reference(x, ws, **kw)
     exact = decode_linear_reference(
         x.double(), [w.double() for w in ws], norm_weight=_d64(kw.get("norm_weight")), eps=kw.get("eps", 1e-6),
@@ -201,27 +198,26 @@ def test_odd_sizes(device, dtype, M, K, ns):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=lambda c: f"n{c[0]}k{c[1]}s{c[4]}")
-def test_split_k_and_column_blocks(device, dtype, config, monkeypatch, grids):
-    """SPLIT_K 1/2/3 and BLOCK_N 16/32 from CONFIG: three weights with a norm and a residual over two row
-    blocks; the grid has the split the config asks for and the workspace is zero again after each call."""
-    _set_config(monkeypatch, config)
+def test_split_k_and_column_blocks(device, dtype, config, grids):
+    """SPLIT_K 1/2/3 and BLOCK_N 16/32 from the config passed in: three weights with a norm and a residual over
+    two row blocks; the grid has the split the config asks for and the workspace is zero again after each call."""
+    cfg = DecodeLinearConfig(*config)
     block_n, split = config[0], SPLIT_CONFIGS[config]
     ns = (33, 5, 18)
     x, ws, nw, r = _inputs(dtype, 17, 130, ns, device=device, norm=True, residual=True, seed=split)
-    _check(f"{dtype} {config}", x, ws, norm_weight=nw, residual=r)
+    _check(f"{dtype} {config}", x, ws, norm_weight=nw, residual=r, config=cfg)
     n_blocks = sum(-(-n // block_n) for n in ns)
     assert grids == [(n_blocks, 2, split)]
     # Again without the extras and at one row: the cleaned workspace is reused.
-    _check(f"{dtype} {config} M=1", x[:1], ws[0])
+    _check(f"{dtype} {config} M=1", x[:1], ws[0], config=cfg)
     assert grids[-1] == (-(-33 // block_n), 1, split)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_split_k_config_is_ignored_with_an_activation(device, act, monkeypatch, grids):
-    # Two accumulators (gate and up): the launcher runs one split whatever CONFIG says.
-    _set_config(monkeypatch, (32, 32, 4, 1, 3))
+def test_split_k_config_is_ignored_with_an_activation(device, act, grids):
+    # Two accumulators (gate and up): the launcher runs one split whatever the config says.
     x, ws, nw, r = _inputs(torch.bfloat16, 3, 130, (40, 40), device=device, norm=True, residual=True, glu=True)
-    _check(act, x, ws, norm_weight=nw, residual=r, activation=act)
+    _check(act, x, ws, norm_weight=nw, residual=r, activation=act, config=DecodeLinearConfig(32, 32, 4, 1, 3))
     assert grids == [(2, 1, 1)]
 
 
@@ -235,12 +231,11 @@ def _grid_values(*shape, dtype, device, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", ["norm", "residual", "qkv+residual", "silu+residual", "gelu_tanh+residual"])
-def test_rounding_points_bit_for_bit(device, dtype, case, monkeypatch):
+def test_rounding_points_bit_for_bit(device, dtype, case):
     """Where the unfused modules round (the norm output before its weight, the weighted norm, each projection,
     the GLU product, the sum with the residual), the kernel rounds: on exact fp32 sums its output is the
     spec's bit for bit. Where an approximate function comes first (the norm's rsqrt, the activations' exp: an
     fp32 ulp off on a GPU), a rare 1-ulp flip is allowed; a rounding left out flips a large share."""
-    _set_config(monkeypatch, (16, 32, 4, 1, 2))  # split-K too: exact partial sums add up exactly
     M, K = 3, 77
     if case == "norm":  # identity weights: the output is the normalized, weighted x itself (a one-term sum)
         x = randn(M, K, dtype=dtype, device=device)
@@ -253,7 +248,7 @@ def test_rounding_points_bit_for_bit(device, dtype, case, monkeypatch):
         ws = [_grid_values(n, K, dtype=dtype, device=device, seed=2 + i) for i, n in enumerate(ns)]
         r = randn(M, ns[0] if act else sum(ns), dtype=dtype, device=device, scale=4.0)
         kw = dict(activation=act, residual=r)
-    y = decode_linear(x, ws, **kw)
+    y = decode_linear(x, ws, **kw, config=DecodeLinearConfig(16, 32, 4, 1, 2))  # split-K: exact sums add up exactly
     truncate = dtype == torch.bfloat16 and _bf16_cast_truncates(x.device)
     spec = _spec(x, ws, **kw, truncate=truncate)
     if case in ("residual", "qkv+residual"):
@@ -265,8 +260,21 @@ def test_rounding_points_bit_for_bit(device, dtype, case, monkeypatch):
 
 
 def test_default_config_on_cpu():
-    assert dl.CONFIG is None
-    assert dl._pick_config(1, 130, 33, False, True, torch.device("cpu")) == (16, 64, 4, 1, 1)
+    assert dl._pick_config(1, 130, 33, False, True, torch.device("cpu")) == DecodeLinearConfig(16, 64, 4, 1, 1)
+
+
+def test_config_is_a_frozen_validated_value():
+    cfg = DecodeLinearConfig(32, 256, 4, 4, 1)
+    with pytest.raises(AttributeError):
+        cfg.block_n = 64  # frozen: a sweep passes another config, it never edits one
+    assert DecodeLinearConfig(*cfg.ints()) == cfg
+    for bad, match in (((24, 256), "block_n must be a power of two"), ((32, 8), "block_k must be >= 16"),
+                       ((32, 256, 3), "num_warps must be a power of two"), ((32, 256, 4, 0), "num_stages must be"),
+                       ((32, 256, 4, 3, True), "split_k must be an int")):
+        with pytest.raises(ValueError, match=f"DecodeLinearConfig: {match}"):
+            DecodeLinearConfig(*bad)
+    with pytest.raises(TypeError, match="decode_linear: config must be a tigon.ops._config.DecodeLinearConfig"):
+        decode_linear(torch.ones(3, 16), torch.ones(8, 16), config=(16, 16, 4, 1, 1))
 
 
 def test_large_gate_values_reach_both_activation_tails(device):
@@ -328,19 +336,19 @@ def test_non_contiguous_x_and_residual(device, dtype):
             assert (y == y[:1]).all()
 
 
-def test_three_weights_match_one_at_a_time(device, monkeypatch):
+def test_three_weights_match_one_at_a_time(device):
     """q, k, v of different N in one launch equal the three single-weight launches bit for bit (the same config
     tiles each weight from its own column 0). The kernel addresses weights 1 and 2 by element offsets from
     weight 0: separate allocations, row blocks of one buffer in reverse memory order (negative offsets), and
     one weight twice (offset 0)."""
-    _set_config(monkeypatch, (16, 32, 4, 1, 2))
+    cfg = DecodeLinearConfig(16, 32, 4, 1, 2)
     x, _, nw, _ = _inputs(torch.float32, 3, 130, (), device=device, norm=True)
     torch.manual_seed(5)
     packed = randn(33 + 5 + 18, 130, device=device, scale=130**-0.5)
     wv, wk, wq = packed.split([18, 5, 33])  # memory order v, k, q: q's offsets to k and v are negative
     for weights in ([wq.clone(), wk.clone(), wv.clone()], [wq, wk, wv], [wv, wk, wq], [wk, wk, wq]):
-        y = _check("qkv", x, weights, norm_weight=nw)
-        alone = torch.cat([decode_linear(x, w, norm_weight=nw) for w in weights], dim=-1)
+        y = _check("qkv", x, weights, norm_weight=nw, config=cfg)
+        alone = torch.cat([decode_linear(x, w, norm_weight=nw, config=cfg) for w in weights], dim=-1)
         assert torch.equal(y, alone)
 
 
@@ -380,25 +388,26 @@ def test_runs_the_kernel_on_this_device(device):
     assert ops.dispatch_counts[("decode_linear", "reference")] == ref_before
 
 
-def test_opcheck(device, monkeypatch):
-    _set_config(monkeypatch, (16, 16, 4, 1, 2))  # through the split-K path and its workspace
+def test_opcheck(device):
+    split = DecodeLinearConfig(16, 16, 4, 1, 2).ints()  # through the split-K path and its workspace
     x, ws, nw, r = _inputs(torch.bfloat16, 3, 32, (16, 8), device=device, norm=True, residual=True)
     # aot_dispatch is left to the fullgraph compile test below (it alone takes seconds on the interpreter)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(torch.ops.tigon.decode_linear, (x, ws, nw, 1e-6, r, 0), test_utils=utils)
+    torch.library.opcheck(torch.ops.tigon.decode_linear, (x, ws, nw, 1e-6, r, 0, split), test_utils=utils)
     glu = _inputs(torch.bfloat16, 3, 32, (8, 8), device=device)[1]
     torch.library.opcheck(torch.ops.tigon.decode_linear, (x, glu, None, 1e-6, None, 1), test_utils=utils)
     _assert_workspace_clean()
 
 
-def test_compile_fullgraph_uses_the_custom_op(device, monkeypatch):
-    _set_config(monkeypatch, (16, 32, 4, 1, 2))
+def test_compile_fullgraph_uses_the_custom_op(device, grids):
+    # A config passed in reaches the custom op as plain ints: the traced launch is that config's (split 2).
+    cfg = DecodeLinearConfig(16, 32, 4, 1, 2)
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     x, ws, nw, r = _inputs(torch.float32, 3, 77, (18, 5), device=device, norm=True, residual=True)
     gate, up = _inputs(torch.float32, 3, 23, (8, 8), device=device)[1]
 
     def fn(x, r):
-        h = decode_linear(x * 2, ws, norm_weight=nw, eps=1e-5, residual=r)
+        h = decode_linear(x * 2, ws, norm_weight=nw, eps=1e-5, residual=r, config=cfg)
         return decode_linear(h, [gate, up], activation="silu") + 1
 
     torch._dynamo.reset()
@@ -406,6 +415,7 @@ def test_compile_fullgraph_uses_the_custom_op(device, monkeypatch):
     got = torch.compile(fn, fullgraph=True, backend=backend)(x, r)
     assert ops.dispatch_counts[("decode_linear", "triton")] == before  # traced: no eager dispatch counted
     torch.testing.assert_close(got, fn(x, r), rtol=0, atol=0)
+    assert (-(-18 // 16) + 1, 1, 2) in grids  # the first launch took the config's split
     _assert_workspace_clean()
 
 
@@ -510,15 +520,15 @@ def test_bad_argument_types_name_the_op(kw):
         decode_linear(torch.ones(3, 16), torch.ones(8, 16), **kw)
 
 
-def test_split_k_sums_in_split_order_every_call(monkeypatch):
+def test_split_k_sums_in_split_order_every_call():
     # The partial tiles are summed by the last split in split order (not by float atomics in arrival order):
     # repeated calls give the same bits, and each equals the sum of the per-split products in that order.
-    monkeypatch.setattr(dl, "CONFIG", (16, 16, 4, 1, 4))
+    cfg = DecodeLinearConfig(16, 16, 4, 1, 4)
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(2, 64, generator=g), torch.randn(24, 64, generator=g)
     with torch.no_grad():
-        first = decode_linear(x, w)
-        assert all(torch.equal(first, decode_linear(x, w)) for _ in range(3))
+        first = decode_linear(x, w, config=cfg)
+        assert all(torch.equal(first, decode_linear(x, w, config=cfg)) for _ in range(3))
         parts = [x[:, i:i + 16] @ w[:, i:i + 16].t() for i in range(0, 64, 16)]
         in_order = ((parts[0] + parts[1]) + parts[2]) + parts[3]
     torch.testing.assert_close(first, in_order, rtol=1e-6, atol=1e-6)
@@ -528,20 +538,3 @@ def test_split_k_sums_in_split_order_every_call(monkeypatch):
 def test_no_features_is_refused():
     with pytest.raises(ValueError, match="decode_linear: x must have K >= 1"):
         decode_linear(torch.ones(2, 0), torch.ones(3, 0))
-
-
-@pytest.mark.parametrize("config", [(8, 32, 4, 1, 1, True), (16, 16, 4, 1, 3, True)], ids=["fma", "fma-split3"])
-def test_fma_mode_for_one_row(monkeypatch, config, device):
-    # The M == 1 experiment (CONFIG's sixth element): multiply-adds instead of tl.dot, same results; M > 1
-    # ignores it and takes the tl.dot path with the same blocks.
-    monkeypatch.setattr(dl, "CONFIG", config)
-    for m in (1, 3):
-        x, ws, nw, r = _inputs(torch.float32, m, 40, (24,), device=device, norm=True, residual=True)
-        with torch.no_grad():
-            got = decode_linear(x, ws, norm_weight=nw, residual=r)
-            g2 = decode_linear(x, [ws[0], ws[0] * 0.5], norm_weight=nw, activation="silu")
-        torch.testing.assert_close(got, decode_linear_reference(x, ws, norm_weight=nw, residual=r), rtol=1e-5,
-                                   atol=1e-5)
-        torch.testing.assert_close(g2, decode_linear_reference(x, [ws[0], ws[0] * 0.5], norm_weight=nw,
-                                                               activation="silu"), rtol=1e-5, atol=1e-5)
-    _assert_workspace_clean()

@@ -13,13 +13,12 @@ the small projections at a third of the bandwidth. `decode_layer_step` runs inst
     m   = decode_linear(h2, [Wgate, Wup], norm=post_attention_layernorm, activation=act)
     out = decode_linear(m, Wdown, residual=h2)
 
-With ROPE_IN_QKV the first two are one kernel (`decode_qkv_rope`; not for Qwen3's per-head q/k norms or a head
-dim that is not a multiple of 32), measured slower on an H200 and off by default. The roundings are the unfused
-modules' (each projection output, the norm output and the GLU product are rounded to the model dtype where they
-would be). It applies only where that is exactly what the layer's own forward computes: the "tigon" attention
-with RoPE on write (Llama, Mistral, Qwen2 without q/k/v bias, Qwen3), Tigon's RMSNorm modules in "llama"
-casting with no offset, plain bias-free nn.Linear projections in the model dtype, a SwiGLU or GeGLU MLP, no
-hooks, no autograd. Anything else returns None and the layer runs its forward as before.
+The roundings are the unfused modules' (each projection output, the norm output and the GLU product are
+rounded to the model dtype where they would be). It applies only where that is exactly what the layer's own
+forward computes: the "tigon" attention with RoPE on write (Llama, Mistral, Qwen2 without q/k/v bias, Qwen3),
+Tigon's RMSNorm modules in "llama" casting with no offset, plain bias-free nn.Linear projections in the model
+dtype, a SwiGLU or GeGLU MLP, no hooks, no autograd. Anything else returns None and the layer runs its forward
+as before. (Fusing RoPE and the cache write into the q/k/v projection measured slower: docs/ops/decode_linear.md.)
 """
 
 import torch
@@ -33,10 +32,6 @@ from ..modules.mlp import GeGLUMLP, SwiGLUMLP, plain_linear
 from .attention import NAME, _attention_forward, _decode, _mask_usable, _ring_layer, _slot_positions, _window
 
 _ACT = {SwiGLUMLP: "silu", GeGLUMLP: "gelu_tanh"}
-# q/k/v, RoPE and the cache write in one kernel (ops.decode_qkv_rope). Off: on the H200 1.5B Llama decode step
-# it measured slower than decode_linear + rope_kv_append (1.115 vs 1.072 ms at batch 1, 1.262 vs 1.235 at batch
-# 8; benchmarks/results/decode_pdl.md), the fused kernel's epilogue costing more than the launch it saves.
-ROPE_IN_QKV = False
 
 
 def _plain(lin, dtype) -> bool:
@@ -132,14 +127,6 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     return h2 + F.linear(m, down)
 
 
-def _rope_in_epilogue(cos, sin, head_dim, batch, ring, x) -> bool:
-    """Whether ops.decode_qkv_rope takes this step: HF's cos/sin of one token over the full head dim (a
-    multiple of 32) in the model dtype, and a ring of that dtype and device (else update_rope's checks run)."""
-    return (head_dim % 32 == 0 and ring.dtype == x.dtype and ring.device == x.device
-            and all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] in (1, batch) and t.shape[1] == 1
-                    and t.shape[2] == head_dim and t.dtype == x.dtype and t.stride(-1) == 1 for t in (cos, sin)))
-
-
 def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):
     """The layer's output for one decode step, or None where the layer must run its own forward."""
     attn = _tigon_attention(layer, position_embeddings)
@@ -159,23 +146,15 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
     nq, nk, d = wq.shape[0], wk.shape[0], attn.head_dim
     cos, sin = position_embeddings
+    qkv = ops.decode_linear(x, [wq, wk, wv], norm_weight=ln1.weight, eps=ln1.eps)
+    q = qkv[:, :nq].view(b, 1, -1, d)
+    k = qkv[:, nq:nq + nk].view(b, 1, -1, d)
+    v = qkv[:, nq + nk:].view(b, 1, -1, d)
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on the head dim before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
     # The ring's next position advances in the attention kernel, not in a kernel of its own.
-    if ROPE_IN_QKV and not hasattr(attn, "q_norm") and _rope_in_epilogue(cos, sin, d, b, ring, x):
-        # q/k/v, RoPE and the cache write in one kernel
-        keys, values, positions, nxt = ring.decode_write_target(b)
-        qkv = ops.decode_qkv_rope(x, [wq, wk, wv], norm_weight=ln1.weight, eps=ln1.eps, cos=cos, sin=sin,
-                                  k_cache=keys, v_cache=values, positions=positions, next_position=nxt,
-                                  sink=ring.sink)
-        q = qkv[:, :nq].view(b, -1, 1, d)
-    else:
-        qkv = ops.decode_linear(x, [wq, wk, wv], norm_weight=ln1.weight, eps=ln1.eps)
-        q = qkv[:, :nq].view(b, 1, -1, d)
-        k = qkv[:, nq:nq + nk].view(b, 1, -1, d)
-        v = qkv[:, nq + nk:].view(b, 1, -1, d)
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on the head dim before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2),
-                                           advance=False)
+    keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2),
+                                       advance=False)
     slot_pos = _slot_positions(ring, attention_mask, b)
     out = _decode(ring, q, keys, values, slot_pos, scaling=attn.scaling, sliding_window=_window(attn),
                   softcap=None, advanced=False)

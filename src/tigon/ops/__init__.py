@@ -4,7 +4,7 @@ pure-PyTorch reference otherwise; see `tigon.ops._library` for the dispatch rule
 from ._library import backend_for, dispatch_counts
 from .cross_entropy import cross_entropy
 from .decode_attention import decode_attention
-from .decode_linear import decode_linear, decode_qkv_rope
+from .decode_linear import decode_linear
 from .glu_mlp import geglu_mlp, swiglu_mlp
 from .kv_write import rope_kv_append, rope_kv_write
 from .layer_norm import layer_norm
@@ -20,7 +20,6 @@ __all__ = [
     "cross_entropy",
     "decode_attention",
     "decode_linear",
-    "decode_qkv_rope",
     "dispatch_counts",
     "geglu",
     "geglu_mlp",

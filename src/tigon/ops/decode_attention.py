@@ -26,19 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _library, _pdl
-from ._pdl import gdc_launch_dependents, gdc_wait
+from . import _launch, _library
+from ._config import DECODE_ATTENTION, DecodeAttentionConfig
 
-# Launch settings; None picks from the shapes. The GPU values are first guesses, to be swept on an H200.
-_N_SPLITS = None  # splits of the cache length per (sequence, kv head); tests force it
-_BLOCK_N = None  # slots per loop step: 64 for D <= 128 on GPU (16 on the interpreter, to run several steps)
-_NUM_WARPS = 4
-_NUM_STAGES = 3
-_SPLITS_PER_SM = 2  # target programs per SM for kernel 1
-# A split reads >= 64 slots: swept on an H200 (bench_decode_ops, 1.5B Llama shapes, C = 768): 256 -> 64 took the
-# step's attention from 9.3 to 5.4 us per layer at batch 1 (more programs in flight for a short cache).
-_MIN_SPLIT_SLOTS = 64
-_MAX_SPLITS = 64
+# Launch settings: a DecodeAttentionConfig (ops/_config.py), the measured defaults unless the caller passes one.
 _MAX_GROUP_BLOCK = 64  # query heads per program; a larger GQA group is split over programs
 MAX_HEAD_DIM = 256
 
@@ -80,11 +71,7 @@ def _decode_attention_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,  # ops/_pdl.py: the next kernel may launch now; q and the cache after the wait
 ):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     pid = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1)
     gblk = pid % n_gblk
@@ -186,11 +173,7 @@ def _decode_attention_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     if ADVANCE:  # the caller's position counter, for the next step: kernel 1 has finished reading it
         if row == 0:
@@ -214,20 +197,21 @@ def _decode_attention_merge_kernel(
     tl.store(OUT + b * stride_ob + hq * stride_oh + o_d, b_o.to(OUT.dtype.element_ty), mask=m_d)
 
 
-def _block_n(device, d_block: int) -> int:
-    if _BLOCK_N is not None:
-        return _BLOCK_N
+def _block_n(device, d_block: int, cfg: DecodeAttentionConfig) -> int:
+    if cfg.block_n:
+        return cfg.block_n
     if device.type != "cuda":
         return 16
     return 64 if d_block <= 128 else 32  # [64, 128] bf16 K and V tiles: 32 KiB in flight per stage
 
 
-def _num_splits(device, C: int, programs: int, block_n: int) -> int:
-    if _N_SPLITS is not None:
-        n = _N_SPLITS
+def _num_splits(device, C: int, programs: int, block_n: int, cfg: DecodeAttentionConfig) -> int:
+    if cfg.n_splits:
+        n = cfg.n_splits
     elif device.type == "cuda":
         target = _launch.sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        n = min(triton.cdiv(target * _SPLITS_PER_SM, programs), triton.cdiv(C, _MIN_SPLIT_SLOTS), _MAX_SPLITS)
+        n = min(triton.cdiv(target * cfg.splits_per_sm, programs), triton.cdiv(C, cfg.min_split_slots),
+                cfg.max_splits)
     else:
         n = 2  # the interpreter pays ~1 ms per program
     return max(1, min(n, triton.cdiv(C, block_n)))
@@ -241,7 +225,7 @@ def _dot_precision(dtype, interp: bool) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, advance=None):
+def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, advance=None, cfg=DECODE_ATTENTION):
     """advance: None, or the int64 tensor q_pos is a view of, to add one to once the positions are read."""
     B, Hq, _, D = q.shape
     Hkv, C = k_cache.shape[1], k_cache.shape[2]
@@ -254,8 +238,8 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
     block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs every dim >= 16
     block_g = min(max(16, triton.next_power_of_2(G)), _MAX_GROUP_BLOCK)
     n_gblk = triton.cdiv(G, block_g)
-    block_n = _block_n(q.device, block_d)
-    n_splits = _num_splits(q.device, C, B * Hkv * n_gblk, block_n)
+    block_n = _block_n(q.device, block_d, cfg)
+    n_splits = _num_splits(q.device, C, B * Hkv * n_gblk, block_n, cfg)
     chunk = triton.cdiv(triton.cdiv(C, n_splits), block_n) * block_n
     n_splits = triton.cdiv(C, chunk)  # no split without slots
     one = n_splits == 1
@@ -267,7 +251,7 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
         acc_part = torch.empty((B * Hq, n_splits, D), dtype=torch.float32, device=q.device)
     interp = q.device.type != "cuda"
     shared_pos = slot_pos.dim() == 1
-    _pdl.launch(_decode_attention_split_kernel, (B * Hkv * n_gblk, n_splits), (
+    _decode_attention_split_kernel[(B * Hkv * n_gblk, n_splits)](
         q, k_cache, v_cache, slot_pos, q_pos, out, m_part, l_part, acc_part,
         q.stride(0), q.stride(1), q.stride(3),
         *k_cache.stride(), *v_cache.stride(),
@@ -275,20 +259,18 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
         q_pos.stride(0),
         out.stride(0), out.stride(1),
         Hq, Hkv, G, C, D, chunk, n_splits, n_gblk, scale, window, softcap if softcap else 1.0,
-    ), dict(
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), ONE_SPLIT=one,
         UPCAST=interp, SPLIT_P=q.dtype != torch.float32, DOT_PRECISION=_dot_precision(q.dtype, interp),
-        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
-    ), q.device)
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     if not one:
         adv = advance if advance is not None else q_pos
-        _pdl.launch(_decode_attention_merge_kernel, (B * Hq,), (
+        _decode_attention_merge_kernel[(B * Hq,)](
             m_part, l_part, acc_part, out, adv, out.stride(0), out.stride(1), Hq, D, n_splits,
             adv.numel(), adv.stride(0) if adv.dim() else 1,
-        ), dict(
             ADVANCE=advance is not None, BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d,
-            BLOCK_P=triton.next_power_of_2(max(adv.numel(), 1)), num_warps=_NUM_WARPS,
-        ), q.device)
+            BLOCK_P=triton.next_power_of_2(max(adv.numel(), 1)), num_warps=cfg.num_warps,
+        )
     elif advance is not None:  # no merge kernel to carry it
         advance.add_(1)
     return out
@@ -297,15 +279,17 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
 @torch.library.custom_op("tigon::decode_attention", mutates_args=())
 def decode_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pos: torch.Tensor,
-    q_pos: torch.Tensor, scale: float, sliding_window: int, softcap: float,
+    q_pos: torch.Tensor, scale: float, sliding_window: int, softcap: float, config: list[int] | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, 1, D], caches [B, Hkv, C, D], slot_pos int64 [B, C] or [C], q_pos int64 [B];
-    sliding_window 0 and softcap 0.0 mean none. Returns [B, Hq, 1, D] in q.dtype (contiguous)."""
-    return _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap)
+    sliding_window 0 and softcap 0.0 mean none; config: None (the defaults) or `DecodeAttentionConfig.ints()`.
+    Returns [B, Hq, 1, D] in q.dtype (contiguous)."""
+    cfg = DecodeAttentionConfig(*config) if config is not None else DECODE_ATTENTION
+    return _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap, cfg=cfg)
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap):
+def _(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap, config=None):
     return q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3]))
 
 
@@ -380,17 +364,21 @@ def _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softc
 
 
 def decode_attention(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, sliding_window=None, softcap=None,
-                     advance_q_pos=False):
+                     advance_q_pos=False, config=None):
     """One decode step of attention over a ring-buffer KV cache read in place (layout: the module docstring).
 
     q [B, Hq, 1, D], k_cache / v_cache [B, Hkv, C, D] in q's dtype (fp32/fp16/bf16), Hq a multiple of Hkv,
     D <= 256; slot_pos int64 [B, C] or [C] (-1 = empty), q_pos int64 [B], [1] or []. scale defaults to
     1/sqrt(D); sliding_window w keeps q_pos - pos < w; softcap c maps the scaled scores s to c * tanh(s / c)
     (Gemma-2). advance_q_pos: add 1 to q_pos in place once it is read (a decode loop's position counter for
-    the next step, folded into the split merge: no kernel of its own); q_pos must then be contiguous.
+    the next step, folded into the split merge: no kernel of its own); q_pos must then be contiguous. config: a
+    `DecodeAttentionConfig` (splits, tile, warps; None: the measured defaults).
     Returns [B, Hq, 1, D] in q's dtype. No autograd; no host sync.
     """
     scale, window, softcap = _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap)
+    if config is not None and not isinstance(config, DecodeAttentionConfig):
+        raise TypeError(f"decode_attention: config must be a tigon.ops._config.DecodeAttentionConfig or None, got "
+                        f"{type(config).__name__}")
     if advance_q_pos and not q_pos.is_contiguous():
         raise ValueError(f"decode_attention: advance_q_pos=True needs a contiguous q_pos (it is updated in place), "
                          f"got strides {q_pos.stride()}")
@@ -399,13 +387,15 @@ def decode_attention(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, slidin
     if not _library.use_kernels("decode_attention", q):
         out = decode_attention_reference(q, k_cache, v_cache, slot_pos, q_pos, scale=scale,
                                          sliding_window=window, softcap=softcap)
-    elif torch.compiler.is_compiling():
-        out = torch.ops.tigon.decode_attention(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap)
+    elif torch.compiler.is_compiling():  # the config as plain ints across the op boundary
+        out = torch.ops.tigon.decode_attention(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap,
+                                               config.ints() if config is not None else None)
     else:
         # Eager: the launcher directly; the custom-op dispatcher's host time (~10 us) is the size of the whole
         # kernel at small decode shapes.
         return _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap,
-                           advance=counter.view(-1) if advance_q_pos else None)
+                           advance=counter.view(-1) if advance_q_pos else None,
+                           cfg=config if config is not None else DECODE_ATTENTION)
     if advance_q_pos:
         counter.add_(1)
     return out

@@ -23,12 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _library, _pdl, reference
-from ._pdl import gdc_launch_dependents, gdc_wait
+from . import _launch, _library, reference
+from ._config import ROPE_KV_WRITE
 from .rope import _cos_sin_halves, _rope_heads, check_cos_sin
-
-_TILE = 512  # elements of one [heads, rd/2] (or [heads, D]) tile, as in rope.py
-_NUM_WARPS = 4
 
 
 @triton.jit
@@ -83,11 +80,7 @@ def _rope_kv_write_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,  # ops/_pdl.py: the next kernel may launch now; every input after the wait
 ):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)  # 0: the query, 1: the key (and the slot's position), 2: the value
     b = pid // T
@@ -129,7 +122,7 @@ def _rope_kv_write_kernel(
 
 
 def _heads_block(n_heads: int, width: int) -> int:
-    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), _TILE // width))
+    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), ROPE_KV_WRITE.tile // width))
 
 
 def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query, next_pos=None, positions=None, sink=0):
@@ -143,7 +136,7 @@ def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query, next_pos=N
     Hq = query.shape[1] if query is not None else 0
     qs = query.stride()[:3] if query is not None else (0, 0, 0)
     qos = qo.stride()[:3] if query is not None else (0, 0, 0)
-    _pdl.launch(_rope_kv_write_kernel, (B * T, 3), (
+    _rope_kv_write_kernel[(B * T, 3)](
         key, value, query if query is not None else key, cos, sin, k_cache, v_cache, slots,
         next_pos if next_pos is not None else slots, positions if positions is not None else slots,
         qo if query is not None else key,
@@ -152,12 +145,11 @@ def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query, next_pos=N
         sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1), sin.stride(2),
         *k_cache.stride()[:3], *v_cache.stride()[:3], slots.stride(0),
         T, Hq, Hkv, k_cache.shape[2], D, rd // 2, sink,
-    ), dict(
         SLOT_FROM_NEXT=next_pos is not None, HAS_PASS=rd < D, BLOCK_HQ=_heads_block(Hq, block_r),
         BLOCK_HK=_heads_block(Hkv, block_r),
         BLOCK_HV=_heads_block(Hkv, block_d), BLOCK_R=block_r, BLOCK_P=triton.next_power_of_2(max(D - rd, 1)),
-        BLOCK_D=block_d, num_warps=_NUM_WARPS,
-    ), key.device)
+        BLOCK_D=block_d, num_warps=ROPE_KV_WRITE.num_warps,
+    )
     return qo
 
 
