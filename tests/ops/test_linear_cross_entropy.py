@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests._grid import DTYPES, UNIT_ROUNDOFF, assert_bound, err, randn
+from tests._grid import DTYPES, UNIT_ROUNDOFF, assert_bound, assert_tol, cross_entropy_model, err, matmul_tol, randn
 from tigon import modules, ops
 from tigon.memory.rolling_buffer import workspace
 from tigon.ops import reference
@@ -49,21 +49,64 @@ def _run(fn, ins, t, go, **kw):
     return loss, [next(got) if (i is not None and i.requires_grad) else None for i in ins]
 
 
+def _with_bias(h, w, b):
+    """([h, 1], [W, b]) in fp64: the logits h W^T + b as one product of K = H + 1 terms."""
+    h, w = h.detach().double(), w.detach().double()
+    if b is None:
+        return h, w
+    return torch.cat([h, h.new_ones(h.shape[0], 1)], 1), torch.cat([w, b.detach().double()[:, None]], 1)
+
+
+def _model(ins, t, go, x=None, x_tol=None, **kw):
+    """The fp64 reference (loss, [dh, dW, db]) and the fp32 error model's tolerance of each (tests/_grid.py):
+    logits = [h, 1] @ [W, b]^T (K = H + 1), the cross-entropy's dlogits, then dh = dlogits @ W (K = V),
+    dW = dlogits^T @ h and db = sum dlogits over the rows (K = N), in whatever order and chunking. x, x_tol
+    replace the exact logits (the loss of bf16 logits is checked against those logits)."""
+    h, w, b = (None if i is None else i.detach().double() for i in ins)
+    h1, w1 = _with_bias(h, w, b)
+    if x is None:
+        x, x_tol = h1 @ w1.t(), matmul_tol(h1, w1.t())
+    # the GPU's exp2/log2 are approximate (2 ulps each) where torch's are exact
+    (loss, loss_tol), (g, g_tol) = cross_entropy_model(x, t, go, x_tol=x_tol, ulps=16 if h.is_cuda else 4, **kw)
+    refs = [g @ w, g.t() @ h, None if b is None else g.sum(0)]
+    tols = [matmul_tol(g, w, g_tol), matmul_tol(g.t(), h, g_tol.t()),
+            None if b is None else matmul_tol(g.t(), torch.ones_like(h[:, :1]), g_tol.t()).squeeze(1)]
+    wanted = [i is not None and i.requires_grad for i in ins]
+    return ((loss.detach(), loss_tol), [r if n else None for r, n in zip(refs, wanted)],
+            [tol if n else None for tol, n in zip(tols, wanted)])
+
+
+def _assert_grads(who, grads_, refs, tols):
+    for name, a, r, tol in zip(("dhidden", "dweight", "dbias"), grads_, refs, tols):
+        assert (a is None) == (r is None), f"{who} {name}: a gradient where none was asked, or none where asked"
+        if r is not None:
+            assert_tol(f"{who} {name}", a, r, tol)
+
+
 def _check(ins, t, dtype, chunk=4, accum_dtype=None, **kw):
-    """Loss within fp32 rounding of fp64 math on the dtype-rounded logits; each gradient within 2x the HF
-    path's error in dtype (a single full-batch GEMM there, one GEMM per chunk here)."""
+    """fp32: the loss and each gradient, ours and the HF path's (one full-batch GEMM there, one per chunk here),
+    within the fp32 error model of the fp64 reference. bf16/fp16: the loss within that model of the fp64 loss
+    of the HF path's dtype-rounded logits; each gradient within 2x the HF path's error in dtype."""
     rows = kw.get("reduction") == "none" and kw.get("num_items_in_batch") is None
     go = torch.rand(t.shape if rows else (), device=t.device) + 0.5  # never 1: exercises the rescale
     loss, g_k = _run(lambda h, w, t, b, **k: ops.linear_cross_entropy(h, w, t, b, _chunk_rows=chunk,
                                                                        accum_dtype=accum_dtype, **k), ins, t, go, **kw)
     eager, g_e = _run(_eager, ins, t, go, **kw)
-    ref, g_r = _run(reference.linear_cross_entropy, [None if i is None else i.double() for i in ins], t, go, **kw)
-    # the loss sees logits rounded to dtype, as the HF path does: its reference is eager's logits in fp64
-    ref_same_logits = reference.cross_entropy(F.linear(*[None if i is None else i.detach() for i in ins[:2]],
-                                                       None if ins[2] is None else ins[2].detach()).double(), t, **kw)
-    assert loss.dtype == torch.float32 and loss.shape == ref.shape
-    lse_scale = float(ref_same_logits.detach().abs().max()) + 1.0
-    assert_bound("loss", loss, eager, ref_same_logits, torch.float32, ulps=16 if loss.is_cuda else 4, floor=lse_scale)
+    assert loss.dtype == torch.float32
+    if dtype == torch.float32:
+        (loss_ref, loss_tol), refs, tols = _model(ins, t, go, **kw)
+        for who, lo, g in (("kernel", loss, g_k), ("torch", eager, g_e)):
+            assert_tol(f"{who} loss", lo, loss_ref, loss_tol)
+            _assert_grads(who, g, refs, tols)
+        return g_k
+    # the loss sees logits rounded to dtype: ours and the HF path's GEMM round the same fp32 sums to dtype, one
+    # ulp (2u |x|) apart at most where the two sums straddle a rounding boundary
+    x = F.linear(*(None if i is None else i.detach() for i in ins)).double()
+    h1, w1 = _with_bias(*ins)
+    x_tol = 2 * UNIT_ROUNDOFF[dtype] * x.abs() + matmul_tol(h1, w1.t())
+    (loss_ref, loss_tol), _, _ = _model(ins, t, go, x=x, x_tol=x_tol, **kw)
+    assert_tol("loss", loss, loss_ref, loss_tol)
+    _, g_r = _run(reference.linear_cross_entropy, [None if i is None else i.double() for i in ins], t, go, **kw)
     for name, a, e, r in zip(("dhidden", "dweight", "dbias"), g_k, g_e, g_r):
         if r is not None:
             assert a.dtype == dtype
@@ -89,6 +132,76 @@ def test_vocab_sizes(device, V):
 def test_linear_cross_entropy_half(device, dtype, opts, reduction):
     ins = _inputs(12, 24, 61, dtype, device, bias=True)
     _check(ins, _targets(12, 61, device), dtype, reduction=reduction, **opts)
+
+
+_ce_launch = flce_mod.ce_launch
+
+
+def _buggy_ce_launch(bug):
+    """The chunk's row kernel with one deliberate gradient bug, for the tests that the bound rejects it."""
+
+    def launch(logits, target, loss, dx, denom=None, row_scale=None, **kw):
+        if bug == "z-loss term dropped" and dx is not None:
+            _ce_launch(logits, target, loss, None, denom, row_scale, **kw)  # the loss still has z lse^2
+            _ce_launch(logits, target, torch.empty_like(loss), dx, denom, row_scale, **dict(kw, z_loss_scale=0.0))
+            return
+        _ce_launch(logits, target, loss, dx, denom, row_scale, **kw)
+        if dx is None:
+            return
+        if bug == "scaled by 1 + 1e-3":
+            dx.mul_(1 + 1e-3)
+        elif bug == "ls / V term dropped":
+            s = torch.ones_like(dx[:, :1]) / (1 if denom is None else denom)
+            s = s if row_scale is None else s * row_scale[:, None]
+            valid = (target != kw["ignore_index"])[:, None]
+            dx.add_(torch.where(valid, s * kw["label_smoothing"] / dx.shape[1], 0.0))
+
+    return launch
+
+
+@pytest.mark.parametrize("bug", ["scaled by 1 + 1e-3", "ls / V term dropped", "z-loss term dropped"])
+@pytest.mark.parametrize("N,H,V,chunk", [(11, 13, 37, 4), (5, 16, 32000, 2)])
+def test_bound_rejects_a_wrong_gradient(device, monkeypatch, bug, N, H, V, chunk):
+    """Every gradient of a subtly wrong kernel fails the fp32 model, where the right one uses at most 0.12 of
+    it. The closest call is dh at V=32000 (K=32000 is the loosest bound): a 1e-3 scaling is 6x the bound,
+    the dropped ls / V term 5x, a dropped z-loss of z = 1e-4 11x; dW and db 19x and more."""
+    kw = dict(label_smoothing=0.1, z_loss_scale=1e-4)
+    ins = _inputs(N, H, V, torch.float32, device, bias=True, seed=V)
+    t = _targets(N, V, device, n_ignored=1)
+    go = torch.rand((), device=device) + 0.5
+    _, refs, tols = _model(ins, t, go, **kw)
+    monkeypatch.setattr(flce_mod, "ce_launch", _buggy_ce_launch(bug))
+    _, g_bug = _run(lambda h, w, t, b, **k: ops.linear_cross_entropy(h, w, t, b, _chunk_rows=chunk, **k),
+                    ins, t, go, **kw)
+    for name, a, r, tol in zip(("dhidden", "dweight", "dbias"), g_bug, refs, tols):
+        with pytest.raises(AssertionError, match=f"{name}: err"):
+            assert_tol(name, a, r, tol)
+
+
+def _sequential_mm(a, b, block=1, reverse=False):
+    """a @ b in fp32, summed over K one block of `block` terms at a time (block 1: a multiply and an add per
+    term, no FMA), the blocks in order or reversed: the orders a BLAS could take, sequential the worst."""
+    starts = range(0, a.shape[1], block)
+    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    for k in reversed(starts) if reverse else starts:
+        acc = acc + a[:, k:k + block] @ b[k:k + block] if block > 1 else acc + a[:, k:k + 1] * b[k:k + 1]
+    return acc
+
+
+def test_model_holds_in_any_summation_order(device):
+    """dh = dlogits @ W at K = V = 32000 in the orders another BLAS could take, each within the bound:
+    sequential summation, the worst, uses 0.03-0.05 of it; ours (M=2 GEMMs) 0.03 and torch's (M=5) 0.003, an
+    11x smaller error than ours: 2 * err(torch) is no bound in fp32."""
+    kw = dict(label_smoothing=0.1)
+    h, w, _ = ins = _inputs(5, 16, 32000, torch.float32, device, seed=32000)
+    t = _targets(5, 32000, device, n_ignored=1)
+    go = torch.tensor(0.75, device=device)
+    _, (dh_ref, *_), (dh_tol, *_) = _model(ins, t, go, **kw)
+    logits = (h.detach() @ w.detach().t()).requires_grad_()
+    (dl,) = torch.autograd.grad(ops.cross_entropy(logits, t, **kw), logits, go)
+    for block, reverse in ((1, False), (1, True), (64, False), (1000, True)):
+        assert_tol(f"dhidden by blocks of {block}{' reversed' if reverse else ''}",
+                   _sequential_mm(dl, w.detach(), block, reverse), dh_ref, dh_tol)
 
 
 def _dw_same_logits(h, w, t):
@@ -140,10 +253,8 @@ def test_grad_output_and_loss_used_twice(device):
     t = _targets(10, 21, device)
     loss = ops.linear_cross_entropy(h, w, t, _chunk_rows=3)
     (loss * 0.5 + loss * 0.25).backward()
-    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    (reference.linear_cross_entropy(h64, w64, t) * 0.75).backward()
-    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-5, atol=1e-8)
-    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-8)
+    _, refs, tols = _model((h, w, None), t, torch.tensor(0.75, device=device))
+    _assert_grads("kernel", [h.grad, w.grad, None], refs, tols)
 
 
 def test_num_items_tensor_3d_and_all_ignored(device):
@@ -251,10 +362,9 @@ def test_compile_aot_eager(device, reduction):
     fn = torch.compile(lambda h, w, t: ops.linear_cross_entropy(h, w, t, reduction=reduction, _chunk_rows=4)
                        .sum() * 2.0, backend="aot_eager", fullgraph=True)
     fn(h, w, t).backward()
-    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    (reference.linear_cross_entropy(h64, w64, t, reduction=reduction).sum() * 2.0).backward()
-    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-7)
+    go = torch.full(t.shape if reduction == "none" else (), 2.0, device=device)  # d(2 sum(loss)) / d loss
+    _, refs, tols = _model((h, w, None), t, go, reduction=reduction)
+    _assert_grads("compiled", [h.grad, w.grad, None], refs, tols)
 
 
 # GPU only: Llama-3-8B's head in bf16 (16k tokens would need a 16 GB fp64 reference: 2k tokens here).
