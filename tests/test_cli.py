@@ -1,5 +1,7 @@
-"""`tigon env`, `tigon bench` without a benchmarks folder, `tigon demo` without tigon.demo."""
+"""`tigon env`, `tigon bench` without a benchmarks folder, `tigon demo` without tigon.demo, and bad option values
+(usage errors with exit status 2, never tracebacks)."""
 
+import argparse
 import os
 import subprocess
 import sys
@@ -67,3 +69,72 @@ def test_bench_decode_help_names_the_command(capsys):
         cli.main(["bench", "decode", "--help"])
     assert e.value.code == 0
     assert "tigon bench decode" in capsys.readouterr().out
+
+
+BAD_VALUES = [
+    (["demo", "--steps", "0"], "argument --steps: expected a positive integer, got 0"),
+    (["demo", "--steps", "-1"], "argument --steps: expected a positive integer, got -1"),
+    (["demo", "--steps", "x"], "argument --steps: expected a positive integer, got 'x'"),
+    (["demo", "--seq-len", "2.5"], "argument --seq-len: expected a positive integer"),
+    (["demo", "--batch-size", "0"], "argument --batch-size: expected a positive integer"),
+    (["demo", "--lr", "nan"], "argument --lr: expected a positive finite number"),
+    (["demo", "--lr", "-0.001"], "argument --lr: expected a positive finite number"),
+    (["demo", "--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["demo", "--device", "cpu:0"], "argument --device: expected cpu, cuda or cuda:N"),
+    (["demo", "--model", "/no/such/checkpoint"], "argument --model: '/no/such/checkpoint' is not a checkpoint"),
+    (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+    (["bench", "--device", "tpu"], "argument --device: expected cpu or cuda, got 'tpu'"),
+    (["bench", "--budget", "-5"], "argument --budget: expected a positive finite number"),
+    (["bench", "--budget", "x"], "argument --budget: expected a positive number, got 'x'"),
+    (["bench", "--sections", ","], "argument --sections: expected comma-separated names"),
+    (["bench", "decode", "--batches", "x"], "argument --batches: expected comma-separated positive integers"),
+    (["bench", "decode", "--batches", "1,0"], "argument --batches: expected comma-separated positive integers"),
+    (["bench", "decode", "--batch", "1,,8"], "argument --batches: expected comma-separated positive integers"),
+    (["bench", "decode", "--swa-batches", "-1"], "argument --swa-batches: expected comma-separated positive"),
+    (["bench", "decode", "--prompt", "-1"], "argument --prompt: expected a positive integer, got -1"),
+    (["bench", "decode", "--new", "0"], "argument --new: expected a positive integer, got 0"),
+    (["bench", "decode", "--timeout", "0"], "argument --timeout: expected a positive finite number"),
+    (["bench", "decode", "--device", "tpu"], "argument --device: expected cpu or cuda, got 'tpu'"),
+    (["bench", "decode", "--bogus"], "unrecognized arguments: --bogus"),
+    (["env", "extra"], "unrecognized arguments: extra"),
+]
+if not __import__("torch").cuda.is_available():
+    BAD_VALUES += [(["demo", "--device", "cuda"], "argument --device: 'cuda': no CUDA device here"),
+                   (["bench", "--device", "cuda"], "argument --device: 'cuda': no CUDA device here")]
+
+
+@pytest.mark.parametrize("argv,message", BAD_VALUES, ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_bad_values_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: tigon" in err and message in err and "Traceback" not in err
+
+
+def test_bad_value_in_a_subprocess_is_a_usage_message_without_traceback():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "tigon.cli", "demo", "--steps", "0"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert "usage: tigon demo" in r.stderr and "Traceback" not in r.stderr
+    assert "argument --steps: expected a positive integer, got 0" in r.stderr
+
+
+def test_demo_keeps_the_values_it_is_given(monkeypatch, tmp_path):
+    # `--steps 1` runs 1 step (a 0 used to fall back to the default 20); unset values take the CPU defaults.
+    import tigon.demo as demo
+
+    seen = []
+
+    def fake_run_variant(args, use_tigon, data, device, dtype):
+        seen.append((args.steps, args.seq_len, args.batch_size, tuple(data.shape)))
+        return dict(losses=[1.0] * args.steps, tokens_per_s=1.0, peak_gib=None, step_ms=1.0, report="report")
+
+    monkeypatch.setattr(demo, "run_variant", fake_run_variant)
+    assert demo.main(["--steps", "1", "--batch-size", "3", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert seen == [(1, 64, 3, (1, 3, 64))] * 2
+    parsed = argparse.Namespace(steps=0, seq_len=None, batch_size=None, model=None, lr=None, device="cpu",
+                                out=str(tmp_path))
+    with pytest.raises(ValueError, match="tigon.demo.run: steps must be an int >= 1, got 0"):
+        demo.run(parsed)

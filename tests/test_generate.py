@@ -109,9 +109,10 @@ def test_sampling_reproducible_and_top_k_1_is_greedy():
     one = gen.generate(model, ids, max_new_tokens=10, do_sample=True, top_k=1, temperature=3.0,
                        generator=torch.Generator().manual_seed(0), attention=HF)
     assert torch.equal(one, greedy)
-    tiny_p = gen.generate(model, ids, max_new_tokens=10, do_sample=True, top_p=1e-6,
-                          generator=torch.Generator().manual_seed(0), attention=HF)
-    assert torch.equal(tiny_p, greedy)  # top-p keeps at least the top token
+    for p in (1e-6, 0.0):  # HF accepts top_p=0 as well: the top token only
+        tiny_p = gen.generate(model, ids, max_new_tokens=10, do_sample=True, top_p=p,
+                              generator=torch.Generator().manual_seed(0), attention=HF)
+        assert torch.equal(tiny_p, greedy)  # top-p keeps at least the top token
 
 
 def test_top_k_top_p_filter_the_distribution():
@@ -142,7 +143,7 @@ def test_bad_input():
     ids = _ids(1, 5)
     with pytest.raises(ValueError, match="generate: max_new_tokens"):
         gen.generate(model, ids, max_new_tokens=0)
-    with pytest.raises(ValueError, match="generate: max_new_tokens"):
+    with pytest.raises(TypeError, match="generate: max_new_tokens must be an int"):
         gen.generate(model, ids, max_new_tokens=2.0)
     with pytest.raises(ValueError, match=r"generate: capacity \(4\).*prompt \(5"):
         gen.generate(model, ids, max_new_tokens=2, capacity=4)
@@ -151,7 +152,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="generate: top_k"):
         gen.generate(model, ids, max_new_tokens=2, do_sample=True, top_k=-1)
     with pytest.raises(ValueError, match="generate: top_p"):
-        gen.generate(model, ids, max_new_tokens=2, do_sample=True, top_p=0.0)
+        gen.generate(model, ids, max_new_tokens=2, do_sample=True, top_p=-0.1)
     with pytest.raises(ValueError, match="generate: top_p"):
         gen.generate(model, ids, max_new_tokens=2, do_sample=True, top_p=1.5)
     with pytest.raises(ValueError, match="generate: eos_token_id"):
@@ -164,6 +165,109 @@ def test_bad_input():
         with pytest.raises(ValueError, match="generate: attention must be one of 'auto', 'tigon', 'hf'"):
             gen.generate(model, ids, max_new_tokens=2, attention=bad)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("kw,error,message", [
+    (dict(do_sample=True, temperature=float("nan")), ValueError, r"generate: temperature must be a finite float > 0"),
+    (dict(do_sample=True, temperature=-1.0), ValueError, r"generate: temperature must be a finite float > 0"),
+    (dict(do_sample=True, temperature=float("inf")), ValueError, r"generate: temperature must be a finite float > 0"),
+    (dict(do_sample=True, temperature="0.7"), TypeError, r"generate: temperature must be a float > 0, got str"),
+    (dict(do_sample=True, temperature=True), TypeError, r"generate: temperature must be a float"),
+    (dict(do_sample=True, top_k=2.5), TypeError, r"generate: top_k must be an int"),
+    (dict(do_sample=True, top_p="0.9"), TypeError, r"generate: top_p must be a float in \[0, 1\]"),
+    (dict(do_sample=True, generator=1), TypeError, r"generate: generator must be a torch.Generator on the model's"),
+    (dict(do_sample=1), TypeError, r"generate: do_sample must be True or False, got int"),
+    (dict(cuda_graph="no"), TypeError, r"generate: cuda_graph must be True or False"),
+    (dict(return_stats=None), TypeError, r"generate: return_stats must be True or False"),
+    (dict(max_new_tokens=-3), ValueError, r"generate: max_new_tokens must be >= 1, got -3"),
+    (dict(capacity=0), ValueError, r"generate: capacity must be >= 1"),
+    (dict(capacity=8.0), TypeError, r"generate: capacity must be an int"),
+    (dict(eos_token_id=131), ValueError, r"generate: eos_token_id \[131\] is outside the model's vocabulary \(ids 0"),
+    (dict(eos_token_id=[3, -1]), ValueError, r"generate: eos_token_id must be a token id >= 0"),
+    (dict(eos_token_id=True), ValueError, r"generate: eos_token_id must be a token id >= 0"),
+    (dict(eos_token_id=torch.tensor([2.0])), ValueError, r"generate: eos_token_id must be a token id"),
+    (dict(pad_token_id=-1), ValueError, r"generate: pad_token_id must be >= 0"),
+    (dict(pad_token_id=500), ValueError, r"generate: pad_token_id 500 is outside the model's vocabulary"),
+    (dict(eos_token_id=[200]), ValueError, r"generate: eos_token_id \[200\] is outside"),
+])
+def test_bad_arguments_name_the_function_and_the_argument(kw, error, message):
+    model = _model("llama")
+    kw = dict(dict(max_new_tokens=2), **kw)
+    with pytest.raises(error, match=message):  # messages start with "generate: " (a "cuda..." one marks a CUDA test)
+        gen.generate(model, _ids(1, 5), **kw)
+
+
+def test_sampling_arguments_are_ignored_without_do_sample():
+    # As in model.generate: greedy decoding neither reads nor checks them (HF warns, generates greedily).
+    model = _model("llama")
+    ids = _ids(1, 5)
+    greedy = gen.generate(model, ids, max_new_tokens=3, attention=HF)
+    assert torch.equal(gen.generate(model, ids, max_new_tokens=3, temperature=0.0, top_k=-1, top_p=2.0,
+                                    attention=HF), greedy)
+
+
+def test_bad_models_and_prompts():
+    model = _model("llama")
+    ids = _ids(2, 5)
+    with pytest.raises(TypeError, match=r"generate: model must be a Hugging Face causal LM .*got Linear"):
+        gen.generate(torch.nn.Linear(2, 2), ids, max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"generate: model must be a Hugging Face causal LM .*got str"):
+        gen.generate("meta-llama/Llama-3.2-1B", ids, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"generate: model LlamaModel has no LM head .*not `model.model`"):
+        gen.generate(model.model, ids, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"generate: input_ids .*got \(2, 0\) torch.int64"):
+        gen.generate(model, ids[:, :0], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"generate: input_ids .*batch >= 1.*got \(0, 5\)"):
+        gen.generate(model, ids[:0], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"generate: input_ids .*got \(2, 5\) torch.float32"):
+        gen.generate(model, ids.float(), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"generate: input_ids .*got \(1, 2, 5\)"):
+        gen.generate(model, ids[None], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"generate: input_ids .*got list"):
+        gen.generate(model, ids.tolist(), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"generate: input_ids must be token ids in 0..130 .*got values in 0..131"):
+        gen.generate(model, torch.tensor([[0, 131]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"generate: input_ids must be token ids in 0..130 .*-1..4"):
+        gen.generate(model, torch.tensor([[-1, 4]]), max_new_tokens=2)
+    mask = torch.ones_like(ids)
+    with pytest.raises(ValueError, match=r"generate: attention_mask must be a \[2, 5\] tensor"):
+        gen.generate(model, ids, max_new_tokens=2, attention_mask=mask[:1])
+    with pytest.raises(ValueError, match=r"generate: attention_mask must be a \[2, 5\] tensor.*list"):
+        gen.generate(model, ids, max_new_tokens=2, attention_mask=mask.tolist())
+    right = mask.clone()
+    right[1, -2:] = 0
+    with pytest.raises(ValueError, match=r"generate: attention_mask: every row must end with a real token"):
+        gen.generate(model, ids, max_new_tokens=2, attention_mask=right)
+    with pytest.raises(ValueError, match=r"generate: attention_mask: every row must end with a real token"):
+        gen.generate(model, ids, max_new_tokens=2, attention_mask=torch.zeros_like(ids))
+    with pytest.raises(ValueError, match=r"generate: attention_mask must hold only 0 \(padding\) and 1"):
+        gen.generate(model, ids, max_new_tokens=2, attention_mask=mask * 2)
+    # bool and float masks of 0/1 are masks too
+    left = mask.clone()
+    left[0, :2] = 0
+    want = gen.generate(model, ids, max_new_tokens=2, attention_mask=left, attention=HF)
+    for m in (left.bool(), left.float()):
+        assert torch.equal(gen.generate(model, ids, max_new_tokens=2, attention_mask=m, attention=HF), want)
+
+
+def test_tiny_temperatures_tend_to_greedy():
+    # logits / 1e-300 would be +-inf (NaN after softmax, token 0 forever); shifted by the max they are <= 0.
+    model = _model("qwen3")
+    ids = _ids(2, 5)
+    greedy = gen.generate(model, ids, max_new_tokens=6, attention=HF)
+    for t in (1e-300, 5e-324, 1e-40, 1e-6):
+        got = gen.generate(model, ids, max_new_tokens=6, do_sample=True, temperature=t,
+                           generator=torch.Generator().manual_seed(0), attention=HF)
+        assert torch.equal(got, greedy), t
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[2.0, 7.0, 7.0, -30.0, 7.0 - 2**-20]]).expand(2000, -1)  # a tie for the top
+    for t in (1e-300, 1e-30):
+        draws = gen._choose(logits, True, t, 0, 1.0, g)
+        assert set(draws.tolist()) == {1, 2}  # the tie shares the draws, nothing else is drawn
+        assert abs((draws == 1).float().mean() - 0.5) < 0.05
+    # large logits and a small temperature: still a distribution, not an overflow
+    assert set(gen._choose(torch.tensor([[3e38, 1e38]]), True, 0.5, 0, 0.9, g).tolist()) == {0}
+    assert set(gen._choose(torch.tensor([[1.0, 0.0]]).expand(500, -1), True, 1e300, 0, 1.0, g).tolist()) == {0, 1}
 
 
 def test_sliding_window_model_may_use_a_capacity_below_the_prompt():
@@ -500,6 +604,14 @@ def test_prometheus_several_runs_with_labels_and_bad_labels():
         gen.prometheus_text([({"a": "1"}, a), ({"b": "1"}, b)])
     with pytest.raises(ValueError, match="labels= goes with one stats dict"):
         gen.prometheus_text([({"a": "1"}, a)], labels={"a": "2"})
+    for bad in ("bad-name", "le", "__x", "1st"):
+        with pytest.raises(ValueError, match=f"prometheus_text: '{bad}' is not a usable label name"):
+            gen.prometheus_text(a, labels={bad: "1"})
+    for bad in (None, "stats", [a], [({"a": "1"}, a, 3)]):
+        with pytest.raises(TypeError, match="prometheus_text: stats must be generate's stats dict or a list"):
+            gen.prometheus_text(bad)
+    with pytest.raises(TypeError, match="prometheus_text: labels must be a dict"):
+        gen.prometheus_text([(["a"], a)])
 
 
 def test_ttft_counts_from_the_call(monkeypatch):

@@ -15,14 +15,80 @@ Only the standard library is imported up front; torch, triton and the rest load 
 
 import argparse
 import importlib
+import math
 import os
 import platform
 import sys
 from pathlib import Path
 
 OPS = ("rms_norm", "add_rms_norm", "layer_norm", "apply_rope", "swiglu", "geglu", "swiglu_mlp", "geglu_mlp",
-       "cross_entropy", "linear_cross_entropy", "decode_attention", "decode_linear", "decode_qkv_rope",
-       "rope_kv_write", "rope_kv_append")
+       "cross_entropy", "linear_cross_entropy", "decode_attention", "decode_linear", "rope_kv_write",
+       "rope_kv_append")
+
+
+# argparse `type=` validators: a bad value is a usage error (message and exit status 2), not a traceback.
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return value
+
+
+def positive_int_list(text: str) -> str:
+    """A comma-separated list of positive integers, e.g. "1,8"; returned as given (the commands split it)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not text.strip() or any(not part for part in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,8, got {text!r}")
+    for part in parts:
+        try:
+            positive_int(part)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,8, got "
+                                             f"{text!r}") from None
+    return text
+
+
+def name_list(text: str) -> str:
+    """A non-empty comma-separated list of names, e.g. "rms_norm,swiglu"."""
+    if not text.strip() or any(not part.strip() for part in text.split(",")):
+        raise argparse.ArgumentTypeError(f"expected comma-separated names such as rms_norm,swiglu, got {text!r}")
+    return text
+
+
+def device(text: str) -> str:
+    """cpu or cuda (the benchmarks compare the name), and a CUDA device must exist here."""
+    if text not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
+    return indexed_device(text)
+
+
+def indexed_device(text: str) -> str:
+    """cpu, cuda or cuda:N, and that CUDA device must exist here."""
+    kind, colon, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not index.isdigit())):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if kind == "cuda":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here (torch {torch.__version__})")
+        if index and int(index) >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA device(s)")
+    return text
 
 
 def _version(dist: str):
@@ -115,6 +181,18 @@ def cmd_bench(args) -> int:
     return gpu_check.main(argv)
 
 
+def _check_bench_decode_values(full, rest) -> None:
+    """Usage errors for bad values of `tigon bench decode`'s options, before bench_decode (whose parser takes
+    them as plain strings and ints) turns them into tracebacks."""
+    check = argparse.ArgumentParser(prog=full.prog, usage=full.format_usage().removeprefix("usage: ").strip(),
+                                    add_help=False)
+    for flag, kind in (("--batches", positive_int_list), ("--swa-batches", positive_int_list),
+                       ("--prompt", positive_int), ("--new", positive_int), ("--budget", positive_float),
+                       ("--timeout", positive_float), ("--device", device), ("--variants", name_list)):
+        check.add_argument(flag, type=kind)
+    check.parse_known_args(rest)
+
+
 def cmd_bench_decode(rest) -> int:
     try:
         bench_decode = importlib.import_module("tigon.bench_decode")
@@ -122,7 +200,11 @@ def cmd_bench_decode(rest) -> int:
         print(f"tigon bench decode: it needs {e.name!r}, which is not installed "
               "(pip install 'tigon[hf]' brings transformers).", file=sys.stderr)
         return 2
-    return bench_decode.main(rest, prog="tigon bench decode")
+    prog = "tigon bench decode"
+    full = bench_decode.build_parser(prog)
+    full.parse_args(rest)  # its own usage errors (unknown options, --help) first
+    _check_bench_decode_values(full, rest)
+    return bench_decode.main(rest, prog=prog)
 
 
 def cmd_demo(args, rest) -> int:
@@ -146,9 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "`tigon bench decode --help`: the decode benchmark")
     b.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run (works on a CPU)")
     b.add_argument("--out", default=None, help="output folder (default: $OUT, else ./tigon-bench-out)")
-    b.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 540)")
-    b.add_argument("--sections", default=None, help="comma-separated subset, e.g. rms_norm,swiglu")
-    b.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    b.add_argument("--budget", type=positive_float, default=None, help="seconds for the whole run (default 540)")
+    b.add_argument("--sections", type=name_list, default=None, help="comma-separated subset, e.g. rms_norm,swiglu")
+    b.add_argument("--device", type=device, default=None, help="cuda or cpu (default: cuda when available)")
     b.add_argument("--tests", action="store_true", help="run the test suite first, as gpu_check does")
     sub.add_parser("demo", help="fine-tune a small model with Tigon off, then on (options: tigon demo --help)",
                    add_help=False)

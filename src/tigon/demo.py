@@ -14,21 +14,31 @@ import time
 
 import torch
 
+from .cli import indexed_device, positive_float, positive_int
+
 CPU_CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512)
 GPU_CONFIG = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                   num_key_value_heads=8, vocab_size=128256)
 
 
+def _checkpoint_folder(text: str) -> str:
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpoint folder (no config.json in it)")
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="a local checkpoint folder (default: a Llama built from a config)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (CPU 20, GPU 30)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (CPU 64, GPU 2048)")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (CPU 4, GPU 8)")
-    p.add_argument("--lr", type=float, default=None,
+    p.add_argument("--model", type=_checkpoint_folder,
+                   help="a local checkpoint folder (default: a Llama built from a config)")
+    p.add_argument("--steps", type=positive_int, default=None, help="training steps per run (CPU 20, GPU 30)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (CPU 64, GPU 2048)")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (CPU 4, GPU 8)")
+    p.add_argument("--lr", type=positive_float, default=None,
                    help="AdamW learning rate (CPU 1e-3; GPU 1e-4: at 1e-3 the 1.5B model's loss climbs, and a run that "
                         "diverges amplifies bf16 rounding until the two runs part)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--device", type=indexed_device, default=None,
+                   help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--out", default="demo_out", help="folder for the PNG plot and the JSON report")
 
 
@@ -133,9 +143,17 @@ def run(args) -> dict:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
-    args.steps = args.steps or (30 if gpu else 20)
-    args.seq_len = args.seq_len or (2048 if gpu else 64)
-    args.batch_size = args.batch_size or (8 if gpu else 4)
+    # None is "not given": an explicit value is never replaced by the default (the parser refuses 0)
+    if args.steps is None:
+        args.steps = 30 if gpu else 20
+    if args.seq_len is None:
+        args.seq_len = 2048 if gpu else 64
+    if args.batch_size is None:
+        args.batch_size = 8 if gpu else 4
+    for name in ("steps", "seq_len", "batch_size"):  # run() is also called with a Namespace built in code
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"tigon.demo.run: {name} must be an int >= 1, got {value!r}")
     dtype = torch.bfloat16 if gpu else torch.float32
     vocab = (GPU_CONFIG if gpu else CPU_CONFIG)["vocab_size"]
     if args.model:

@@ -71,34 +71,106 @@ def _cache_class():
     return _DecodeCache
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{_NAME}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if not _is_int(value):
+        raise TypeError(f"{_NAME}: {name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{_NAME}: {name} must be >= {minimum}, got {value}")
     return value
 
 
+def _bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{_NAME}: {name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
 def _validate_sampling(temperature, top_k, top_p):
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"{_NAME}: temperature must be a finite number > 0, got {temperature!r}")
+    """HF's rules (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper): temperature > 0, top_k >= 0
+    (0 = off), 0 <= top_p <= 1 (1 = off; 0 keeps the top token only); checked only when sampling, as there."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"{_NAME}: temperature must be a float > 0, got {type(temperature).__name__} "
+                        f"{temperature!r}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        hint = " (for greedy decoding pass do_sample=False)" if temperature == 0 else ""
+        raise ValueError(f"{_NAME}: temperature must be a finite float > 0, got {temperature!r}{hint}")
     _int("top_k", top_k, 0)
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"{_NAME}: top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+        raise TypeError(f"{_NAME}: top_p must be a float in [0, 1], got {type(top_p).__name__} {top_p!r}")
+    if not 0 <= top_p <= 1:
+        raise ValueError(f"{_NAME}: top_p must be in [0, 1], got {top_p!r}")
 
 
-def _token_ids(name, value):
+def _token_ids(name, value, vocab):
     if value is None:
         return None
-    ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    ids = [value] if _is_int(value) else value
     if isinstance(ids, torch.Tensor):
         ids = ids.flatten().tolist()
-    if not isinstance(ids, (list, tuple)) or not ids or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
         raise ValueError(f"{_NAME}: {name} must be a token id >= 0 or a non-empty list of them, "
                          f"got {value!r}")
+    outside = [i for i in ids if vocab is not None and i >= vocab]
+    if outside:  # the model could never emit it, so the row would never stop
+        raise ValueError(f"{_NAME}: {name} {outside} is outside the model's vocabulary (ids 0..{vocab - 1})")
     return list(ids)
+
+
+def _check_model(model):
+    """The model must be a decoder-only causal LM with its LM head: what HF's model.generate takes."""
+    what = type(model).__name__
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{_NAME}: model must be a Hugging Face causal LM (e.g. AutoModelForCausalLM), got {what}")
+    config = getattr(model, "config", None)
+    if not hasattr(config, "get_text_config") or not callable(getattr(model, "get_output_embeddings", None)):
+        raise TypeError(f"{_NAME}: model must be a Hugging Face causal LM (e.g. AutoModelForCausalLM), got {what}, "
+                        "which has no transformers config")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{_NAME}: model must be a decoder-only causal LM, got the encoder-decoder {what}")
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"{_NAME}: model {what} has no LM head (get_output_embeddings() is None): pass the "
+                         "ForCausalLM model, not its base model (e.g. `model`, not `model.model`)")
+
+
+def _vocab_size(model):
+    emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    n = getattr(emb, "num_embeddings", None)
+    return n if _is_int(n) else getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+
+
+def _check_prompt(input_ids, attention_mask, vocab):
+    """Token ids inside the vocabulary (an id past it is a device-side assert on CUDA, which ends the process's
+    CUDA context) and a left-padded 0/1 mask: one host sync, before the clock starts."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
+            torch.int64, torch.int32) or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        got = (f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor)
+               else type(input_ids).__name__)
+        raise ValueError(f"{_NAME}: input_ids must be a [batch, seq] int64 (or int32) tensor with batch >= 1 and "
+                         f"seq >= 1, got {got}")
+    b, p = input_ids.shape
+    checks = [input_ids.min(), input_ids.max()]
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, p):
+            raise ValueError(f"{_NAME}: attention_mask must be a [{b}, {p}] tensor like input_ids, got "
+                             f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+        if attention_mask.is_complex():
+            raise ValueError(f"{_NAME}: attention_mask must hold 0 and 1, got a {attention_mask.dtype} tensor")
+        m = attention_mask.to(device=input_ids.device)
+        checks += [((m != 0) & (m != 1)).any(), (m[:, -1] != 1).any()]
+    lo, hi, *mask = torch.stack([c.to(torch.int64) for c in checks]).tolist()
+    if lo < 0 or (vocab is not None and hi >= vocab):
+        raise ValueError(f"{_NAME}: input_ids must be token ids in 0..{vocab - 1 if vocab else '?'} (the model's "
+                         f"vocabulary), got values in {lo}..{hi}")
+    if mask and mask[0]:
+        raise ValueError(f"{_NAME}: attention_mask must hold only 0 (padding) and 1 (token)")
+    if mask and mask[1]:
+        raise ValueError(f"{_NAME}: attention_mask: every row must end with a real token (left padding, as "
+                         "decoder-only generation needs; a right-padded or all-padding row would continue from "
+                         "padding)")
 
 
 def _argmax(x, two_pass=None):
@@ -123,7 +195,14 @@ def _choose(logits, do_sample, temperature, top_k, top_p, generator):
     if not do_sample:
         return _argmax(logits)  # the order of bf16 values is their fp32 order: no upcast needed
     logits = logits.float()
-    if temperature != 1.0:
+    if temperature < 1.0:
+        # logits / temperature overflows to inf (then softmax gives NaN) once |logit| / temperature > 3.4e38:
+        # shifted by the max the quotients are <= 0, so a tiny temperature tends to greedy (ties share the draw).
+        # Below fp32's smallest normal the temperature itself would round to 0 (0 / 0 on the top token): fp64.
+        if temperature < torch.finfo(torch.float32).tiny:
+            logits = logits.double()
+        logits = (logits - logits.amax(-1, keepdim=True)) / temperature
+    elif temperature != 1.0:
         logits = logits / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
@@ -278,9 +357,10 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     switched back for the call). With "tigon" the CUDA-graph path also covers rings that wrap (sliding windows
     shorter than the sequence, capacity < P + max_new_tokens); with "hf" those run eagerly. `eos_token_id`
     (int or list; None = never stop, pass `model.generation_config.eos_token_id` to stop like HF) finishes a
-    row, whose later tokens are `pad_token_id` (default: the first EOS id). Sampling (`do_sample=True`)
-    applies temperature, then top-k (0 = off), then top-p (1.0 = off), and draws with `generator` (on the
-    model's device).
+    row, whose later tokens are `pad_token_id` (default: the first EOS id); ids must be inside the model's
+    vocabulary. Sampling (`do_sample=True`) applies temperature (a float > 0; a tiny one tends to greedy), then
+    top-k (0 = off), then top-p (1.0 = off, 0 keeps the top token), and draws with `generator` (on the model's
+    device); as in `model.generate`, these are ignored (and not checked) when do_sample=False.
     `stats`: ttft_s (from the call to the first token: cache allocation, prefill, first token choice),
     ttft_phases_s ({phase: seconds} over TTFT_PHASES, summing to ttft_s: CUDA-event intervals on CUDA),
     ttft_host_phases_s (the host's wall time of each phase: host ~ device = host-bound), step_s
@@ -290,24 +370,31 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     rotary modules read for the call, `tigon.hf.rotary_table`; 0 = HF's modules computed them every step). Step
     times are CUDA events on CUDA (read once at the end, no sync in the loop), perf_counter on a CPU.
     `prometheus_text(stats)` formats them for scraping."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1 or (
-            input_ids.dtype not in (torch.int64, torch.int32)):
-        raise ValueError(f"{_NAME}: input_ids must be a [batch, seq] integer tensor with seq >= 1, got "
-                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    _check_model(model)
+    vocab = _vocab_size(model)
     _int("max_new_tokens", max_new_tokens, 1)
-    _validate_sampling(temperature, top_k, top_p)
+    for name, flag in (("do_sample", do_sample), ("cuda_graph", cuda_graph), ("return_stats", return_stats)):
+        _bool(name, flag)
+    if do_sample:
+        # None is "off", as in model.generate's keyword arguments
+        temperature = 1.0 if temperature is None else temperature
+        top_k, top_p = 0 if top_k is None else top_k, 1.0 if top_p is None else top_p
+        _validate_sampling(temperature, top_k, top_p)
+        if generator is not None and (not isinstance(generator, torch.Generator)
+                                      or generator.device.type != model.device.type):
+            raise TypeError(f"{_NAME}: generator must be a torch.Generator on the model's device "
+                            f"({model.device.type}), got {getattr(generator, 'device', type(generator).__name__)}")
     if not isinstance(attention, str) or attention not in ATTENTION:
         raise ValueError(f"{_NAME}: attention must be one of {', '.join(map(repr, ATTENTION))}, got {attention!r}")
-    eos = _token_ids("eos_token_id", eos_token_id)
+    eos = _token_ids("eos_token_id", eos_token_id, vocab)
     if pad_token_id is not None:
         _int("pad_token_id", pad_token_id, 0)
-    b, p = input_ids.shape
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    if vocab is not None and pad >= vocab:  # a finished row feeds it back to the model
+        raise ValueError(f"{_NAME}: pad_token_id {pad} is outside the model's vocabulary (ids 0..{vocab - 1})")
     if capacity is not None:
         _int("capacity", capacity, 1)
-    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
-                                       or tuple(attention_mask.shape) != (b, p)):
-        raise ValueError(f"{_NAME}: attention_mask must be a [{b}, {p}] tensor like input_ids, got "
-                         f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+    _check_prompt(input_ids, attention_mask, vocab)
 
     clock = _Clock(model.device)
     clock.mark()  # TTFT counts from here: the attention switch, the cache allocation and the prompt copies
@@ -332,7 +419,7 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
 def _decode_loop(model, input_ids, clock, scope, *, max_new_tokens, attention_mask, capacity, cuda_graph, tigon,
                  return_stats, sampling, eos, pad_token_id):
     do_sample, temperature, top_k, top_p, generator = sampling
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)  # checked in generate
     b, p = input_ids.shape
     total = p + max_new_tokens
     capacity = total if capacity is None else capacity

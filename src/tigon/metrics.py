@@ -6,6 +6,7 @@
 """
 
 import math
+import re
 
 LATENCY_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1,
                    0.25, 1.0)
@@ -26,12 +27,30 @@ _GAUGES = (
 _HISTOGRAM = ("step_latency_seconds", "Decode step latency (every step after the first token)", "step_s")
 
 
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _label_names(lab):
+    if not isinstance(lab, dict):
+        raise TypeError(f"prometheus_text: labels must be a dict {{name: value}}, got {type(lab).__name__}")
+    for name in lab:
+        # the exposition format's label names; "__" is reserved, "le" is the histogram's bucket label
+        if not isinstance(name, str) or not _LABEL_NAME.fullmatch(name) or name.startswith("__") or name == "le":
+            raise ValueError(f"prometheus_text: {name!r} is not a usable label name ([a-zA-Z_][a-zA-Z0-9_]*, "
+                             "not __-prefixed, not le)")
+    return dict(lab)
+
+
 def _runs(stats, labels):
     if isinstance(stats, dict):
-        return [(dict(labels or {}), stats)]
+        return [(_label_names(labels or {}), stats)]
     if labels is not None:
         raise ValueError("prometheus_text: labels= goes with one stats dict; a list carries (labels, stats) pairs")
-    runs = [(dict(lab or {}), st) for lab, st in stats]
+    if not isinstance(stats, (list, tuple)) or not all(
+            isinstance(run, (list, tuple)) and len(run) == 2 and isinstance(run[1], dict) for run in stats):
+        raise TypeError("prometheus_text: stats must be generate's stats dict or a list of (labels, stats) pairs, "
+                        f"got {type(stats).__name__}")
+    runs = [(_label_names(lab or {}), st) for lab, st in stats]
     keys = {tuple(sorted(lab)) for lab, _ in runs}
     if len(keys) > 1:
         raise ValueError(f"prometheus_text: every run needs the same label names, got {sorted(keys)}")

@@ -6,7 +6,7 @@ order and with masked empty slots, so attention sums in another order (measured 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import DynamicCache
+from transformers import DynamicCache, PretrainedConfig
 
 from tests.hf._tiny import greedy_with_scores as _greedy
 from tests.hf._tiny import prompt_ids as _ids
@@ -76,7 +76,7 @@ def test_beam_search_matches_hf(model_type, overrides, capacity):
     ids = _ids(2, 6)
     kw = dict(max_new_tokens=8, do_sample=False, num_beams=3, pad_token_id=0)
     ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
-    cache = RollingKVCache(model.config, batch_size=6, capacity=capacity)
+    cache = RollingKVCache(model.config, batch_size=6, capacity=capacity, device="cpu")  # allocated here
     ptr = cache.layers[0].keys.data_ptr()
     assert torch.equal(model.generate(ids, past_key_values=cache, **kw), ref)
     assert cache.layers[0].keys.data_ptr() == ptr
@@ -195,7 +195,7 @@ def test_memory_is_fixed(dtype):
 
 def test_gemma2_ring_per_layer_type():
     cfg = tiny_config("gemma2", sliding_window=4)
-    cache = RollingKVCache(cfg, batch_size=3, capacity=10, sink_tokens=2)
+    cache = RollingKVCache(cfg, batch_size=3, capacity=10, sink_tokens=2, dtype=torch.float32)
     assert [layer.ring for layer in cache.layers] == [4, 10] and cache.is_sliding == [True, False]
     assert [layer.sink for layer in cache.layers] == [0, 2]
     assert cache.nbytes() == _formula(cache) == 2 * 3 * 2 * (4 + 10) * 16 * 4
@@ -280,7 +280,21 @@ def test_bad_input():
         RollingKVCache(cfg, batch_size=1, capacity=4, dtype=torch.int32)
     with pytest.raises(TypeError, match="RollingKVCache.*config"):
         RollingKVCache({"num_hidden_layers": 2}, batch_size=1, capacity=4)
-    cache = RollingKVCache(cfg, batch_size=2, capacity=4)
+    with pytest.raises(ValueError, match="RollingKVCache: config .* has no num_hidden_layers"):
+        RollingKVCache(PretrainedConfig(), batch_size=1, capacity=4)
+    with pytest.raises(ValueError, match="RollingKVCache: config .* hidden_size 10 is not a multiple"):
+        RollingKVCache(PretrainedConfig(num_hidden_layers=1, num_attention_heads=4, hidden_size=10), batch_size=1,
+                       capacity=4)
+    with pytest.raises(ValueError, match="RollingKVCache: device 'tpu'"):
+        RollingKVCache(cfg, batch_size=1, capacity=4, device="tpu")
+    with pytest.raises(TypeError, match="RollingKVCache: device must be"):
+        RollingKVCache(cfg, batch_size=1, capacity=4, device=1.5)
+    with pytest.raises(ValueError, match="RollingKVCache: sink_tokens must be >= 0"):
+        RollingKVCache(cfg, batch_size=1, capacity=4, sink_tokens=-1)
+    with pytest.raises(TypeError, match="RollingKVCache: batch_size must be an int"):
+        RollingKVCache(cfg, batch_size=True, capacity=4)
+    assert RollingKVCache(cfg, batch_size=1, capacity=4, dtype="float16").dtype == torch.float16
+    cache = RollingKVCache(cfg, batch_size=2, capacity=4, dtype=torch.float32)
     ok = torch.randn(2, 2, 1, 16)
     with pytest.raises(ValueError, match="RollingKVCache.*batch 3.*batch_size 2"):
         cache.update(torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16), 0)
@@ -313,6 +327,78 @@ def test_bad_input():
     with pytest.raises(TypeError, match="RollingKVCache.*dtype"):
         model(_ids(1, 3), past_key_values=RollingKVCache(model.config, batch_size=1, capacity=8,
                                                          dtype=torch.bfloat16), use_cache=True)
+
+
+def test_without_dtype_and_device_the_cache_follows_the_model():
+    # A float64 model (not the config's, not torch's default dtype): the rings take key_states' dtype and device
+    # at the first update, and the generation equals HF's own cache.
+    model = tiny_model("llama", attn_implementation="sdpa").to(torch.float64).eval()
+    ids = _ids(2, 5)
+    ref = _greedy(model, ids, DynamicCache(config=model.config), 6)
+    cache = RollingKVCache(model.config, batch_size=2, capacity=11)
+    assert not cache.is_initialized and cache.dtype is None and cache.device is None and cache.nbytes() == 0
+    _assert_same_generation(ref, _greedy(model, ids, cache, 6))
+    assert cache.is_initialized and cache.dtype == torch.float64 and cache.device == torch.device("cpu")
+    for layer in cache.layers:
+        assert layer.keys.dtype == layer.values.dtype == torch.float64
+        assert layer.positions.device == layer.keys.device == torch.device("cpu")
+    assert cache.nbytes() == _formula(cache) == 2 * 2 * 2 * 2 * 11 * 16 * 8
+    ptrs = [layer.keys.data_ptr() for layer in cache.layers]
+    cache.reset()  # a second generation reuses the rings
+    _assert_same_generation(ref, _greedy(model, ids, cache, 6))
+    assert ptrs == [layer.keys.data_ptr() for layer in cache.layers]
+
+
+def test_lazy_rings_take_each_layers_device_and_refuse_a_second_dtype():
+    cfg = tiny_config("llama")
+    cache = RollingKVCache(cfg, batch_size=2, capacity=4)
+    with pytest.raises(RuntimeError, match="RollingKVCache: decode_positions of layer 0 before its first update"):
+        cache.layers[0].decode_positions()
+    cache.reorder_cache(torch.tensor([1, 0]))  # nothing to reorder yet
+    cache.reset()
+    with pytest.raises(TypeError, match="RollingKVCache.update: key_states must be floating point"):
+        cache.update(torch.ones(2, 2, 1, 16, dtype=torch.int64), torch.ones(2, 2, 1, 16, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match="RollingKVCache.*kv_heads=3"):
+        cache.update(torch.randn(2, 3, 1, 16), torch.randn(2, 3, 1, 16), 0)
+    assert not cache.layers[0].is_initialized  # rejected updates allocate nothing
+    half = torch.randn(2, 2, 3, 16, dtype=torch.float16)
+    cache.update(half, half, 0)
+    meta = torch.empty(2, 2, 1, 16, dtype=torch.bfloat16, device="meta")  # another device for layer 1
+    cache.update(meta, meta, 1)
+    assert [(layer.dtype, layer.device.type) for layer in cache.layers] == [(torch.float16, "cpu"),
+                                                                            (torch.bfloat16, "meta")]
+    assert cache.layers[1].keys.device.type == "meta" and cache.layers[1].positions.device.type == "meta"
+    with pytest.raises(TypeError, match="RollingKVCache.*dtype torch.float32 does not match the cache dtype "
+                                        "torch.float16"):
+        cache.update(half.float(), half.float(), 0)
+    assert cache.get_seq_length() == 3
+    early = RollingKVCache(cfg, batch_size=2, capacity=4)
+    early.early_initialization(batch_size=2, num_heads=2, head_dim=16, dtype=torch.bfloat16, device="cpu")
+    assert early.is_initialized and early.dtype == torch.bfloat16 and early.get_seq_length() == 0
+    assert early.nbytes() == 2 * 2 * 2 * 2 * 4 * 16 * 2
+
+
+@pytest.mark.parametrize("prompt", [1, 5])
+def test_lazy_cache_under_the_fused_decode_layer(prompt):
+    # A patched bf16 model on the "tigon" attention: a 1-token prompt's first forward is already a decode step
+    # (decode_layer_step writes the ring through update_rope), a longer one goes through the direct prefill.
+    import tigon
+    from tigon import ops
+    from tigon.hf.attention import use_tigon_attention
+
+    model = tiny_model("llama", attn_implementation="sdpa").to(torch.bfloat16).eval()
+    tigon.patch(model)
+    use_tigon_attention(model)
+    ids = _ids(2, prompt)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    want = model.generate(ids, past_key_values=RollingKVCache(model.config, batch_size=2, capacity=9,
+                                                              dtype=torch.bfloat16), **kw)
+    before = ops.dispatch_counts[("decode_linear", "triton")] + ops.dispatch_counts[("decode_linear", "reference")]
+    cache = RollingKVCache(model.config, batch_size=2, capacity=9)
+    got = model.generate(ids, past_key_values=cache, **kw)
+    assert torch.equal(got, want) and cache.dtype == torch.bfloat16
+    after = ops.dispatch_counts[("decode_linear", "triton")] + ops.dispatch_counts[("decode_linear", "reference")]
+    assert after > before  # the fused decode layer ran
 
 
 @pytest.mark.gpu

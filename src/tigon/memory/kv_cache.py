@@ -1,6 +1,7 @@
 """RollingKVCache: a fixed ring-buffer KV cache for Hugging Face `generate` (transformers >= 5.17 Cache API).
 
-Each layer owns two preallocated `[batch, kv_heads, ring, head_dim]` buffers written in place. The token at
+Each layer owns two preallocated `[batch, kv_heads, ring, head_dim]` buffers written in place (allocated at
+construction, or at the layer's first update when the cache follows the model's dtype and device). The token at
 absolute position p lives in slot `p` while p < sink_tokens (attention sinks, kept forever, StreamingLLM)
 and in slot `sink + (p - sink) % (ring - sink)` after that, so while the sequence fits slot == position and
 the cache is an exact full-attention cache; past the ring the oldest non-sink token is overwritten (a
@@ -32,13 +33,46 @@ _SUPPORTED = ("full_attention", "sliding_attention")
 
 
 def _resolve_dtype(dtype, config) -> torch.dtype:
+    given = dtype
     if dtype is None:
         dtype = getattr(config, "dtype", None) or torch.get_default_dtype()
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if isinstance(dtype, str):  # "bfloat16" or "torch.bfloat16", as configs and from_pretrained spell it
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{_NAME}: dtype must be a floating torch.dtype, got {dtype!r}")
+        where = "dtype" if given is not None else "config.dtype"
+        raise TypeError(f"{_NAME}: {where} must be a floating torch.dtype, got "
+                        f"{given if given is not None else dtype!r}")
     return dtype
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        device = torch.get_default_device()
+    elif not isinstance(device, (str, int, torch.device)) or isinstance(device, bool):
+        raise TypeError(f"{_NAME}: device must be a torch.device, a str such as 'cuda:0' or a CUDA index, "
+                        f"got {type(device).__name__} {device!r}")
+    try:
+        # "cuda" -> "cuda:0", so the update check compares equal; also proves the device exists
+        return torch.empty(0, device=device).device
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise ValueError(f"{_NAME}: device {device!r} is not usable here: {e}") from None
+
+
+def _config_shape(config):
+    """(kv_heads, head_dim) of a decoder config, with an error naming what is missing."""
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(getattr(config, "num_hidden_layers", None), int) or not isinstance(heads, int):
+        raise ValueError(f"{_NAME}: config ({type(config).__name__}) has no num_hidden_layers / "
+                         "num_attention_heads: pass the model's config (model.config) of a decoder-only LM")
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        hidden = getattr(config, "hidden_size", None)
+        if not isinstance(hidden, int) or hidden % heads:
+            raise ValueError(f"{_NAME}: config ({type(config).__name__}) has no head_dim and its hidden_size "
+                             f"{hidden!r} is not a multiple of num_attention_heads {heads}")
+        head_dim = hidden // heads
+    return kv_heads, head_dim
 
 
 def _positive_int(name: str, value, minimum: int) -> int:
@@ -74,11 +108,13 @@ def _layer_storage(batch, heads, head_dim, rings, sinks, dtype, device):
 
 class RollingKVLayer(CacheLayerMixin):
     """One layer's ring: `keys`/`values` `[batch, kv_heads, ring, head_dim]`, `positions` `[ring]` int64 on the
-    device (the absolute position held by each slot, -1 while empty)."""
+    device (the absolute position held by each slot, -1 while empty). With `dtype` and `device` (or `storage`) the
+    ring is allocated here; with dtype=None and device=None at the first update (or `Cache.early_initialization`),
+    in the dtype and on the device of its key_states, as transformers' StaticLayer does."""
 
     is_compileable = True
     is_croppable = False
-    supports_early_init = True  # allocated in __init__: early init is a no-op
+    supports_early_init = True
 
     def __init__(self, *, layer_idx, batch_size, kv_heads, head_dim, ring, sink_tokens, sliding, dtype, device,
                  storage=None):
@@ -87,11 +123,20 @@ class RollingKVLayer(CacheLayerMixin):
         self.ring, self.sink, self.is_sliding = ring, sink_tokens, sliding
         self.recent = ring - sink_tokens  # slots that roll; the first `sink` slots never move
         self.dtype, self.device = dtype, device
-        if storage is None:  # a layer on its own; RollingKVCache hands its layers views of shared buffers
+        self.seen = 0  # the same count on the host, derived from shapes only (no sync): drives the branches
+        self.positions = self._next = self._slot = None
+        if (dtype is None) != (device is None) and storage is None:
+            raise ValueError(f"{_NAME}: a layer takes both dtype and device (allocated now) or neither (allocated at "
+                             f"its first update), got dtype={dtype!r}, device={device!r}")
+        if storage is None and dtype is not None:
+            # a layer on its own; RollingKVCache hands its layers views of shared buffers
             storage = _layer_storage(batch_size, kv_heads, head_dim, [ring], [sink_tokens], dtype, device)[0]
+        if storage is not None:
+            self._adopt(storage)
+
+    def _adopt(self, storage) -> None:
         self.keys, self.values, self.positions, self._next, self._slot, consts = storage
         self._sink_t, self._recent_t, self._neg_recent_t, self._one_t = consts.split(1)
-        self.seen = 0  # the same count on the host, derived from shapes only (no sync): drives the branches
         self.is_initialized = True
         if not torch.compiler.is_compiling():
             for t in (self.keys, self.values, self.positions, self._next, self._slot, consts):
@@ -101,8 +146,23 @@ class RollingKVLayer(CacheLayerMixin):
         kind = "sliding" if self.is_sliding else "full"
         return f"RollingKVLayer({kind}, ring={self.ring}, sink={self.sink}, seen={self.seen})"
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # preallocated in __init__
-        return None
+    def lazy_initialization(self, key_states, value_states) -> None:
+        """Allocate the ring in key_states' dtype, on its device (one layer at a time: a model split over devices
+        gets each layer's ring where that layer runs). A no-op once allocated."""
+        if self.is_initialized:
+            return
+        self._check_shapes(key_states, value_states)
+        dtype, device = key_states.dtype, key_states.device
+        if not dtype.is_floating_point:
+            raise TypeError(f"{_NAME}.update: key_states must be floating point, got {dtype}")
+        storage = _layer_storage(self.batch_size, self.num_heads, self.head_dim, [self.ring], [self.sink], dtype,
+                                 device)[0]
+        self.dtype, self.device = dtype, device
+        self._adopt(storage)
+
+    def _unallocated(self, what: str) -> RuntimeError:
+        return RuntimeError(f"{_NAME}: {what} of layer {self.layer_idx} before its first update: a cache built "
+                            "without dtype= and device= allocates each ring at its first update")
 
     def _views(self, batch: int):
         """keys and values of the first `batch` sequences (the tensors themselves for the whole batch)."""
@@ -116,6 +176,20 @@ class RollingKVLayer(CacheLayerMixin):
         return p - laps * self.recent
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Validate an update's K/V; a lazily allocated ring is allocated here, from the first one."""
+        self._check_shapes(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if t.dtype != self.dtype:
+                raise TypeError(f"{_NAME}.update: {name} dtype {t.dtype} does not match the cache dtype "
+                                f"{self.dtype} (pass dtype= to {_NAME}, or neither dtype= nor device= to follow "
+                                "the model)")
+            if t.device != self.device:
+                raise ValueError(f"{_NAME}.update: {name} is on {t.device}, the cache on {self.device} "
+                                 f"(pass device= to {_NAME}, or neither dtype= nor device= to follow the model)")
+
+    def _check_shapes(self, key_states, value_states) -> None:
         for name, t in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{_NAME}.update: {name} must be a 4-D [batch, kv_heads, seq, head_dim] tensor, "
@@ -129,12 +203,6 @@ class RollingKVLayer(CacheLayerMixin):
                     f"{_NAME}.update: {name} of layer {self.layer_idx} has kv_heads={h}, head_dim={d}, but the "
                     f"cache was built for kv_heads={self.num_heads}, head_dim={self.head_dim}: a config of "
                     "another model?")
-            if t.dtype != self.dtype:
-                raise TypeError(f"{_NAME}.update: {name} dtype {t.dtype} does not match the cache dtype "
-                                f"{self.dtype} (pass dtype= to {_NAME})")
-            if t.device != self.device:
-                raise ValueError(f"{_NAME}.update: {name} is on {t.device}, the cache on {self.device} "
-                                 f"(pass device= to {_NAME})")
         if key_states.shape != value_states.shape:
             raise ValueError(f"{_NAME}.update: key_states {tuple(key_states.shape)} and value_states "
                              f"{tuple(value_states.shape)} differ")
@@ -218,20 +286,14 @@ class RollingKVLayer(CacheLayerMixin):
             self._next.add_(self._one_t)
         return keys, values, q_embed
 
-    def decode_write_target(self, batch: int):
-        """(keys, values, positions, next) for a kernel that writes a decode token into this ring itself
-        (`tigon.ops.decode_qkv_rope`): the views `update_rope` would write and return, with the host count
-        advanced; `next` stays at the token's position, for the attention to advance
-        (`decode_attention(..., advance_q_pos=True)`), as after `update_rope(..., advance=False)`."""
-        self.seen += 1
-        return (*self._views(batch), self.positions, self._next)
-
     def decode_positions(self):
         """(slot positions `[ring]`, next position `[1]`), both int64 device tensors kept by the layer.
 
         After a decode step's write the query sits at `next - 1`; `tigon.hf.attention` passes `next` itself to
         `decode_attention` (with the window widened by one), which selects the same slots since no slot holds
         `next` yet, and so needs no subtraction kernel."""
+        if not self.is_initialized:
+            raise self._unallocated("decode_positions")
         return self.positions, self._next
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -252,14 +314,18 @@ class RollingKVLayer(CacheLayerMixin):
         return self.ring
 
     def reset(self) -> None:
+        self.seen = 0
+        if not self.is_initialized:
+            return
         self.keys.zero_()
         self.values.zero_()
         self.positions.fill_(-1)
         self._next.zero_()
-        self.seen = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: gather rows, then copy back in place (the ring keeps its storage)."""
+        if not self.is_initialized:
+            return
         b = beam_idx.shape[0]
         for buf in (self.keys, self.values):
             buf[:b].copy_(buf[:b].index_select(0, beam_idx.to(buf.device)))
@@ -288,7 +354,10 @@ class RollingKVCache(Cache):
     where `ring = capacity` for full-attention layers and `min(capacity, sliding_window)` for sliding ones;
     total K/V bytes = sum over layers of `2 * batch_size * kv_heads * ring * head_dim * itemsize`. The first
     `sink_tokens` positions stay forever in full-attention layers (StreamingLLM); `0 <= sink_tokens <
-    capacity`. `dtype` defaults to `config.dtype` (else torch's default), `device` to the default device.
+    capacity`. With neither `dtype` nor `device` the cache follows the model: each layer's ring is allocated at its
+    first update in the dtype and on the device of its key_states (as transformers' static caches do); with either
+    one the rings are allocated here, `dtype` defaulting to `config.dtype` (else torch's default) and `device` to
+    the default device.
     Exact full attention while the sequence fits; past capacity a sliding window of the most recent tokens
     (exact for models trained with that window, e.g. Mistral with capacity == sliding_window).
     """
@@ -303,26 +372,40 @@ class RollingKVCache(Cache):
         if not hasattr(config, "get_text_config"):
             raise TypeError(f"{_NAME}: config must be a transformers PreTrainedConfig, got {type(config).__name__}")
         text = config.get_text_config(decoder=True)
-        dtype = _resolve_dtype(dtype, text)
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", so the update check compares equal
+        kv_heads, head_dim = _config_shape(text)
+        lazy = dtype is None and device is None
+        if not lazy:
+            dtype, device = _resolve_dtype(dtype, text), _resolve_device(device)
         layer_types, kwargs = get_layer_types_and_kwargs(text)
         bad = sorted(set(layer_types) - set(_SUPPORTED))
         if bad:
             raise ValueError(f"{_NAME}: config: layer types {bad} are not supported (only {list(_SUPPORTED)})")
-        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         window = kwargs.get("sliding_window")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"{_NAME}: config.sliding_window must be an int >= 1 for sliding layers, got {window!r}")
         slidings = [kind == "sliding_attention" for kind in layer_types]
         rings = [min(capacity, window) if sliding else capacity for sliding in slidings]
         sinks = [0 if sliding else sink_tokens for sliding in slidings]
-        storage = _layer_storage(batch_size, kv_heads, head_dim, rings, sinks, dtype, device)
+        if lazy:
+            storage = [None] * len(rings)
+        else:
+            storage = _layer_storage(batch_size, kv_heads, head_dim, rings, sinks, dtype, device)
         layers = [RollingKVLayer(layer_idx=i, batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim,
                                  ring=rings[i], sink_tokens=sinks[i], sliding=slidings[i], dtype=dtype,
                                  device=device, storage=storage[i])
                   for i in range(len(rings))]
         super().__init__(layers=layers)
-        self.capacity, self.sink_tokens, self.dtype, self.device = capacity, sink_tokens, dtype, device
+        self.capacity, self.sink_tokens = capacity, sink_tokens
+
+    @property
+    def dtype(self):
+        """The first layer's dtype: None until its first update when the cache follows the model."""
+        return self.layers[0].dtype if self.layers else None
+
+    @property
+    def device(self):
+        """The first layer's device: None until its first update when the cache follows the model."""
+        return self.layers[0].device if self.layers else None
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
@@ -331,5 +414,6 @@ class RollingKVCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def nbytes(self) -> int:
-        """Bytes of K/V storage (fixed at construction)."""
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+        """Bytes of K/V storage allocated (fixed once every layer is allocated; 0 for a cache that follows the model,
+        before its first update)."""
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)
