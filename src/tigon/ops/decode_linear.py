@@ -16,6 +16,7 @@ follows the unfused modules: the norm output, each projection output and the GLU
 input dtype where the separate ops would round them. Inference only (no autograd).
 """
 
+import dataclasses
 import functools
 
 import torch
@@ -158,19 +159,58 @@ def _epilogue(acc, acc_u, R, Y, o_m, o_col, m_y, stride_rm, stride_ym, dt, ACT: 
     tl.store(Y + o_m.to(tl.int64)[:, None] * stride_ym + o_col[None, :], b_y.to(Y.dtype.element_ty), mask=m_y)
 
 
+# Hopper's (H100 / H200) most dynamic shared memory one block may opt into: 227 KiB. The picks keep under it
+# (or under the device's own opt-in limit where torch reports one).
+SMEM_LIMIT = 232448
+
+
+def _smem_bytes(config: DecodeLinearConfig, esize: int, glu: bool, norm: bool, block_m: int = 16) -> int:
+    """Shared memory the main K loop of a launch with `config` is modeled to ask for, in bytes: `num_stages`
+    buffers of each tile loaded per K step (x [block_m, BLOCK_K], the one weight tile [BLOCK_N, BLOCK_K] a
+    program reads, gate and up with a GLU, the norm weight [BLOCK_K] with NORM), plus with NORM one more x tile,
+    where the normalized x is staged to become a dot operand. Triton 3.6 allocates num_stages - 1 buffers on
+    sm_90 (compiled for it: fp32 64x256 with 4 stages asks 245760 = 3 x 80 KiB; with NORM, 16 KiB more at
+    BLOCK_K 256); counting num_stages keeps a stage of headroom for pipeliners that allocate one per stage."""
+    per_stage = block_m * config.block_k + (2 if glu else 1) * config.block_n * config.block_k
+    per_stage += config.block_k if norm else 0
+    return (config.num_stages * per_stage + (block_m * config.block_k if norm else 0)) * esize
+
+
+def _fit_smem(config: DecodeLinearConfig, esize: int, glu: bool, norm: bool,
+              limit: int = SMEM_LIMIT) -> DecodeLinearConfig:
+    """`config` with fewer stages, then narrower K steps, until `_smem_bytes` fits `limit` (4-byte dtypes: the
+    16-bit defaults were measured and fit as they are)."""
+    while _smem_bytes(config, esize, glu, norm) > limit and (config.num_stages > 1 or config.block_k > 16):
+        if config.num_stages > 1:
+            config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+        else:
+            config = dataclasses.replace(config, block_k=config.block_k // 2)
+    return config
+
+
+def _smem_limit(device) -> int:
+    return getattr(torch.cuda.get_device_properties(device.index or 0), "shared_memory_per_block_optin", SMEM_LIMIT)
+
+
 @functools.lru_cache(maxsize=256)
-def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, device) -> DecodeLinearConfig:
-    """The launch for these shapes when the caller passes no config (cached: no per-call host work)."""
+def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, esize: int, device,
+                 smem_limit: int | None = None) -> DecodeLinearConfig:
+    """The launch for these shapes and element size when the caller passes no config (cached: no per-call host
+    work). smem_limit: bytes of shared memory a block may use (None: the device's)."""
     if device.type != "cuda":
         return DecodeLinearConfig(16, 64, 4, 1, 1)  # the interpreter: a few K steps on small test shapes
-    # From the H200 sweeps (benchmarks/results/decode_ops_sweep.md, 1.5B Llama shapes, batch 1 and 8): 32 columns
-    # a program except for a plain square projection (o_proj: 16, twice the programs), 256-wide K steps, 4 warps;
-    # a long K over few column blocks (down_proj, K = 4 N) splits K in 4 over 64-column blocks.
+    # From the H200 sweeps (benchmarks/results/decode_ops_sweep.md, 1.5B Llama shapes, bf16, batch 1 and 8): 32
+    # columns a program except for a plain square projection (o_proj: 16, twice the programs), 256-wide K steps,
+    # 4 warps; a long K over few column blocks (down_proj, K = 4 N) splits K in 4 over 64-column blocks.
     block_k = 256 if K >= 256 else max(16, triton.next_power_of_2(K))
     if not glu and K >= 4 * 2048 and triton.cdiv(n_total, 64) < 2 * _launch.sm_count(device.index or 0):
-        return DecodeLinearConfig(64, block_k, 4, 4, 4)
-    block_n = 32 if glu or norm or n_total >= 4096 else 16
-    return DecodeLinearConfig(block_n, block_k, 4, 3 if glu else 4, 1)
+        config = DecodeLinearConfig(64, block_k, 4, 4, 4)
+    else:
+        block_n = 32 if glu or norm or n_total >= 4096 else 16
+        config = DecodeLinearConfig(block_n, block_k, 4, 3 if glu else 4, 1)
+    # fp32 tiles are twice the bytes: down_proj's 80 KiB stages (Triton 3.6 keeps 3 buffers at 4 stages: 240 KiB,
+    # which the H200 refused) and the GLU's fit with 2 stages; the 16-bit picks fit as they are
+    return _fit_smem(config, esize, glu, norm, _smem_limit(device) if smem_limit is None else smem_limit)
 
 
 _WORKSPACE: dict = {}  # (device, stream) -> (fp32 partial tiles, int32 arrival counters: zeros between calls)
@@ -196,7 +236,7 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
     if M == 0 or n_out == 0:
         return y
     if config is None:
-        config = _pick_config(M, K, n_out, bool(act), norm_weight is not None, x.device)
+        config = _pick_config(M, K, n_out, bool(act), norm_weight is not None, x.element_size(), x.device)
     block_n, block_k, split = config.block_n, config.block_k, config.split_k
     ns_all = ns + [0] * (MAX_WEIGHTS - len(ns))
     nb = [triton.cdiv(n, block_n) for n in ns_all]
