@@ -1,16 +1,588 @@
-"""Decode benchmark: HF generate (eager, static + compile) against tigon.generate (graph and eager), batch 1 and 8,
-on the anchors' 1.5B Llama config, plus Mistral sliding window 1024 with a 4096-token prompt.
+"""Decode benchmark: Hugging Face `generate` against `tigon.generate` on the anchors' 1.5B Llama config.
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/bench_decode.py --out $OUT [--variants ...] [--batches 1,8]
-        [--prompt 512] [--new 256] [--budget S] [--quick] [--prometheus FILE]
+    PYTHONPATH=src python benchmarks/bench_decode.py --out DIR [--variants ...] [--batches 1,8]
+        [--swa-batches 1] [--prompt 512] [--new 256] [--budget S] [--prometheus FILE] [--profile] [--quick]
+    tigon bench decode ...      (the same from a source checkout, then prints the table)
 
-The method and the code live in tigon.bench_decode (so `tigon bench decode` runs it from an installed package);
-this file is the benchmarks/ entry point.
+A benchmarks/ tool, not part of the package: it uses tigon's public API (tigon.patch, tigon.generate,
+tigon.generation's stats helpers) and its sibling decode_profile.py, imported by plain name with benchmarks/
+on sys.path (a script's own folder is; `tigon bench decode` puts it there).
+
+Method of shared/anchors/bench_decode.py, so the numbers compare with the anchors: each variant in its own
+process, model from config (hidden 2048, intermediate 8192, 16 layers, 32 heads / 8 KV heads, vocab 128256),
+bf16, random init, sdpa; greedy, a random prompt, every new token forced (no EOS). One warm-up call, then
+one timed call with the peak-memory counter reset just before it (weights included).
+
+- HF variants: per-step timestamps from a stopping criterion that synchronizes (the anchors' timer).
+  `hf-static-compile` is `cache_implementation="static"`, which `generate` compiles itself on CUDA (the
+  anchors' 2.70 ms row; the explicit reduce-overhead compile fails in transformers 5.17).
+- Tigon variants: `tigon.patch(model)` then `tigon.generate(..., return_stats=True)` with its default
+  attention ("auto": the "tigon" attention implementation for the call); its steps are CUDA events recorded
+  after each step, read once at the end (no sync in the loop). The first decode step of the graph path
+  includes the capture. `wall_ms_per_step` (host clock around the whole call, minus TTFT) is a cross-check of
+  the events. `*-hf-attn` is the same with `attention="hf"` (HF's sdpa in the loop), for comparison.
+- `swa-*`: Mistral with sliding_window 1024 and a 4096-token prompt (every layer's ring wraps): swa-tigon
+  replays a CUDA graph (the tigon attention), swa-tigon-hf-attn cannot (HF's mask past the ring) and runs
+  eagerly; `swa-tigon-full` is the same model with the window off, so every layer holds all 4352 tokens (no
+  wrap): the "ring past capacity within 5% of full-cache step time" target compares swa-tigon with it.
+
+- `--profile`: after its timed call each tigon variant runs torch.profiler (CUDA activity) over three more
+  calls with the timed call's ring size: `max_new_tokens=1` (the TTFT: prefill and first token), 3 and
+  3 + PROFILE_STEPS. The 3-token call has one replayed step, the longer one PROFILE_STEPS more; their kernel
+  counts differ by PROFILE_STEPS x (kernels per step), so the longer call's last kernels are exactly its last
+  PROFILE_STEPS decode steps (replay + token choice), whatever the profiler sees outside them. Kernel time is
+  bucketed by name (BUCKETS) and set against the measured p50 step: the difference is launch gaps and idle.
+  GEMM bandwidth = bytes of the weights GEMMs read per step (every parameter once, the input embedding
+  left out unless tied to the lm_head: a lookup reads B rows of it) / GEMM time. On a CPU (--quick) the
+  profiler sees CPU ops only: the same tables over aten ops by self CPU time (interpreted Triton kernels
+  are not ops and do not show).
+- Variants take `@B[+B...]` to run at those batches only: `--variants tigon,hf-static-compile@1`.
+
+Writes DIR/decode.json, DIR/decode.md and DIR/decode_latency.png (without matplotlib: no PNG). `--budget`
+skips the variants that no longer fit, with a note in the table. `--quick`: a 2-layer toy on the CPU.
 """
 
+import argparse
+import json
+import math
+import os
+import subprocess
 import sys
+import time
+from pathlib import Path
 
-from tigon.bench_decode import main
+from decode_profile import BUCKETS, PROFILE_STEPS, profile_tigon, sync
+
+LLAMA_1B5 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=512, max_position_embeddings=256)
+VARIANTS = ("hf-eager", "hf-static-compile", "tigon", "tigon-nograph", "tigon-hf-attn", "swa-hf-static-compile",
+            "swa-tigon", "swa-tigon-full", "swa-tigon-hf-attn")
+DEFAULT_VARIANTS = ("tigon,hf-static-compile,tigon-nograph,hf-eager,swa-tigon,swa-tigon-full,swa-hf-static-compile,"
+                    "tigon-hf-attn,swa-tigon-hf-attn")
+WINDOW, SWA_PROMPT = 1024, 4096
+QUICK = dict(prompt=16, new=8, window=8, swa_prompt=24, batches="1,2", profile_steps=2)
+PROFILE_NEED_S = 15  # the three profiled calls and the trace parsing of a 1.5B tigon row on an H200
+# Seconds a variant needs on an H200 (process start, model build, warm-up, timed call); the budget check
+# skips a variant with less than this left. Measured compile of the static decode step: ~40-60 s.
+# swa-tigon-hf-attn: two eager 256-step calls (warm-up and timed) at an estimated 20-60 ms per step.
+NEED_S = {"hf-static-compile": 110, "swa-hf-static-compile": 120, "hf-eager": 60, "swa-tigon-hf-attn": 70}
+NEED_DEFAULT_S = 50
+TTFT_REPEATS = 5  # prefill-only calls after the timed one; their median is the TTFT the targets are checked on
+TARGETS = dict(b1_ms=1.0, b8_ms=1.4, p99_over_p50=1.15, ttft_ms=15.0, ring_over_full=1.05)
+ANCHORS = ("Anchors (same method, H200, torch 2.11, transformers 5.17): HF eager DynamicCache p50 64-68 ms/step "
+           "(batch 1), 55.6 (batch 8); HF static cache + compile 2.70 ms (batch 1), 3.93 ms (batch 8); Mistral "
+           "sliding window 1024, prompt 4096, static + compile 2.87 ms (batch 1).")
+
+
+def _percentile(sorted_values, q):
+    """The anchors' index rule: sorted[min(n - 1, int(n * q))]."""
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q))]
+
+
+def build(spec):
+    """The spec's model (random init, eval, sdpa) on its device and a random prompt of [batch, prompt] ids."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    cfg = dict(TOY if spec["quick"] else LLAMA_1B5)
+    cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], spec["prompt"] + spec["new"])
+    device = torch.device(spec["device"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            if spec["family"] == "mistral":
+                model = MistralForCausalLM(MistralConfig(**cfg, sliding_window=spec["window"]))
+            else:
+                model = LlamaForCausalLM(LlamaConfig(**cfg))
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.eval()
+    model.config._attn_implementation = "sdpa"
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(10, cfg["vocab_size"] - 10, (spec["batch"], spec["prompt"]), generator=g).to(device)
+    return model, ids
+
+
+def _peak_reset(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib(device):
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
+def _child_hf(spec, model, ids):
+    import torch
+    from transformers import StoppingCriteria
+
+    device = ids.device
+
+    class Stamp(StoppingCriteria):
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores, **kw):
+            sync(device)
+            self.t.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    new = spec["new"]
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    if spec["variant"].endswith("static-compile"):
+        kw["cache_implementation"] = "static"
+    t = time.perf_counter()
+    if kw.get("cache_implementation"):
+        model.generate(ids, **kw)  # the full length: the auto-compile's recompiles happen here, not below
+    else:
+        model.generate(ids, **dict(kw, max_new_tokens=8, min_new_tokens=8))
+    sync(device)
+    warmup_s = time.perf_counter() - t
+    _peak_reset(device)
+    stamp = Stamp()
+    t0 = time.perf_counter()
+    model.generate(ids, stopping_criteria=[stamp], **kw)
+    sync(device)
+    t1 = time.perf_counter()
+    ts = stamp.t
+    steps = [b - a for a, b in zip(ts, ts[1:])]
+    repeats = []
+    for _ in range(TTFT_REPEATS):  # the first token alone, again: one call's TTFT is host-noise sensitive
+        stamp = Stamp()
+        t_r = time.perf_counter()
+        model.generate(ids, stopping_criteria=[stamp], **dict(kw, max_new_tokens=1, min_new_tokens=1))
+        repeats.append(stamp.t[0] - t_r)
+    return dict(ttft_s=ts[0] - t0, ttft_repeats_s=repeats, step_s=steps, total_s=t1 - t0, peak_gib=_peak_gib(device),
+                warmup_s=warmup_s,
+                cuda_graph=None, stats=None)
+
+
+def _child_tigon(spec, model, ids):
+    import tigon
+
+    report = str(tigon.patch(model))
+    variant = spec["variant"]
+    kw = dict(max_new_tokens=spec["new"], cuda_graph=not variant.endswith("nograph"), return_stats=True,
+              attention="hf" if variant.endswith("hf-attn") else "auto")
+    device = ids.device
+    t = time.perf_counter()
+    tigon.generate(model, ids, **kw)  # Triton JIT and autotuning
+    sync(device)
+    warmup_s = time.perf_counter() - t
+    _peak_reset(device)
+    t0 = time.perf_counter()
+    seqs, stats = tigon.generate(model, ids, **kw)
+    sync(device)
+    t1 = time.perf_counter()
+    assert seqs.shape == (ids.shape[0], ids.shape[1] + spec["new"]), seqs.shape
+    peak = stats["peak_memory_bytes"]
+    repeats = [tigon.generate(model, ids, **dict(kw, max_new_tokens=1))[1]["ttft_s"] for _ in range(TTFT_REPEATS)]
+    out = dict(ttft_s=stats["ttft_s"], ttft_repeats_s=repeats, step_s=list(stats["step_s"]), total_s=t1 - t0,
+               peak_gib=peak / 2**30 if peak is not None else None, warmup_s=warmup_s,
+               cuda_graph=stats["cuda_graph"], attention=stats["attention"], stats=stats,
+               patch=report.splitlines()[0] if report else None)
+    if spec.get("profile"):
+        try:
+            steps = QUICK["profile_steps"] if spec["quick"] else PROFILE_STEPS
+            out["profile"] = profile_tigon(model, ids, kw, spec, stats, steps)
+        except Exception as e:  # noqa: BLE001 - a failing profile is a note; the timed row stands
+            out["profile"] = dict(error=f"{type(e).__name__}: {e}"[:600])
+    return out
+
+
+def child(spec):
+    """One variant in this process: build, warm up, time; returns the result row."""
+    import torch
+
+    model, ids = build(spec)
+    with torch.no_grad():
+        r = (_child_tigon if "tigon" in spec["variant"] else _child_hf)(spec, model, ids)
+    steps = r.pop("step_s")
+    ordered = sorted(steps)
+    mean = sum(steps) / len(steps) if steps else float("nan")
+    wall_step = (r["total_s"] - r["ttft_s"]) / len(steps) if steps else None
+    rep = sorted(r.get("ttft_repeats_s") or [])
+    row = dict(spec, ttft_ms=1e3 * r["ttft_s"], ttft_median_ms=1e3 * rep[len(rep) // 2] if rep else None,
+               ttft_repeats_ms=[round(1e3 * v, 2) for v in rep], p50_ms=1e3 * _percentile(ordered, 0.5),
+               p99_ms=1e3 * _percentile(ordered, 0.99), mean_ms=1e3 * mean, tokens_per_s=spec["batch"] / mean,
+               wall_ms_per_step=1e3 * wall_step if wall_step else None, total_s=r["total_s"],
+               peak_gib=r["peak_gib"], warmup_s=r["warmup_s"], cuda_graph=r["cuda_graph"],
+               attention=r.get("attention"), step_ms=[round(1e3 * s, 4) for s in steps])
+    if r.get("patch"):
+        row["patch"] = r["patch"]
+    if r.get("profile"):
+        row["profile"] = r["profile"]
+    if r["stats"] is not None:
+        row["stats"] = {k: v for k, v in r["stats"].items()}
+    return row
+
+
+def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profile=False):
+    """One spec per (variant, batch); the swa-* variants use the Mistral config, the long prompt and
+    `swa_batches` (default: `batches`). A variant "name@1+8" runs at batches 1 and 8 only. `profile` marks
+    the tigon variants for `profile_tigon`."""
+    window = QUICK["window"] if quick else WINDOW
+    swa_prompt = QUICK["swa_prompt"] if quick else SWA_PROMPT
+    specs = []
+    for item in variants:
+        v, _, only = item.partition("@")
+        if v not in VARIANTS:
+            raise SystemExit(f"bench_decode: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+        try:
+            own = [int(b) for b in only.split("+")] if only else None
+        except ValueError:
+            raise SystemExit(f"bench_decode: {item!r}: batches after @ are integers joined by +") from None
+        swa = v.startswith("swa-")
+        for b in own or ((swa_batches or batches) if swa else batches):
+            spec = dict(variant=v, family="mistral" if swa else "llama", batch=b,
+                        prompt=swa_prompt if swa else prompt, new=new,
+                        window=None if (not swa or v == "swa-tigon-full") else window, quick=quick, device=device)
+            if profile and "tigon" in v:
+                spec["profile"] = True
+            specs.append(spec)
+    return specs
+
+
+def _env():
+    """The child's environment: PYTHONPATH leads with the folder holding the tigon package this process imported
+    (src/ of a checkout, or site-packages) and this file's folder (decode_profile)."""
+    import tigon
+
+    here = [str(Path(tigon.__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*here, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _row(spec, p_stdout, p_stderr, rc):
+    line = [x for x in p_stdout.splitlines() if x.startswith("RESULT ")]
+    if line:
+        return json.loads(line[-1][7:])
+    tail = [x for x in p_stderr.strip().splitlines() if x.strip()][-3:]
+    return dict(spec, error=" | ".join(tail)[-600:] or f"exit {rc}")
+
+
+def _run_inline(specs, log):
+    """--quick on a CPU: every variant in this process (a smoke run of the code paths; starting a process per
+    variant costs ~4 s of imports each). Tigon patches instances only, and each variant builds its own model."""
+    rows = []
+    for spec in sorted(specs, key=lambda s: "tigon" in s["variant"]):
+        t = time.time()
+        try:
+            row = child(spec)
+        except Exception as e:  # noqa: BLE001 - a failing variant is a row, as in a subprocess
+            row = dict(spec, error=f"{type(e).__name__}: {e}"[:600])
+        row["process_s"] = time.time() - t
+        rows.append(row)
+        log(f"{'FAILED' if 'error' in row else 'DONE'} {spec['variant']} batch {spec['batch']} (in process)")
+    return rows
+
+
+def run_plan(specs, budget_s, timeout_s=300, log=print, inline=False):
+    """Each spec in its own process, one after the other; a spec that no longer fits the budget is skipped."""
+    if inline:
+        return _run_inline(specs, log)
+    rows = []
+    deadline = time.time() + budget_s
+    for spec in specs:
+        left = deadline - time.time()
+        need = 0 if spec["quick"] else NEED_S.get(spec["variant"], NEED_DEFAULT_S) + (
+            PROFILE_NEED_S if spec.get("profile") else 0)
+        label = f"{spec['variant']} batch {spec['batch']}"
+        if left < need:
+            row = dict(spec, skipped=f"time budget: {left:.0f} s left, needs ~{need} s")
+            log(f"SKIP {label}: {row['skipped']}")
+            rows.append(row)
+            continue
+        t = time.time()
+        try:
+            p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+                               capture_output=True, text=True, timeout=max(10, min(timeout_s, left)), env=_env())
+            row = _row(spec, p.stdout, p.stderr, p.returncode)
+        except subprocess.TimeoutExpired:
+            row = dict(spec, error=f"timeout after {time.time() - t:.0f} s")
+        row["process_s"] = time.time() - t
+        rows.append(row)
+        log(f"{'FAILED' if 'error' in row else 'DONE'} {label} ({row['process_s']:.0f} s): "
+            + (row.get("error") or f"p50 {row['p50_ms']:.3f} ms/step, TTFT {row['ttft_ms']:.1f} ms"))
+    return rows
+
+
+def _num(x, fmt=".2f"):
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def _model_name(r):
+    if r["family"] == "llama":
+        return "llama-1.5b" if not r["quick"] else "llama-toy"
+    return "mistral-" + (f"swa{r['window']}" if r["window"] else "full")
+
+
+def _baseline(rows, r):
+    want = "swa-hf-static-compile" if r["variant"].startswith("swa-") else "hf-static-compile"
+    return next((x for x in rows if x["variant"] == want and x["batch"] == r["batch"] and "p50_ms" in x), None)
+
+
+def targets(rows):
+    """(target, value, verdict) for each target with its rows present."""
+    out = []
+    ok = {r["variant"] + str(r["batch"]): r for r in rows if "p50_ms" in r}
+    for r in rows:
+        if "p50_ms" not in r or r["variant"] != "tigon":
+            continue
+        limit = TARGETS["b1_ms"] if r["batch"] == 1 else TARGETS["b8_ms"] if r["batch"] == 8 else None
+        if limit is not None:
+            out.append((f"tigon batch {r['batch']} p50 <= {limit} ms/step", f"{r['p50_ms']:.3f} ms",
+                        r["p50_ms"] <= limit))
+        if r["prompt"] == 512:
+            median = r.get("ttft_median_ms")
+            ttft = median if median is not None else r["ttft_ms"]
+            how = (f" (median of {len(r['ttft_repeats_ms'])} prefill-only calls)" if median is not None
+                   else " (the timed call)")
+            out.append((f"tigon batch {r['batch']} TTFT <= {TARGETS['ttft_ms']:.0f} ms (prompt 512)",
+                        f"{ttft:.1f} ms{how}", ttft <= TARGETS["ttft_ms"]))
+    for r in rows:
+        if "p50_ms" in r and r["variant"] in ("tigon", "swa-tigon", "swa-tigon-full"):
+            ratio = r["p99_ms"] / r["p50_ms"]
+            out.append((f"{r['variant']} batch {r['batch']} p99 <= {TARGETS['p99_over_p50']}x p50", f"{ratio:.3f}x",
+                        ratio <= TARGETS["p99_over_p50"]))
+    for r in ok.values():
+        full = ok.get("swa-tigon-full" + str(r["batch"]))
+        if r["variant"] == "swa-tigon" and full:
+            ratio = r["p50_ms"] / full["p50_ms"]
+            out.append((f"batch {r['batch']}: ring past capacity p50 <= {TARGETS['ring_over_full']}x full cache",
+                        f"{ratio:.3f}x ({r['p50_ms']:.3f} vs {full['p50_ms']:.3f} ms)",
+                        ratio <= TARGETS["ring_over_full"]))
+    return out
+
+
+def markdown(rows, meta):
+    lines = [f"## Decode: {meta.get('title', 'tigon.generate vs HF generate')}", "",
+             "| model | variant | batch | prompt | new | TTFT ms | TTFT median ms | p50 ms/step | p99 ms/step "
+             "| p99/p50 | mean ms/step | wall ms/step | tokens/s | peak GiB | graph "
+             "| speedup vs hf-static-compile (p50) |",
+             "|" + "---|" * 16]
+    for r in rows:
+        head = f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | {r['new']} |"
+        if "p50_ms" not in r:
+            lines.append(head + f" {r.get('skipped') or 'error: ' + str(r.get('error'))[:200]} |" + " |" * 10)
+            continue
+        base = _baseline(rows, r)
+        speed = f"x{base['p50_ms'] / r['p50_ms']:.2f}" if base else "-"
+        graph = "-" if r.get("cuda_graph") is None else ("yes" if r["cuda_graph"] else "no")
+        lines.append(head + f" {_num(r['ttft_ms'], '.1f')} | {_num(r.get('ttft_median_ms'), '.1f')} | "
+                     f"{_num(r['p50_ms'], '.3f')} | {_num(r['p99_ms'], '.3f')} | "
+                     f"{_num(r['p99_ms'] / r['p50_ms'], '.2f')} | {_num(r['mean_ms'], '.3f')} | "
+                     f"{_num(r.get('wall_ms_per_step'), '.3f')} | {_num(r['tokens_per_s'], '.0f')} | "
+                     f"{_num(r['peak_gib'])} | {graph} | {speed} |")
+    checks = targets(rows)
+    if checks:
+        lines += ["", "| target | measured | met |", "|---|---|---|"]
+        lines += [f"| {t} | {v} | {'yes' if ok else '**no**'} |" for t, v, ok in checks]
+    skipped = [r for r in rows if r.get("skipped")]
+    lines += ["", ANCHORS,
+              "tokens/s = batch / mean decode step (the anchors' definition). TTFT: prefill + first token "
+              "(tigon: from the call, cache allocation included), in the timed call; TTFT median: of "
+              f"{TTFT_REPEATS} prefill-only calls after it (max_new_tokens=1; one call's TTFT moves with the "
+              "host's noise). wall ms/step: host clock around the timed call "
+              "minus TTFT, over the decode steps (a cross-check of the per-step timer). The graph path's first "
+              "decode step includes the CUDA-graph capture."]
+    if skipped:
+        names = ", ".join(f"{r['variant']} b{r['batch']}" for r in skipped)
+        lines.append(f"Skipped for the time budget: {names}.")
+    lines += ttft_phase_lines(rows) + profile_lines(rows)
+    return "\n".join(lines) + "\n"
+
+
+def ttft_phase_lines(rows):
+    """The tigon rows' TTFT split by phase (stats["ttft_phases_s"] / ["ttft_host_phases_s"])."""
+    done = [r for r in rows if (r.get("stats") or {}).get("ttft_phases_s")]
+    if not done:
+        return []
+    from tigon.generation import TTFT_PHASES
+
+    lines = ["", "### TTFT by phase (timed call; ms, device / host)", "",
+             "| model | variant | batch | TTFT | " + " | ".join(TTFT_PHASES) + " |",
+             "|" + "---|" * (4 + len(TTFT_PHASES))]
+    for r in done:
+        dev, host = r["stats"]["ttft_phases_s"], r["stats"].get("ttft_host_phases_s") or {}
+        cells = [f"{_num(1e3 * dev[k], '.2f')} / {_num(1e3 * host[k] if k in host else None, '.2f')}"
+                 for k in TTFT_PHASES]
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {_num(r['ttft_ms'], '.1f')} | "
+                     + " | ".join(cells) + " |")
+    lines.append("device: CUDA-event interval between the phase's boundaries (when the stream reached them; sums "
+                 "to TTFT); host: perf_counter wall time of the phase. host ~ device: the GPU waited on the host "
+                 "(host-bound); device > host: GPU-bound, or queued behind earlier work. On a CPU both are the "
+                 "host clock.")
+    return lines
+
+
+def profile_lines(rows):
+    """The --profile section: per decode step and per TTFT, kernel time by bucket."""
+    done = [r for r in rows if r.get("profile")]
+    if not done:
+        return []
+    names = [name for name, _ in BUCKETS]
+    ok = [r for r in done if "decode" in r["profile"]]
+    activity = ok[0]["profile"]["activity"] if ok else "cuda kernels"
+    unit = "kernels" if activity == "cuda kernels" else "ops"
+    steps = ok[0]["profile"]["decode"]["steps"] if ok else PROFILE_STEPS
+    lines = ["", f"### Decode-step profile (torch.profiler, {activity}; ms per step over {steps} decode steps)", "",
+             f"| model | variant | batch | {unit}/step | {unit} ms | " + " | ".join(names)
+             + f" | measured p50 | p50 - {unit} (gaps) | traced span | GEMM GB/s |",
+             "|" + "---|" * (9 + len(names))]
+    for r in done:
+        head = f"| {_model_name(r)} | {r['variant']} | {r['batch']} |"
+        prof = r["profile"]
+        if "decode" not in prof:
+            lines.append(head + f" profile failed: {prof.get('error')} |" + " |" * (5 + len(names)))
+            continue
+        d = prof["decode"]
+        lines.append(head + f" {_num(d['kernels'], '.1f')} | {_num(d['kernel_ms'], '.3f')} | "
+                     + " | ".join(_num(d["buckets_ms"][k], ".3f") for k in names)
+                     + f" | {_num(d['measured_p50_ms'], '.3f')} | {_num(d['gap_ms'], '.3f')} | "
+                     f"{_num(d['span_ms'], '.3f')} | {_num(d['gemm_GBps'], '.0f')} |")
+    blind = [f"{r['variant']} b{r['batch']}" for r in ok if not r["profile"]["decode"]["kernels"]]
+    if blind:
+        lines += ["", f"No {unit} seen in the decode steps of {', '.join(blind)}: this torch/CUPTI did not trace the "
+                  "replayed CUDA graph's kernels (run the *-nograph variant, or Nsight Systems)."]
+    lines += ["", "### TTFT profile (one generate call with max_new_tokens=1; ms)", "",
+              f"| model | variant | batch | {unit} | {unit} ms | " + " | ".join(names)
+              + " | traced span | TTFT (timed call) | TTFT (traced call) |", "|" + "---|" * (8 + len(names))]
+    for r in ok:
+        f = r["profile"]["prefill"]
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {_num(f['kernels'], '.0f')} | "
+                     f"{_num(f['kernel_ms'], '.3f')} | " + " | ".join(_num(f["buckets_ms"][k], ".3f") for k in names)
+                     + f" | {_num(f['span_ms'], '.3f')} | {_num(f['measured_ttft_ms'], '.2f')} | "
+                     f"{_num(f['traced_ttft_ms'], '.2f')} |")
+    for r in ok:
+        d = r["profile"]["decode"]
+        lines += ["", f"Top {unit} per decode step, {r['variant']} batch {r['batch']} ({d['located']}; GEMM weight "
+                  f"bytes {d['gemm_weight_bytes'] / 1e6:.1f} MB of {d['param_bytes'] / 1e6:.1f} MB of parameters):", ""]
+        lines += [f"- {t['ms']:.4f} ms, {t['per_step']:g}x, {t['bucket']}: `{t['name']}`" for t in d["top"]]
+    lines += ["", f"Buckets by {unit[:-1]} name: gemm (cuBLAS gemm/gemv/nvjet/cutlass), attention (tigon "
+              "decode_attention; sdpa/flash in a prefill), rope_kv_write, norms, glu (tigon kernels), other triton "
+              "(any other bare kernel name), other torch (ATen kernels, copies, sampling). gaps = measured p50 (the "
+              "untraced timed call) minus the kernel time: launch gaps and idle. traced span: first kernel start to "
+              "last kernel end over the steps (the profiler adds per-kernel overhead). GEMM GB/s = GEMM weight bytes / "
+              "GEMM time per step (the input embedding is a lookup and left out unless tied)."]
+    return lines
+
+
+def plot(rows, path):
+    """Latency of each decode step, one line per variant; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    done = [r for r in rows if r.get("step_ms")]
+    if not done:
+        return False
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)  # up to 20 distinct lines (the default plan draws 14)
+    for r in done:
+        ax.plot(range(1, len(r["step_ms"]) + 1), r["step_ms"], lw=1,
+                label=f"{_model_name(r)} {r['variant']} b{r['batch']}")
+    ax.set_yscale("log")
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("ms per step (log)")
+    ax.set_title("Decode latency per step")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def prometheus_rows(rows):
+    """The tigon rows' stats as one Prometheus exposition, labelled by model, variant and batch."""
+    from tigon.generation import prometheus_text
+
+    runs = [({"model": _model_name(r), "variant": r["variant"], "batch": str(r["batch"])}, r["stats"])
+            for r in rows if r.get("stats")]
+    return prometheus_text(runs) if runs else ""
+
+
+def build_parser(prog="bench_decode"):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default=None, help=f"comma-separated, in run order (default {DEFAULT_VARIANTS}; "
+                   f"all: {','.join(VARIANTS)})")
+    p.add_argument("--batches", default=None, help="comma-separated (default 1,8)")
+    p.add_argument("--swa-batches", default=None, help="batches of the swa-* variants (default 1, as the anchors)")
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens of the Llama rows (default 512)")
+    p.add_argument("--new", type=int, default=None, help="new tokens, all forced (default 256)")
+    p.add_argument("--out", default=None, help="output folder (default $OUT, else ./tigon-bench-out)")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run (default 540)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per variant process (default 300)")
+    p.add_argument("--quick", action="store_true", help="a 2-layer toy config and a few tokens (runs on a CPU)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--prometheus", default=None, help="also write the tigon rows' stats in the Prometheus text format")
+    p.add_argument("--profile", action="store_true", help="also profile each tigon variant's decode step and TTFT "
+                   "(torch.profiler, kernel time by bucket; a section in decode.md)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None, log=print, prog="bench_decode"):
+    a = build_parser(prog).parse_args(argv)
+    if a.child:
+        print("RESULT " + json.dumps(child(json.loads(a.child))), flush=True)
+        return 0
+    import torch
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu" and not a.quick:
+        log("bench_decode: no CUDA device: the 1.5B config on a CPU would take hours; use --quick")
+        return 2
+    quick = a.quick
+    variants = [v for v in (a.variants or DEFAULT_VARIANTS).split(",") if v]
+    batches = [int(b) for b in (a.batches or (QUICK["batches"] if quick else "1,8")).split(",") if b]
+    swa_batches = [int(b) for b in (a.swa_batches or ("" if quick else "1")).split(",") if b] or None
+    prompt = a.prompt or (QUICK["prompt"] if quick else 512)
+    new = a.new or (QUICK["new"] if quick else 256)
+    out = a.out or os.environ.get("OUT") or "tigon-bench-out"
+    os.makedirs(out, exist_ok=True)
+    t0 = time.time()
+    rows = run_plan(plan(variants, batches, prompt, new, quick, device, swa_batches, profile=a.profile), a.budget,
+                    a.timeout, log=log, inline=quick and device == "cpu")
+    meta = dict(title="tigon.generate vs HF generate" + (" (quick toy on " + device + ")" if quick else ""),
+                device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
+                wall_s=time.time() - t0, targets=TARGETS, anchors=ANCHORS)
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    with open(os.path.join(out, "decode.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    md = markdown(rows, meta)
+    with open(os.path.join(out, "decode.md"), "w") as f:
+        f.write(md)
+    if not plot(rows, os.path.join(out, "decode_latency.png")):
+        md += "(no decode_latency.png: matplotlib is not installed, or no row finished)\n"
+    if a.prometheus:
+        with open(a.prometheus, "w") as f:
+            f.write(prometheus_rows(rows))
+    log(md)
+    return 0 if any("p50_ms" in r for r in rows) else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

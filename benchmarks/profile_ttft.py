@@ -11,9 +11,9 @@ import pstats
 import time
 
 import torch
+from bench_decode import build
 
 import tigon
-from tigon.bench_decode import _build
 
 
 def main():
@@ -26,7 +26,7 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = dict(quick=device == "cpu", prompt=args.prompt, new=1, device=device, family="llama", batch=args.batch,
                 window=None)
-    model, ids = _build(spec)
+    model, ids = build(spec)
     tigon.patch(model)
     for _ in range(3):  # JIT, autotune, allocator warm-up
         tigon.generate(model, ids, max_new_tokens=1)

@@ -71,16 +71,14 @@ def test_a_failing_provider_is_a_cell_note(harness):
 
 
 def test_decode_bench_quick_runs_every_variant(tmp_path, harness):
-    import bench_decode  # benchmarks/bench_decode.py: the thin wrapper over tigon.bench_decode
-
-    from tigon import bench_decode as core
+    import bench_decode as core  # benchmarks/bench_decode.py (on sys.path through the harness fixture)
 
     out = tmp_path / "decode"
     lines = []
     # The swa-* rows at batch 1 only (--swa-batches): the interpreter runs their tigon decode kernels slowly.
     argv = ["--quick", "--device", "cpu", "--out", str(out), "--variants", ",".join(core.VARIANTS),
             "--batches", "1,2", "--swa-batches", "1"]
-    assert bench_decode.main(argv, log=lines.append) == 0
+    assert core.main(argv, log=lines.append) == 0
     files = set(os.listdir(out))
     assert {"decode.json", "decode.md"} <= files
     result = json.loads((out / "decode.json").read_text())
@@ -114,11 +112,10 @@ def test_decode_bench_quick_profile_writes_the_section(tmp_path, harness, monkey
     # On a CPU the profiler sees CPU ops, not CUDA kernels: the same code path and tables over aten ops. The
     # graph path's bookkeeping runs on the CPU (test_generate's fake capture), so the decode traces take the
     # GPU's route: the profiler starts right after the capture.
-    import bench_decode
+    import bench_decode as core
+    import decode_profile as profiling
 
     from tests.test_generate import _fake_capture
-    from tigon import bench_decode as core
-    from tigon import decode_profile as profiling
     from tigon import generation
 
     monkeypatch.setattr(generation, "_graphs_available", lambda device: True)
@@ -126,7 +123,7 @@ def test_decode_bench_quick_profile_writes_the_section(tmp_path, harness, monkey
 
     out = tmp_path / "decode"
     argv = ["--quick", "--device", "cpu", "--out", str(out), "--variants", "tigon@1", "--profile"]
-    assert bench_decode.main(argv, log=lambda s: None) == 0
+    assert core.main(argv, log=lambda s: None) == 0
     (row,) = json.loads((out / "decode.json").read_text())["rows"]
     assert row["batch"] == 1 and row["cuda_graph"] and row["profile"]["activity"].startswith("cpu ops")
     phases = row["stats"]["ttft_phases_s"]
@@ -148,9 +145,9 @@ def test_decode_bench_quick_profile_writes_the_section(tmp_path, harness, monkey
     assert "| llama-toy | tigon | 1 |" in md.split("### Decode-step profile")[1]
 
 
-def test_decode_bench_profile_buckets_and_plan():
-    from tigon import bench_decode as core
-    from tigon import decode_profile as profiling
+def test_decode_bench_profile_buckets_and_plan(harness):
+    import bench_decode as core
+    import decode_profile as profiling
 
     names = {"nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "gemm", "void gemv2T_kernel_val<int, int, __nv_bfloat16>": "gemm",
              "void cutlass::Kernel2<cutlass_80_wmma_tensorop>": "gemm", "_decode_attention_split_kernel": "attention",
@@ -173,8 +170,21 @@ def test_decode_bench_profile_buckets_and_plan():
         core.plan(["tigon@x"], [1], 512, 256, quick=False, device="cuda")
 
 
-def test_decode_bench_budget_skips_and_targets():
-    from tigon import bench_decode as core
+def test_decode_bench_child_process_runs_this_file(harness):
+    # Off --quick-on-a-CPU each variant is a child process: `python benchmarks/bench_decode.py --child SPEC`,
+    # with PYTHONPATH carrying the tigon package's folder and benchmarks/ (not `python -m tigon...`).
+    import bench_decode as core
+
+    env = core._env()["PYTHONPATH"].split(os.pathsep)
+    assert os.path.join(os.path.dirname(BENCH), "src") in env and BENCH in env
+    (spec,) = core.plan(["hf-eager"], [1], 8, 4, quick=True, device="cpu")
+    (row,) = core.run_plan(specs=[spec], budget_s=120, timeout_s=120, log=lambda s: None)
+    assert "error" not in row, row.get("error")
+    assert row["variant"] == "hf-eager" and row["p50_ms"] > 0 and len(row["step_ms"]) == 3
+
+
+def test_decode_bench_budget_skips_and_targets(harness):
+    import bench_decode as core
 
     specs = core.plan(["tigon", "hf-static-compile"], [1, 8], 512, 256, quick=False, device="cuda")
     rows = core.run_plan(specs, budget_s=0, log=lambda s: None)  # nothing fits: no process is started

@@ -33,10 +33,28 @@ def test_env_runs_as_a_command():
     assert "linear_cross_entropy" in r.stdout
 
 
-def test_bench_without_benchmarks_folder_says_where_to_get_it(monkeypatch, capsys):
+@pytest.mark.parametrize("argv", [["bench", "--quick"], ["bench", "decode", "--quick", "--device", "cpu"]])
+def test_bench_without_benchmarks_folder_says_where_to_get_it(monkeypatch, capsys, argv):
+    # An installed package: no benchmarks/ folder beside it, under the current directory or at $TIGON_BENCHMARKS.
     monkeypatch.setattr(cli, "_benchmarks_dir", lambda: None)
-    assert cli.main(["bench", "--quick"]) == 2
-    assert "benchmarks/ folder" in capsys.readouterr().err
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "tigon bench needs the benchmarks/ folder of a source checkout" in err and "git clone" in err
+
+
+def test_benchmarks_dir_is_the_checkouts_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("TIGON_BENCHMARKS", raising=False)
+    assert cli._benchmarks_dir() == os.path.join(os.path.dirname(SRC), "benchmarks")
+    monkeypatch.setenv("TIGON_BENCHMARKS", str(tmp_path))  # a folder without the tools is passed over
+    assert cli._benchmarks_dir() == os.path.join(os.path.dirname(SRC), "benchmarks")
+
+
+def test_import_tigon_loads_nothing_from_benchmarks():
+    env = dict(os.environ, PYTHONPATH=SRC)
+    code = ("import sys, tigon, tigon.cli; bench = [m for m, v in list(sys.modules.items()) if 'benchmarks' in "
+            "str(getattr(v, '__file__', '') or '')]; print(bench); sys.exit(1 if bench else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_demo_missing_module_is_a_clear_message(monkeypatch, capsys):

@@ -5,11 +5,13 @@
                                     the benchmarks of benchmarks/gpu_check.py (a source checkout's folder)
     tigon bench decode [--quick] [--variants V] [--batches 1,8] [--prompt N] [--new N] [--out DIR] [--budget S]
                        [--prometheus FILE]
-                                    the decode benchmark (tigon.bench_decode: HF generate vs tigon.generate);
+                                    the decode benchmark (benchmarks/bench_decode.py: HF generate vs tigon.generate);
                                     prints the table, writes decode.json/md/png and, with --prometheus, the
                                     tigon rows' stats in the Prometheus text format
     tigon demo [...]                fine-tune a small model with Tigon off, then on (tigon.demo)
 
+`tigon bench` runs tools of a source checkout's benchmarks/ folder (found beside src/, under the current
+directory or at $TIGON_BENCHMARKS); an installed package without that folder says so and exits with 2.
 Only the standard library is imported up front; torch, triton and the rest load inside each command.
 """
 
@@ -146,27 +148,38 @@ def cmd_env(args) -> int:
     return 0
 
 
+BENCHMARKS_MISSING = ("tigon bench needs the benchmarks/ folder of a source checkout: git clone Tigon's repository "
+                      "and run `tigon bench` from it (or with PYTHONPATH=src inside it), or point TIGON_BENCHMARKS "
+                      "at its benchmarks/ folder. The installed package does not ship the benchmarks.")
+
+
 def _benchmarks_dir():
     """benchmarks/ of a source checkout: $TIGON_BENCHMARKS, beside src/ (editable install or PYTHONPATH=src),
-    or under the current directory."""
+    or under the current directory; None when none of them has the benchmark tools."""
     candidates = [os.environ.get("TIGON_BENCHMARKS"), Path(__file__).resolve().parents[2] / "benchmarks",
                   Path.cwd() / "benchmarks"]
     for c in candidates:
-        if c and (Path(c) / "gpu_check.py").is_file():
+        if c and (Path(c) / "gpu_check.py").is_file() and (Path(c) / "bench_decode.py").is_file():
             return str(c)
     return None
 
 
-def cmd_bench(args) -> int:
+def _benchmark_module(name: str):
+    """Import benchmarks/<name>.py of the source checkout (its folder put first on sys.path, so its siblings
+    import by plain name); None, after the message on stderr, when there is no benchmarks/ folder."""
     where = _benchmarks_dir()
     if where is None:
-        print("tigon bench: no benchmarks/ folder found. The benchmarks ship with Tigon's source repository, "
-              "not with the installed package: run `tigon bench` from a source checkout (or with "
-              "PYTHONPATH=src inside it), or point TIGON_BENCHMARKS at its benchmarks/ folder.", file=sys.stderr)
-        return 2
+        print(BENCHMARKS_MISSING, file=sys.stderr)
+        return None
     if where not in sys.path:
         sys.path.insert(0, where)
-    import gpu_check
+    return importlib.import_module(name)
+
+
+def cmd_bench(args) -> int:
+    gpu_check = _benchmark_module("gpu_check")
+    if gpu_check is None:
+        return 2
 
     argv = ["--quick"] if args.quick else []
     if args.out:
@@ -195,10 +208,12 @@ def _check_bench_decode_values(full, rest) -> None:
 
 def cmd_bench_decode(rest) -> int:
     try:
-        bench_decode = importlib.import_module("tigon.bench_decode")
+        bench_decode = _benchmark_module("bench_decode")
     except ModuleNotFoundError as e:
         print(f"tigon bench decode: it needs {e.name!r}, which is not installed "
               "(pip install 'tigon[hf]' brings transformers).", file=sys.stderr)
+        return 2
+    if bench_decode is None:
         return 2
     prog = "tigon bench decode"
     full = bench_decode.build_parser(prog)
@@ -241,7 +256,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["demo"]:  # everything after `demo` belongs to tigon.demo's own parser
         return cmd_demo(None, argv[1:])
-    if argv[:2] == ["bench", "decode"]:  # and everything after `bench decode` to tigon.bench_decode's
+    if argv[:2] == ["bench", "decode"]:  # and everything after `bench decode` to bench_decode's
         return cmd_bench_decode(argv[2:])
     p = build_parser()
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Where a tigon.generate call's time goes: torch.profiler traces of its TTFT and decode steps, bucketed.
 
-Used by `tigon.bench_decode --profile` (its module docstring describes the method: three profiled calls of
+Used by `benchmarks/bench_decode.py --profile` (its module docstring describes the method: three profiled calls of
 1, 3 and 3 + steps new tokens, the longer call's extra kernels being exactly its last `steps` decode steps).
 """
 
@@ -124,6 +124,8 @@ def profile_tigon(model, ids, kw, spec, stats, steps=PROFILE_STEPS):
     def trace(new, after_capture=False):
         sync(device)
         prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+        # generation._capture is private, and the one place a trace can start right after the CUDA-graph
+        # capture (the profiler never runs over a capturing stream): wrapped for this call, put back after.
         capture = generation._capture
         started = []
 
