@@ -5,6 +5,7 @@ Validation raises ValueError/TypeError that name the op, the argument and what w
 
 import functools
 import math
+import numbers
 
 import torch
 import triton
@@ -69,13 +70,59 @@ def check_eps(op: str, eps) -> float:
     return float(eps)
 
 
+def check_number(op: str, name: str, v, lo: float = -math.inf, hi: float = math.inf) -> float:
+    """A Python real in [lo, hi], finite. Tensors are refused: reading one would sync the host and break
+    torch.compile's graph."""
+    where = "" if (lo, hi) == (-math.inf, math.inf) else f" in [{lo}, {hi}]"
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{op}: {name} must be a Python number{where}, got {type(v).__name__}")
+    if not math.isfinite(v) or not lo <= v <= hi:
+        raise ValueError(f"{op}: {name} must be a finite number{where}, got {v!r}")
+    return float(v)
+
+
+def check_bool(op: str, name: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(v).__name__}")
+    return v
+
+
+def check_min_dim(op: str, name: str, t: torch.Tensor, n: int = 1) -> None:
+    if t.dim() < n:
+        raise ValueError(f"{op}: {name} must have at least {n} dimension{'s' if n > 1 else ''}, "
+                         f"got shape {tuple(t.shape)}")
+
+
+def is_leafish(t: torch.Tensor) -> bool:
+    """A leaf, or a view of one: its storage belongs to the caller, so an op must not write over it.
+    (is_leaf and _base, not grad_fn: torch.compile traces these)"""
+    return t.is_leaf or (t._base is not None and t._base.is_leaf)
+
+
+def may_overlap(t: torch.Tensor) -> bool:
+    """True unless the layout proves that no two elements of `t` share memory (stride 0, or rows that run
+    into each other as in as_strided views). From sizes and strides only: no data read, fine under compile.
+    Sufficient, not necessary: some interleaved layouts without overlap also answer True."""
+    if t.numel() == 0:
+        return False
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
+    span = 0  # elements covered by the dims seen so far, minus one
+    for st, sz in dims:
+        if st <= span:
+            return True
+        span += st * (sz - 1)
+    return False
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """View `t` as [rows, last]; copies only when the last dim is strided or the rows can't be one stride."""
+    """View `t` as [rows, last]; copies only when the last dim is strided or the rows can't be one stride.
+    The row count is explicit: view(-1, 0) is ambiguous for a zero-width tensor."""
     if t.dim() == 0:
         raise ValueError("expected at least one dimension")
     if t.stride(-1) != 1:
         t = t.contiguous()
+    shape = (math.prod(t.shape[:-1]), t.shape[-1])
     try:
-        return t.view(-1, t.shape[-1])
+        return t.view(shape)
     except RuntimeError:
-        return t.reshape(-1, t.shape[-1]) if t.is_contiguous() else t.contiguous().view(-1, t.shape[-1])
+        return t.reshape(shape) if t.is_contiguous() else t.contiguous().view(shape)

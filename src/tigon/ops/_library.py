@@ -74,6 +74,44 @@ def call(op, function, *args):
     return function.apply(*args)
 
 
+def reference_grads(fn, args, needs, grad_outputs):
+    """Backward under create_graph=True, for ops whose saved tensors are enough to recompute the forward:
+    the gradients of fn(*args) (the PyTorch reference) against grad_outputs, built from differentiable ops
+    on the saved tensors, so that a gradient penalty or a Hessian-vector product sees the true second
+    derivative. needs[i]: whether args[i] gets a gradient. Returns one entry per arg (None where not needed)."""
+    wanted = [i for i, (a, n) in enumerate(zip(args, needs)) if n and a is not None and a.requires_grad]
+    grads = [None] * len(args)
+    if not wanted:
+        return grads
+    with torch.enable_grad():
+        # Fresh aliases are where the recompute's graph starts: autograd.grad stops there. On the saved
+        # tensors themselves it would also walk their history, and a saved output (add_rms_norm's sum) leads
+        # back into the node running this backward, which would then run again, without end.
+        args = [a.view_as(a) if a is not None and a.requires_grad else a for a in args]
+        outs = fn(*args)
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
+    got = [None] * len(wanted)
+    if pairs:
+        got = torch.autograd.grad([o for o, _ in pairs], [args[i] for i in wanted], [g for _, g in pairs],
+                                  create_graph=True, allow_unused=True)
+    for i, g in zip(wanted, got):
+        grads[i] = torch.zeros_like(args[i]) if g is None else g
+    return grads
+
+
+def refuse_double_backward(op):
+    """Call first in the backward of an op whose gradients come from kernels with no graph (the losses make
+    them in the forward and keep nothing else). Under create_graph=True (the only time a backward runs with
+    grad mode on) it raises, naming the op: a gradient with no graph would make a gradient penalty or a
+    Hessian through the op silently zero."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise NotImplementedError(
+            f"{op}: double backward (create_graph=True) is not supported: its gradient comes from Triton "
+            "kernels that autograd cannot differentiate; build a gradient penalty or a Hessian through this "
+            "op from PyTorch ops instead"
+        )
+
 
 def eager_body(custom_op, *tensors):
     """The Python body of a torch.library custom op, to call directly in eager inference: the dispatcher and

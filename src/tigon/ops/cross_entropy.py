@@ -220,12 +220,21 @@ def launch(x, target, loss, dx, denom=None, row_scale=None, *, ignore_index, lab
     )
 
 
+def not_ignored(target, ignore_index):
+    """target != ignore_index, as the kernel compares (in int64). torch would cast an ignore_index that the
+    target's dtype cannot hold (-1 for uint8, 2**32 for int32) and wrap it onto a real class."""
+    info = torch.iinfo(target.dtype)
+    if not info.min <= ignore_index <= info.max:
+        return torch.ones_like(target, dtype=torch.bool)
+    return target != ignore_index
+
+
 def denominator(target, ignore_index, reduction, num_items):
     """[1] fp32 device tensor the loss (and gradient) is divided by, or None (sum, none)."""
     if num_items is not None:
         return num_items.to(torch.float32).reshape(1)
     if reduction == _MEAN:
-        return (target != ignore_index).sum().to(torch.float32).reshape(1)  # stays on the device
+        return not_ignored(target, ignore_index).sum().to(torch.float32).reshape(1)  # stays on the device
     return None
 
 
@@ -331,6 +340,21 @@ def apply_grad_output(grads, grad_output, scale=None):
             scale(g, grad_output)
 
 
+def saved_grads(ctx, op):
+    """ctx.saved_tensors of a node whose forward made the gradients: the first backward scales them in place,
+    so a second one through a retained graph raises here, naming the op, instead of returning a twice-scaled
+    gradient (autograd's own version check would raise too, but without saying which op or why)."""
+    if getattr(ctx, "grads_scaled", False):
+        raise RuntimeError(
+            f"{op}: a second backward through the same graph (retain_graph=True) is not supported: the "
+            "gradient this op made in the forward was modified by an inplace operation (scaled by grad_output) "
+            "in the first backward; run the forward again instead"
+        )
+    saved = ctx.saved_tensors
+    ctx.grads_scaled = True
+    return saved
+
+
 def _setup(ctx, inputs, output):
     compute_grad = inputs[-1]
     ctx.mark_non_differentiable(output[1])
@@ -341,7 +365,8 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dloss, _ddx, scale=None):
-    (dx,) = ctx.saved_tensors
+    _library.refuse_double_backward("tigon.ops.cross_entropy")
+    (dx,) = saved_grads(ctx, "tigon.ops.cross_entropy")
     apply_grad_output([dx], dloss, scale)
     return dx, None, None, None, None, None, None, None, None
 
@@ -374,25 +399,24 @@ class _CrossEntropyInplace(torch.autograd.Function):
             loss = torch.ops.tigon.cross_entropy_fwd_inplace(*args)
         else:
             loss = _fwd(*args, logits)
+            # What the custom op's mutation would do: another op that saved these logits for its backward
+            # then fails loudly ("modified by an inplace operation") instead of reading the gradient.
+            torch.autograd.graph.increment_version(logits)
         ctx.save_for_backward(logits)
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
-        (dx,) = ctx.saved_tensors
+        _library.refuse_double_backward("tigon.ops.cross_entropy")
+        (dx,) = saved_grads(ctx, "tigon.ops.cross_entropy")
         apply_grad_output([dx], dloss, None if torch.compiler.is_compiling() else _scale_grad_eager)
         return dx, None, None, None, None, None, None, None
 
 
-def _number(op, name, v, lo, hi=math.inf):
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not lo <= v <= hi:
-        raise ValueError(f"{op}: {name} must be a finite number in [{lo}, {hi}], got {v!r}")
-    return float(v)
-
-
 def validate_loss_args(op, target, lead_shape, device, ignore_index, reduction, label_smoothing, z_loss_scale,
                        softcap, num_items_in_batch):
-    """Checks shared by cross_entropy and linear_cross_entropy; returns (ls, z, softcap or 0.0)."""
+    """Checks shared by cross_entropy and linear_cross_entropy; returns (ls, z, softcap or 0.0). Shapes,
+    dtypes and Python values only: no tensor data is read (no host sync, nothing for torch.compile to break on)."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{op}: target must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype not in _INT_DTYPES:
@@ -403,15 +427,21 @@ def validate_loss_args(op, target, lead_shape, device, ignore_index, reduction, 
         raise ValueError(f"{op}: target is on {target.device} but the input is on {device}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    if not -(2**63) <= ignore_index < 2**63:  # the kernel compares in int64
+        raise ValueError(f"{op}: ignore_index must fit in int64, got {ignore_index}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}")
     n = num_items_in_batch
-    if n is not None and not (isinstance(n, numbers.Real) and not isinstance(n, bool)) and not (
-        isinstance(n, torch.Tensor) and n.numel() == 1
-    ):
+    if isinstance(n, torch.Tensor):
+        if n.numel() != 1 or n.dtype == torch.bool or n.is_complex():
+            raise TypeError(f"{op}: num_items_in_batch must be a number or a one-element real tensor, got "
+                            f"shape {tuple(n.shape)} {n.dtype}")
+        if n.device != device and n.device.type != "cpu":
+            raise ValueError(f"{op}: num_items_in_batch is on {n.device} but the input is on {device}")
+    elif n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Real)):
         raise TypeError(f"{op}: num_items_in_batch must be a number or a one-element tensor, got {n!r}")
-    return (_number(op, "label_smoothing", label_smoothing, 0.0, 1.0),
-            _number(op, "z_loss_scale", z_loss_scale, 0.0),
+    return (_launch.check_number(op, "label_smoothing", label_smoothing, 0.0, 1.0),
+            _launch.check_number(op, "z_loss_scale", z_loss_scale, 0.0),
             _softcap_value(op, softcap))
 
 
@@ -442,7 +472,7 @@ def check_target(op, target, V, ignore_index):
     """ValueError for a target outside [0, V) that is not ignore_index (when validating; else NaN loss)."""
     if torch.compiler.is_compiling() or not _validating(target.device):
         return
-    bad = (target != ignore_index) & ((target < 0) | (target >= V))
+    bad = not_ignored(target, ignore_index) & ((target < 0) | (target >= V))
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(
@@ -459,29 +489,37 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
     the non-ignored tokens (NaN when there are none); num_items_in_batch (number or one-element tensor)
     makes the loss sum / num_items_in_batch whatever the reduction. z_loss_scale adds z * lse^2 per token;
     softcap maps logits to softcap * tanh(logits / softcap) first. inplace_backward=True writes the gradient
-    into the logits buffer (saves one [N, V] tensor; the logits are garbage afterwards). A target outside
+    into the logits buffer (saves one [N, V] tensor; the logits are garbage afterwards); it is honoured only
+    for logits that autograd made (not a leaf, nor a view of one) with no two elements in the same memory
+    (an expanded row), and anything else silently takes the out-of-place path. A target outside
     [0, V) that is not ignore_index raises ValueError when validating (CPU, or TIGON_VALIDATE=1), else
-    gives a NaN loss and NaN gradient row. Never syncs the host on CUDA.
+    gives a NaN loss and NaN gradient row. Never syncs the host on CUDA. No double backward: a backward
+    with create_graph=True raises NotImplementedError.
     """
-    op = "cross_entropy"
-    _launch.check_tensor(op, "logits", logits)
+    op, name = "cross_entropy", "tigon.ops.cross_entropy"
+    _launch.check_tensor(name, "logits", logits)
     if logits.dim() == 0 or logits.shape[-1] == 0:
-        raise ValueError(f"{op}: logits must be [..., V] with V >= 1, got shape {tuple(logits.shape)}")
-    ls, z, cap = validate_loss_args(op, target, logits.shape[:-1], logits.device, ignore_index, reduction,
+        raise ValueError(f"{name}: logits must be [..., V] with V >= 1, got shape {tuple(logits.shape)}")
+    ls, z, cap = validate_loss_args(name, target, logits.shape[:-1], logits.device, ignore_index, reduction,
                                     label_smoothing, z_loss_scale, softcap, num_items_in_batch)
+    _launch.check_bool(name, "inplace_backward", inplace_backward)
     V = logits.shape[-1]
     if not _library.use_kernels(op, logits):
-        check_target(op, target, V, ignore_index)
+        check_target(name, target, V, ignore_index)
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.detach()  # a count: no gradient, as on the kernel path
         return reference.cross_entropy(
             logits, target.long(), ignore_index=ignore_index, reduction=reduction, label_smoothing=ls,
             z_loss_scale=z, softcap=softcap, num_items_in_batch=num_items_in_batch,
         )
-    check_target(op, target, V, ignore_index)
+    check_target(name, target, V, ignore_index)
     x, t = _launch.as_rows(logits), target.reshape(-1)
     num_items = num_items_tensor(num_items_in_batch, logits.device)
     red = REDUCTIONS[reduction]
     need_grad = torch.is_grad_enabled() and logits.requires_grad
-    if inplace_backward and need_grad:
+    # Writing the gradient over rows that share memory (logits.expand(N, V)) would overwrite a row while
+    # another program reads it; over a leaf it would hand the caller's tensor back as its own .grad.
+    if inplace_backward and need_grad and not _launch.is_leafish(x) and not _launch.may_overlap(x):
         loss = _CrossEntropyInplace.apply(x, t, num_items, ignore_index, ls, z, cap, red)
     else:
         loss, _ = _library.call(torch.ops.tigon.cross_entropy_fwd, CrossEntropyFunction,

@@ -11,6 +11,7 @@ x @ W^T runs in cuBLAS. The weights are taken as they are (dtype of x; under aut
 and `gate_weight` may be packed [2I, H] = [gate; up] (Phi3's gate_up_proj) with `up_weight` None.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -19,12 +20,18 @@ from . import _launch, _library, reference
 from .swiglu import _GELU_TANH, _SILU
 
 _ACTS = {"swiglu_mlp": _SILU, "geglu_mlp": _GELU_TANH}
+_REFERENCE = {_SILU: reference.swiglu_mlp, _GELU_TANH: reference.geglu_mlp}
+
+
+def _flat(x):
+    # explicit row count: reshape(-1, 0) is ambiguous for a zero-width x
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 class _GLUMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_weight, up_weight, down_weight, act):
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = _flat(x)
         if up_weight is None:
             gate_up = x2 @ gate_weight.t()
             gate, up = gate_up, None
@@ -33,15 +40,22 @@ class _GLUMLP(torch.autograd.Function):
         h = torch.ops.tigon.glu_fwd(gate, up, act, False)
         y = h @ down_weight.t()
         del h  # not saved: the backward recomputes it in the gradient pass
-        ctx.save_for_backward(x2, gate, up, gate_weight, up_weight, down_weight)
-        ctx.act, ctx.x_shape = act, x.shape
+        # x itself, not the view x2 made here: a saved input keeps its graph, which double backward needs
+        ctx.save_for_backward(x, gate, up, gate_weight, up_weight, down_weight)
+        ctx.act = act
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, gate, up, gate_weight, up_weight, down_weight = ctx.saved_tensors
+        x, gate, up, gate_weight, up_weight, down_weight = ctx.saved_tensors
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # create_graph=True: the reference's differentiable ops on the saved inputs, for double backward
+            grads = _library.reference_grads(_REFERENCE[ctx.act], (x, gate_weight, up_weight, down_weight),
+                                             ctx.needs_input_grad[:4], (dy,))
+            return (*grads, None)
+        x2 = _flat(x)
         need_x, need_g, need_u, need_d = ctx.needs_input_grad[:4]
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        dy2 = _flat(dy)
         dh = dy2 @ down_weight  # [tokens, I], fresh and contiguous: the pass below overwrites it with h
         if torch.compiler.is_compiling():  # functional ops for the tracer: same math, no buffer reuse
             h = torch.ops.tigon.glu_fwd(gate, up, ctx.act, False)
@@ -65,7 +79,7 @@ class _GLUMLP(torch.autograd.Function):
             if need_u:
                 d_up_w = dup.t() @ x2
         if dx is not None:
-            dx = dx.view(ctx.x_shape)
+            dx = dx.view(x.shape)
         return dx, d_gate_w, d_up_w, d_down, None
 
 
@@ -83,8 +97,7 @@ def _check_weight(op, name, w, dtype, device, shape=None):
 
 def _validate(op, x, gate_weight, up_weight, down_weight):
     _launch.check_tensor(op, "x", x)
-    if x.dim() < 1:
-        raise ValueError(f"{op}: x must be [..., hidden], got a scalar")
+    _launch.check_min_dim(op, "x", x)
     H = x.shape[-1]
     _check_weight(op, "gate_weight", gate_weight, x.dtype, x.device)
     if gate_weight.shape[1] != H:
@@ -103,7 +116,7 @@ def _validate(op, x, gate_weight, up_weight, down_weight):
 
 
 def _glu_mlp(op, x, gate_weight, up_weight, down_weight):
-    _validate(op, x, gate_weight, up_weight, down_weight)
+    _validate(f"tigon.ops.{op}", x, gate_weight, up_weight, down_weight)
     if not _library.use_kernels(op, x):
         return getattr(reference, op)(x, gate_weight, up_weight, down_weight)
     return _GLUMLP.apply(x, gate_weight, up_weight, down_weight, _ACTS[op])

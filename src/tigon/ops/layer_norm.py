@@ -120,7 +120,7 @@ def layer_norm_fwd(
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
     mean = torch.empty((M,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
-    if M > 0:
+    if M > 0 and H > 0:  # zero width: empty outputs, and mean/rstd (0/0) are never read
         _layer_norm_fwd_kernel[(M,)](
             x, weight if weight is not None else x, bias if bias is not None else x, y, mean, rstd,
             x.stride(0), y.stride(0), H, eps,
@@ -153,7 +153,7 @@ def layer_norm_bwd(
     n_prog = _launch.num_programs(x.device, M, per_sm=4)
     dw_part = torch.empty((n_prog, H), dtype=torch.float32, device=x.device) if compute_dw else rstd
     db_part = torch.empty((n_prog, H), dtype=torch.float32, device=x.device) if compute_db else rstd
-    if M > 0:
+    if M > 0 and H > 0:
         _layer_norm_bwd_kernel[(n_prog,)](
             dy, x, weight if weight is not None else x, mean, rstd, dx, dw_part, db_part,
             dy.stride(0), x.stride(0), dx.stride(0), M, H,
@@ -178,13 +178,19 @@ def _(dy, x, weight, bias, mean, rstd, compute_dw, compute_db):
 
 
 def _setup(ctx, inputs, output):
-    x, weight, bias, _eps = inputs
+    x, weight, bias, eps = inputs
     _, mean, rstd = output
     ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.eps = eps
 
 
 def _backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # create_graph=True: the reference's differentiable ops on the saved input, for double backward
+        dx, dw, db = _library.reference_grads(lambda x, w, b: reference.layer_norm(x, w, b, ctx.eps),
+                                              (x, weight, bias), ctx.needs_input_grad[:3], (dy,))
+        return dx, dw, db, None
     need_dw = weight is not None and ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
     dx, dw, db = torch.ops.tigon.layer_norm_bwd(
@@ -197,10 +203,9 @@ layer_norm_fwd.register_autograd(_backward, setup_context=_setup)
 
 
 def _validate(x, weight, bias, eps):
-    op = "layer_norm"
+    op = "tigon.ops.layer_norm"
     _launch.check_tensor(op, "x", x)
-    if x.dim() == 0:
-        raise ValueError(f"{op}: x must have at least one dimension")
+    _launch.check_min_dim(op, "x", x)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
             _launch.check_tensor(op, name, t)

@@ -23,6 +23,7 @@ from .cross_entropy import (
     denominator,
     num_items_tensor,
     reduce,
+    saved_grads,
     validate_loss_args,
 )
 from .cross_entropy import launch as ce_launch
@@ -218,6 +219,7 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dloss, _ddh, _ddw, _ddb):
+    _library.refuse_double_backward("tigon.ops.linear_cross_entropy")
     need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
     if ctx.rows_only:
         hidden, weight, target, bias = ctx.saved_tensors
@@ -225,7 +227,7 @@ def _backward(ctx, dloss, _ddh, _ddw, _ddb):
             dloss, hidden, weight, target, bias, *ctx.args, *need, ctx.accum_fp32, ctx.rows_override
         )
     else:
-        dh, dw, db = ctx.saved_tensors
+        dh, dw, db = saved_grads(ctx, "tigon.ops.linear_cross_entropy")
         apply_grad_output([dh, dw, db], dloss)
     dh, dw, db = (g if n else None for g, n in zip((dh, dw, db), need))
     return (dh, dw, None, db) + (None,) * 11
@@ -237,8 +239,7 @@ linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup)
 def _validate(op, hidden, weight, target, bias, accum_dtype):
     _launch.check_tensor(op, "hidden", hidden)
     _launch.check_tensor(op, "weight", weight)
-    if hidden.dim() == 0:
-        raise ValueError(f"{op}: hidden must be [..., H], got a 0-d tensor")
+    _launch.check_min_dim(op, "hidden", hidden)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
         raise ValueError(f"{op}: weight must have shape (V, {hidden.shape[-1]}) with V >= 1, "
                          f"got {tuple(weight.shape)}")
@@ -274,16 +275,19 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     [...] integer class indices. Options as `cross_entropy`. The loss is fp32; exact
     gradients for hidden, weight and bias. dW accumulates over token chunks in weight.dtype (cuBLAS addmm,
     like Liger) or in fp32 with accum_dtype=torch.float32 (a transient fp32 [V, H]). Extra memory: the
-    gradients plus CHUNK_BYTES of chunk logits. Never syncs the host on CUDA.
+    gradients plus CHUNK_BYTES of chunk logits. Never syncs the host on CUDA. No double backward: a backward
+    with create_graph=True raises NotImplementedError.
     """
-    op = "linear_cross_entropy"
-    _validate(op, hidden, weight, target, bias, accum_dtype)
-    ls, z, cap = validate_loss_args(op, target, hidden.shape[:-1], hidden.device, ignore_index, reduction,
-                                        label_smoothing, z_loss_scale, softcap, num_items_in_batch)
-    hidden = _autocast(op, hidden, weight, bias)
+    op, name = "linear_cross_entropy", "tigon.ops.linear_cross_entropy"
+    _validate(name, hidden, weight, target, bias, accum_dtype)
+    ls, z, cap = validate_loss_args(name, target, hidden.shape[:-1], hidden.device, ignore_index, reduction,
+                                    label_smoothing, z_loss_scale, softcap, num_items_in_batch)
+    hidden = _autocast(name, hidden, weight, bias)
     V = weight.shape[0]
-    check_target(op, target, V, ignore_index)
+    check_target(name, target, V, ignore_index)
     if not _library.use_kernels(op, hidden):
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.detach()  # a count: no gradient, as on the kernel path
         return reference.linear_cross_entropy(
             hidden, weight, target.long(), bias, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=ls, z_loss_scale=z, softcap=softcap, num_items_in_batch=num_items_in_batch,

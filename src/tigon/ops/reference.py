@@ -5,6 +5,7 @@ except where the op's definition rounds in between (RMSNorm "llama" mode rounds 
 the input dtype before the weight, as transformers' LlamaRMSNorm does). Imports torch only.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -113,7 +114,13 @@ def cross_entropy(
         x = softcap * torch.tanh(x / softcap)
     valid = t != ignore_index
     t_safe = torch.where(valid, t, torch.zeros_like(t))
-    lse = torch.logsumexp(x, dim=-1)
+    # Ignored rows take no part, as in the kernel (which never reads them): NaN or inf padding there gives a
+    # zero gradient, where F.cross_entropy's would be NaN (0 * NaN in the softmax backward).
+    x = torch.where(valid[:, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+    # lse shifted by the row max, as F.cross_entropy and the kernel compute it: a +inf logit gives NaN (inf -
+    # inf) there, where torch.logsumexp would special-case it to inf. The max is a constant for autograd.
+    m = x.detach().amax(dim=-1, keepdim=True)
+    lse = (m + (x - m).exp().sum(dim=-1, keepdim=True).log()).squeeze(-1)
     loss = lse - x.gather(1, t_safe[:, None]).squeeze(1)
     if label_smoothing:
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - x.mean(dim=-1))
@@ -131,7 +138,7 @@ def cross_entropy(
 
 def linear_cross_entropy(hidden, weight, target, bias=None, **ce_kwargs):
     """cross_entropy(hidden @ weight.T + bias, target): builds the full logits (that is the point of the spec)."""
-    h = _f(hidden).reshape(-1, hidden.shape[-1])
+    h = _f(hidden).reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # -1 is ambiguous when H = 0
     logits = h @ _f(weight).t()
     if bias is not None:
         logits = logits + _f(bias)

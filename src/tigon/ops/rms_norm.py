@@ -125,7 +125,7 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype):
     y = torch.empty((M, H), dtype=out_dtype, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     s = torch.empty_like(x) if residual is not None else x.new_empty(0)
-    if M > 0:
+    if M > 0 and H > 0:  # zero width: empty outputs, and rstd (0/0) is never read
         _rms_norm_fwd_kernel[(M,)](
             x, residual if residual is not None else x, weight if weight is not None else x, y, s, rstd,
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
@@ -162,7 +162,7 @@ def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx):
     # M=16384, H=4096 with 2 programs per SM).
     n_prog = _launch.num_programs(x.device, M, per_sm=_BWD_PER_SM)
     dw_part = torch.empty((n_prog, H), dtype=torch.float32, device=x.device) if compute_dw else rstd
-    if M > 0:
+    if M > 0 and H > 0:
         _rms_norm_bwd_kernel[(n_prog,)](
             dy, ds if ds is not None else dy, x, weight if weight is not None else x, rstd, dx,
             dr if two_dx else dx, dw_part,
@@ -191,26 +191,43 @@ def _(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx):
     return torch.empty_like(x), torch.empty_like(x) if two_dx else x.new_empty(0), dw
 
 
-def _is_leafish(t):
-    """A leaf, or a view of one (the op sees the [M, H] view of the user's tensor)."""
-    return t.grad_fn is None or (t._base is not None and t._base.grad_fn is None)
-
-
 def _setup(ctx, inputs, output):
     x, residual, weight, eps, offset, casting, out_dtype = inputs
     _, s, rstd = output
     ctx.save_for_backward(s if residual is not None else x, weight, rstd)
-    ctx.offset, ctx.casting, ctx.has_residual = offset, casting, residual is not None
+    ctx.offset, ctx.casting, ctx.has_residual, ctx.eps = offset, casting, residual is not None, eps
     # x and residual get the same gradient. Handing one tensor to both is free inside a decoder, but a leaf
     # steals it into .grad, where an in-place hook or optimizer would change the other's too: then the
-    # kernel stores a second copy (one extra write, cheaper than a clone's read + write).
-    ctx.copy_dresidual = residual is not None and (_is_leafish(x) or _is_leafish(residual))
+    # kernel stores a second copy (one extra write, cheaper than a clone's read + write). The op sees the
+    # [M, H] view of the user's tensor, so a view of a leaf counts as one.
+    ctx.copy_dresidual = residual is not None and (_launch.is_leafish(x) or _launch.is_leafish(residual))
+
+
+_CASTING_NAMES = {v: k for k, v in _CASTING.items()}
+
+
+def _reference_backward(ctx, xs, weight, dy, ds):
+    """create_graph=True: the gradients from the reference's differentiable ops on the saved input (for
+    add_rms_norm the saved sum s, whose own gradient then flows to x and residual through this node)."""
+    def fn(xs, w):
+        return reference.rms_norm(xs, w, ctx.eps, offset=ctx.offset, casting_mode=_CASTING_NAMES[ctx.casting])
+
+    need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    dx, dw = _library.reference_grads(fn, (xs, weight), (need_x, ctx.needs_input_grad[2]), (dy,))
+    if ds is not None and dx is not None:
+        dx = dx + ds  # s is also an output: its gradient passes straight to x and residual
+    dres = None
+    if ctx.needs_input_grad[1]:
+        dres = dx.clone() if ctx.copy_dresidual else dx  # as the kernel path: x and residual never share .grad
+    return dx if ctx.needs_input_grad[0] else None, dres, dw, None, None, None, None
 
 
 def _backward(ctx, dy, ds, _drstd, bwd=None):
     xs, weight, rstd = ctx.saved_tensors
-    need_dw = weight is not None and ctx.needs_input_grad[2]
     ds = ds if ctx.has_residual else None
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return _reference_backward(ctx, xs, weight, dy, ds)
+    need_dw = weight is not None and ctx.needs_input_grad[2]
     dx, dr, dw = (bwd or torch.ops.tigon.rms_norm_bwd)(
         dy.contiguous(), None if ds is None else ds.contiguous(), xs, weight, rstd, ctx.offset, ctx.casting, need_dw,
         ctx.copy_dresidual,
@@ -237,9 +254,10 @@ class RMSNormFunction(torch.autograd.Function):
         return _backward(ctx, dy, ds, drstd, bwd=_bwd_launch)
 
 
-def _validate(op, x, residual, weight, eps, casting_mode):
+def _validate(op, x, residual, weight, eps, offset, casting_mode, add=False):
     _launch.check_tensor(op, "x", x)
-    if residual is not None:
+    _launch.check_min_dim(op, "x", x)
+    if add:
         _launch.check_tensor(op, "residual", residual)
         _launch.check_shape(op, "residual", residual, x.shape)
         _launch.check_same_dtype(op, "x", x, residual=residual)
@@ -250,10 +268,8 @@ def _validate(op, x, residual, weight, eps, casting_mode):
         _launch.check_same_device(op, "x", x, weight=weight)
     if casting_mode not in _CASTING:
         raise ValueError(f"{op}: casting_mode must be one of {sorted(_CASTING)}, got {casting_mode!r}")
-    if x.dim() == 0:
-        raise ValueError(f"{op}: x must have at least one dimension")
     _launch.row_block(op, x.shape[-1])
-    return _launch.check_eps(op, eps)
+    return _launch.check_eps(op, eps), _launch.check_number(op, "offset", offset)
 
 
 def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
@@ -263,12 +279,12 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
     promote(x, weight)), "gemma" (all fp32, times offset + weight, cast at the end), "none" (fp32 math,
     a single cast at the end; output x.dtype).
     """
-    eps = _validate("rms_norm", x, None, weight, eps, casting_mode)
+    eps, offset = _validate("tigon.ops.rms_norm", x, None, weight, eps, offset, casting_mode)
     if not _library.use_kernels("rms_norm", x):
         return reference.rms_norm(x, weight, eps, offset=offset, casting_mode=casting_mode)
     out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
     weight = None if weight is None else weight.contiguous()  # the kernel reads it at unit stride
-    args = (_launch.as_rows(x), None, weight, eps, float(offset), _CASTING[casting_mode], out_dtype)
+    args = (_launch.as_rows(x), None, weight, eps, offset, _CASTING[casting_mode], out_dtype)
     body = _library.eager_body(rms_norm_fwd, x, weight)  # inference: the launcher without autograd's wrapper
     y, _, _ = body(*args) if body is not None else _library.call(torch.ops.tigon.rms_norm_fwd, RMSNormFunction, *args)
     return y.view(x.shape)
@@ -276,12 +292,13 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
 
 def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
     """Returns (rms_norm(x + residual), x + residual) from one kernel; both [..., H], sum in x.dtype."""
-    eps = _validate("add_rms_norm", x, residual, weight, eps, casting_mode)
+    eps, offset = _validate("tigon.ops.add_rms_norm", x, residual, weight, eps, offset, casting_mode,
+                            add=True)
     if not _library.use_kernels("add_rms_norm", x):
         return reference.add_rms_norm(x, residual, weight, eps, offset=offset, casting_mode=casting_mode)
     out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
     weight = None if weight is None else weight.contiguous()
-    args = (_launch.as_rows(x), _launch.as_rows(residual), weight, eps, float(offset), _CASTING[casting_mode],
+    args = (_launch.as_rows(x), _launch.as_rows(residual), weight, eps, offset, _CASTING[casting_mode],
             out_dtype)
     body = _library.eager_body(rms_norm_fwd, x, residual, weight)
     y, s, _ = body(*args) if body is not None else _library.call(torch.ops.tigon.rms_norm_fwd, RMSNormFunction,

@@ -208,11 +208,11 @@ rope.register_autograd(_backward, setup_context=_setup)
 
 
 def _validate(q, k, cos, sin, unsqueeze_dim):
-    op = "apply_rope"
+    op = "tigon.ops.apply_rope"
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _launch.check_tensor(op, name, t)
     _launch.check_same_device(op, "q", q, k=k, cos=cos, sin=sin)
-    if unsqueeze_dim not in (1, 2):
+    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2):
         raise ValueError(f"{op}: unsqueeze_dim must be 1 (q [B, H, T, D]) or 2 (q [B, T, H, D]), "
                          f"got {unsqueeze_dim!r}")
     if q.dim() != 4:

@@ -7,7 +7,6 @@ is kept) and writes dgate and dup in one pass; with `inplace_backward=True` it w
 up, which then hold the gradients. The math and the byte model are in docs/ops/swiglu.md.
 """
 
-import math
 from typing import Optional
 
 import torch
@@ -256,11 +255,6 @@ def _(dy, gate, up, act):
     return None
 
 
-def _is_leafish(t):
-    """A leaf, or a view of one: its storage belongs to the caller (a .grad there would alias the data)."""
-    return t.grad_fn is None or (t._base is not None and t._base.grad_fn is None)
-
-
 def _rows_disjoint(t):
     return t.shape[0] <= 1 or t.stride(0) >= t.shape[1]
 
@@ -283,7 +277,7 @@ def _may_overwrite(gate, up):
     """inplace_backward is honoured only where writing the gradients over gate and up is invisible: both are
     results of autograd (not leaves, nor views of one), with rows that do not overlap themselves or each
     other. Anything else gets the out-of-place backward, which is always right."""
-    if _is_leafish(gate) or (up is not None and _is_leafish(up)):
+    if _launch.is_leafish(gate) or (up is not None and _launch.is_leafish(up)):
         return False
     g, u = _halves(gate, up)
     return _rows_disjoint(g) and _rows_disjoint(u) and (up is None or _apart(g, u))
@@ -296,8 +290,21 @@ def _setup(ctx, inputs, output):
     ctx.inplace = inplace_backward and _may_overwrite(gate, up)
 
 
+_REFERENCE = {_SILU: reference.swiglu, _GELU_TANH: reference.geglu}
+
+
 def _backward(ctx, dy):
     gate, up = ctx.saved_tensors
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # create_graph=True: the reference's differentiable ops on the saved gate and up, for double backward
+        # (never in place: the graph of the gradients reads gate and up)
+        ref = _REFERENCE[ctx.act]
+        if ctx.packed:
+            (dgate,) = _library.reference_grads(lambda gu: ref(*gu.chunk(2, dim=-1)), (gate,),
+                                                  ctx.needs_input_grad[:1], (dy,))
+            return dgate, None, None, None
+        dgate, dup = _library.reference_grads(ref, (gate, up), ctx.needs_input_grad[:2], (dy,))
+        return dgate, dup, None, None
     if ctx.inplace:
         # Saved tensors are unpacked (version-checked) above; the write bumps their version, so any other
         # user that saved gate or up and runs its backward later fails loudly instead of reading gradients.
@@ -316,19 +323,16 @@ def _validate(op, gate, up, inplace_backward):
     _launch.check_shape(op, "up", up, gate.shape)
     _launch.check_same_dtype(op, "gate", gate, up=up)
     _launch.check_same_device(op, "gate", gate, up=up)
-    if gate.dim() == 0:
-        raise ValueError(f"{op}: gate must have at least one dimension")
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"{op}: inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    _launch.check_bool(op, "inplace_backward", inplace_backward)
 
 
 def _as_rows(t):
-    # _launch.as_rows cannot infer the row count of a [..., 0] tensor (view(-1, 0) is ambiguous)
-    return _launch.as_rows(t) if t.shape[-1] else t.reshape(math.prod(t.shape[:-1]), 0)
+    # elementwise: a 0-d tensor is one row of one element
+    return t.reshape(1, 1) if t.dim() == 0 else _launch.as_rows(t)
 
 
 def _glu(op, act, ref_fn, gate, up, inplace_backward):
-    _validate(op, gate, up, inplace_backward)
+    _validate(f"tigon.ops.{op}", gate, up, inplace_backward)
     if not _library.use_kernels(op, gate):
         return ref_fn(gate, up)
     body = _library.eager_body(glu_fwd, gate, up)
@@ -337,11 +341,11 @@ def _glu(op, act, ref_fn, gate, up, inplace_backward):
 
 
 def _glu_packed(op, act, ref_fn, gate_up, inplace_backward):
-    _launch.check_tensor(op, "gate_up", gate_up)
+    name = f"tigon.ops.{op}"
+    _launch.check_tensor(name, "gate_up", gate_up)
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
-        raise ValueError(f"{op}: gate_up must be [..., 2 * I], got shape {tuple(gate_up.shape)}")
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"{op}: inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+        raise ValueError(f"{name}: gate_up must be [..., 2 * I], got shape {tuple(gate_up.shape)}")
+    _launch.check_bool(name, "inplace_backward", inplace_backward)
     if not _library.use_kernels(op, gate_up):
         return ref_fn(*gate_up.chunk(2, dim=-1))
     body = _library.eager_body(glu_fwd, gate_up)
