@@ -20,6 +20,8 @@ EXTRA = {
     "glm": dict(partial_rotary_factor=0.5, pad_token_id=0),
     "glm4": dict(partial_rotary_factor=0.5, pad_token_id=0),
     "hunyuan_v1_dense": dict(),
+    "smollm3": dict(pad_token_id=0),
+    "seed_oss": dict(residual_dropout=0.0, attention_dropout=0.0),  # 0.1 by default: random in training
 }
 
 

@@ -1,12 +1,16 @@
 import copy
 import importlib
+import inspect
+import io
 
 import pytest
 import torch
 
 import tigon
 from tests.hf._tiny import batch, tiny_model
+from tigon import ops
 from tigon.hf import registry
+from tigon.modules import RMSNorm, SwiGLUMLP
 
 FAMILIES = sorted(registry.FAMILIES)
 # The families that fit in CI time on the interpreter; every row still gets its norm checked below.
@@ -48,8 +52,8 @@ def test_prenorm_rows_have_llamas_decoder_layer(model_type):
     assert body(model_type) == body("llama")
 
 
-def _train_and_record(m, ids, labels):
-    """Eval logits, training loss and grads, then parameters after 5 AdamW steps."""
+def _train_and_record(m, ids, labels, steps=5):
+    """Eval logits, training loss and grads, then parameters after `steps` AdamW steps."""
     m.eval()
     with torch.no_grad():
         logits = m(ids).logits
@@ -61,7 +65,7 @@ def _train_and_record(m, ids, labels):
     # eps 1e-6: a gradient that is zero in exact math (GLM's unrotated k bias) is rounding noise of ~1e-9
     # in both runs, and Adam with eps 1e-8 would turn that noise into full-size, opposite steps.
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6)
-    for _step in range(5):
+    for _step in range(steps):
         opt.zero_grad()
         m(ids, labels=labels).loss.backward()
         opt.step()
@@ -73,7 +77,6 @@ def test_patched_matches_unpatched(model_type):
     ref = tiny_model(model_type)
     model = copy.deepcopy(ref)
     ids, labels = batch(model.config.vocab_size)
-    # The unpatched run goes first: an instance patch swaps the family's RoPE function module-wide.
     (logits_ref, _, loss_ref, grads_ref), params_ref = _train_and_record(ref, ids, labels)
     report = tigon.patch(model)
     assert sum(report.replaced.values()) > 0
@@ -92,7 +95,13 @@ def test_patched_matches_unpatched(model_type):
 
     tigon.unpatch(model)
     assert all(type(a) is type(b) for a, b in zip(model.modules(), ref.modules()))
-    assert "forward" not in model.__dict__
+    assert not _instance_attributes(model)
+
+
+def _instance_attributes(model):
+    """What patch() may set on a module instance and unpatch() must take away."""
+    return [(type(m).__name__, k) for m in model.modules() for k in m.__dict__
+            if k == "forward" or k.startswith("_tigon")]
 
 
 def test_patch_is_idempotent_and_counts_pieces():
@@ -115,8 +124,8 @@ def test_class_level_patch_then_from_config():
     report = tigon.patch(model_type="qwen3")
     try:
         model = tiny_model("qwen3")
-        assert type(model.model.norm).__name__ == "TigonQwen3RMSNorm"
-        assert type(model.model.layers[0].mlp).__name__ == "SwiGLUMLP"
+        assert modeling_qwen3.Qwen3RMSNorm.__name__ == "TigonQwen3RMSNorm"
+        assert type(model.model.norm) is RMSNorm and type(model.model.layers[0].mlp) is SwiGLUMLP
         assert report.replaced["function apply_rotary_pos_emb"] == 1
         model.load_state_dict(ref.state_dict())
         ids, labels = batch()
@@ -172,3 +181,284 @@ def test_tied_embeddings_get_one_gradient():
     model(ids, labels=labels).loss.backward()
     ref(ids, labels=labels).loss.backward()
     _close(model.lm_head.weight.grad, ref.lm_head.weight.grad, "tied grad", rtol=1e-3, atol=1e-5)
+
+
+# --- class level: the stand-in classes take the HF constructors' arguments, for every family -----------------
+
+def _hf_classes(fam):
+    modeling = importlib.import_module(fam.modeling)
+    names = [*fam.norm_classes, *fam.mlp_class_names]
+    return modeling, {n: getattr(modeling, n) for n in names if hasattr(modeling, n)}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_stand_in_classes_take_the_hf_constructor_arguments(model_type):
+    fam = registry.FAMILIES[model_type]
+    modeling, originals = _hf_classes(fam)
+    tigon.patch(model_type=model_type)
+    try:
+        for name, hf_cls in originals.items():
+            stand_in = getattr(modeling, name)
+            assert stand_in is not hf_cls and inspect.signature(stand_in) == inspect.signature(hf_cls), name
+        for name in fam.norm_classes:
+            params = inspect.signature(originals[name]).parameters
+            size = next(iter(params))  # hidden_size, or Gemma's dim
+            norm = getattr(modeling, name)(**{size: 8})
+            assert type(norm) is RMSNorm and norm.weight.shape == (8,) and norm.eps == params["eps"].default
+            assert getattr(modeling, name)(8, eps=1e-3).eps == 1e-3
+            with pytest.raises(TypeError, match=name):
+                getattr(modeling, name)(8, 1e-3, 1)
+    finally:
+        tigon.unpatch(model_type=model_type)
+    assert all(getattr(modeling, n) is c for n, c in originals.items())
+
+
+def _two_steps(m, ids, labels):
+    """Eval logits, then two AdamW steps on a forward+backward each: (logits, the two losses, the first grads,
+    the parameters after)."""
+    m.eval()
+    with torch.no_grad():
+        logits = m(ids).logits
+    m.train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6)  # eps: see _train_and_record
+    losses, grads = [], None
+    for _step in range(2):
+        opt.zero_grad()
+        loss = m(ids, labels=labels).loss
+        loss.backward()
+        grads = grads or [p.grad.clone() if p.grad is not None else None for p in m.parameters()]
+        losses.append(loss.detach())
+        opt.step()
+    return logits, losses, grads, [p.detach().clone() for p in m.parameters()]
+
+
+# qwen3_moe's dense-MLP layer is layer 1 in the two-layer tiny model; with one layer, make it layer 0.
+_ONE_LAYER = {"qwen3_moe": dict(mlp_only_layers=[0])}
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(m, id=m) for m in FAMILIES])
+def test_class_level_patch_builds_and_trains_every_family(model_type):
+    """A model built with the family's class-level patch active: Tigon modules, the same initialization, the
+    same logits, losses, grads and AdamW steps as HF's; unpatch(model_type=) restores the module. One layer,
+    five tokens and three passes keep it to a few seconds a family under the interpreter."""
+    fam = registry.FAMILIES[model_type]
+    modeling, originals = _hf_classes(fam)
+    before = dict(vars(modeling))
+    classes = [getattr(modeling, n, None) for n in (fam.decoder_layer_class, fam.causal_lm_class)]
+    forwards = [c.__dict__.get("forward") for c in classes if c is not None]
+    overrides = dict(num_hidden_layers=1, **_ONE_LAYER.get(model_type, {}))
+    ref = tiny_model(model_type, **overrides)
+    tigon.patch(model_type=model_type)
+    try:
+        model = tiny_model(model_type, **overrides)
+        names = {type(m).__name__ for m in model.modules()}
+        assert "RMSNorm" in names and not names & set(fam.norm_classes)
+        if fam.mlp and not registry.mlp_kept(fam, model.config):
+            assert not names & set(fam.mlp_class_names)
+        state, state_ref = model.state_dict(), ref.state_dict()
+        assert state.keys() == state_ref.keys()
+        for k in state:
+            assert torch.equal(state[k], state_ref[k]), f"{k} is initialized differently"
+        ids, labels = batch(model.config.vocab_size, b=1, t=5, ignore_tail=1)
+        logits_ref, losses_ref, grads_ref, params_ref = _two_steps(ref, ids, labels)
+        logits, losses, grads, params = _two_steps(model, ids, labels)
+    finally:
+        tigon.unpatch(model_type=model_type)
+    _close(logits, logits_ref, "eval logits")
+    _close(losses[0], losses_ref[0], "loss")
+    _close(losses[1], losses_ref[1], "loss after an AdamW step")
+    for (name, _), g, g_ref in zip(model.named_parameters(), grads, grads_ref):
+        if g_ref is not None:
+            _close(g, g_ref, f"grad {name}", rtol=1e-3, atol=1e-5)
+    for (name, _), p, p_ref in zip(model.named_parameters(), params, params_ref):
+        _close(p, p_ref, f"param {name} after 2 AdamW steps", rtol=1e-4, atol=1e-4)
+    assert all(vars(modeling)[k] is v for k, v in before.items())
+    assert [c.__dict__.get("forward") for c in classes if c is not None] == forwards
+    rebuilt = tiny_model(model_type, **overrides)
+    assert [type(m) for m in rebuilt.modules()] == [type(m) for m in ref.modules()]
+
+
+def test_mlp_with_its_own_dropout_stays_hf():
+    """Seed-OSS's MLP applies residual_dropout to its output in training; Tigon's has no dropout."""
+    model = tiny_model("seed_oss", residual_dropout=0.1)
+    report = tigon.patch(model)
+    assert type(model.model.layers[0].mlp).__name__ == "SeedOssMLP"
+    assert ("MLP SeedOssMLP", "the MLP applies residual_dropout=0.1 to its output in training") in report.skipped
+    tigon.unpatch(model)
+    tigon.patch(model_type="seed_oss")
+    try:
+        assert type(tiny_model("seed_oss", residual_dropout=0.1).model.layers[0].mlp).__name__ == "SeedOssMLP"
+        assert type(tiny_model("seed_oss").model.layers[0].mlp) is SwiGLUMLP
+    finally:
+        tigon.unpatch(model_type="seed_oss")
+
+
+# --- instance level: that instance only --------------------------------------------------------------------
+
+def _rope_calls(model, ids):
+    """apply_rope dispatches in one eval forward (one per attention layer where Tigon's RoPE runs)."""
+    def count():
+        return ops.dispatch_counts[("apply_rope", "triton")] + ops.dispatch_counts[("apply_rope", "reference")]
+
+    start = count()
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+    return count() - start, logits
+
+
+def test_instance_patch_touches_only_that_instance():
+    from transformers.models.llama import modeling_llama
+
+    hf_rope = modeling_llama.apply_rotary_pos_emb
+    a, b = tiny_model("llama"), tiny_model("llama", seed=1)
+    b_ref = copy.deepcopy(b)
+    ids, _ = batch()
+    tigon.patch(a)
+    assert modeling_llama.apply_rotary_pos_emb is hf_rope
+    assert _rope_calls(a, ids)[0] == 2
+    calls, logits = _rope_calls(b, ids)
+    assert calls == 0 and torch.equal(logits, _rope_calls(b_ref, ids)[1]), "b, unpatched, runs HF's forward"
+    tigon.patch(b)
+    tigon.unpatch(a)
+    assert _rope_calls(a, ids)[0] == 0 and _rope_calls(b, ids)[0] == 2, "unpatch(a) leaves b fused"
+    assert not _instance_attributes(a)
+    tigon.unpatch(b)
+    calls, logits = _rope_calls(b, ids)
+    assert calls == 0 and torch.equal(logits, _rope_calls(b_ref, ids)[1]) and not _instance_attributes(b)
+    assert modeling_llama.apply_rotary_pos_emb is hf_rope
+
+
+def test_class_level_patch_is_module_wide_and_unpatches_per_family():
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3 import modeling_qwen3
+
+    hf_llama_rope, hf_qwen3_rope = modeling_llama.apply_rotary_pos_emb, modeling_qwen3.apply_rotary_pos_emb
+    built_before = tiny_model("llama")
+    ids, _ = batch()
+    tigon.patch(model_type="llama")
+    tigon.patch(model_type="qwen3")
+    try:
+        assert _rope_calls(built_before, ids)[0] == 2, "the module's function: every model of the family"
+        built_after = tiny_model("llama")
+        assert _rope_calls(built_after, ids)[0] == 2 and type(built_after.model.norm) is RMSNorm
+        tigon.unpatch(model_type="llama")
+        assert modeling_llama.apply_rotary_pos_emb is hf_llama_rope and _rope_calls(built_before, ids)[0] == 0
+        assert getattr(modeling_qwen3.apply_rotary_pos_emb, "__tigon__", False), "qwen3 stays patched"
+        tigon.unpatch(model_type="llama")  # nothing left to restore: a no-op
+    finally:
+        tigon.unpatch()
+    assert modeling_qwen3.apply_rotary_pos_emb is hf_qwen3_rope
+
+
+def _save_and_load(model):
+    f = io.BytesIO()
+    torch.save(model, f)
+    f.seek(0)
+    return torch.load(f, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_copy_of_a_patched_model_is_patched_and_unpatches_alone(how):
+    """TRL builds its reference model with copy.deepcopy of the policy; checkpoints torch.save whole models."""
+    ref = tiny_model("llama", num_hidden_layers=1)
+    model = copy.deepcopy(ref)
+    tigon.patch(model, attention=True)
+    twin = copy.deepcopy(model) if how == "deepcopy" else _save_and_load(model)
+    assert type(twin.model.norm) is RMSNorm and type(twin.model.layers[0].mlp) is SwiGLUMLP
+    assert twin.model.norm.weight is not model.model.norm.weight
+    assert twin.config._attn_implementation == "tigon"
+    ids, labels = batch(b=1, t=6, ignore_tail=1)
+    assert _rope_calls(twin, ids)[0] == 1
+    (logits, train_logits, loss, grads), params = _train_and_record(model, ids, labels, steps=2)
+    (logits_t, train_logits_t, loss_t, grads_t), params_t = _train_and_record(twin, ids, labels, steps=2)
+    assert train_logits is None and train_logits_t is None, "the copy computes the fused loss too"
+    assert torch.equal(logits_t, logits) and torch.equal(loss_t, loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads_t, grads) if a is not None)
+    assert all(torch.equal(a, b) for a, b in zip(params_t, params))
+
+    _, trained = _rope_calls(twin, ids)
+    tigon.unpatch(twin)
+    assert all(type(a) is type(b) for a, b in zip(twin.modules(), ref.modules())) and not _instance_attributes(twin)
+    assert twin.config._attn_implementation == "eager"
+    calls, restored = _rope_calls(twin, ids)
+    assert calls == 0
+    _close(restored, trained, "the restored HF modules hold the trained Parameters")
+    assert type(model.model.norm) is RMSNorm and _rope_calls(model, ids)[0] == 1, "the original stays patched"
+    assert model.config._attn_implementation == "tigon"
+    tigon.unpatch(model)
+    assert not _instance_attributes(model)
+
+
+# --- bad arguments: a TypeError or ValueError that names the function and the argument ----------------------
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+
+
+def _llama_class():
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+BAD_CALLS = {
+    "patch(123)": (lambda m: tigon.patch(123), TypeError,
+                   r"tigon\.patch: `model` must be a torch\.nn\.Module .*got int"),
+    "patch('llama')": (lambda m: tigon.patch("llama"), TypeError, r"pass model_type='llama'"),
+    "patch(a class)": (lambda m: tigon.patch(_llama_class()), TypeError, r"got the class LlamaForCausalLM"),
+    "patch(a config)": (lambda m: tigon.patch(m.config), TypeError, r"a config\); .*pass model_type=config"),
+    "patch(non-HF module)": (lambda m: tigon.patch(torch.nn.Linear(2, 2)), TypeError,
+                             r"tigon\.patch: `model` \(Linear\) holds no transformers model"),
+    "patch(unsupported family)": (lambda m: tigon.patch(_gpt2()), ValueError,
+                                  r"tigon\.patch: the model's config\.model_type 'gpt2' is not supported"),
+    "patch()": (lambda m: tigon.patch(), ValueError, r"tigon\.patch: pass a model .* or model_type="),
+    "patch(model, model_type=)": (lambda m: tigon.patch(m, model_type="llama"), ValueError,
+                                  r"tigon\.patch: pass a model or model_type=, not both"),
+    "patch(model_type=typo)": (lambda m: tigon.patch(model_type="gemma3"), ValueError,
+                               r"tigon\.patch: model_type 'gemma3' is not supported \(did you mean .*'gemma3_text'"),
+    "patch(model_type=3)": (lambda m: tigon.patch(model_type=3), TypeError,
+                            r"tigon\.patch: model_type must be a string .*got int"),
+    "patch(model_type=model)": (lambda m: tigon.patch(model_type=m), TypeError,
+                                r"pass a model as the first argument"),
+    "patch(rope='yes')": (lambda m: tigon.patch(m, rope="yes"), TypeError,
+                          r"tigon\.patch: rope must be True or False, got 'yes'"),
+    "unpatch(123)": (lambda m: tigon.unpatch(123), TypeError, r"tigon\.unpatch: `model` must be a torch\.nn\.Module"),
+    "unpatch(non-HF module)": (lambda m: tigon.unpatch(torch.nn.Linear(2, 2)), TypeError,
+                               r"tigon\.unpatch: `model` \(Linear\) holds no transformers model"),
+    "unpatch(model, model_type=)": (lambda m: tigon.unpatch(m, model_type="llama"), ValueError,
+                                    r"tigon\.unpatch: pass a model or model_type=, not both"),
+    "unpatch(model_type=typo)": (lambda m: tigon.unpatch(model_type="lama"), ValueError,
+                                 r"tigon\.unpatch: model_type 'lama' is not supported \(did you mean 'llama'"),
+    "unpatch(model_type=3.0)": (lambda m: tigon.unpatch(model_type=3.0), TypeError,
+                                r"tigon\.unpatch: model_type must be a string"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_arguments_name_the_function_and_the_argument(case):
+    call, error, match = BAD_CALLS[case]
+    model = tiny_model("llama")
+    with pytest.raises(error, match=match):
+        call(model)
+    assert not _instance_attributes(model), "a refused call patches nothing"
+
+
+def test_rope_routing_and_the_tigon_attention_share_one_instance_forward():
+    from tigon.hf.attention import restore_attention, use_tigon_attention
+
+    model = tiny_model("llama", attn_implementation="sdpa")
+    attn = model.model.layers[0].self_attn
+    tigon.patch(model)
+    use_tigon_attention(model)
+    restore_attention(model)
+    assert "forward" in attn.__dict__ and attn.__dict__["_tigon_rope"], "the RoPE routing outlives the attention"
+    use_tigon_attention(model)
+    tigon.unpatch(model)
+    assert not _instance_attributes(model) and model.config._attn_implementation == "sdpa"
+    use_tigon_attention(model)  # the other order
+    tigon.patch(model)
+    tigon.unpatch(model)
+    assert not _instance_attributes(model) and model.config._attn_implementation == "sdpa"

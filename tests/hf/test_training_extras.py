@@ -1,8 +1,5 @@
 """Training set-ups beyond the plain forward: gradient checkpointing, TRL's SFTTrainer, the cross_entropy-only
 patch (logits kept, loss through tigon.ops.cross_entropy) and the no-GPU fallback to the reference ops.
-
-Every comparison computes the unpatched run first: an instance patch swaps `apply_rotary_pos_emb` module-wide,
-so an "unpatched" model run while another instance is patched would use Tigon's RoPE too.
 """
 
 import copy

@@ -21,9 +21,15 @@ tensors, and HF's 4-D decode mask (always materialized for a compileable cache) 
 positions with one `torch.where` (a masked slot becomes empty, -1), which keeps left padding exact. Limits: a
 float 4-D mask is read as "0 = attend" (additive biases are not applied on the decode path); dropout and
 autograd take the HF path.
+
+RoPE of one instance (`route_rope`, what `tigon.patch(model)` uses): the attention modules of that model run
+their class forward's own bytecode with the one global `apply_rotary_pos_emb` read under another name, bound to
+Tigon's (`tigon.ops.apply_rope`); the modeling module's apply_rotary_pos_emb stays Hugging Face's, so another
+model of the same class keeps Hugging Face's RoPE.
 """
 
 import collections
+import dis
 import functools
 import inspect
 import sys
@@ -32,7 +38,8 @@ import types
 import torch
 
 from ..memory.kv_cache import RollingKVCache
-from ..ops import decode_attention
+from ..ops import apply_rope, decode_attention
+from .bound import BoundForward
 
 NAME = "tigon"
 _STATE = "_tigon_attention"  # hf.__dict__ key: the implementation to restore and the wrapped modules
@@ -187,11 +194,104 @@ def _rope_on_write(module, layer, hidden_states, position_embeddings, attention_
     return module.o_proj(out.reshape(b, 1, -1)), None
 
 
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """transformers' apply_rotary_pos_emb (rotate-half) on tigon.ops.apply_rope."""
+    return apply_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+apply_rotary_pos_emb.__tigon__ = True
+_ROPE_NAME = "apply_rotary_pos_emb"
+# The name a routed forward reads Tigon's function under, set in the modeling module beside HF's (which stays).
+_ALIAS = "_tigon_apply_rotary_pos_emb"
+ROPE = "_tigon_rope"  # module.__dict__ key: this attention module runs Tigon's RoPE
+_ROUTED: dict = {}  # class forward -> the routed function (the forward itself where it cannot be routed)
+
+
+def _loads_rope_as_global(code) -> bool:
+    """Every use of the name in `code` (and the code nested in it) is a global load: renaming it changes no
+    attribute access or store."""
+    uses = [ins.opname for ins in dis.get_instructions(code) if ins.opcode in dis.hasname and ins.argval == _ROPE_NAME]
+    nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return all(op == "LOAD_GLOBAL" for op in uses) and all(_loads_rope_as_global(c) for c in nested)
+
+
+def _renamed(code):
+    names = tuple(_ALIAS if n == _ROPE_NAME else n for n in code.co_names)
+    consts = tuple(_renamed(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_names=names, co_consts=consts)
+
+
+def _rope_routed(fn):
+    """`fn` (an attention class's forward) as a function whose code reads the global `_tigon_apply_rotary_pos_emb`
+    where it read `apply_rotary_pos_emb`: the same bytecode otherwise, the same (live) module globals, so it
+    computes exactly what the class forward does with Tigon's RoPE, and torch.compile traces it as any function
+    of that module. HF's apply_rotary_pos_emb is not touched: the other instances of the class keep it."""
+    routed = _ROUTED.get(fn)
+    if routed is None:
+        code = getattr(fn, "__code__", None)
+        if code is None or _ROPE_NAME not in code.co_names or not _loads_rope_as_global(code):
+            routed = fn
+        else:
+            fn.__globals__.setdefault(_ALIAS, apply_rotary_pos_emb)
+            routed = types.FunctionType(_renamed(code), fn.__globals__, fn.__name__, fn.__defaults__,
+                                        fn.__closure__)
+            routed.__kwdefaults__ = fn.__kwdefaults__
+            routed.__qualname__, routed.__doc__, routed.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+            routed.__dict__.update(fn.__dict__)
+        routed = _ROUTED.setdefault(fn, routed)
+    return routed
+
+
+def calls_rope(cls, modeling: str) -> bool:
+    """The class forward is a function of the `modeling` module that calls that module's apply_rotary_pos_emb
+    (and can be routed to Tigon's)."""
+    fn = getattr(cls, "forward", None)
+    return (getattr(fn, "__globals__", {}).get("__name__") == modeling and _rope_routed(fn) is not fn)
+
+
+def _class_forward(module):
+    """The forward of the module's class, with Tigon's RoPE where route_rope() routed this instance."""
+    fn = type(module).forward
+    return _rope_routed(fn) if module.__dict__.get(ROPE) else fn
+
+
+def _sync_forward(module) -> None:
+    """Set `_attention_forward` on the module while RoPE routing or the tigon attention needs it, remove it when
+    neither does; another library's instance forward is left alone."""
+    current = module.__dict__.get("forward")
+    if current is not None and getattr(current, "__func__", None) is not _attention_forward:
+        return
+    wanted = ROPE in module.__dict__ or "_tigon_rope_on_write" in module.__dict__
+    if wanted and current is None:
+        module.forward = BoundForward(_attention_forward, module)
+    elif not wanted and current is not None:
+        del module.forward
+
+
+def route_rope(module) -> str:
+    """Make this attention module (an instance of a class that `calls_rope`) run Tigon's RoPE, and only this one.
+    Returns "" when routed (or already), else why not."""
+    if not _call_shape_ok(type(module)):
+        return f"{type(module).__name__}.forward does not take {', '.join(_CALL_SHAPE[1:])} first"
+    current = module.__dict__.get("forward")
+    if current is not None and getattr(current, "__func__", None) is not _attention_forward:
+        return "another library replaced forward on the instance"
+    module.__dict__[ROPE] = True
+    _sync_forward(module)
+    return ""
+
+
+def unroute_rope(module) -> None:
+    """Undo route_rope(module)."""
+    module.__dict__.pop(ROPE, None)
+    _sync_forward(module)
+
+
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                        **kwargs):
     """Installed on each attention module: a decode step over a RollingKVCache goes to tigon, the rest to the
-    class forward unchanged."""
-    forward = type(self).forward
+    class forward (with Tigon's RoPE where the instance is routed)."""
+    forward = _class_forward(self)
     layer = _ring_layer(self, hidden_states, past_key_values)
     if layer is None:
         return forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
@@ -219,10 +319,10 @@ def _is_hf_llama_forward(cls) -> bool:
             and fn.__module__.startswith("transformers.models.") and fn.__qualname__ == f"{cls.__name__}.forward")
 
 
-def _unwrap(model):
+def _unwrap(model, caller):
     from .patch import _unwrap_model
 
-    return _unwrap_model(model)
+    return _unwrap_model(model, caller)
 
 
 _PLAIN_SWITCH = set()  # model classes whose set_attn_implementation was seen to only set the one config
@@ -247,16 +347,30 @@ def _set_impl(hf, name) -> None:
         hf.config._attn_implementation = name
 
 
+class _State(dict):
+    """What use_tigon_attention records on the model: the implementation to restore and the wrapped modules. A
+    model saved with "tigon" set loads in a process where the name is not registered yet: loading this registers
+    it (and deepcopy goes the same way)."""
+
+    def __reduce__(self):
+        return _loaded_state, (dict(self),)
+
+
+def _loaded_state(items):
+    register()
+    return _State(items)
+
+
 def use_tigon_attention(model) -> collections.Counter:
     """Switch `model` (a transformers model, or a PEFT/other wrapper of one) to the "tigon" attention
     implementation and wrap its attention modules' forward (see the module docstring). Idempotent; undone by
     `restore_attention(model)` (and by `tigon.unpatch(model)` when installed through `tigon.patch`).
     Returns the count of each piece installed."""
     register()
-    hf = _unwrap(model)
+    hf = _unwrap(model, "tigon.hf.attention.use_tigon_attention")
     state = hf.__dict__.get(_STATE)
     if state is None:
-        state = hf.__dict__[_STATE] = {"impl": hf.config._attn_implementation, "modules": []}
+        state = hf.__dict__[_STATE] = _State(impl=hf.config._attn_implementation, modules=[])
     counts = collections.Counter()
     _set_impl(hf, NAME)
     counts["attention implementation 'tigon' (decode_attention over RollingKVCache)"] += 1
@@ -264,12 +378,13 @@ def use_tigon_attention(model) -> collections.Counter:
         cls = type(m)
         if not cls.__name__.endswith("Attention") or not hasattr(m, "layer_idx") or not _call_shape_ok(cls):
             continue
-        if m.__dict__.get("forward") is None:
-            m.forward = types.MethodType(_attention_forward, m)
+        current = m.__dict__.get("forward")
+        if current is not None and getattr(current, "__func__", None) is not _attention_forward:
+            continue  # another library's instance forward: leave it alone
+        if "_tigon_rope_on_write" not in m.__dict__:
             m._tigon_rope_on_write = _is_hf_llama_forward(cls)
             state["modules"].append(m)
-        elif getattr(m.__dict__["forward"], "__func__", None) is not _attention_forward:
-            continue  # another library's instance forward: leave it alone
+            _sync_forward(m)
         if m._tigon_rope_on_write:
             counts[f"{cls.__name__} decode (RoPE on write)"] += 1
         else:
@@ -279,12 +394,11 @@ def use_tigon_attention(model) -> collections.Counter:
 
 def restore_attention(model) -> None:
     """Undo `use_tigon_attention`: the original implementation and the class forwards of the modules."""
-    hf = _unwrap(model)
+    hf = _unwrap(model, "tigon.hf.attention.restore_attention")
     state = hf.__dict__.pop(_STATE, None)
     if state is None:
         return
     for m in state["modules"]:
-        if getattr(m.__dict__.get("forward"), "__func__", None) is _attention_forward:
-            del m.forward
         m.__dict__.pop("_tigon_rope_on_write", None)
+        _sync_forward(m)  # the forward stays while tigon.patch routes the module's RoPE
     _set_impl(hf, state["impl"])

@@ -1,10 +1,14 @@
 """tigon.patch() / tigon.unpatch(): one generic patcher driven by the family table in registry.py.
 
 Two targets:
-- a model instance: its norm and MLP submodules are replaced by Tigon modules that share the same
-  Parameters (weights, state_dict keys, device and dtype unchanged) and its forward gets the fused loss;
+- a model instance, and only that instance: its norm and MLP submodules are replaced by Tigon modules that
+  share the same Parameters (weights, state_dict keys, device and dtype unchanged), its attention modules run
+  Tigon's RoPE (tigon.hf.attention.route_rope) and its forward gets the fused loss. Another model of the same
+  class is not affected; the record of what was replaced lives on the instance, so copy.deepcopy and
+  torch.save of a patched model give a patched model, and unpatch() of the copy restores the copy only;
 - a model_type: the family's modeling module gets Tigon classes and functions, so models built afterwards
-  (from_pretrained, from_config) come up fused.
+  (from_pretrained, from_config) come up fused. The replacement classes take the constructor arguments of
+  the classes they replace.
 Both are idempotent and fully reversible: every replacement is recorded with what it replaced.
 """
 
@@ -12,13 +16,15 @@ import collections
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 import os
-import types
 
 import torch
 
+from . import attention as tigon_attention
 from . import causal_lm, registry
+from .bound import BoundForward
 
 logger = logging.getLogger("tigon")
 _CLASS_UNDO: dict = {}  # model_type -> [(owner, attribute, original)]
@@ -47,43 +53,69 @@ class PatchReport:
         return "\n".join(rows)
 
 
-def _rope_function():
-    from ..ops import apply_rope
+def _stand_in(hf_cls, build):
+    """A class to put in place of `hf_cls` in its modeling module: called with exactly the arguments `hf_cls`
+    takes (its signature: positional and keyword names, defaults), it returns `build(bound arguments, args,
+    kwargs)`, a Tigon module, or the HF one where Tigon's would differ. No instance of the stand-in is ever made,
+    so models built with it hold plain Tigon modules, which deep-copy and pickle like any module."""
+    signature = inspect.signature(hf_cls)
 
-    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        return apply_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    def __new__(cls, *args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{hf_cls.__name__}{signature}: {e}") from None
+        bound.apply_defaults()
+        return build(bound.arguments, args, kwargs)
 
-    apply_rotary_pos_emb.__tigon__ = True
-    return apply_rotary_pos_emb
+    return type(f"Tigon{hf_cls.__name__}", (torch.nn.Module,), {
+        "__new__": __new__, "__signature__": signature, "__tigon__": True, "__module__": __name__,
+        "__doc__": f"Builds Tigon's module where {hf_cls.__module__}.{hf_cls.__name__} was built."})
 
 
-def _norm_class(hf_name, casting_mode, offset):
+def _norm_class(hf_cls, casting_mode, offset):
+    """Tigon's RMSNorm from the HF norm's arguments: the size is its first parameter (Llama's `hidden_size`,
+    Gemma's `dim`), the eps its `eps` (with that class's default)."""
     from ..modules import RMSNorm
 
-    def __init__(self, hidden_size, eps=1e-6, **kwargs):
-        RMSNorm.__init__(self, hidden_size, eps, offset=offset, casting_mode=casting_mode, **kwargs)
+    size = next(iter(inspect.signature(hf_cls).parameters))
 
-    return type(f"Tigon{hf_name}", (RMSNorm,), {"__init__": __init__, "__tigon__": True})
+    def build(arguments, args, kwargs):
+        return RMSNorm(arguments[size], arguments["eps"], offset=offset, casting_mode=casting_mode)
+
+    return _stand_in(hf_cls, build)
 
 
-def _mlp_class(hf_cls, kind):
-    """A class whose constructor builds the Tigon MLP, or the HF one when the activation is not fused."""
+def _mlp_class(hf_cls, family):
+    """Tigon's gated MLP from the HF MLP's arguments (its `config` first, an `intermediate_size` where it takes
+    one), or the HF MLP itself where Tigon's would not compute the same (registry.mlp_kept)."""
     from ..modules import GeGLUMLP, SwiGLUMLP
 
-    def __new__(cls, config, *args, **kwargs):
-        act = registry.mlp_activation(config)
-        if act is None:
-            return hf_cls(config, *args, **kwargs)
-        intermediate = kwargs.get("intermediate_size", args[0] if args else None)
-        target = SwiGLUMLP if act == "swiglu" else GeGLUMLP
-        extra = {"fused_gate_up": True} if kind == "fused_glu" else {}
-        return target(config, intermediate_size=intermediate, **extra)
+    config_name = next(iter(inspect.signature(hf_cls).parameters))
 
-    return type(f"Tigon{hf_cls.__name__}", (torch.nn.Module,), {"__new__": __new__, "__tigon__": True})
+    def build(arguments, args, kwargs):
+        config = arguments[config_name]
+        if registry.mlp_kept(family, config):
+            return hf_cls(*args, **kwargs)
+        target = SwiGLUMLP if registry.mlp_activation(config) == "swiglu" else GeGLUMLP
+        extra = {"fused_gate_up": True} if family.mlp == "fused_glu" else {}
+        return target(config, intermediate_size=arguments.get("intermediate_size"), **extra)
+
+    return _stand_in(hf_cls, build)
+
+
+def _modeling(family, caller):
+    try:
+        return importlib.import_module(family.modeling)
+    except ImportError as e:
+        import transformers
+
+        raise ValueError(f"{caller}: model_type {family.model_type!r} needs {family.modeling}, which transformers "
+                         f"{transformers.__version__} does not have ({e})") from None
 
 
 def _class_patch(family, report, spec):
-    modeling = importlib.import_module(family.modeling)
+    modeling = _modeling(family, "tigon.patch")
     undo = _CLASS_UNDO.setdefault(family.model_type, [])
 
     def swap(owner, name, new, piece):
@@ -97,14 +129,19 @@ def _class_patch(family, report, spec):
 
     if spec["rms_norm"]:
         for hf_name, (mode, offset) in family.norm_classes.items():
-            if hasattr(modeling, hf_name):
-                cls = _PATCHED_CLASSES.setdefault((family.model_type, hf_name), _norm_class(hf_name, mode, offset))
+            hf_cls = getattr(modeling, hf_name, None)
+            if hf_cls is not None and not getattr(hf_cls, "__tigon__", False):
+                key = (family.model_type, hf_name)
+                cls = _PATCHED_CLASSES.get(key) or _PATCHED_CLASSES.setdefault(key, _norm_class(hf_cls, mode, offset))
                 swap(modeling, hf_name, cls, f"RMSNorm class {hf_name}")
+            elif hf_cls is not None:
+                report.add(f"RMSNorm class {hf_name}")
     if spec["swiglu"]:
         for hf_name in family.mlp_class_names:
             hf_cls = getattr(modeling, hf_name, None)
             if hf_cls is not None and not getattr(hf_cls, "__tigon__", False):
-                cls = _PATCHED_CLASSES.setdefault((family.model_type, hf_name), _mlp_class(hf_cls, family.mlp))
+                key = (family.model_type, hf_name)
+                cls = _PATCHED_CLASSES.get(key) or _PATCHED_CLASSES.setdefault(key, _mlp_class(hf_cls, family))
                 swap(modeling, hf_name, cls, f"MLP class {hf_name}")
             elif hf_cls is not None:
                 report.add(f"MLP class {hf_name}")
@@ -114,7 +151,7 @@ def _class_patch(family, report, spec):
         swap(layer_cls, "forward", _tagged(causal_lm.fused_prenorm_decoder_forward),
              f"{layer_cls.__name__}.forward (residual add fused into the norm)")
     if spec["rope"] and family.rope:
-        swap(modeling, "apply_rotary_pos_emb", _rope_function(), "function apply_rotary_pos_emb")
+        swap(modeling, "apply_rotary_pos_emb", tigon_attention.apply_rotary_pos_emb, "function apply_rotary_pos_emb")
     _patch_causal_lm_class(family, modeling, spec, swap, report)
 
 
@@ -138,8 +175,23 @@ def _tagged(fn):
     return forward
 
 
-def _unwrap_model(model):
+def _not_a_module(model) -> str:
+    got = f"got {type(model).__name__}"
+    if isinstance(model, str):
+        return f"got the string {model!r}; for a model family pass model_type={model!r}"
+    if isinstance(model, type):
+        return f"got the class {model.__name__}; pass an instance of it, or model_type= for the family"
+    if isinstance(getattr(model, "model_type", None), str):
+        return f"{got} (a config); for a model family pass model_type=config"
+    return got
+
+
+def _unwrap_model(model, caller="tigon.patch"):
     """The transformers model inside PEFT/other wrappers: the first module with a `config.model_type`."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{caller}: `model` must be a torch.nn.Module (a transformers model, or a PEFT/other "
+                        f"wrapper of one); {_not_a_module(model)}")
+    top = model
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     if getattr(getattr(model, "config", None), "model_type", None):
@@ -147,16 +199,29 @@ def _unwrap_model(model):
     for m in model.modules():
         if getattr(getattr(m, "config", None), "model_type", None):
             return m
-    raise ValueError("tigon.patch: found no transformers model (a module with config.model_type) in `model`")
+    raise TypeError(f"{caller}: `model` ({type(top).__name__}) holds no transformers model (no module with a "
+                    "config.model_type); Tigon patches transformers models and PEFT/other wrappers of one")
+
+
+def _model_type_name(model_type, caller) -> str:
+    """model_type as given: a string, or a config's .model_type."""
+    if isinstance(model_type, str):
+        return model_type
+    name = getattr(model_type, "model_type", None) if not isinstance(model_type, torch.nn.Module) else None
+    if isinstance(name, str) and name:
+        return name
+    hint = "; pass a model as the first argument" if isinstance(model_type, torch.nn.Module) else ""
+    raise TypeError(f"{caller}: model_type must be a string such as 'llama' or a transformers config, got "
+                    f"{type(model_type).__name__}{hint}")
 
 
 def _instance_patch(model, family, report, spec):
     from ..modules import GeGLUMLP, RMSNorm, SwiGLUMLP
 
     hf = _unwrap_model(model)
+    # Plain data (modules, names, flags, functions by reference): deepcopy and pickle carry it to a copy.
     undo = hf.__dict__.setdefault("_tigon_undo", [])
-    modeling = importlib.import_module(family.modeling)
-    act = registry.mlp_activation(hf.config)
+    act, kept = registry.mlp_activation(hf.config), registry.mlp_kept(family, hf.config)
     mlp_names = set(family.mlp_class_names)
     for parent in list(hf.modules()):
         for name, child in list(parent.named_children()):
@@ -166,8 +231,8 @@ def _instance_patch(model, family, report, spec):
                 mode, offset = family.norm_classes[cls_name]
                 new, piece = RMSNorm.from_hf(child, casting_mode=mode, offset=offset), f"RMSNorm {cls_name}"
             elif spec["swiglu"] and cls_name in mlp_names:
-                if act is None:
-                    report.skip(f"MLP {cls_name}", "activation is not silu or gelu-tanh")
+                if kept:
+                    report.skip(f"MLP {cls_name}", kept)
                     mlp_names.discard(cls_name)
                     continue
                 target = SwiGLUMLP if act == "swiglu" else GeGLUMLP
@@ -181,14 +246,21 @@ def _instance_patch(model, family, report, spec):
             if type(layer).__name__ == family.decoder_layer_class and "forward" not in layer.__dict__ and \
                     isinstance(getattr(layer, "post_attention_layernorm", None), RMSNorm):
                 undo.append((layer, "forward", None))
-                layer.forward = types.MethodType(causal_lm.fused_prenorm_decoder_forward, layer)
+                layer.forward = BoundForward(causal_lm.fused_prenorm_decoder_forward, layer)
                 report.add(f"{family.decoder_layer_class}.forward (residual add fused into the norm)")
     if spec["rope"] and family.rope:
-        fn = getattr(modeling, "apply_rotary_pos_emb", None)
-        if fn is not None and not getattr(fn, "__tigon__", False):
-            undo.append((modeling, "apply_rotary_pos_emb", fn))
-            modeling.apply_rotary_pos_emb = _rope_function()
-        report.add(f"function {family.module}.apply_rotary_pos_emb (module-wide)")
+        for m in hf.modules():
+            if not tigon_attention.calls_rope(type(m), family.modeling):
+                continue
+            piece = f"{type(m).__name__} apply_rotary_pos_emb (this instance)"
+            routed = tigon_attention.ROPE in m.__dict__
+            why = "" if routed else tigon_attention.route_rope(m)
+            if why and (piece, why) not in report.skipped:
+                report.skip(piece, why)
+            elif not why:
+                if not routed:
+                    undo.append((m, tigon_attention.ROPE, None))
+                report.add(piece)
     cls = type(hf)
     quantized = _quantized_lm_head(hf)
     if spec["fused_linear_cross_entropy"] and family.causal_lm and cls.__name__.endswith("ForCausalLM") and quantized:
@@ -197,7 +269,7 @@ def _instance_patch(model, family, report, spec):
         causal_lm.remember_hf_forward(cls)
         if "forward" not in hf.__dict__:
             undo.append((hf, "forward", None))
-            hf.forward = types.MethodType(causal_lm.fused_causal_lm_forward, hf)
+            hf.forward = BoundForward(causal_lm.fused_causal_lm_forward, hf)
         if _ours(hf.__dict__["forward"]):
             report.add(f"{cls.__name__}.forward (fused loss)")
         else:  # e.g. TRL's SFTTrainer installed its own fused LM head on the instance: it computes the loss
@@ -234,19 +306,29 @@ def patch(
     attention=False,
     verbose=False,
 ) -> PatchReport:
-    """Swap Tigon's fused pieces into a model instance, or (model_type / config) into a model family.
+    """Swap Tigon's fused pieces into a model instance (that instance only), or, with model_type= (a string
+    such as "llama", or a config), into a model family module-wide (models built afterwards come up fused).
 
     attention=True (instance only) switches the model to the "tigon" attention implementation
-    (`tigon.hf.attention`: decode steps over a RollingKVCache run decode_attention on the ring)."""
+    (`tigon.hf.attention`: decode steps over a RollingKVCache run decode_attention on the ring).
+    Raises TypeError for an argument of the wrong kind, ValueError for an unsupported family."""
     if model is None and model_type is None:
-        raise ValueError("tigon.patch: pass a model instance, or model_type= (a string or a config)")
-    if model_type is not None and not isinstance(model_type, str):
-        model_type = getattr(model_type, "model_type", None) or model_type
-    if model is not None:
-        model_type = _unwrap_model(model).config.model_type
-    family = registry.family_for(model_type)
+        raise ValueError("tigon.patch: pass a model (tigon.patch(model)) or model_type= (a string such as "
+                         "'llama', or a config) for the whole family")
+    if model is not None and model_type is not None:
+        raise ValueError("tigon.patch: pass a model or model_type=, not both (a model is patched as its "
+                         "config.model_type says)")
     spec = dict(rms_norm=rms_norm, rope=rope, swiglu=swiglu, layer_norm=layer_norm, cross_entropy=cross_entropy,
                 fused_linear_cross_entropy=fused_linear_cross_entropy)
+    for name, value in {**spec, "attention": attention, "verbose": verbose}.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"tigon.patch: {name} must be True or False, got {value!r}")
+    if model is not None:
+        model_type = _unwrap_model(model).config.model_type
+        family = registry.family_for(model_type, argument="the model's config.model_type")
+    else:
+        model_type = _model_type_name(model_type, "tigon.patch")
+        family = registry.family_for(model_type)
     report = PatchReport(model_type, "instance" if model is not None else "class")
     if model is None:
         _class_patch(family, report, spec)
@@ -255,9 +337,7 @@ def patch(
     if attention and model is None:
         report.skip("attention", "the 'tigon' attention implementation is set on a model instance")
     elif attention:
-        from .attention import use_tigon_attention
-
-        for piece, n in use_tigon_attention(model).items():
+        for piece, n in tigon_attention.use_tigon_attention(model).items():
             report.add(piece, n)
     if layer_norm:
         report.skip("LayerNorm", f"{model_type} has no LayerNorm")
@@ -272,19 +352,24 @@ def patch(
     return report
 
 
-def unpatch(model=None) -> None:
-    """Restore exactly what patch() replaced: on `model` if given, else every class-level patch."""
+def unpatch(model=None, *, model_type=None) -> None:
+    """Restore exactly what patch() replaced: on `model` (that instance only; a model never patched is left as
+    it is), or the class-level patch of `model_type` (a string or a config), or with neither, every class-level
+    patch."""
+    if model is not None and model_type is not None:
+        raise ValueError("tigon.unpatch: pass a model or model_type=, not both")
     if model is not None:
-        from .attention import restore_attention
-
-        hf = _unwrap_model(model)
+        hf = _unwrap_model(model, "tigon.unpatch")
         for owner, name, original in reversed(hf.__dict__.pop("_tigon_undo", [])):
             _restore(owner, name, original)
-        restore_attention(hf)
+        tigon_attention.restore_attention(hf)
         return
-    for model_type in list(_CLASS_UNDO):
-        for owner, name, original in reversed(_CLASS_UNDO.pop(model_type)):
-            _restore(owner, name, original)
+    if model_type is not None:
+        model_type = _model_type_name(model_type, "tigon.unpatch")
+        registry.family_for(model_type, caller="tigon.unpatch")
+    for name in [model_type] if model_type is not None else list(_CLASS_UNDO):
+        for owner, attr, original in reversed(_CLASS_UNDO.pop(name, [])):
+            _restore(owner, attr, original)
 
 
 def _ours(value) -> bool:
@@ -293,7 +378,9 @@ def _ours(value) -> bool:
 
 
 def _restore(owner, name, original):
-    if original is None:  # an instance attribute that patch() added
+    if name == tigon_attention.ROPE:
+        tigon_attention.unroute_rope(owner)
+    elif original is None:  # an instance attribute that patch() added
         # One that another library installed over ours since (TRL's SFTTrainer wraps model.forward) stays:
         # removing it would break that library, and its wrapper holds our forward either way.
         if _ours(owner.__dict__.get(name)):

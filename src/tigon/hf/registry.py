@@ -11,6 +11,7 @@ checked against the HF class by tests/hf/test_registry.py, so a wrong row fails 
 """
 
 import dataclasses
+import difflib
 
 LLAMA_NORM = ("llama", 0.0)  # weight * x_normed.to(dtype)
 GEMMA_NORM = ("gemma", 1.0)  # (x_normed * (1 + weight.float())).to(dtype)
@@ -31,6 +32,9 @@ class Family:
     rope: bool = True
     causal_lm: str = "ForCausalLM"
     extra_norms: tuple = ()  # other RMSNorm class suffixes with the same formula
+    # The config attribute of a dropout the HF MLP applies to its own output in training (Seed-OSS): the MLP is
+    # fused only where it is 0, as Tigon's MLP has no dropout.
+    mlp_dropout: str = ""
     # The DecoderLayer forward is Llama's pre-norm block (norm, attention, add, norm, MLP, add), so the
     # first add and the second norm can be one add_rms_norm; tests/hf/test_registry checks the source.
     prenorm_layer: bool = False
@@ -74,7 +78,7 @@ _ROWS = [
     Family("granite", "granite", "Granite", causal_lm="", notes="logits_scaling keeps the HF loss"),
     Family("smollm3", "smollm3", "SmolLM3", prenorm_layer=True),
     Family("exaone4", "exaone4", "Exaone4"),
-    Family("seed_oss", "seed_oss", "SeedOss", prenorm_layer=True),
+    Family("seed_oss", "seed_oss", "SeedOss", prenorm_layer=True, mlp_dropout="residual_dropout"),
     Family("hunyuan_v1_dense", "hunyuan_v1_dense", "HunYuanDenseV1", prenorm_layer=True),
     Family("olmoe", "olmoe", "Olmoe", mlp=""),
     Family("olmo2", "olmo2", "Olmo2", norm=FP32_WEIGHT_NORM),
@@ -88,13 +92,27 @@ _ROWS = [
 FAMILIES = {row.model_type: row for row in _ROWS}
 
 
-def family_for(model_type: str) -> Family:
+def family_for(model_type: str, caller: str = "tigon.patch", argument: str = "model_type") -> Family:
+    """The row of `model_type`; a ValueError naming `caller` and `argument` (with close names) if there is none."""
     try:
         return FAMILIES[model_type]
     except KeyError:
+        close = difflib.get_close_matches(model_type, FAMILIES, n=3, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
         raise ValueError(
-            f"tigon.patch: model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+            f"{caller}: {argument} {model_type!r} is not supported{hint}; supported: {', '.join(sorted(FAMILIES))}"
         ) from None
+
+
+def mlp_kept(family: Family, config) -> str:
+    """Why the family's MLP stays Hugging Face's for this config, or "" where Tigon's computes the same."""
+    if mlp_activation(config) is None:
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        return f"activation {act!r} is not silu or gelu-tanh"
+    p = getattr(config, family.mlp_dropout, 0.0) if family.mlp_dropout else 0.0
+    if p:
+        return f"the MLP applies {family.mlp_dropout}={p} to its output in training"
+    return ""
 
 
 def mlp_activation(config):
