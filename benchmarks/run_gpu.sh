@@ -10,7 +10,7 @@
 #   decode-ops  bench_decode_ops --quick: the decode kernels' defaults vs cuBLAS (decode_ops.md)
 #   e2e         bench_e2e: the 1.5B training step, tigon beside liger (e2e.md, e2e.json)
 #
-# BASELINE=DIR (a tree with src/ and benchmarks/ of another commit) adds, to decode and e2e, the same run of that
+# DECODE_VARIANTS overrides the decode step's variants. BASELINE=DIR (a tree with src/ and benchmarks/ of another commit) adds, to decode and e2e, the same run of that
 # tree in the same call, for side-by-side numbers ("tigon@base" rows). Wheels the image lacks (pytest-xdist,
 # liger-kernel, ...) come from .whl/ (../shared/tools/device-wheels.sh; pass carry=[".whl"]).
 # Exit status: the number of steps that failed or timed out.
@@ -58,8 +58,8 @@ for s in "$@"; do
                    >"$OUT/tests.log" 2>&1; tail -n 5 "$OUT/tests.log" | tee -a "$LOG" ;;
         ops) step ops 300 python3 benchmarks/gpu_check.py --no-tests --out "$OUT" --budget 280 >>"$LOG" 2>&1 ;;
         decode)
-            step decode 200 python3 benchmarks/bench_decode.py --out "$OUT" --variants tigon,hf-static-compile@1 \
-                --batches 1,8 --budget 190 >>"$LOG" 2>&1
+            step decode 200 python3 benchmarks/bench_decode.py --out "$OUT" \
+                --variants "${DECODE_VARIANTS:-tigon,hf-static-compile@1}" --batches 1,8 --budget 190 >>"$LOG" 2>&1
             if [[ -n "${BASELINE:-}" ]]; then
                 mkdir -p /tmp/base && step decode-base 150 base python3 -m tigon.bench_decode --out /tmp/base \
                     --variants tigon --batches 1,8 --budget 140 >>"$LOG" 2>&1
