@@ -48,9 +48,7 @@ export PYTHONPATH="src:/tmp/site:benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUN
 triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)" 2>&1
 } | tee -a "$LOG"
 
-base() {  # base CMD...: CMD with the baseline tree's src and benchmarks first on the path
-    PYTHONPATH="$BASELINE/src:/tmp/site:$BASELINE/benchmarks" "$@"
-}
+base=(env PYTHONPATH="${BASELINE:-}/src:/tmp/site:${BASELINE:-}/benchmarks")  # the baseline tree first on the path
 
 for s in "$@"; do
     case "$s" in
@@ -61,7 +59,7 @@ for s in "$@"; do
             step decode 200 python3 benchmarks/bench_decode.py --out "$OUT" \
                 --variants "${DECODE_VARIANTS:-tigon,hf-static-compile@1}" --batches 1,8 --budget 190 >>"$LOG" 2>&1
             if [[ -n "${BASELINE:-}" ]]; then
-                mkdir -p /tmp/base && step decode-base 150 base python3 -m tigon.bench_decode --out /tmp/base \
+                mkdir -p /tmp/base && step decode-base 150 "${base[@]}" python3 -m tigon.bench_decode --out /tmp/base \
                     --variants tigon --batches 1,8 --budget 140 >>"$LOG" 2>&1
                 cp /tmp/base/decode.md "$OUT/decode_base.md" 2>/dev/null
             fi ;;
@@ -70,7 +68,7 @@ for s in "$@"; do
         e2e)
             step e2e 300 python3 benchmarks/bench_e2e.py --out "$OUT" --variants tigon,liger >>"$LOG" 2>&1
             if [[ -n "${BASELINE:-}" ]]; then
-                mkdir -p /tmp/base && step e2e-base 150 base python3 "$BASELINE/benchmarks/bench_e2e.py" \
+                mkdir -p /tmp/base && step e2e-base 150 "${base[@]}" python3 "$BASELINE/benchmarks/bench_e2e.py" \
                     --out /tmp/base --variants tigon >>"$LOG" 2>&1
                 cp /tmp/base/e2e.md "$OUT/e2e_base.md" 2>/dev/null
             fi ;;

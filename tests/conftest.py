@@ -47,17 +47,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+# What a test module must never change at import: Triton's and Tigon's switches and the visible devices (libraries
+# may set others for themselves: torch sets CUDA_MODULE_LOADING when CUDA starts)
+_WATCHED = ("TRITON_", "TIGON_", "CUDA_VISIBLE_DEVICES")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
     before = dict(os.environ)
-    yield
+    outcome = yield
     after = dict(os.environ)
-    if after != before:
-        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-        os.environ.clear()
-        os.environ.update(before)
-        raise pytest.UsageError(f"{collector.nodeid or collector.path}: importing it changed os.environ {changed}; "
-                                "tests may set the environment only in tests/conftest.py or in a subprocess's env")
+    changed = sorted(k for k in before.keys() | after.keys()
+                     if before.get(k) != after.get(k) and k.startswith(_WATCHED))
+    if changed:
+        for k in changed:  # undo it, so the rest of the session is not affected
+            if k in before:
+                os.environ[k] = before[k]
+            else:
+                os.environ.pop(k, None)
+        report = outcome.get_result()
+        report.outcome = "failed"
+        report.longrepr = (f"{collector.nodeid or collector.path}: importing it changed os.environ {changed}; tests "
+                           "may set the environment only in tests/conftest.py or in a subprocess's env")
 
 
 def interpreted_kernels() -> list[str]:
