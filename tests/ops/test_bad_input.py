@@ -384,7 +384,7 @@ def test_double_backward_matches_torch(path, name, fn, torch_fn, inputs, n_grad)
 
 
 # cross_entropy and linear_cross_entropy make their gradients in the forward and keep nothing else (that is
-# their memory saving): the kernel path refuses double backward loudly; the reference path just does it.
+# their memory saving): both paths refuse double backward loudly (the reference path as the kernel path does).
 NO_DOUBLE_BACKWARD = [
     ("cross_entropy", lambda x: ops.cross_entropy(x, _long(x.device, 1, 2, 3, -100)),
      lambda x: F.cross_entropy(x, _long(x.device, 1, 2, 3, -100)), lambda d: (_randn(d, 4, 7),)),
@@ -406,10 +406,7 @@ NO_DOUBLE_BACKWARD = [
 def test_double_backward_of_the_losses(path, op, fn, torch_fn, inputs):
     torch.manual_seed(0)
     args = inputs(path[0])
-    if path[1] == "reference":
-        for a, b in zip(_penalty_grads(fn, args, 1), _penalty_grads(torch_fn, args, 1)):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-        return
+    _penalty_grads(torch_fn, args, 1)  # the same penalty is fine through PyTorch's own ops
     with pytest.raises(NotImplementedError, match=f"^tigon.ops.{op}: double backward"):
         _penalty_grads(fn, args, 1)
 

@@ -113,6 +113,26 @@ def refuse_double_backward(op):
         )
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity whose backward refuses create_graph=True, so the reference path of a loss refuses double backward
+    exactly as its kernel path does (the two paths accept and refuse the same things)."""
+
+    @staticmethod
+    def forward(ctx, x, op):
+        ctx.op = op
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_double_backward(ctx.op)
+        return grad, None
+
+
+def first_order_only(op, x):
+    """x, with a backward that raises under create_graph=True (see refuse_double_backward)."""
+    return _FirstOrderOnly.apply(x, op) if x.requires_grad else x
+
+
 def eager_body(custom_op, *tensors):
     """The Python body of a torch.library custom op, to call directly in eager inference: the dispatcher and
     the autograd wrapper cost ~140 us of host time per call (measured in a 1.5B Llama prefill on an H200,

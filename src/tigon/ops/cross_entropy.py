@@ -508,10 +508,10 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
         check_target(name, target, V, ignore_index)
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.detach()  # a count: no gradient, as on the kernel path
-        return reference.cross_entropy(
+        return _library.first_order_only(name, reference.cross_entropy(
             logits, target.long(), ignore_index=ignore_index, reduction=reduction, label_smoothing=ls,
             z_loss_scale=z, softcap=softcap, num_items_in_batch=num_items_in_batch,
-        )
+        ))
     check_target(name, target, V, ignore_index)
     x, t = _launch.as_rows(logits), target.reshape(-1)
     num_items = num_items_tensor(num_items_in_batch, logits.device)

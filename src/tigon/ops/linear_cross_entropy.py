@@ -288,10 +288,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     if not _library.use_kernels(op, hidden):
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.detach()  # a count: no gradient, as on the kernel path
-        return reference.linear_cross_entropy(
+        return _library.first_order_only(name, reference.linear_cross_entropy(
             hidden, weight, target.long(), bias, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=ls, z_loss_scale=z, softcap=softcap, num_items_in_batch=num_items_in_batch,
-        )
+        ))
     grad_on = torch.is_grad_enabled()
     loss, *_ = torch.ops.tigon.linear_cross_entropy_fwd(
         _launch.as_rows(hidden), weight, target.reshape(-1), bias,
