@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from tests._grid import DTYPES, UNIT_ROUNDOFF, assert_bound, assert_tol, cross_entropy_model, err, matmul_tol, randn
 from tigon import modules, ops
-from tigon.memory.rolling_buffer import workspace
 from tigon.ops import reference
+from tigon.ops._workspace import workspace
 
 ce_mod = sys.modules["tigon.ops.cross_entropy"]
 flce_mod = sys.modules["tigon.ops.linear_cross_entropy"]

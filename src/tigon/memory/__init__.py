@@ -4,7 +4,7 @@ RollingKVCache subclasses transformers' Cache, so it loads lazily: `import tigon
 transformers (an [hf] extra).
 """
 
-from .rolling_buffer import RollingBuffer, workspace
+from ..ops._workspace import RollingBuffer, workspace  # the arena lives with the kernels that borrow it
 
 __all__ = ["RollingBuffer", "RollingKVCache", "workspace"]
 

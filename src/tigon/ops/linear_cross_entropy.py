@@ -14,6 +14,7 @@ import torch
 import triton
 
 from . import _launch, _library, reference
+from ._workspace import workspace
 
 # named imports: `tigon.ops.cross_entropy` is the function once ops/__init__ has run
 from .cross_entropy import (
@@ -77,7 +78,6 @@ def _add_dw(dw, g_t, h_c, first: bool) -> None:
                 raise
             _fp32_addmm_ok[key] = False
     # older torch: fp32 GEMM output for a block of dW rows into scratch, then add (one extra pass over dW)
-    from ..memory.rolling_buffer import workspace
 
     V, H = dw.shape
     step = max(1, min(V, CHUNK_BYTES // (4 * H)))
@@ -95,7 +95,6 @@ def _chunked(hidden, weight, target, bias, denom, row_scale, ignore_index, label
              softcap, need_dh, need_dw, need_db, accum_fp32, rows_override):
     """The chunk loop. Returns (loss rows [N] fp32, dh or None, dw or None, db or None); the gradients are
     of sum(loss rows * row_scale) / denom (row_scale, denom None: 1)."""
-    from ..memory.rolling_buffer import workspace
 
     N, H = hidden.shape
     V = weight.shape[0]
