@@ -40,6 +40,7 @@ import torch
 from ..memory.kv_cache import RollingKVCache
 from ..ops import apply_rope, decode_attention
 from .bound import BoundForward
+from .unwrap import unwrap_model
 
 NAME = "tigon"
 _STATE = "_tigon_attention"  # hf.__dict__ key: the implementation to restore and the wrapped modules
@@ -320,9 +321,7 @@ def _is_hf_llama_forward(cls) -> bool:
 
 
 def _unwrap(model, caller):
-    from .patch import _unwrap_model
-
-    return _unwrap_model(model, caller)
+    return unwrap_model(model, caller)
 
 
 _PLAIN_SWITCH = set()  # model classes whose set_attn_implementation was seen to only set the one config

@@ -25,6 +25,7 @@ import torch
 from . import attention as tigon_attention
 from . import causal_lm, registry
 from .bound import BoundForward
+from .unwrap import unwrap_model
 
 logger = logging.getLogger("tigon")
 _CLASS_UNDO: dict = {}  # model_type -> [(owner, attribute, original)]
@@ -175,34 +176,6 @@ def _tagged(fn):
     return forward
 
 
-def _not_a_module(model) -> str:
-    got = f"got {type(model).__name__}"
-    if isinstance(model, str):
-        return f"got the string {model!r}; for a model family pass model_type={model!r}"
-    if isinstance(model, type):
-        return f"got the class {model.__name__}; pass an instance of it, or model_type= for the family"
-    if isinstance(getattr(model, "model_type", None), str):
-        return f"{got} (a config); for a model family pass model_type=config"
-    return got
-
-
-def _unwrap_model(model, caller="tigon.patch"):
-    """The transformers model inside PEFT/other wrappers: the first module with a `config.model_type`."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{caller}: `model` must be a torch.nn.Module (a transformers model, or a PEFT/other "
-                        f"wrapper of one); {_not_a_module(model)}")
-    top = model
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    if getattr(getattr(model, "config", None), "model_type", None):
-        return model
-    for m in model.modules():
-        if getattr(getattr(m, "config", None), "model_type", None):
-            return m
-    raise TypeError(f"{caller}: `model` ({type(top).__name__}) holds no transformers model (no module with a "
-                    "config.model_type); Tigon patches transformers models and PEFT/other wrappers of one")
-
-
 def _model_type_name(model_type, caller) -> str:
     """model_type as given: a string, or a config's .model_type."""
     if isinstance(model_type, str):
@@ -218,7 +191,7 @@ def _model_type_name(model_type, caller) -> str:
 def _instance_patch(model, family, report, spec):
     from ..modules import GeGLUMLP, RMSNorm, SwiGLUMLP
 
-    hf = _unwrap_model(model)
+    hf = unwrap_model(model)
     # Plain data (modules, names, flags, functions by reference): deepcopy and pickle carry it to a copy.
     undo = hf.__dict__.setdefault("_tigon_undo", [])
     act, kept = registry.mlp_activation(hf.config), registry.mlp_kept(family, hf.config)
@@ -324,7 +297,7 @@ def patch(
         if not isinstance(value, bool):
             raise TypeError(f"tigon.patch: {name} must be True or False, got {value!r}")
     if model is not None:
-        model_type = _unwrap_model(model).config.model_type
+        model_type = unwrap_model(model).config.model_type
         family = registry.family_for(model_type, argument="the model's config.model_type")
     else:
         model_type = _model_type_name(model_type, "tigon.patch")
@@ -359,7 +332,7 @@ def unpatch(model=None, *, model_type=None) -> None:
     if model is not None and model_type is not None:
         raise ValueError("tigon.unpatch: pass a model or model_type=, not both")
     if model is not None:
-        hf = _unwrap_model(model, "tigon.unpatch")
+        hf = unwrap_model(model, "tigon.unpatch")
         for owner, name, original in reversed(hf.__dict__.pop("_tigon_undo", [])):
             _restore(owner, name, original)
         tigon_attention.restore_attention(hf)
