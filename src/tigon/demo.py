@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .cli import indexed_device, positive_float, positive_int
+from .argtypes import indexed_device, positive_float, positive_int
 
 CPU_CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512)
