@@ -13,6 +13,8 @@ checked against the HF class by tests/hf/test_registry.py, so a wrong row fails 
 import dataclasses
 import difflib
 
+from .. import _log
+
 LLAMA_NORM = ("llama", 0.0)  # weight * x_normed.to(dtype)
 GEMMA_NORM = ("gemma", 1.0)  # (x_normed * (1 + weight.float())).to(dtype)
 FP32_WEIGHT_NORM = ("gemma", 0.0)  # (weight * x_normed).to(dtype), all fp32 (OLMo-2, Helium)
@@ -94,6 +96,7 @@ FAMILIES = {row.model_type: row for row in _ROWS}
 
 def family_for(model_type: str, caller: str = "tigon.patch", argument: str = "model_type") -> Family:
     """The row of `model_type`; a ValueError naming `caller` and `argument` (with close names) if there is none."""
+    _log.get_logger()  # every patch() looks its family up first: TIGON_LOG's handler is in place for its report
     try:
         return FAMILIES[model_type]
     except KeyError:
