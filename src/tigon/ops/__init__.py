@@ -9,6 +9,8 @@ from .glu_mlp import geglu_mlp, swiglu_mlp
 from .kv_write import rope_kv_append, rope_kv_write
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
+from .losses import *  # noqa: F403  (fused-linear preference / RL / distillation losses)
+from .losses import __all__ as _losses_all
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope
 from .swiglu import geglu, swiglu
@@ -31,3 +33,4 @@ __all__ = [
     "swiglu",
     "swiglu_mlp",
 ]
+__all__ += _losses_all

@@ -194,3 +194,202 @@ def eager_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", 
         logits.float().reshape(-1, V), target.reshape(-1), ignore_index=ignore_index,
         reduction=reduction, label_smoothing=label_smoothing,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused-linear preference, RL and distillation losses (tigon.ops.losses): the full logits, then each method's
+# formula. fp32 math, or fp64 for fp64 inputs; differentiable in every input that requires grad.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _head_logp(hidden, weight, bias, target, ignore_index, temperature=1.0):
+    """(per-token log p(target) [..], mask [..], log-softmax [.., V], logits [.., V]) of hidden @ weight.T + b."""
+    logits = _f(hidden) @ _f(weight).T
+    if bias is not None:
+        logits = logits + _f(bias)
+    logsm = torch.log_softmax(logits / temperature, -1)
+    mask = target != ignore_index
+    lp = logsm.gather(-1, torch.where(mask, target, 0).long().unsqueeze(-1)).squeeze(-1)
+    return lp * mask, mask.to(lp.dtype), logsm, logits
+
+
+def _seq_logp(lp, mask, average):
+    return lp.sum(-1) / mask.sum(-1) if average else lp.sum(-1)
+
+
+def fused_linear_preference(hidden, weight, target, bias=None, *, kind="dpo", loss_type="sigmoid", beta=0.1,
+                            alpha=1.0, label_smoothing=0.0, gamma=0.5, discopop_tau=0.05, ignore_index=-100,
+                            compute_nll_loss=False, nll_target=None, average_log_prob=False, ref_logps=None,
+                            ref_hidden=None, ref_weight=None, ref_bias=None):
+    """Pairwise preference losses, chosen half first: DPO (Rafailov et al. 2023) and its variants, ORPO (Hong et
+    al. 2024), CPO (Xu et al. 2024), SimPO (Meng et al. 2024); the outputs of liger-kernel 0.8.5."""
+    B, T = target.shape
+    P = B // 2
+    lp, mask, _, logits = _head_logp(hidden, weight, bias, target, ignore_index)
+    seq = _seq_logp(lp, mask, average_log_prob)
+    pc, pr = seq[:P], seq[P:]
+    if ref_logps is not None:
+        rc, rr = _f(ref_logps)[:P], _f(ref_logps)[P:]
+    elif ref_hidden is not None:
+        with torch.no_grad():
+            rlp, rmask, _, _ = _head_logp(ref_hidden, ref_weight, ref_bias, target, ignore_index)
+            ref = _seq_logp(rlp, rmask, average_log_prob)
+        rc, rr = ref[:P], ref[P:]
+    else:
+        rc = rr = torch.zeros((), dtype=seq.dtype)
+    nll = torch.zeros((), dtype=seq.dtype)
+    if compute_nll_loss:
+        if nll_target is None:
+            nll = -lp[:P].sum() / mask[:P].sum()
+        else:
+            nlp, nmask, _, _ = _head_logp(hidden, weight, bias, nll_target, ignore_index)
+            nll = -nlp[:P].sum() / nmask[:P].sum()
+    ls = label_smoothing
+    extra = ()
+    if kind == "orpo":
+        # log odds(y) = log p - log(1 - p), p the (mean-token) sequence probability
+        lo = (pc - torch.log(-torch.expm1(pc))) - (pr - torch.log(-torch.expm1(pr)))
+        ratio = torch.log(torch.sigmoid(lo))
+        pref = -beta * ratio.mean()
+        cw, rw = beta * pc, beta * pr
+        extra = (ratio.mean(), lo.mean())
+    elif kind in ("cpo", "simpo"):
+        u = beta * (pc - pr) - (gamma if kind == "simpo" else 0.0)
+        pref = (-(1 - ls) * torch.log(torch.sigmoid(u)) - ls * torch.log(torch.sigmoid(-u))).mean()
+        cw, rw = beta * pc, beta * pr
+    else:
+        cw, rw = beta * (pc - rc), beta * (pr - rr)
+        u = cw - rw
+        sig, logsig = torch.sigmoid, lambda v: torch.log(torch.sigmoid(v))
+        per_pair = {
+            "sigmoid": lambda: -logsig(u),
+            "hinge": lambda: torch.clamp(1 - u, min=0),
+            "exo_pair": lambda: sig(u) * (logsig(u) - math.log(1 - ls)) + sig(-u) * (logsig(-u) - math.log(ls)),
+            "nca_pair": lambda: -logsig(cw) - 0.5 * logsig(-cw) - 0.5 * logsig(-rw),
+            "robust": lambda: ((1 - ls) * -logsig(u) - ls * -logsig(-u)) / (1 - 2 * ls),
+            "bco_pair": lambda: -logsig(cw) - logsig(-rw),
+            "sppo_hard": lambda: (cw / beta - 1 / (2 * beta)) ** 2 + (rw / beta + 1 / (2 * beta)) ** 2,
+            "apo_zero": lambda: (1 - sig(cw)) + sig(rw),
+            "apo_down": lambda: sig(cw) + (1 - sig(u)),
+            "discopop": lambda: -logsig(u) * (1 - sig(u / discopop_tau)) + torch.exp(-u) * sig(u / discopop_tau),
+        }[loss_type]
+        pref = per_pair().mean()
+    n = P * T * weight.shape[0]
+    aux = (pc, pr, logits[:P].sum() / n, logits[P:].sum() / n, nll, cw, rw) + extra
+    return alpha * nll + pref, tuple(a.detach() for a in aux)
+
+
+def fused_linear_kto(hidden, weight, target, preference_labels, bias=None, *, beta=0.1, ignore_index=-100,
+                     average_log_prob=False, kl=None, ref_logps=None, ref_hidden=None, ref_weight=None,
+                     ref_bias=None):
+    """KTO (Ethayarajh et al. 2024) as liger-kernel 0.8.5: mean over sequences of 1 - sigmoid(beta (r - kl)) for
+    desirable, 1 - sigmoid(beta (kl - r)) for undesirable ones, r the policy-minus-reference log-ratio."""
+    lp, mask, _, logits = _head_logp(hidden, weight, bias, target, ignore_index)
+    seq = _seq_logp(lp, mask, average_log_prob)
+    if ref_logps is not None:
+        ref = _f(ref_logps)
+    elif ref_hidden is not None:
+        with torch.no_grad():
+            rlp, rmask, _, _ = _head_logp(ref_hidden, ref_weight, ref_bias, target, ignore_index)
+            ref = _seq_logp(rlp, rmask, average_log_prob)
+    else:
+        ref = torch.zeros_like(seq)
+    r = seq - ref
+    k = torch.zeros_like(r) if kl is None else _f(kl)
+    lab = preference_labels.bool()
+    loss = torch.where(lab, 1 - torch.sigmoid(beta * (r - k)), 1 - torch.sigmoid(beta * (k - r))).mean()
+    rows = logits.sum((-1, -2))
+    aux = (seq[lab].sum(), seq[~lab].sum(), rows[lab].sum(), rows[~lab].sum(), beta * r[lab].sum(),
+           beta * r[~lab].sum())
+    return loss, tuple(a.detach() for a in aux)
+
+
+def fused_linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, logit_scale=1.0, ignore_index=-100):
+    """(log p(target) [N], entropy [N]) of softmax(logit_scale * (hidden @ weight.T + bias) / temperature);
+    0 log-prob for ignored targets (their entropy is still the row's)."""
+    x = _f(hidden) @ _f(weight).T
+    if bias is not None:
+        x = x + _f(bias)
+    logsm = torch.log_softmax(x * (logit_scale / temperature), -1)
+    valid = (target != ignore_index) & (target >= 0) & (target < weight.shape[0])
+    lp = logsm.gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1) * valid
+    return lp, -(logsm.exp() * logsm).sum(-1)
+
+
+def fused_linear_grpo(hidden, weight, selected_token_ids, attention_mask, advantages, bias=None, *,
+                      ref_per_token_logps=None, old_per_token_logps=None, ref_hidden=None, ref_weight=None,
+                      ref_bias=None, beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo",
+                      max_completion_length=None, importance_sampling_level="token", temperature=1.0, delta=None,
+                      num_items_in_batch=None, entropy_coef=0.0):
+    """GRPO (Shao et al. 2024) with the normalizations of GRPO, BNPO, Dr. GRPO (Liu et al. 2025) and DAPO (Yu et al.
+    2025): per-token loss -min(w A, clip(w, 1 - eps_lo, 1 + eps_hi) A) + beta k3(ref, logp) - entropy_coef H,
+    w = exp(logp - old) (token level) or exp(mean_t(logp - old)) (sequence level, GSPO). Returns (loss, metrics:
+    [mean k3 if beta], clip fraction)."""
+    B, T = selected_token_ids.shape
+    x = _f(hidden) @ _f(weight).T
+    if bias is not None:
+        x = x + _f(bias)
+    logsm = torch.log_softmax(x / temperature, -1)
+    lp = logsm.gather(-1, selected_token_ids.long().unsqueeze(-1)).squeeze(-1)
+    m = _f(attention_mask)
+    if ref_per_token_logps is not None:
+        ref = _f(ref_per_token_logps)
+    elif ref_hidden is not None:
+        with torch.no_grad():
+            rx = _f(ref_hidden) @ _f(ref_weight).T + (0 if ref_bias is None else _f(ref_bias))
+            ref = torch.log_softmax(rx / temperature, -1).gather(-1, selected_token_ids.long().unsqueeze(-1)).squeeze(-1)
+    else:
+        ref = lp.detach()
+    old = lp.detach() if old_per_token_logps is None else _f(old_per_token_logps)
+    log_ratio = lp - old
+    if importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)).unsqueeze(-1)
+    w = torch.exp(log_ratio)
+    lo, hi = 1 - epsilon_low, 1 + epsilon_high
+    a = _f(advantages).unsqueeze(1)
+    w1 = w if delta is None else torch.clamp(w, max=delta)
+    per_tok = -torch.minimum(w1 * a, torch.clamp(w, lo, hi) * a)
+    kl = torch.exp(ref - lp) - (ref - lp) - 1
+    if beta:
+        per_tok = per_tok + beta * kl
+    if entropy_coef:
+        per_tok = per_tok + entropy_coef * (logsm.exp() * logsm).sum(-1)
+    if loss_type == "grpo":
+        loss = ((per_tok * m).sum(-1) / m.sum(-1).clamp(min=1)).sum() / B
+    elif loss_type == "bnpo":
+        loss = (per_tok * m).sum() / m.sum().clamp(min=1)
+    elif loss_type == "dr_grpo":
+        loss = (per_tok * m).sum() / (B * max_completion_length)
+    else:  # dapo
+        n = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=m.dtype)
+        loss = (per_tok * m).sum() / n.clamp(min=1)
+    total = m.sum().clamp(min=1)
+    clipped = ((w < lo) & (a < 0)) | ((w > hi) & (a > 0))
+    metrics = ([(kl * m).sum().detach() / total] if beta else []) + [(clipped.expand_as(m) * m).sum() / total]
+    return loss, metrics
+
+
+def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
+                     teacher_bias=None, *, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100,
+                     temperature=1.0):
+    """Generalized JSD distillation (Agarwal et al. 2024, GKD) with a hard-label CE mix, as liger-kernel 0.8.5:
+    soft = sum over unignored tokens of beta KL(T || M) + (1 - beta) KL(S || M), M = beta T + (1 - beta) S of the
+    temperature-scaled softmaxes (beta 0: KL(T || S), beta 1: KL(S || T)); hard = CE of the untempered student
+    logits; each divided by the number of unignored tokens. Returns (loss, soft, hard)."""
+    zs = _f(student_input) @ _f(student_weight).T + (0 if student_bias is None else _f(student_bias))
+    with torch.no_grad():
+        zt = _f(teacher_input) @ _f(teacher_weight).T + (0 if teacher_bias is None else _f(teacher_bias))
+    mask = true_labels != ignore_index
+    n = mask.sum().clamp(min=1)
+    hard = F.cross_entropy(zs, true_labels.long(), ignore_index=ignore_index, reduction="sum") / n
+    s, t = torch.softmax(zs / temperature, -1), torch.softmax(zt / temperature, -1)
+    ls, lt = torch.log_softmax(zs / temperature, -1), torch.log_softmax(zt / temperature, -1)
+    if beta == 0:
+        per = (t * (lt - ls)).sum(-1)
+    elif beta == 1:
+        per = (s * (ls - lt)).sum(-1)
+    else:
+        lm = torch.log(beta * t + (1 - beta) * s)
+        per = beta * (t * (lt - lm)).sum(-1) + (1 - beta) * (s * (ls - lm)).sum(-1)
+    soft = (per * mask).sum() / n
+    return weight_hard_loss * hard + weight_soft_loss * soft, soft, hard

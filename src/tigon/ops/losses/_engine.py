@@ -1,0 +1,301 @@
+"""The chunked engine under every fused-linear preference, RL and distillation loss.
+
+The losses here are functions of per-token log-softmax statistics of x = scale * (h W^T + b) (scale = 1 / T
+times a model's logit scale): log p(t) = x_t - lse, the entropy H = lse - sum p x, and a few metrics. So the
+engine walks row chunks of C tokens twice, never holding more than a [C, V] chunk of logits:
+
+  stats pass: logits_c = h_c W^T (+ b) by one cuBLAS GEMM into workspace scratch, then `_stats_kernel`, one
+              program per row, folds the row into lse, x_t, H, the row's sum of x, log sum p^2 and is-top-1
+              (one read of the chunk, online max);
+  the loss:   torch on the [N] statistics (tiny): the loss, its metrics, and by autograd the coefficients
+              a_i = dL / d log p_i(t), a2_i = dL / d log p_i(t2) (a second target, the NLL of ORPO/CPO), and
+              e_i = dL / dH_i;
+  grad pass:  logits_c again, `_grad_kernel` turns the chunk in place into
+              dL/dz = scale (a (1[t] - p) + a2 (1[t2] - p) - e p (log p + H)), then dh_c = dz_c W and
+              dW += dz_c^T h_c, db += sum_rows dz_c.
+
+The gradients exist after the forward (backward scales them by grad_output). Sequence-level losses (DPO's
+log-sigmoid of a difference of sums over two sequences) need every token's statistic before any coefficient
+is known, hence two passes: 4 GEMMs of 2 N V H FLOPs where a single-pass head has 3 (docs/ops/losses.md).
+No host sync: every count stays a tensor.
+"""
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from .._workspace import workspace
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedLinearLossConfig:
+    """Chunking of the fused-linear losses. chunk_rows 0: rows such that a chunk of logits is about
+    chunk_bytes (128 MiB is 512 rows of V = 128256 in bf16: the dW GEMM's K = 512 keeps its dW traffic
+    under its math time on an H200, as for linear_cross_entropy); block_v: vocabulary tile of the row kernels
+    (0: 4096 on CUDA, the whole padded row under the interpreter)."""
+
+    chunk_rows: int = 0
+    chunk_bytes: int = 128 << 20
+    block_v: int = 0
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if f.name == "chunk_bytes" else 0):
+                raise ValueError(f"FusedLinearLossConfig: {f.name} must be an int >= "
+                                 f"{1 if f.name == 'chunk_bytes' else 0}, got {v!r}")
+        if self.block_v and self.block_v & (self.block_v - 1):
+            raise ValueError(f"FusedLinearLossConfig: block_v must be a power of two, got {self.block_v}")
+
+    def ints(self) -> list[int]:
+        return [self.chunk_rows, self.chunk_bytes, self.block_v]
+
+
+DEFAULT = FusedLinearLossConfig()
+
+
+def config_from(ints) -> FusedLinearLossConfig:
+    return FusedLinearLossConfig(*[int(i) for i in ints])
+
+
+def check_config(op, config):
+    if config is None:
+        return DEFAULT
+    if not isinstance(config, FusedLinearLossConfig):
+        raise TypeError(f"{op}: config must be a FusedLinearLossConfig or None, got {type(config).__name__}")
+    return config
+
+
+def chunk_rows(N: int, V: int, itemsize: int, cfg: FusedLinearLossConfig) -> int:
+    if cfg.chunk_rows:
+        return max(1, min(N, cfg.chunk_rows))
+    rows = max(1, cfg.chunk_bytes // max(1, V * itemsize))
+    if rows >= N:
+        return max(1, N)
+    step = 64 if rows >= 64 else 1
+    rows = rows // step * step
+    per_chunk = triton.cdiv(N, triton.cdiv(N, rows))  # balanced chunks, rounded up to the GEMM step
+    return min(rows, triton.cdiv(per_chunk, step) * step)
+
+
+def _block_v(V: int, device, cfg) -> int:
+    if cfg.block_v:
+        return cfg.block_v
+    if device.type == "cuda":
+        return min(4096, triton.next_power_of_2(V))
+    return triton.next_power_of_2(V)  # interpreter: one numpy step per row is cheaper than a loop
+
+
+@triton.jit
+def _stats_kernel(
+    X,  # [C, V] chunk logits (bias included), unit last stride
+    T,  # [C] target ids (ignore_index or out of range: no target)
+    T2,  # [C] second target ids (read when HAS_T2)
+    LSE, XT, XT2, ENT, XSUM, LSQ, TOP1,  # [C] fp32 outputs (TOP1: 1.0 when the target is the first argmax)
+    stride_x,
+    V,
+    scale,  # x = scale * logits (1 / temperature times a logit scale): runtime float, no recompile
+    HAS_T2: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    p_x = X + row * stride_x
+    t = tl.load(T + row).to(tl.int64)
+    has_t = (t >= 0) & (t < V)
+    sc = tl.cast(scale, tl.float32)
+    o_v = tl.arange(0, BLOCK_V)
+    b_m = tl.full([], float("-inf"), tl.float32)
+    b_s = tl.zeros([], dtype=tl.float32)  # sum exp(x - m)
+    b_w = tl.zeros([], dtype=tl.float32)  # sum exp(x - m) x (the entropy's mean term)
+    b_q = tl.zeros([], dtype=tl.float32)  # sum exp(2 (x - m))
+    b_sum = tl.zeros([], dtype=tl.float32)
+    b_mb = tl.full([], float("-inf"), tl.float32)  # max over ids before t (first-argmax tie rule)
+    for v0 in range(0, V, BLOCK_V):
+        o = v0 + o_v
+        m_ = o < V
+        b_x = tl.load(p_x + o, mask=m_, other=0.0).to(tl.float32) * sc
+        b_sum += tl.sum(tl.where(m_, b_x, 0.0))
+        b_xm = tl.where(m_, b_x, float("-inf"))
+        b_mb = tl.maximum(b_mb, tl.max(tl.where(o < t, b_xm, float("-inf"))))
+        m_new = tl.maximum(b_m, tl.max(b_xm))
+        alpha = tl.exp(b_m - m_new)
+        b_e = tl.where(m_, tl.exp(b_xm - m_new), 0.0)
+        b_s = b_s * alpha + tl.sum(b_e)
+        b_w = b_w * alpha + tl.sum(b_e * tl.where(m_, b_x, 0.0))
+        b_q = b_q * alpha * alpha + tl.sum(b_e * b_e)
+        b_m = m_new
+    lse = b_m + tl.log(b_s)
+    xt = tl.load(p_x + tl.where(has_t, t, 0)).to(tl.float32) * sc
+    xt = tl.where(has_t, xt, 0.0)
+    tl.store(LSE + row, lse)
+    tl.store(XT + row, xt)
+    tl.store(ENT + row, lse - b_w / b_s)
+    tl.store(XSUM + row, b_sum)
+    tl.store(LSQ + row, tl.log(b_q) - 2.0 * tl.log(b_s))
+    tl.store(TOP1 + row, tl.where(has_t & (xt >= b_m) & (xt > b_mb), 1.0, 0.0))
+    if HAS_T2:
+        t2 = tl.load(T2 + row).to(tl.int64)
+        has_t2 = (t2 >= 0) & (t2 < V)
+        xt2 = tl.load(p_x + tl.where(has_t2, t2, 0)).to(tl.float32) * sc
+        tl.store(XT2 + row, tl.where(has_t2, xt2, 0.0))
+
+
+@triton.jit
+def _grad_kernel(
+    X,  # [C, V] chunk logits; overwritten in place by dL/dlogits (X's dtype, one cast on store)
+    T, T2,  # [C] target ids (T2 read when HAS_T2)
+    LSE, ENT,  # [C] fp32 statistics from the stats pass
+    A, A2, E,  # [C] fp32 coefficients dL/dlogp(t), dL/dlogp(t2), dL/dH (A2 read when HAS_T2, E when HAS_E)
+    stride_x,
+    V,
+    scale,
+    HAS_T2: tl.constexpr,
+    HAS_E: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    p_x = X + row * stride_x
+    t = tl.load(T + row).to(tl.int64)
+    sc = tl.cast(scale, tl.float32)
+    lse = tl.load(LSE + row)
+    a = tl.load(A + row)
+    a_sum = a
+    t2 = t
+    a2 = tl.zeros([], dtype=tl.float32)
+    if HAS_T2:
+        t2 = tl.load(T2 + row).to(tl.int64)
+        a2 = tl.load(A2 + row)
+        a_sum += a2
+    e = tl.zeros([], dtype=tl.float32)
+    ent = tl.zeros([], dtype=tl.float32)
+    if HAS_E:
+        e = tl.load(E + row)
+        ent = tl.load(ENT + row)
+    o_v = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        o = v0 + o_v
+        m_ = o < V
+        b_x = tl.load(p_x + o, mask=m_, other=0.0).to(tl.float32) * sc
+        b_lp = b_x - lse
+        b_p = tl.exp(b_lp)
+        b_g = tl.where(o == t, a, 0.0) + tl.where(o == t2, a2, 0.0) - a_sum * b_p
+        if HAS_E:
+            b_g -= e * b_p * (b_lp + ent)
+        tl.store(p_x + o, (b_g * sc).to(X.dtype.element_ty), mask=m_)
+
+
+def _gemm_logits(h_c, w_t, bias, out):
+    if bias is None:
+        torch.mm(h_c, w_t, out=out)
+    else:
+        torch.addmm(bias, h_c, w_t, out=out)
+
+
+def _lowp(weight, bias, dtype):
+    """Autocast-style: the GEMMs run in hidden's dtype (a transient copy of an fp32 master weight)."""
+    w = weight if weight.dtype == dtype else weight.to(dtype)
+    b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+    return w, b
+
+
+def logp_stats(hidden, weight, bias, target, target2=None, *, scale=1.0, cfg=DEFAULT):
+    """Per-row statistics of x = scale * (hidden @ weight.T + bias) for hidden [N, H], weight [V, H]:
+    a dict of [N] fp32 tensors lse, xt (x at target, 0 without one), xt2, ent, xsum, lsq, top1."""
+    N, V = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    names = ("lse", "xt", "xt2", "ent", "xsum", "lsq", "top1")
+    out = {k: torch.empty(N, dtype=torch.float32, device=dev) for k in names}
+    if target2 is None:
+        out["xt2"] = out["xt"]
+    w, b = _lowp(weight, bias, hidden.dtype)
+    w_t = w.t()
+    rows = chunk_rows(N, V, hidden.element_size(), cfg)
+    block = _block_v(V, dev, cfg)
+    with workspace(dev).borrow(((rows, V), hidden.dtype)) as (buf,):
+        for s in range(0, N, rows):
+            e = min(N, s + rows)
+            logits = buf[: e - s]
+            _gemm_logits(hidden[s:e], w_t, b, logits)
+            _stats_kernel[(e - s,)](
+                logits, target[s:e], target[s:e] if target2 is None else target2[s:e],
+                *(out[k][s:e] for k in names), logits.stride(0), V, float(scale),
+                HAS_T2=target2 is not None, BLOCK_V=block,
+            )
+    return out
+
+
+def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, target2=None, *, scale=1.0,
+               need_dh=True, need_dw=True, need_db=False, cfg=DEFAULT):
+    """The grad pass: gradients (dh [N, H] hidden.dtype, dW [V, H] weight.dtype, db [V]) of
+    sum_i a_i log p_i(t_i) + a2_i log p_i(t2_i) + e_i H_i, each None when not asked. dW accumulates in fp32
+    when the weight is an fp32 master copy of lower-precision hidden states, else in the weight's dtype
+    (cuBLAS addmm, like linear_cross_entropy)."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    w, b = _lowp(weight, bias, hidden.dtype)
+    w_t = w.t()
+    dh = torch.empty((N, H), dtype=hidden.dtype, device=dev) if need_dh else None
+    dw = torch.zeros((V, H), dtype=torch.float32 if weight.dtype != hidden.dtype else weight.dtype,
+                     device=dev) if need_dw else None
+    db = torch.zeros(V, dtype=torch.float32, device=dev) if need_db else None
+    rows = chunk_rows(N, V, hidden.element_size(), cfg)
+    block = _block_v(V, dev, cfg)
+    with workspace(dev).borrow(((rows, V), hidden.dtype)) as (buf,):
+        for s in range(0, N, rows):
+            end = min(N, s + rows)
+            logits, h_c = buf[: end - s], hidden[s:end]
+            _gemm_logits(h_c, w_t, b, logits)
+            _grad_kernel[(end - s,)](
+                logits, target[s:end], target[s:end] if target2 is None else target2[s:end], lse[s:end],
+                ent[s:end], a[s:end], a[s:end] if a2 is None else a2[s:end], a[s:end] if e is None else e[s:end],
+                logits.stride(0), V, float(scale), HAS_T2=a2 is not None, HAS_E=e is not None, BLOCK_V=block,
+            )
+            if need_dh:
+                torch.mm(logits, w, out=dh[s:end])
+            if need_dw:
+                if dw.dtype == logits.dtype:
+                    dw.addmm_(logits.t(), h_c)
+                else:
+                    dw.addmm_(logits.t().float(), h_c.float())
+            if need_db:
+                db += logits.sum(0, dtype=torch.float32)
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    if db is not None:
+        db = db.to(bias.dtype)
+    return dh, dw, db
+
+
+class autograd_inside:
+    """Autograd inside a custom op's body. torch.library runs the body below the Autograd dispatch key (its TLS
+    exclude set holds it), so ops there record no graph even under enable_grad. The losses differentiate their
+    small [N] per-token math there (a few KB, not the logits); this lifts the exclusion for that block only."""
+
+    def __enter__(self):
+        K = torch._C.DispatchKey
+        excl = torch._C._dispatch_tls_local_exclude_set()
+        for k in (K.AutogradOther, K.AutogradCPU, K.AutogradCUDA):
+            excl = excl.remove(k)
+        self._guard = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excl)
+        self._grad = torch.enable_grad()
+        self._guard.__enter__()
+        self._grad.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._grad.__exit__(*exc)
+        self._guard.__exit__(*exc)
+
+
+def coefficients(loss, stats):
+    """d loss / d each of `stats` (fp32 tensors that require grad), zeros where unused; no graph kept. Call
+    inside `autograd_inside()`."""
+    got = torch.autograd.grad(loss, stats, allow_unused=True)
+    return [torch.zeros_like(s) if g is None else g.detach().float().contiguous() for s, g in zip(stats, got)]
+
+
+def empty(t):
+    return t.new_empty(0)
