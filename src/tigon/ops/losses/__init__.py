@@ -2,6 +2,7 @@
 [tokens, vocab] logits. See docs/ops/losses.md."""
 
 from ._engine import FusedLinearLossConfig
+from .distill import fused_linear_jsd
 from .preference import (
     DPO_LOSS_TYPES,
     fused_linear_cpo,
@@ -11,6 +12,7 @@ from .preference import (
     fused_linear_preference,
     fused_linear_simpo,
 )
+from .rl import GRPO_LOSS_TYPES, fused_linear_grpo, fused_linear_logprobs
 
 __all__ = [
     "DPO_LOSS_TYPES",
@@ -21,4 +23,8 @@ __all__ = [
     "fused_linear_orpo",
     "fused_linear_preference",
     "fused_linear_simpo",
+    "GRPO_LOSS_TYPES",
+    "fused_linear_grpo",
+    "fused_linear_jsd",
+    "fused_linear_logprobs",
 ]
