@@ -8,8 +8,10 @@
    address is sticky) or hangs costs its own section only: the parent watches each section's deadline,
    kills a child that overruns, and starts a fresh child for the sections left.
 3. Writes into --out (default $OUT): <tag>.md (versions, ceilings, tests, one table per op), <tag>.json
-   (every raw number), gpu_check.log (the children's and the tests' full output) and PNGs of the sweeps:
-   at most 8 files. <tag> is the GPU's short name ("h200"), "cpu" on a CPU.
+   (every raw number), gpu_check.log (the children's and the tests' full output) and PNGs of the sweeps
+   (<gpu>_flce_tokens.png, <gpu>_rms_norm_hidden.png): at most 8 files. <gpu> is the GPU's short name
+   ("h200"), "cpu" on a CPU; <tag> is --tag, default <gpu>. benchmarks/run_gpu.sh passes --tag <gpu>_ops,
+   the names of benchmarks/results/<gpu>_ops.json and of the ops section of benchmarks/results/<gpu>.md.
 
 --budget bounds the whole run: sections that would not fit are skipped with a note, never cut silently.
 --quick runs tiny shapes (a CPU smoke test of the harness; kernels through Triton's interpreter).
@@ -367,7 +369,7 @@ def _md(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _plots(result: dict, out: str, tag: str) -> list[str]:
+def _plots(result: dict, out: str, gpu: str) -> list[str]:
     try:
         import matplotlib
 
@@ -383,7 +385,7 @@ def _plots(result: dict, out: str, tag: str) -> list[str]:
             groups.setdefault(r["group"], []).append(r)
     for group, rows in groups.items():
         flce = "linear_cross_entropy" in group
-        fname = f"{tag}_flce_tokens.png" if flce else f"{tag}_rms_norm_hidden.png"
+        fname = f"{gpu}_flce_tokens.png" if flce else f"{gpu}_rms_norm_hidden.png"
         provs = list(dict.fromkeys(r["provider"] for r in rows))
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         for p in provs:
@@ -425,7 +427,7 @@ def write_outputs(result: dict, out: str, tag: str, plots=False) -> None:
 
     result["elapsed_s"] = round(time.time() - result["t0"], 1)
     if plots:
-        result["plots"] = _plots(result, out, tag)
+        result["plots"] = _plots(result, out, _tag(result["meta"]))  # named by the GPU, whatever the tag
     H.write_json(os.path.join(out, f"{tag}.json"), {k: v for k, v in result.items() if k != "t0"})
     with open(os.path.join(out, f"{tag}.md"), "w") as f:
         f.write(_md(result) + "\n")
@@ -452,7 +454,8 @@ def parse_args(argv=None):
     iso.add_argument("--isolate", dest="isolate", action="store_true", default=None,
                      help="sections in child processes (default on CUDA)")
     iso.add_argument("--inproc", dest="isolate", action="store_false", help="sections in this process")
-    p.add_argument("--tag", default=None, help="output file stem (default: the GPU's short name)")
+    p.add_argument("--tag", default=None,
+                   help="stem of the .md and .json (default: the GPU's short name; run_gpu.sh: <gpu>_ops)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--part", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)

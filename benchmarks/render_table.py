@@ -1,8 +1,8 @@
-"""Print the README's compact results table from a gpu_check JSON (default benchmarks/results/h200.json):
+"""Print the README's compact results table from a gpu_check JSON (default benchmarks/results/h200_ops.json):
 one line per op and shape, fwd+bwd time of tigon, eager, torch.compile and Liger-Kernel, and tigon's
 speedup over the fastest of the others. Standard library only.
 
-    python benchmarks/render_table.py [path/to/h200.json]
+    python benchmarks/render_table.py [path/to/<gpu>_ops.json]
 """
 
 import json
@@ -10,7 +10,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT = os.path.join(HERE, "results", "h200.json")
+DEFAULT = os.path.join(HERE, "results", "h200_ops.json")
 COLUMNS = ("tigon", "eager", "torch.compile", "liger")
 NAMES = {"tigon": "Tigon", "eager": "eager (HF)", "torch.compile": "torch.compile", "liger": "Liger-Kernel"}
 

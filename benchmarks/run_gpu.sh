@@ -5,14 +5,18 @@
 #     bash benchmarks/run_gpu.sh [STEP ...]          steps: tests ops decode decode-ops e2e
 #
 #   tests       the README's test command, natively: python -m pytest tests -q -n 8 (tests.log)
-#   ops         gpu_check.py without its tests: ceilings and every op benchmark (<gpu>.md, <gpu>.json)
-#   decode      bench_decode: tigon at batch 1 and 8 beside HF static cache + compile at batch 1 (decode.md/json)
-#   decode-ops  bench_decode_ops --quick: the decode kernels' defaults vs cuBLAS (decode_ops.md)
-#   e2e         bench_e2e: the 1.5B training step, tigon beside liger (e2e.md, e2e.json)
+#   ops         gpu_check.py without its tests: ceilings and every op benchmark (<gpu>_ops.md, <gpu>_ops.json)
+#   decode      bench_decode: tigon at batch 1 and 8 beside HF static cache + compile at batch 1
+#               (<gpu>_decode.md, <gpu>_decode.json)
+#   decode-ops  bench_decode_ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
+#   e2e         bench_e2e: the 1.5B training step, tigon beside liger (<gpu>_e2e.md, <gpu>_e2e.json)
 #
-# DECODE_VARIANTS overrides the decode step's variants. BASELINE=DIR (a tree with src/ and benchmarks/ of another commit) adds, to decode and e2e, the same run of that
-# tree in the same call, for side-by-side numbers ("tigon@base" rows). Wheels the image lacks (pytest-xdist,
-# liger-kernel, ...) come from .whl/ (../shared/tools/device-wheels.sh; pass carry=[".whl"]).
+# <gpu> is the GPU's short name ("h200"), as in benchmarks/results/<gpu>.md, whose tables these files refresh.
+# BUDGET_S bounds the whole run (default 570 s). DECODE_VARIANTS overrides the decode step's variants.
+# BASELINE=DIR (a tree with src/ and benchmarks/ of another commit) adds, to decode and e2e, the same run of that
+# tree in the same call, for side-by-side numbers (<gpu>_decode_base.md, <gpu>_e2e_base.md). Wheels the image
+# lacks (pytest-xdist, liger-kernel, ...) come from .whl/ (../shared/tools/device-wheels.sh; pass carry=[".whl"]).
+# Each step's tables come first; logs and plots are kept while fewer than 8 files are in $OUT.
 # Exit status: the number of steps that failed or timed out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +26,9 @@ mkdir -p "$OUT"
 LOG="$OUT/run.log"
 : >"$LOG"
 failed=0
-log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$LOG"; }
+extras=()  # "SRC DST" pairs copied at the end while there is room
+exec 3>&1  # the runner's own stdout: log lines reach it even from inside a step redirected to run.log
+log() { local m; m="[$(date +%T) +${SECONDS}s] $*"; echo "$m" >>"$LOG"; echo "$m" >&3; }
 
 step() {  # step NAME CAP_S CMD...: CMD under timeout min(CAP_S, what is left of the budget)
     local name="$1" cap="$2" limit
@@ -36,6 +42,11 @@ step() {  # step NAME CAP_S CMD...: CMD under timeout min(CAP_S, what is left of
     if (( rc == 0 )); then log "DONE $name"; else log "FAILED $name: exit $rc"; failed=$((failed + 1)); fi
 }
 
+keep() {  # keep SRC DST: copy SRC to $OUT/DST while $OUT holds fewer than 8 files
+    [[ -f "$1" ]] || return 0
+    if (( $(find "$OUT" -type f | wc -l) < 8 )); then cp "$1" "$OUT/$2"; else log "not kept (8 files in \$OUT): $2"; fi
+}
+
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 \
         || log "pip: some wheels were not installed (run.log)"
@@ -47,33 +58,52 @@ export PYTHONPATH="src:/tmp/site:benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUN
     python3 -c "import torch, triton, transformers, numpy; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)" 2>&1
 } | tee -a "$LOG"
+# The GPU's short name, by gpu_check.py's rule: "NVIDIA H200" -> "h200"; "cpu" without a GPU.
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr '[:upper:]' '[:lower:]' \
+      | sed -e 's/nvidia//' -e 's/[^a-z0-9]\{1,\}/_/g' -e 's/^_//' -e 's/_$//')
+GPU="${GPU:-cpu}"
 
 base=(env PYTHONPATH="${BASELINE:-}/src:/tmp/site:${BASELINE:-}/benchmarks")  # the baseline tree first on the path
+base_decode=(python3 "${BASELINE:-}/benchmarks/bench_decode.py")
+[[ -n "${BASELINE:-}" && ! -f "$BASELINE/benchmarks/bench_decode.py" ]] && base_decode=(python3 -m tigon.bench_decode)
+T=/tmp/run_gpu
+rm -rf "$T" && mkdir -p "$T"
 
 for s in "$@"; do
     case "$s" in
         tests) step tests 300 python3 -m pytest tests -q -n 8 -o cache_dir=/tmp/pytest_cache -p no:randomly \
-                   >"$OUT/tests.log" 2>&1; tail -n 5 "$OUT/tests.log" | tee -a "$LOG" ;;
-        ops) step ops 300 python3 benchmarks/gpu_check.py --no-tests --out "$OUT" --budget 280 >>"$LOG" 2>&1 ;;
+                   >"$T/tests.log" 2>&1; tail -n 5 "$T/tests.log" | tee -a "$LOG"; keep "$T/tests.log" tests.log ;;
+        ops) step ops 300 python3 benchmarks/gpu_check.py --no-tests --out "$T/ops" --tag "${GPU}_ops" --budget 280 \
+                 >>"$LOG" 2>&1
+             keep "$T/ops/${GPU}_ops.md" "${GPU}_ops.md"; keep "$T/ops/${GPU}_ops.json" "${GPU}_ops.json"
+             extras+=("$T/ops/gpu_check.log gpu_check.log")
+             for p in "$T"/ops/*.png; do extras+=("$p $(basename "$p")"); done ;;
         decode)
-            step decode 200 python3 benchmarks/bench_decode.py --out "$OUT" \
+            step decode 200 python3 benchmarks/bench_decode.py --out "$T/decode" \
                 --variants "${DECODE_VARIANTS:-tigon,hf-static-compile@1}" --batches 1,8 --budget 190 >>"$LOG" 2>&1
+            keep "$T/decode/decode.md" "${GPU}_decode.md"; keep "$T/decode/decode.json" "${GPU}_decode.json"
+            extras+=("$T/decode/decode_latency.png ${GPU}_decode_latency.png")
             if [[ -n "${BASELINE:-}" ]]; then
-                mkdir -p /tmp/base && step decode-base 150 "${base[@]}" python3 -m tigon.bench_decode --out /tmp/base \
+                step decode-base 150 "${base[@]}" "${base_decode[@]}" --out "$T/decode_base" \
                     --variants tigon --batches 1,8 --budget 140 >>"$LOG" 2>&1
-                cp /tmp/base/decode.md "$OUT/decode_base.md" 2>/dev/null
+                keep "$T/decode_base/decode.md" "${GPU}_decode_base.md"
+                extras+=("$T/decode_base/decode.json ${GPU}_decode_base.json")
             fi ;;
-        decode-ops) step decode-ops 100 python3 benchmarks/bench_decode_ops.py --out /tmp/decode_ops --quick >>"$LOG" 2>&1
-            cp /tmp/decode_ops/decode_ops.md "$OUT/" 2>/dev/null ;;
+        decode-ops) step decode-ops 100 python3 benchmarks/bench_decode_ops.py --out "$T/decode_ops" --quick >>"$LOG" 2>&1
+            keep "$T/decode_ops/decode_ops.md" "${GPU}_decode_ops.md"
+            keep "$T/decode_ops/decode_ops.json" "${GPU}_decode_ops.json" ;;
         e2e)
-            step e2e 300 python3 benchmarks/bench_e2e.py --out "$OUT" --variants tigon,liger >>"$LOG" 2>&1
+            step e2e 300 python3 benchmarks/bench_e2e.py --out "$T/e2e" --variants tigon,liger >>"$LOG" 2>&1
+            keep "$T/e2e/e2e.md" "${GPU}_e2e.md"; keep "$T/e2e/e2e.json" "${GPU}_e2e.json"
             if [[ -n "${BASELINE:-}" ]]; then
-                mkdir -p /tmp/base && step e2e-base 150 "${base[@]}" python3 "$BASELINE/benchmarks/bench_e2e.py" \
-                    --out /tmp/base --variants tigon >>"$LOG" 2>&1
-                cp /tmp/base/e2e.md "$OUT/e2e_base.md" 2>/dev/null
+                step e2e-base 150 "${base[@]}" python3 "$BASELINE/benchmarks/bench_e2e.py" \
+                    --out "$T/e2e_base" --variants tigon >>"$LOG" 2>&1
+                keep "$T/e2e_base/e2e.md" "${GPU}_e2e_base.md"
+                extras+=("$T/e2e_base/e2e.json ${GPU}_e2e_base.json")
             fi ;;
         *) log "unknown step: $s"; failed=$((failed + 1)) ;;
     esac
 done
+for e in "${extras[@]+"${extras[@]}"}"; do keep ${e}; done
 log "finished: $failed failed step(s); in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit "$failed"
