@@ -5,7 +5,8 @@ Dispatch rule (the op contract):
 - CPU tensors run the Triton kernels through Triton's interpreter when TRITON_INTERPRET=1;
 - anything else runs the pure-PyTorch reference (`tigon.ops.reference`), and one log line says so.
 
-Every public op records the path it took in `dispatch_counts`, so a test can prove which one ran.
+Every public op records the path it took in `dispatch_counts`, so a test can prove which one ran. On the kernel
+path, `dispatch` picks between an op's custom op, its autograd.Function and its plain launcher.
 """
 
 import collections
@@ -43,10 +44,9 @@ def backend_for(device: torch.device) -> str:
 def use_kernels(op: str, x: torch.Tensor) -> bool:
     """Choose the path for `op` on the device of `x` and record the choice."""
     path = backend_for(x.device)
-    if not torch.compiler.is_compiling():
-        dispatch_counts[(op, path)] += 1
-        if path == "reference":
-            _note_reference(x.device)
+    record(op, path)
+    if path == "reference" and not torch.compiler.is_compiling():
+        _note_reference(x.device)
     return path == "triton"
 
 
@@ -65,13 +65,48 @@ def op_name(name: str) -> str:
     return f"{NAMESPACE}::{name}"
 
 
-def call(op, function, *args):
-    """Run an op: its torch.library custom op while torch.compile traces (one graph node, no break), else
-    its autograd.Function, which runs the same launchers and saves the custom-op dispatcher's host time
-    (~15-20 us per fwd+bwd measured on a CPU; small ops are host-bound at Llama-8B shapes)."""
+def record(op: str, path: str) -> None:
+    """Count one eager call of `op` on `path` ("triton" or "reference"); nothing while torch.compile traces."""
+    if not torch.compiler.is_compiling():
+        dispatch_counts[(op, path)] += 1
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd will want a gradient of any of `tensors` (None entries are skipped)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def dispatch(op, function, launcher, *args, grad_from=()):
+    """Run one call of an op by the cheapest path that is correct, the same rule for every op:
+
+    - while torch.compile traces: `op(*args)`, the torch.library custom op (or a function that ends in one):
+      one graph node, no graph break;
+    - eager, and a tensor of `grad_from` needs a gradient: `function.apply(*args)`, the op's autograd.Function
+      over the same launchers; with function None, the custom op itself (its registered autograd is the rule);
+    - eager otherwise (inference, or a backward pass, where grad mode is off): `launcher(*args)`, the plain
+      Python launcher the custom op wraps.
+
+    Why not always the custom op: its dispatcher and autograd wrapper cost ~140 us of host time per call
+    (measured in a 1.5B Llama prefill on an H200, torch 2.11), more than the kernel at decode shapes, and
+    `Function.apply` saves the dispatcher's ~15-20 us per fwd+bwd (measured on a CPU; small ops are host-bound
+    at Llama-8B shapes). All three paths run the same launcher, so their outputs are bitwise the same."""
     if torch.compiler.is_compiling():
         return op(*args)
-    return function.apply(*args)
+    if needs_grad(*grad_from):
+        return function.apply(*args) if function is not None else op(*args)
+    return launcher(*args)
+
+
+def double_backward() -> bool:
+    """True inside an eager backward run with create_graph=True (the only time a backward runs with grad mode
+    on): the op must then build its gradients from differentiable ops (`reference_grads`) or refuse."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def host_checks(device: torch.device) -> bool:
+    """Data-dependent input checks that read tensors on the host: never while tracing (a sync the graph cannot
+    hold), always on CPU, on CUDA only with TIGON_VALIDATE=1 (a host sync per call)."""
+    return not torch.compiler.is_compiling() and (device.type != "cuda" or validation_on())
 
 
 def reference_grads(fn, args, needs, grad_outputs):
@@ -105,7 +140,7 @@ def refuse_double_backward(op):
     them in the forward and keep nothing else). Under create_graph=True (the only time a backward runs with
     grad mode on) it raises, naming the op: a gradient with no graph would make a gradient penalty or a
     Hessian through the op silently zero."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    if double_backward():
         raise NotImplementedError(
             f"{op}: double backward (create_graph=True) is not supported: its gradient comes from Triton "
             "kernels that autograd cannot differentiate; build a gradient penalty or a Hessian through this "
@@ -131,14 +166,3 @@ class _FirstOrderOnly(torch.autograd.Function):
 def first_order_only(op, x):
     """x, with a backward that raises under create_graph=True (see refuse_double_backward)."""
     return _FirstOrderOnly.apply(x, op) if x.requires_grad else x
-
-
-def eager_body(custom_op, *tensors):
-    """The Python body of a torch.library custom op, to call directly in eager inference: the dispatcher and
-    the autograd wrapper cost ~140 us of host time per call (measured in a 1.5B Llama prefill on an H200,
-    torch 2.11), more than the kernel. None (use the op) while compiling or when any of `tensors` needs grad."""
-    if torch.compiler.is_compiling():
-        return None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return None
-    return getattr(custom_op, "_init_fn", None)

@@ -330,6 +330,10 @@ def _scale_grad_eager(grad, grad_output):
     torch.autograd.graph.increment_version(grad)  # what the custom op's mutation would do: see below
 
 
+def _scale_grad(grad, grad_output):
+    _library.dispatch(torch.ops.tigon.scale_grad_, None, _scale_grad_eager, grad, grad_output)
+
+
 def apply_grad_output(grads, grad_output, scale=None):
     """Scale the gradients computed in the forward by grad_output, in place, without a host sync. The
     in-place write bumps their version, so a second backward through a retained graph raises autograd's
@@ -388,6 +392,14 @@ class CrossEntropyFunction(torch.autograd.Function):
         return _backward(ctx, dloss, ddx, _scale_grad_eager)
 
 
+def _fwd_inplace_eager(logits, *args):
+    loss = _fwd(logits, *args, logits)
+    # What the custom op's mutation would do: another op that saved these logits for its backward then fails
+    # loudly ("modified by an inplace operation") instead of reading the gradient.
+    torch.autograd.graph.increment_version(logits)
+    return loss
+
+
 class _CrossEntropyInplace(torch.autograd.Function):
     """inplace_backward: the logits buffer holds the gradient after the forward (a mutable op has no
     register_autograd, hence a Function)."""
@@ -395,13 +407,7 @@ class _CrossEntropyInplace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction):
         args = (logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction)
-        if torch.compiler.is_compiling():
-            loss = torch.ops.tigon.cross_entropy_fwd_inplace(*args)
-        else:
-            loss = _fwd(*args, logits)
-            # What the custom op's mutation would do: another op that saved these logits for its backward
-            # then fails loudly ("modified by an inplace operation") instead of reading the gradient.
-            torch.autograd.graph.increment_version(logits)
+        loss = _library.dispatch(torch.ops.tigon.cross_entropy_fwd_inplace, None, _fwd_inplace_eager, *args)
         ctx.save_for_backward(logits)
         return loss
 
@@ -409,7 +415,7 @@ class _CrossEntropyInplace(torch.autograd.Function):
     def backward(ctx, dloss):
         _library.refuse_double_backward("tigon.ops.cross_entropy")
         (dx,) = saved_grads(ctx, "tigon.ops.cross_entropy")
-        apply_grad_output([dx], dloss, None if torch.compiler.is_compiling() else _scale_grad_eager)
+        apply_grad_output([dx], dloss, _scale_grad)
         return dx, None, None, None, None, None, None, None
 
 
@@ -464,13 +470,12 @@ def num_items_tensor(num_items_in_batch, device):
 
 
 def _validating(device) -> bool:
-    """Target-range checks read the target on the host: always on CPU, on CUDA only with TIGON_VALIDATE=1."""
-    return device.type != "cuda" or _library.validation_on()
+    return _library.host_checks(device)
 
 
 def check_target(op, target, V, ignore_index):
     """ValueError for a target outside [0, V) that is not ignore_index (when validating; else NaN loss)."""
-    if torch.compiler.is_compiling() or not _validating(target.device):
+    if not _validating(target.device):
         return
     bad = not_ignored(target, ignore_index) & ((target < 0) | (target >= V))
     if bool(bad.any()):
@@ -522,6 +527,6 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
     if inplace_backward and need_grad and not _launch.is_leafish(x) and not _launch.may_overlap(x):
         loss = _CrossEntropyInplace.apply(x, t, num_items, ignore_index, ls, z, cap, red)
     else:
-        loss, _ = _library.call(torch.ops.tigon.cross_entropy_fwd, CrossEntropyFunction,
-                                x, t, num_items, ignore_index, ls, z, cap, red, need_grad)
+        loss, _ = _library.dispatch(torch.ops.tigon.cross_entropy_fwd, CrossEntropyFunction, _fwd_launch,
+                                    x, t, num_items, ignore_index, ls, z, cap, red, need_grad, grad_from=(x,))
     return loss.view(target.shape) if loss.dim() else loss

@@ -387,15 +387,23 @@ def decode_attention(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, slidin
     if not _library.use_kernels("decode_attention", q):
         out = decode_attention_reference(q, k_cache, v_cache, slot_pos, q_pos, scale=scale,
                                          sliding_window=window, softcap=softcap)
-    elif torch.compiler.is_compiling():  # the config as plain ints across the op boundary
-        out = torch.ops.tigon.decode_attention(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap,
-                                               config.ints() if config is not None else None)
-    else:
-        # Eager: the launcher directly; the custom-op dispatcher's host time (~10 us) is the size of the whole
-        # kernel at small decode shapes.
-        return _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap,
-                           advance=counter.view(-1) if advance_q_pos else None,
-                           cfg=config if config is not None else DECODE_ATTENTION)
-    if advance_q_pos:
-        counter.add_(1)
+        if advance_q_pos:
+            counter.add_(1)
+        return out
+    return _library.dispatch(_traced, None, _eager, q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap,
+                             counter.view(-1) if advance_q_pos else None, config)
+
+
+def _traced(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, advance, config):
+    """torch.compile: the custom op, the config as plain ints across its boundary, the counter advanced after."""
+    out = torch.ops.tigon.decode_attention(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap,
+                                           config.ints() if config is not None else None)
+    if advance is not None:
+        advance.add_(1)
     return out
+
+
+def _eager(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, advance, config):
+    """Eager: the launcher, the counter advanced by the merge kernel (no kernel of its own)."""
+    return _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, advance=advance,
+                       cfg=config if config is not None else DECODE_ATTENTION)

@@ -370,9 +370,11 @@ def decode_linear(x, weights, *, norm_weight=None, eps=1e-6, residual=None, acti
         y = decode_linear_reference(x2, weights, norm_weight=nw, eps=eps, residual=r2, activation=activation)
         return y.reshape(*lead, n_out)
     act = ACTIVATIONS[activation]
-    if torch.compiler.is_compiling():  # the config as plain ints across the op boundary
-        y = torch.ops.tigon.decode_linear(x2, list(weights), nw, eps, r2, act,
-                                          config.ints() if config is not None else None)
-    else:  # eager: the launcher directly (the custom-op dispatcher's host time is a kernel's worth here)
-        y = _launch_kernel(x2, weights, nw, eps, r2, act, config)
+    y = _library.dispatch(_traced, None, _launch_kernel, x2, weights, nw, eps, r2, act, config)
     return y.reshape(*lead, n_out)
+
+
+def _traced(x, weights, norm_weight, eps, residual, act, config):
+    """torch.compile: the custom op, the config as plain ints across its boundary."""
+    return torch.ops.tigon.decode_linear(x, list(weights), norm_weight, eps, residual, act,
+                                         config.ints() if config is not None else None)

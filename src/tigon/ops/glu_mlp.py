@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from . import _launch, _library, reference
-from .swiglu import _GELU_TANH, _SILU
+from .swiglu import _GELU_TANH, _SILU, glu_fwd_launch
 
 _ACTS = {"swiglu_mlp": _SILU, "geglu_mlp": _GELU_TANH}
 _REFERENCE = {_SILU: reference.swiglu_mlp, _GELU_TANH: reference.geglu_mlp}
@@ -28,16 +28,42 @@ def _flat(x):
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+def _project(x2, gate_weight, up_weight):
+    """(gate, up) by cuBLAS; packed: (gate_up [tokens, 2I], None)."""
+    if up_weight is None:
+        return x2 @ gate_weight.t(), None
+    return x2 @ gate_weight.t(), x2 @ up_weight.t()
+
+
+def _glu(gate, up, act):
+    return _library.dispatch(torch.ops.tigon.glu_fwd, None, glu_fwd_launch, gate, up, act, False)
+
+
+def _mlp(x, gate_weight, up_weight, down_weight, act):
+    """Inference: the same products as _GLUMLP's forward, nothing kept."""
+    y = _glu(*_project(_flat(x), gate_weight, up_weight), act) @ down_weight.t()
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _recompute_traced(dh, gate, up, act):
+    """The backward's GLU pass for torch.compile: functional ops (same math, no buffer reuse)."""
+    h = torch.ops.tigon.glu_fwd(gate, up, act, False)
+    dgate, dup = torch.ops.tigon.glu_bwd(dh, gate, up, act)
+    return h, dgate, dup, (dgate if up is None else None)
+
+
+def _recompute_in_place(dh, gate, up, act):
+    """Eager: one pass writes dgate over gate, dup over up and h over dh. Returns (h, dgate, dup, dgate_up)."""
+    torch.ops.tigon.glu_bwd_recompute(dh, gate, up, act)
+    return dh, gate, up, gate
+
+
 class _GLUMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_weight, up_weight, down_weight, act):
         x2 = _flat(x)
-        if up_weight is None:
-            gate_up = x2 @ gate_weight.t()
-            gate, up = gate_up, None
-        else:
-            gate, up = x2 @ gate_weight.t(), x2 @ up_weight.t()
-        h = torch.ops.tigon.glu_fwd(gate, up, act, False)
+        gate, up = _project(x2, gate_weight, up_weight)
+        h = _glu(gate, up, act)
         y = h @ down_weight.t()
         del h  # not saved: the backward recomputes it in the gradient pass
         # x itself, not the view x2 made here: a saved input keeps its graph, which double backward needs
@@ -48,7 +74,7 @@ class _GLUMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, gate, up, gate_weight, up_weight, down_weight = ctx.saved_tensors
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if _library.double_backward():
             # create_graph=True: the reference's differentiable ops on the saved inputs, for double backward
             grads = _library.reference_grads(_REFERENCE[ctx.act], (x, gate_weight, up_weight, down_weight),
                                              ctx.needs_input_grad[:4], (dy,))
@@ -57,13 +83,8 @@ class _GLUMLP(torch.autograd.Function):
         need_x, need_g, need_u, need_d = ctx.needs_input_grad[:4]
         dy2 = _flat(dy)
         dh = dy2 @ down_weight  # [tokens, I], fresh and contiguous: the pass below overwrites it with h
-        if torch.compiler.is_compiling():  # functional ops for the tracer: same math, no buffer reuse
-            h = torch.ops.tigon.glu_fwd(gate, up, ctx.act, False)
-            dgate, dup = torch.ops.tigon.glu_bwd(dh, gate, up, ctx.act)
-            dgate_up = dgate if up is None else None
-        else:
-            torch.ops.tigon.glu_bwd_recompute(dh, gate, up, ctx.act)
-            h, dgate, dup, dgate_up = dh, gate, up, gate
+        h, dgate, dup, dgate_up = _library.dispatch(_recompute_traced, None, _recompute_in_place, dh, gate, up,
+                                                    ctx.act)
         d_down = dy2.t() @ h if need_d else None
         dx = d_gate_w = d_up_w = None
         if up_weight is None:  # packed: one [tokens, 2I] gradient for the one [2I, H] weight
@@ -119,7 +140,9 @@ def _glu_mlp(op, x, gate_weight, up_weight, down_weight):
     _validate(f"tigon.ops.{op}", x, gate_weight, up_weight, down_weight)
     if not _library.use_kernels(op, x):
         return getattr(reference, op)(x, gate_weight, up_weight, down_weight)
-    return _GLUMLP.apply(x, gate_weight, up_weight, down_weight, _ACTS[op])
+    # torch.compile traces the Function itself (cuBLAS GEMMs around the GLU custom ops)
+    return _library.dispatch(_GLUMLP.apply, _GLUMLP, _mlp, x, gate_weight, up_weight, down_weight, _ACTS[op],
+                             grad_from=(x, gate_weight, up_weight, down_weight))
 
 
 def swiglu_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: Optional[torch.Tensor],

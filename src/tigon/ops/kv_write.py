@@ -228,13 +228,13 @@ def rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, *, query=None):
         return rope_kv_write_reference(key, value, cos, sin, k_cache, v_cache, slots, query=query)
     key, value = _unit_last(key), _unit_last(value)
     query = _unit_last(query) if query is not None else None
-    if torch.compiler.is_compiling():
-        q_embed = torch.ops.tigon.rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, query)
-    else:
-        # Eager: the launcher directly, as decode_attention does (the dispatcher's ~10 us of host time is
-        # more than this kernel takes at decode shapes).
-        q_embed = _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query)
+    q_embed = _library.dispatch(torch.ops.tigon.rope_kv_write, None, _fwd_launch, key, value, cos, sin, k_cache,
+                                v_cache, slots, query)
     return q_embed if query is not None else None
+
+
+def _append_launch(key, value, cos, sin, k_cache, v_cache, positions, next_position, sink, query):
+    return _fwd_launch(key, value, cos, sin, k_cache, v_cache, next_position, query, next_position, positions, sink)
 
 
 @torch.library.custom_op("tigon::rope_kv_append", mutates_args=("k_cache", "v_cache", "positions"))
@@ -244,7 +244,7 @@ def rope_kv_append_op(
     query: torch.Tensor | None,
 ) -> torch.Tensor:
     """rope_kv_write at the ring slots of positions next_position + t; records them in `positions`."""
-    return _fwd_launch(key, value, cos, sin, k_cache, v_cache, next_position, query, next_position, positions, sink)
+    return _append_launch(key, value, cos, sin, k_cache, v_cache, positions, next_position, sink, query)
 
 
 @rope_kv_append_op.register_fake
@@ -300,10 +300,6 @@ def rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_posit
     key, value = _unit_last(key), _unit_last(value)
     query = _unit_last(query) if query is not None else None
     next_position = next_position.reshape(1)
-    if torch.compiler.is_compiling():
-        q_embed = torch.ops.tigon.rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position,
-                                                 sink, query)
-    else:
-        q_embed = _fwd_launch(key, value, cos, sin, k_cache, v_cache, next_position, query, next_position,
-                              positions, sink)
+    q_embed = _library.dispatch(torch.ops.tigon.rope_kv_append, None, _append_launch, key, value, cos, sin, k_cache,
+                                v_cache, positions, next_position, sink, query)
     return q_embed if query is not None else None

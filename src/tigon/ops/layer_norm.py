@@ -107,14 +107,7 @@ def _layer_norm_bwd_kernel(
         tl.store(DB_PART + pid.to(tl.int64) * H + o_h, b_db, mask=m_h)
 
 
-@torch.library.custom_op("tigon::layer_norm_fwd", mutates_args=())
-def layer_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [M, H] with unit last stride; weight, bias: [H] contiguous or None.
-
-    Returns (y [M, H] in x.dtype, mean [M] fp32, rstd [M] fp32).
-    """
+def _fwd_launch(x, weight, bias, eps):
     M, H = x.shape
     block = _launch.row_block("layer_norm", H)
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
@@ -128,6 +121,17 @@ def layer_norm_fwd(
             BLOCK_H=block, num_warps=_launch.row_warps(block, x.element_size()),
         )
     return y, mean, rstd
+
+
+@torch.library.custom_op("tigon::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [M, H] with unit last stride; weight, bias: [H] contiguous or None.
+
+    Returns (y [M, H] in x.dtype, mean [M] fp32, rstd [M] fp32).
+    """
+    return _fwd_launch(x, weight, bias, eps)
 
 
 @layer_norm_fwd.register_fake
@@ -186,7 +190,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    if _library.double_backward():
         # create_graph=True: the reference's differentiable ops on the saved input, for double backward
         dx, dw, db = _library.reference_grads(lambda x, w, b: reference.layer_norm(x, w, b, ctx.eps),
                                               (x, weight, bias), ctx.needs_input_grad[:3], (dy,))
@@ -227,5 +231,6 @@ def layer_norm(x, weight, bias, eps=1e-5):
     # The kernels read weight and bias at unit stride; for the usual parameter these are no-ops.
     weight = None if weight is None else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    y, _, _ = torch.ops.tigon.layer_norm_fwd(_launch.as_rows(x), weight, bias, eps)
+    args = (_launch.as_rows(x), weight, bias, eps)
+    y, _, _ = _library.dispatch(torch.ops.tigon.layer_norm_fwd, None, _fwd_launch, *args, grad_from=(x, weight, bias))
     return y.view(x.shape)

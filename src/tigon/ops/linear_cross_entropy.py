@@ -143,15 +143,8 @@ def _empty(t):
     return t.new_empty(0)
 
 
-@torch.library.custom_op("tigon::linear_cross_entropy_fwd", mutates_args=())
-def linear_cross_entropy_fwd(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
-    num_items: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss_scale: float,
-    softcap: float, reduction: int, need_dh: bool, need_dw: bool, need_db: bool, accum_fp32: bool,
-    rows_override: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden [N, H], weight [V, H], target [N], bias [V] or None. Returns (loss: [] or [N] fp32, and for
-    mean/sum the gradients dh [N, H], dW [V, H], db [V] for grad_output == 1, each empty when not asked)."""
+def _fwd_launch(hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap,
+                reduction, need_dh, need_dw, need_db, accum_fp32, rows_override):
     rows_only = reduction == REDUCTIONS["none"] and num_items is None
     denom = denominator(target, ignore_index, reduction, num_items)
     if rows_only:
@@ -163,6 +156,19 @@ def linear_cross_entropy_fwd(
     loss = reduce(loss_rows, denom, reduction)
     return (loss, _empty(hidden) if dh is None else dh, _empty(weight) if dw is None else dw,
             _empty(weight) if db is None else db)
+
+
+@torch.library.custom_op("tigon::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+    num_items: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss_scale: float,
+    softcap: float, reduction: int, need_dh: bool, need_dw: bool, need_db: bool, accum_fp32: bool,
+    rows_override: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [N, H], weight [V, H], target [N], bias [V] or None. Returns (loss: [] or [N] fp32, and for
+    mean/sum the gradients dh [N, H], dW [V, H], db [V] for grad_output == 1, each empty when not asked)."""
+    return _fwd_launch(hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap,
+                       reduction, need_dh, need_dw, need_db, accum_fp32, rows_override)
 
 
 @linear_cross_entropy_fwd.register_fake
@@ -291,11 +297,14 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
             hidden, weight, target.long(), bias, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=ls, z_loss_scale=z, softcap=softcap, num_items_in_batch=num_items_in_batch,
         ))
-    grad_on = torch.is_grad_enabled()
-    loss, *_ = torch.ops.tigon.linear_cross_entropy_fwd(
+    # A frozen lm_head (LoRA, QLoRA: weight.requires_grad False) or bias asks for no gradient: no dW / db GEMM
+    # runs and no [V, H] buffer is allocated (need_dw / need_db False all the way into the chunk loop).
+    need = [_library.needs_grad(t) for t in (hidden, weight, bias)]
+    loss, *_ = _library.dispatch(
+        torch.ops.tigon.linear_cross_entropy_fwd, None, _fwd_launch,
         _launch.as_rows(hidden), weight, target.reshape(-1), bias,
         num_items_tensor(num_items_in_batch, hidden.device), ignore_index, ls, z, cap,
-        REDUCTIONS[reduction], grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad, accum_dtype == torch.float32, int(_chunk_rows),
+        REDUCTIONS[reduction], *need, accum_dtype == torch.float32, int(_chunk_rows),
+        grad_from=(hidden, weight, bias),
     )
     return loss.view(target.shape) if loss.dim() else loss

@@ -225,7 +225,7 @@ def _reference_backward(ctx, xs, weight, dy, ds):
 def _backward(ctx, dy, ds, _drstd, bwd=None):
     xs, weight, rstd = ctx.saved_tensors
     ds = ds if ctx.has_residual else None
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    if _library.double_backward():
         return _reference_backward(ctx, xs, weight, dy, ds)
     need_dw = weight is not None and ctx.needs_input_grad[2]
     dx, dr, dw = (bwd or torch.ops.tigon.rms_norm_bwd)(
@@ -285,8 +285,8 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
     out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
     weight = None if weight is None else weight.contiguous()  # the kernel reads it at unit stride
     args = (_launch.as_rows(x), None, weight, eps, offset, _CASTING[casting_mode], out_dtype)
-    body = _library.eager_body(rms_norm_fwd, x, weight)  # inference: the launcher without autograd's wrapper
-    y, _, _ = body(*args) if body is not None else _library.call(torch.ops.tigon.rms_norm_fwd, RMSNormFunction, *args)
+    y, _, _ = _library.dispatch(torch.ops.tigon.rms_norm_fwd, RMSNormFunction, _fwd_launch, *args,
+                                grad_from=(x, weight))
     return y.view(x.shape)
 
 
@@ -300,7 +300,6 @@ def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting_mode="lla
     weight = None if weight is None else weight.contiguous()
     args = (_launch.as_rows(x), _launch.as_rows(residual), weight, eps, offset, _CASTING[casting_mode],
             out_dtype)
-    body = _library.eager_body(rms_norm_fwd, x, residual, weight)
-    y, s, _ = body(*args) if body is not None else _library.call(torch.ops.tigon.rms_norm_fwd, RMSNormFunction,
-                                                                 *args)
+    y, s, _ = _library.dispatch(torch.ops.tigon.rms_norm_fwd, RMSNormFunction, _fwd_launch, *args,
+                                grad_from=(x, residual, weight))
     return y.view(x.shape), s.view(x.shape)

@@ -135,15 +135,7 @@ def _heads_block(n_heads: int, block_r: int) -> int:
     return max(1, min(triton.next_power_of_2(max(n_heads, 1)), _TILE // block_r))
 
 
-@torch.library.custom_op("tigon::rope", mutates_args=())
-def rope(
-    q: torch.Tensor | None, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, transpose: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Hq, T, D], k [B, Hkv, T, D] (either may be None), unit stride on D; cos, sin [1 or B, T, rd].
-
-    Returns (q_embed, k_embed), each in its input's dtype and layout (empty for a None input);
-    transpose=True applies the transpose of the rotation (the backward).
-    """
+def rope_launch(q, k, cos, sin, transpose):
     ref = q if q is not None else k
     qo = _out_like(q) if q is not None else cos.new_empty(0)
     ko = _out_like(k) if k is not None else cos.new_empty(0)
@@ -173,6 +165,18 @@ def rope(
         BLOCK_R=block_r, BLOCK_P=block_p, num_warps=_NUM_WARPS,
     )
     return qo, ko
+
+
+@torch.library.custom_op("tigon::rope", mutates_args=())
+def rope(
+    q: torch.Tensor | None, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, transpose: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, T, D], k [B, Hkv, T, D] (either may be None), unit stride on D; cos, sin [1 or B, T, rd].
+
+    Returns (q_embed, k_embed), each in its input's dtype and layout (empty for a None input);
+    transpose=True applies the transpose of the rotation (the backward).
+    """
+    return rope_launch(q, k, cos, sin, transpose)
 
 
 @rope.register_fake
@@ -249,15 +253,14 @@ def apply_rope(q, k, cos, sin, unsqueeze_dim=1):
     """
     _validate(q, k, cos, sin, unsqueeze_dim)
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
-        if not torch.compiler.is_compiling():
-            _library.dispatch_counts[("apply_rope", "reference")] += 1
+        _library.record("apply_rope", "reference")
         return reference.apply_rope(q, k, cos, sin, unsqueeze_dim)
     if not _library.use_kernels("apply_rope", q):
         return reference.apply_rope(q, k, cos, sin, unsqueeze_dim)
     if unsqueeze_dim == 2:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    body = _library.eager_body(rope, q, k, cos, sin)
-    q_embed, k_embed = (body or torch.ops.tigon.rope)(_unit_last(q), _unit_last(k), cos, sin, False)
+    q_embed, k_embed = _library.dispatch(torch.ops.tigon.rope, None, rope_launch, _unit_last(q), _unit_last(k), cos,
+                                         sin, False, grad_from=(q, k))
     if unsqueeze_dim == 2:
         q_embed, k_embed = q_embed.transpose(1, 2), k_embed.transpose(1, 2)
     return q_embed, k_embed

@@ -198,13 +198,17 @@ def _unit_stride(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@torch.library.custom_op("tigon::glu_fwd", mutates_args=())
-def glu_fwd(gate: torch.Tensor, up: Optional[torch.Tensor], act: int, inplace_backward: bool) -> torch.Tensor:
-    """gate, up [M, I] with unit last stride, or up None and gate [M, 2I] = [gate | up]. Returns y [M, I]."""
+def glu_fwd_launch(gate, up, act, inplace_backward=False):
     g, u = _halves(gate, up)
     y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     _launch_fwd(g, u, y, act)
     return y
+
+
+@torch.library.custom_op("tigon::glu_fwd", mutates_args=())
+def glu_fwd(gate: torch.Tensor, up: Optional[torch.Tensor], act: int, inplace_backward: bool) -> torch.Tensor:
+    """gate, up [M, I] with unit last stride, or up None and gate [M, 2I] = [gate | up]. Returns y [M, I]."""
+    return glu_fwd_launch(gate, up, act, inplace_backward)
 
 
 @glu_fwd.register_fake
@@ -295,7 +299,7 @@ _REFERENCE = {_SILU: reference.swiglu, _GELU_TANH: reference.geglu}
 
 def _backward(ctx, dy):
     gate, up = ctx.saved_tensors
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    if _library.double_backward():
         # create_graph=True: the reference's differentiable ops on the saved gate and up, for double backward
         # (never in place: the graph of the gradients reads gate and up)
         ref = _REFERENCE[ctx.act]
@@ -335,8 +339,8 @@ def _glu(op, act, ref_fn, gate, up, inplace_backward):
     _validate(f"tigon.ops.{op}", gate, up, inplace_backward)
     if not _library.use_kernels(op, gate):
         return ref_fn(gate, up)
-    body = _library.eager_body(glu_fwd, gate, up)
-    y = (body or torch.ops.tigon.glu_fwd)(_as_rows(gate), _as_rows(up), act, inplace_backward)
+    y = _library.dispatch(torch.ops.tigon.glu_fwd, None, glu_fwd_launch, _as_rows(gate), _as_rows(up), act,
+                          inplace_backward, grad_from=(gate, up))
     return y.view(gate.shape)
 
 
@@ -348,8 +352,8 @@ def _glu_packed(op, act, ref_fn, gate_up, inplace_backward):
     _launch.check_bool(name, "inplace_backward", inplace_backward)
     if not _library.use_kernels(op, gate_up):
         return ref_fn(*gate_up.chunk(2, dim=-1))
-    body = _library.eager_body(glu_fwd, gate_up)
-    y = (body or torch.ops.tigon.glu_fwd)(_as_rows(gate_up), None, act, inplace_backward)
+    y = _library.dispatch(torch.ops.tigon.glu_fwd, None, glu_fwd_launch, _as_rows(gate_up), None, act,
+                          inplace_backward, grad_from=(gate_up,))
     return y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
