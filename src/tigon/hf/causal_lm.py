@@ -1,9 +1,11 @@
 """The ForCausalLM forward that computes the training loss without materializing the logits.
 
-In training with labels, the loss comes from `tigon.ops.linear_cross_entropy` on the last hidden states
+When only the loss is wanted, the loss comes from `tigon.ops.linear_cross_entropy` on the last hidden states
 and the lm_head, and the output's `logits` is None (a [tokens, vocab] fp32 tensor is 8 GB at 16k tokens
-and a 128k vocab). In eval, or without labels, the model's own forward runs and returns logits exactly
-as Hugging Face does.
+and a 128k vocab). "Only the loss" follows Liger-Kernel's `skip_logits` forward argument: by default in
+training with labels; `skip_logits=True` asks for it in eval too (the Trainer's `prediction_loss_only`
+evaluation), `skip_logits=False` forces the logits. Otherwise the model's own forward runs and returns logits
+exactly as Hugging Face does.
 """
 
 import inspect
@@ -51,6 +53,13 @@ def lm_head_loss(linear: torch.nn.Linear, hidden, target, **loss_kwargs):
 
     Running inside `linear(...)` fires the module's hooks, so a sharded weight (FSDP2 all-gathers on the
     pre-forward hook) is whole while it is read; `.weight` is never read outside the call.
+
+    The loss is the instance's forward for the length of the call: nn.Module's call reads `self.forward`, so
+    every hook (module and global, with kwargs or not) runs as for any call. torch.compile traces it, with
+    fullgraph too: the instance attribute is set and removed through the module's `__dict__`, which dynamo
+    (torch 2.13) tracks as a dict mutation. `del linear.forward` is not an option: dynamo replays that delete
+    on the real module after the graph, where the attribute it set while tracing never existed, and the
+    compiled step raised AttributeError ('Linear' object has no attribute 'forward').
     """
     def loss_forward(h):
         return ops.linear_cross_entropy(h, linear.weight, target, linear.bias, **loss_kwargs)
@@ -61,7 +70,7 @@ def lm_head_loss(linear: torch.nn.Linear, hidden, target, **loss_kwargs):
         return linear(hidden)
     finally:
         if previous is None:
-            del linear.forward
+            linear.__dict__.pop("forward")
         else:
             linear.forward = previous
 
@@ -86,13 +95,20 @@ def fused_causal_lm_forward(
     use_cache=None,
     logits_to_keep=0,
     cache=None,
+    skip_logits=None,
     **kwargs,
 ):
     shift_labels = kwargs.get("shift_labels")
+    if skip_logits and labels is None and shift_labels is None:
+        raise ValueError(f"{type(self).__name__}.forward: skip_logits=True returns the loss only, so it needs "
+                         "labels or shift_labels; both are None")
+    if skip_logits is None:
+        skip_logits = self.training and labels is not None  # like HF: shift_labels alone computes no loss
     linear = _resolve_linear(self.lm_head)
+    # A quantized or LoRA-wrapped lm_head has no plain weight to fuse: HF's forward then runs, logits and all,
+    # with skip_logits=True too (the loss is the same; the memory is HF's). MoE router logits need HF's aux loss.
     fused = (
-        self.training
-        and labels is not None  # like HF: shift_labels alone computes no loss
+        bool(skip_logits)
         and linear is not None
         and not kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False))
     )
@@ -148,17 +164,17 @@ def fused_prenorm_decoder_forward(self, hidden_states, attention_mask=None, posi
                                   past_key_values=None, use_cache=False, position_embeddings=None, **kwargs):
     """Llama's pre-norm decoder block with the attention's residual add fused into the second norm
     (tigon.ops.add_rms_norm: one kernel reads the two inputs and writes the norm and the sum). A layer
-    whose norm is not Tigon's (built before a class-level patch) runs its HF forward."""
+    whose norm is not Tigon's (built before a class-level patch) runs its HF forward. In a no-grad step with a
+    cache, a layer step installed on the instance (`_tigon_layer_step`: tigon.decode.layer_step.install, the
+    fused decode step and the direct prefill) runs first; where it returns None the block runs as written."""
     from ..modules import RMSNorm
 
     if not isinstance(self.post_attention_layernorm, RMSNorm):
         return hf_forward(self)(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                 past_key_values=past_key_values, use_cache=use_cache,
                                 position_embeddings=position_embeddings, **kwargs)
-    if past_key_values is not None and not torch.is_grad_enabled():
-        from .decode_layer import decode_layer_step, prefill_layer_step
-
-        step = decode_layer_step if hidden_states.shape[1] == 1 else prefill_layer_step
+    step = self.__dict__.get("_tigon_layer_step")  # set by tigon.decode (hf/ does not import it)
+    if step is not None and past_key_values is not None and not torch.is_grad_enabled():
         out = step(self, hidden_states, attention_mask, past_key_values, position_embeddings)
         if out is not None:  # generation over a RollingKVCache: the fused decode step, the direct prefill
             return out
