@@ -17,7 +17,6 @@ pass), docs/ops/losses.md.
 """
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -78,7 +78,8 @@ class LigerFusedLinearSimPOLoss(torch.nn.Module):
                  compute_nll_loss: bool = True, compiled: bool = True, gamma: float = 0.5, chunk_size: int = 1):
         super().__init__()
         self.ignore_index, self.beta, self.alpha, self.label_smoothing = ignore_index, beta, alpha, label_smoothing
-        self.compute_nll_loss, self.compiled, self.gamma, self.chunk_size = compute_nll_loss, compiled, gamma, chunk_size
+        self.compute_nll_loss, self.compiled, self.gamma = compute_nll_loss, compiled, gamma
+        self.chunk_size = chunk_size
 
     def forward(self, lin_weight, _input, target, bias=None):
         return ops.fused_linear_simpo(_input, lin_weight, target, bias, beta=self.beta, alpha=self.alpha,
@@ -154,7 +155,8 @@ class LigerFusedLinearJSDLoss(torch.nn.Module):
                  return_soft_hard_loss: bool = False):
         super().__init__()
         assert temperature != 0, "Temperature cannot be 0."
-        self.weight_hard_loss, self.weight_soft_loss, self.ignore_index = weight_hard_loss, weight_soft_loss, ignore_index
+        self.weight_hard_loss, self.weight_soft_loss = weight_hard_loss, weight_soft_loss
+        self.ignore_index = ignore_index
         self.temperature, self.compiled, self.beta, self.chunk_size = temperature, compiled, beta, chunk_size
         self.return_soft_hard_loss = return_soft_hard_loss
 

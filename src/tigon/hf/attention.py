@@ -7,7 +7,9 @@
 `use_tigon_attention` registers the name "tigon" with `AttentionInterface` (the attention function) and
 `AttentionMaskInterface` (the mask builder), switches the model to it and wraps the forward of each attention
 module on the instance. A decode step (one query token, a RollingKVCache, grad off) then runs:
-- Llama-style modules (Llama, Mistral, Qwen2, Qwen3 with its q/k norms; table `_ROPE_ON_WRITE`): q/k/v
+- Llama-style modules (`rope_on_write_form`: transformers' own forward that reads as Llama's, with at most a
+  sliding window and Qwen3's q/k norms on the head dim, and a rotate-half apply_rotary_pos_emb; in transformers
+  5.17 Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma, Granite, Arcee): q/k/v
   projections, then one `tigon.ops.rope_kv_write` kernel that rotates q and k and writes k and v into the
   ring slot, then `tigon.ops.decode_attention` over the ring, then o_proj;
 - any other module of the same call shape (Gemma-2, ...): the module's own forward, whose cache update writes
@@ -28,11 +30,13 @@ Tigon's (`tigon.ops.apply_rope`); the modeling module's apply_rotary_pos_emb sta
 model of the same class keeps Hugging Face's RoPE.
 """
 
+import ast
 import collections
 import dis
 import functools
 import inspect
 import sys
+import textwrap
 import types
 
 import torch
@@ -46,14 +50,6 @@ NAME = "tigon"
 _STATE = "_tigon_attention"  # hf.__dict__ key: the implementation to restore and the wrapped modules
 _RING = "_tigon_ring"  # kwargs key that carries the cache layer from the module forward to the attention function
 _CALL_SHAPE = ("self", "hidden_states", "position_embeddings", "attention_mask", "past_key_values")
-# Attention classes whose forward is Llama's (q/k/v proj, optional q_norm/k_norm on the head dim, rotate-half
-# RoPE, cache update, attention at self.scaling, o_proj): where each reads its sliding window from.
-_ROPE_ON_WRITE = {
-    "LlamaAttention": None,
-    "MistralAttention": "config",
-    "Qwen2Attention": "module",
-    "Qwen3Attention": "module",
-}
 _registered = False
 
 
@@ -98,7 +94,7 @@ def _fallback(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _mask_usable(attention_mask, batch: int, ring: int) -> bool:
+def mask_usable(attention_mask, batch: int, ring: int) -> bool:
     """Host checks only: a 4-D [1 or B, 1, 1, ring] mask whose columns are the ring's slots, or none."""
     if attention_mask is None:
         return True
@@ -114,7 +110,7 @@ def mark_unmasked(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def _slot_positions(layer, attention_mask, batch: int):
+def slot_positions(layer, attention_mask, batch: int):
     """The positions decode_attention reads: the layer's `[ring]`, or `[B, ring]` with masked slots set to -1.
 
     In a decode step HF's mask column j is slot j (the ring is returned whole, in slot order), so folding the
@@ -127,7 +123,7 @@ def _slot_positions(layer, attention_mask, batch: int):
     return torch.where(allowed, positions, -1).expand(batch, -1)
 
 
-def _decode(layer, query, keys, values, slot_pos, *, scaling, sliding_window, softcap, advanced=True):
+def ring_decode(layer, query, keys, values, slot_pos, *, scaling, sliding_window, softcap, advanced=True):
     """advanced: the ring's next position was advanced by the write (the query sits at next - 1); else it is
     the query's position and the attention advances it (update_rope(advance=False))."""
     _, nxt = layer.decode_positions()
@@ -146,15 +142,15 @@ def tigon_attention_forward(module, query, key, value, attention_mask, dropout=0
     over its RollingKVCache layer for a decode step, else the HF fallback. Returns ([B, T, Hq, D], None)."""
     layer = kwargs.pop(_RING, None)
     if (layer is not None and not dropout and query.shape[2] == 1 and key.shape[2] == layer.ring
-            and _mask_usable(attention_mask, query.shape[0], layer.ring)):
-        slot_pos = _slot_positions(layer, attention_mask, query.shape[0])
-        return _decode(layer, query, key, value, slot_pos, scaling=scaling, sliding_window=sliding_window,
+            and mask_usable(attention_mask, query.shape[0], layer.ring)):
+        slot_pos = slot_positions(layer, attention_mask, query.shape[0])
+        return ring_decode(layer, query, key, value, slot_pos, scaling=scaling, sliding_window=sliding_window,
                        softcap=softcap), None
     return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                      sliding_window=sliding_window, softcap=softcap, **kwargs)
 
 
-def _ring_layer(module, hidden_states, past_key_values):
+def ring_layer(module, hidden_states, past_key_values):
     """The RollingKVCache layer of this module when this call is a decode step tigon runs, else None."""
     if (not isinstance(past_key_values, RollingKVCache) or hidden_states is None or hidden_states.dim() != 3
             or hidden_states.shape[1] != 1 or torch.is_grad_enabled()
@@ -167,8 +163,106 @@ def _ring_layer(module, hidden_states, past_key_values):
     return layer if hidden_states.shape[0] <= layer.batch_size else None
 
 
-def _window(module):
-    source = _ROPE_ON_WRITE[type(module).__name__]
+class RopeOnWrite(collections.namedtuple("RopeOnWrite", "window qk_norm")):
+    """How a Llama-form attention forward differs from Llama's: where it reads its sliding window ("module":
+    `self.sliding_window`, "config": `config.sliding_window`, None: no window) and whether it applies RMSNorm to
+    q and k on the head dim before RoPE (Qwen3)."""
+
+
+_LLAMA = "transformers.models.llama.modeling_llama"  # the form _rope_on_write computes
+_WINDOW_SOURCES = {"self.sliding_window": "module", "getattr(self.config, 'sliding_window', None)": "config"}
+_QK_NORMS = {"q_norm": "self.q_proj(hidden_states).view(hidden_shape)",
+             "k_norm": "self.k_proj(hidden_states).view(hidden_shape)"}
+
+
+def _forward_body(fn):
+    """The function's statements as a module AST (docstring, comments and layout gone), or None without its
+    source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    body = tree.body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return ast.Module(body=body, type_ignores=[])
+
+
+def _code(fn):
+    body = _forward_body(fn) if fn is not None else None
+    return ast.unparse(body) if body is not None else None
+
+
+class _LlamaVariations(ast.NodeTransformer):
+    """Takes out the two ways a Llama-form forward may differ, recording them: the sliding_window argument of
+    the attention call, and q_norm / k_norm around the head-dim view of q and k."""
+
+    def __init__(self):
+        self.windows, self.norms = [], set()
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        f = node.func
+        if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"
+                and f.attr in _QK_NORMS and len(node.args) == 1 and not node.keywords
+                and ast.unparse(node.args[0]) == _QK_NORMS[f.attr]):
+            self.norms.add(f.attr)
+            return node.args[0]
+        kept = [k for k in node.keywords if k.arg != "sliding_window"]
+        self.windows += [ast.unparse(k.value) for k in node.keywords if k.arg == "sliding_window"]
+        node.keywords = kept
+        return node
+
+
+@functools.cache
+def _llama_code(name):
+    """The code of `name` ("LlamaAttention.forward", "apply_rotary_pos_emb", "rotate_half") in modeling_llama."""
+    import importlib
+
+    obj = importlib.import_module(_LLAMA)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return _code(obj)
+
+
+def _rotate_half_rope(fn) -> bool:
+    """The forward's module-level apply_rotary_pos_emb is Llama's rotate-half (or Tigon's), not an interleaved
+    one under the same name (GLM, Helium)."""
+    rope = fn.__globals__.get(_ROPE_NAME)
+    if getattr(rope, "__tigon__", False):
+        return True
+    return (rope is not None and _code(rope) == _llama_code(_ROPE_NAME)
+            and _code(getattr(rope, "__globals__", {}).get("rotate_half")) == _llama_code("rotate_half"))
+
+
+@functools.cache
+def rope_on_write_form(cls):
+    """`RopeOnWrite` when `cls.forward` is transformers' own (defined on the class, not replaced by another
+    library) and, read as code, is LlamaAttention.forward with at most a sliding window and Qwen3's q/k norms;
+    and its apply_rotary_pos_emb is rotate-half; else None. That is the computation `_rope_on_write` fuses; any
+    other line (softcapping, a norm on the whole projection, a NoPE switch, a fused qkv projection) or an
+    interleaved RoPE keeps the module's forward."""
+    fn = cls.__dict__.get("forward")
+    if (fn is None or not getattr(fn, "__module__", "").startswith("transformers.models.")
+            or getattr(fn, "__qualname__", "") != f"{cls.__name__}.forward"):
+        return None
+    body = _forward_body(fn)
+    if body is None or not _rotate_half_rope(fn):
+        return None
+    found = _LlamaVariations()
+    body = found.visit(body)
+    if (ast.unparse(body) != _llama_code("LlamaAttention.forward") or found.norms not in (set(), set(_QK_NORMS))
+            or len(found.windows) > 1):
+        return None
+    window = _WINDOW_SOURCES.get(found.windows[0]) if found.windows else None
+    if found.windows and window is None:
+        return None
+    return RopeOnWrite(window, bool(found.norms))
+
+
+def sliding_window_of(module):
+    """The sliding window a Llama-form attention module passes to its attention function (None: full)."""
+    source = rope_on_write_form(type(module)).window
     if source == "module":
         return module.sliding_window
     if source == "config":
@@ -176,22 +270,34 @@ def _window(module):
     return None
 
 
+def has_qk_norm(module) -> bool:
+    """The Llama-form module applies q_norm / k_norm on the head dim before RoPE (Qwen3)."""
+    return rope_on_write_form(type(module)).qk_norm
+
+
+def is_tigon_forward(module) -> bool:
+    """The module runs the forward `use_tigon_attention` installed, with no hook around it."""
+    forward = module.__dict__.get("forward")
+    return (getattr(forward, "__func__", None) is _attention_forward and not module._forward_hooks
+            and not module._forward_pre_hooks)
+
+
 def _rope_on_write(module, layer, hidden_states, position_embeddings, attention_mask):
     """Llama's attention forward for one decode step, with RoPE fused into the cache write."""
     b = hidden_states.shape[0]
-    if position_embeddings is None or not _mask_usable(attention_mask, b, layer.ring):
+    if position_embeddings is None or not mask_usable(attention_mask, b, layer.ring):
         return None
     hidden_shape = (b, 1, -1, module.head_dim)
     q = module.q_proj(hidden_states).view(hidden_shape)
     k = module.k_proj(hidden_states).view(hidden_shape)
     v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    if hasattr(module, "q_norm"):  # Qwen3: RMSNorm on the head dim before RoPE
+    if has_qk_norm(module):  # Qwen3: RMSNorm on the head dim before RoPE
         q, k = module.q_norm(q), module.k_norm(k)
     cos, sin = position_embeddings
     keys, values, q = layer.update_rope(k.transpose(1, 2), v, cos, sin, q.transpose(1, 2))
-    slot_pos = _slot_positions(layer, attention_mask, b)  # after the write: it holds the new position
-    out = _decode(layer, q, keys, values, slot_pos, scaling=module.scaling, sliding_window=_window(module),
-                  softcap=None)
+    slot_pos = slot_positions(layer, attention_mask, b)  # after the write: it holds the new position
+    out = ring_decode(layer, q, keys, values, slot_pos, scaling=module.scaling,
+                      sliding_window=sliding_window_of(module), softcap=None)
     return module.o_proj(out.reshape(b, 1, -1)), None
 
 
@@ -293,7 +399,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     """Installed on each attention module: a decode step over a RollingKVCache goes to tigon, the rest to the
     class forward (with Tigon's RoPE where the instance is routed)."""
     forward = _class_forward(self)
-    layer = _ring_layer(self, hidden_states, past_key_values)
+    layer = ring_layer(self, hidden_states, past_key_values)
     if layer is None:
         return forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
     if self.__dict__.get("_tigon_rope_on_write"):
@@ -311,13 +417,6 @@ def _call_shape_ok(cls) -> bool:
     except (TypeError, ValueError):
         return False
     return names[:len(_CALL_SHAPE)] == _CALL_SHAPE
-
-
-def _is_hf_llama_forward(cls) -> bool:
-    """The class is in the table and its forward is still transformers' own (not replaced by another library)."""
-    fn = cls.__dict__.get("forward")
-    return (cls.__name__ in _ROPE_ON_WRITE and fn is not None
-            and fn.__module__.startswith("transformers.models.") and fn.__qualname__ == f"{cls.__name__}.forward")
 
 
 def _unwrap(model, caller):
@@ -360,17 +459,24 @@ def _loaded_state(items):
     return _State(items)
 
 
-def use_tigon_attention(model) -> collections.Counter:
+class Installed(collections.Counter):
+    """What `use_tigon_attention` installed: {piece: count} (the lines of a patch report), and `decode_modules`,
+    the number of attention modules whose decode steps run on "tigon" (RoPE on write or decode_attention)."""
+
+    decode_modules = 0
+
+
+def use_tigon_attention(model) -> Installed:
     """Switch `model` (a transformers model, or a PEFT/other wrapper of one) to the "tigon" attention
     implementation and wrap its attention modules' forward (see the module docstring). Idempotent; undone by
     `restore_attention(model)` (and by `tigon.unpatch(model)` when installed through `tigon.patch`).
-    Returns the count of each piece installed."""
+    Returns the count of each piece installed (`Installed`: `.decode_modules` is the coverage)."""
     register()
     hf = _unwrap(model, "tigon.hf.attention.use_tigon_attention")
     state = hf.__dict__.get(_STATE)
     if state is None:
         state = hf.__dict__[_STATE] = _State(impl=hf.config._attn_implementation, modules=[])
-    counts = collections.Counter()
+    counts = Installed()
     _set_impl(hf, NAME)
     counts["attention implementation 'tigon' (decode_attention over RollingKVCache)"] += 1
     for m in hf.modules():
@@ -381,13 +487,14 @@ def use_tigon_attention(model) -> collections.Counter:
         if current is not None and getattr(current, "__func__", None) is not _attention_forward:
             continue  # another library's instance forward: leave it alone
         if "_tigon_rope_on_write" not in m.__dict__:
-            m._tigon_rope_on_write = _is_hf_llama_forward(cls)
+            m._tigon_rope_on_write = rope_on_write_form(cls) is not None
             state["modules"].append(m)
             _sync_forward(m)
         if m._tigon_rope_on_write:
             counts[f"{cls.__name__} decode (RoPE on write)"] += 1
         else:
             counts[f"{cls.__name__} decode (decode_attention)"] += 1
+        counts.decode_modules += 1
     return counts
 
 

@@ -128,8 +128,7 @@ def fused_linear_preference_op(
         dh, dw, db = _engine.logp_grads(
             hidden, weight, bias, t, st["lse"], st["ent"], coef[0], coef[1] if t2 is not None else None,
             target2=t2, need_dh=need_dh, need_dw=need_dw, need_db=need_db and bias is not None, cfg=cfg)
-    return tuple(o.clone() for o in outs) + (_engine.empty(hidden) if dh is None else dh, _engine.empty(weight) if dw is None else dw,
-                          _engine.empty(weight) if db is None else db)
+    return tuple(o.clone() for o in outs) + _engine.grads_out(hidden, weight, dh, dw, db)
 
 
 @fused_linear_preference_op.register_fake
@@ -199,7 +198,8 @@ def fused_linear_preference(hidden, weight, target, bias=None, *, kind="dpo", lo
     cfg = _engine.check_config(op, config)
     ref_logps, ref_rows = _check_ref(op, hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps)
     if ref_rows is not None and ref_weight.shape[0] != weight.shape[0]:
-        raise ValueError(f"{op}: ref_weight must have {weight.shape[0]} rows (the vocabulary), got {ref_weight.shape[0]}")
+        raise ValueError(f"{op}: ref_weight must have {weight.shape[0]} rows (the vocabulary), "
+                         f"got {ref_weight.shape[0]}")
     if not _library.use_kernels("fused_linear_preference", hidden):
         loss, aux = reference.fused_linear_preference(
             hidden, weight, target, bias, kind=kind, loss_type=loss_type, beta=beta, alpha=alpha,
@@ -284,8 +284,7 @@ def fused_linear_kto_op(
     if coef is not None:
         dh, dw, db = _engine.logp_grads(hidden, weight, bias, t, st["lse"], st["ent"], coef[0], need_dh=need_dh,
                                         need_dw=need_dw, need_db=need_db and bias is not None, cfg=cfg)
-    return tuple(o.clone() for o in outs) + (_engine.empty(hidden) if dh is None else dh, _engine.empty(weight) if dw is None else dw,
-                          _engine.empty(weight) if db is None else db)
+    return tuple(o.clone() for o in outs) + _engine.grads_out(hidden, weight, dh, dw, db)
 
 
 @fused_linear_kto_op.register_fake
