@@ -5,8 +5,9 @@
     tigon bench decode ...      (the same from a source checkout, then prints the table)
 
 A benchmarks/ tool, not part of the package: it uses tigon's public API (tigon.patch, tigon.generate,
-tigon.generation's stats helpers) and its sibling decode_profile.py, imported by plain name with benchmarks/
-on sys.path (a script's own folder is; `tigon bench decode` puts it there).
+tigon.decode's stats helpers: TTFT_PHASES, percentile, prometheus_text) and its sibling decode_profile.py,
+imported by plain name with benchmarks/ on sys.path (a script's own folder is; `tigon bench decode` puts it
+there). The HF and Tigon rows' p50/p99 use the stats' nearest-rank rule (tigon.decode.percentile).
 
 Method of shared/anchors/bench_decode.py, so the numbers compare with the anchors: each variant in its own
 process, model from config (hidden 2048, intermediate 8192, 16 layers, 32 heads / 8 KV heads, vocab 128256),
@@ -74,13 +75,6 @@ TARGETS = dict(b1_ms=1.0, b8_ms=1.4, p99_over_p50=1.15, ttft_ms=15.0, ring_over_
 ANCHORS = ("Anchors (same method, H200, torch 2.11, transformers 5.17): HF eager DynamicCache p50 64-68 ms/step "
            "(batch 1), 55.6 (batch 8); HF static cache + compile 2.70 ms (batch 1), 3.93 ms (batch 8); Mistral "
            "sliding window 1024, prompt 4096, static + compile 2.87 ms (batch 1).")
-
-
-def _percentile(sorted_values, q):
-    """The anchors' index rule: sorted[min(n - 1, int(n * q))]."""
-    if not sorted_values:
-        return None
-    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q))]
 
 
 def build(spec):
@@ -172,6 +166,7 @@ def _child_hf(spec, model, ids):
 def _child_tigon(spec, model, ids):
     import tigon
 
+    model.generation_config.eos_token_id = None  # every new token forced, as the HF rows' min_new_tokens
     report = str(tigon.patch(model))
     variant = spec["variant"]
     kw = dict(max_new_tokens=spec["new"], cuda_graph=not variant.endswith("nograph"), return_stats=True,
@@ -206,6 +201,8 @@ def child(spec):
     """One variant in this process: build, warm up, time; returns the result row."""
     import torch
 
+    from tigon.decode import percentile  # the stats' rule (nearest rank), for the HF rows too
+
     model, ids = build(spec)
     with torch.no_grad():
         r = (_child_tigon if "tigon" in spec["variant"] else _child_hf)(spec, model, ids)
@@ -215,8 +212,8 @@ def child(spec):
     wall_step = (r["total_s"] - r["ttft_s"]) / len(steps) if steps else None
     rep = sorted(r.get("ttft_repeats_s") or [])
     row = dict(spec, ttft_ms=1e3 * r["ttft_s"], ttft_median_ms=1e3 * rep[len(rep) // 2] if rep else None,
-               ttft_repeats_ms=[round(1e3 * v, 2) for v in rep], p50_ms=1e3 * _percentile(ordered, 0.5),
-               p99_ms=1e3 * _percentile(ordered, 0.99), mean_ms=1e3 * mean, tokens_per_s=spec["batch"] / mean,
+               ttft_repeats_ms=[round(1e3 * v, 2) for v in rep], p50_ms=1e3 * percentile(ordered, 0.5),
+               p99_ms=1e3 * percentile(ordered, 0.99), mean_ms=1e3 * mean, tokens_per_s=spec["batch"] / mean,
                wall_ms_per_step=1e3 * wall_step if wall_step else None, total_s=r["total_s"],
                peak_gib=r["peak_gib"], warmup_s=r["warmup_s"], cuda_graph=r["cuda_graph"],
                attention=r.get("attention"), step_ms=[round(1e3 * s, 4) for s in steps])
@@ -411,7 +408,7 @@ def ttft_phase_lines(rows):
     done = [r for r in rows if (r.get("stats") or {}).get("ttft_phases_s")]
     if not done:
         return []
-    from tigon.generation import TTFT_PHASES
+    from tigon.decode import TTFT_PHASES
 
     lines = ["", "### TTFT by phase (timed call; ms, device / host)", "",
              "| model | variant | batch | TTFT | " + " | ".join(TTFT_PHASES) + " |",
@@ -512,7 +509,7 @@ def plot(rows, path):
 
 def prometheus_rows(rows):
     """The tigon rows' stats as one Prometheus exposition, labelled by model, variant and batch."""
-    from tigon.generation import prometheus_text
+    from tigon.decode import prometheus_text
 
     runs = [({"model": _model_name(r), "variant": r["variant"], "batch": str(r["batch"])}, r["stats"])
             for r in rows if r.get("stats")]

@@ -114,7 +114,6 @@ def profile_tigon(model, ids, kw, spec, stats, steps=PROFILE_STEPS):
     from torch.profiler import ProfilerActivity, profile
 
     import tigon
-    from tigon import generation
 
     device = ids.device
     cuda = device.type == "cuda"
@@ -124,28 +123,21 @@ def profile_tigon(model, ids, kw, spec, stats, steps=PROFILE_STEPS):
     def trace(new, after_capture=False):
         sync(device)
         prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
-        # generation._capture is private, and the one place a trace can start right after the CUDA-graph
-        # capture (the profiler never runs over a capturing stream): wrapped for this call, put back after.
-        capture = generation._capture
         started = []
 
-        def capture_then_start(*args, **kwargs):
-            result = capture(*args, **kwargs)
+        def start():
             sync(device)
             prof.start()
             started.append(True)
-            return result
 
-        if after_capture:
-            generation._capture = capture_then_start
-        else:
-            prof.start()
-            started.append(True)
+        # After the CUDA-graph capture (the profiler never runs over a capturing stream): the loop's hook.
+        settings = tigon.DecodeSettings(on_capture=start) if after_capture else tigon.DecodeSettings()
+        if not after_capture:
+            start()
         try:
-            _, st = tigon.generate(model, ids, **dict(kw, max_new_tokens=new))
+            _, st = tigon.generate(model, ids, **dict(kw, max_new_tokens=new), settings=settings)
             sync(device)
         finally:
-            generation._capture = capture
             if started:
                 prof.stop()
         if not started:

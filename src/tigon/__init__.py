@@ -5,19 +5,25 @@
     tigon.generate(model, input_ids, max_new_tokens=64)   # ring-buffer KV cache, CUDA-graph decoding
 
 Importing tigon is cheap: no CUDA initialisation, no kernel compilation. Submodules load on first use.
+Layers, lowest first (each imports only those below it; tests/test_layering.py reads the imports):
+ops (torch + Triton) < memory < modules < hf < compat, decode (the inference wing) < api (patch/unpatch) < demo
+< cli.
 """
 
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["ops", "modules", "memory", "hf", "metrics", "patch", "unpatch", "generate", "__version__"]
+__all__ = ["ops", "modules", "memory", "hf", "decode", "metrics", "patch", "unpatch", "generate", "DecodeSettings",
+           "__version__"]
 
 
 def __getattr__(name):
-    if name in ("ops", "modules", "memory", "hf", "metrics"):
+    if name in ("ops", "modules", "memory", "hf", "decode", "metrics"):
         return importlib.import_module(f"tigon.{name}")
-    if name in ("patch", "unpatch", "PatchReport"):
-        return getattr(importlib.import_module("tigon.hf.patch"), name)
-    if name == "generate":
-        return importlib.import_module("tigon.generation").generate
+    if name in ("patch", "unpatch"):
+        return getattr(importlib.import_module("tigon.api"), name)
+    if name == "PatchReport":
+        return importlib.import_module("tigon.hf.patch").PatchReport
+    if name in ("generate", "DecodeSettings"):
+        return getattr(importlib.import_module("tigon.decode"), name)
     raise AttributeError(f"module 'tigon' has no attribute {name!r}")

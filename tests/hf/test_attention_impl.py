@@ -183,3 +183,23 @@ def test_cuda_graph_generate_and_no_host_sync_gpu(model_type, overrides):
             model(tok, past_key_values=cache, use_cache=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_rope_on_write_is_read_from_the_forward():
+    # No table of class names: a class gets RoPE on write when its forward reads as Llama's (up to a sliding
+    # window and Qwen3's head-dim q/k norms) and its apply_rotary_pos_emb is rotate-half.
+    import importlib
+
+    from tigon.hf.attention import rope_on_write_form
+    from tigon.hf.registry import FAMILIES
+
+    forms = {}
+    for fam in FAMILIES.values():
+        cls = getattr(importlib.import_module(fam.modeling), f"{fam.prefix}Attention", None)
+        forms[fam.model_type] = rope_on_write_form(cls) if cls is not None else None
+    assert forms["llama"] == (None, False) and forms["mistral"] == ("config", False)
+    assert forms["qwen2"] == ("module", False) and forms["qwen3"] == ("module", True)
+    for kept in ("gemma2", "gemma3_text", "phi3", "smollm3", "olmo2", "glm", "glm4", "helium"):
+        assert forms[kept] is None, kept  # softcap, fused qkv, NoPE layers, whole-projection norms, interleaved RoPE
+    replaced = type("LlamaAttention", (), {"forward": lambda self, *a, **k: None})  # not transformers' forward
+    assert rope_on_write_form(replaced) is None

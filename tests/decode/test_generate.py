@@ -1,16 +1,13 @@
-"""tigon.generate against Hugging Face `model.generate` on tiny random-init models (CPU, fp32)."""
-
-import importlib
-import re
-import sys
+"""tigon.generate (tigon.decode.loop) against Hugging Face `model.generate` on tiny random-init models (CPU, fp32)."""
 
 import pytest
 import torch
 
 from tests.hf._tiny import tiny_model
+from tigon.decode import DecodeSettings, sampling
+from tigon.decode import loop as gen
+from tigon.decode.stats import TTFT_PHASES
 
-gen = importlib.import_module("tigon.generation")
-metrics = importlib.import_module("tigon.metrics")
 # Tests of the loop itself (EOS, sampling) pass attention=HF: the same loop without the interpreter's cost of
 # the "tigon" decode kernels, which the attention tests below cover.
 HF = "hf"
@@ -78,12 +75,14 @@ def test_eos_stops_a_row_and_pads_it():
     assert torch.equal(got[0, :10], greedy[0, :10]) and bool((got[0, 10:] == 127).all())
     if first[1] is None:  # row 1 never stops: the full length, row 1 as greedy
         assert torch.equal(got[1], greedy[1])
-    # Both rows stopped: trimmed to the longest row, like model.generate.
+    # Both rows stopped: trimmed to the longest row, like model.generate. Without a pad id (argument or
+    # generation_config) the first EOS id pads.
+    model.generation_config.pad_token_id = None
     both = gen.generate(model, ids, max_new_tokens=12, eos_token_id=[eos, int(greedy[1, 6 + 1])], attention=HF)
     assert both.shape == (2, 6 + 4) and int(both[1, -1]) == eos  # row 1 stopped at step 1, padded with eos
 
 
-def test_eos_checked_on_host_every_n_steps(monkeypatch):
+def test_eos_checked_on_host_every_n_steps():
     model = _model("llama")
     ids = _ids(1, 6, seed=4)
     greedy = gen.generate(model, ids, max_new_tokens=20, attention=HF)
@@ -91,8 +90,8 @@ def test_eos_checked_on_host_every_n_steps(monkeypatch):
     seqs, stats = gen.generate(model, ids, max_new_tokens=20, eos_token_id=eos, return_stats=True, attention=HF)
     assert torch.equal(seqs, greedy[:, :10]) and stats["new_tokens"] == 4
     assert len(stats["step_s"]) == 15  # EOS at step 3, seen by the host at step 16: steps 1..15 ran
-    monkeypatch.setattr(gen, "EOS_CHECK_EVERY", 2)
-    seqs, stats = gen.generate(model, ids, max_new_tokens=20, eos_token_id=eos, return_stats=True, attention=HF)
+    seqs, stats = gen.generate(model, ids, max_new_tokens=20, eos_token_id=eos, return_stats=True, attention=HF,
+                               settings=DecodeSettings(eos_check_every=2))
     assert torch.equal(seqs, greedy[:, :10]) and stats["new_tokens"] == 4
     assert len(stats["step_s"]) == 3  # the check before step 4 stops it: steps 1..3 ran
 
@@ -118,10 +117,10 @@ def test_sampling_reproducible_and_top_k_1_is_greedy():
 def test_top_k_top_p_filter_the_distribution():
     g = torch.Generator().manual_seed(0)
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(4000, -1)
-    draws = gen._choose(logits, True, 1.0, 3, 1.0, g)
+    draws = sampling.choose(logits, True, 1.0, 3, 1.0, g)
     assert set(draws.tolist()) == {0, 1, 2}
     probs = logits[0].softmax(-1)  # [0.636, 0.234, 0.086, ...]: top_p 0.8 keeps tokens 0 and 1
-    draws = gen._choose(logits, True, 1.0, 0, 0.8, g)
+    draws = sampling.choose(logits, True, 1.0, 0, 0.8, g)
     assert set(draws.tolist()) == {0, 1}
     share = (draws == 0).float().mean()
     assert abs(share - probs[0] / probs[:2].sum()) < 0.03
@@ -262,12 +261,12 @@ def test_tiny_temperatures_tend_to_greedy():
     g = torch.Generator().manual_seed(0)
     logits = torch.tensor([[2.0, 7.0, 7.0, -30.0, 7.0 - 2**-20]]).expand(2000, -1)  # a tie for the top
     for t in (1e-300, 1e-30):
-        draws = gen._choose(logits, True, t, 0, 1.0, g)
+        draws = sampling.choose(logits, True, t, 0, 1.0, g)
         assert set(draws.tolist()) == {1, 2}  # the tie shares the draws, nothing else is drawn
         assert abs((draws == 1).float().mean() - 0.5) < 0.05
     # large logits and a small temperature: still a distribution, not an overflow
-    assert set(gen._choose(torch.tensor([[3e38, 1e38]]), True, 0.5, 0, 0.9, g).tolist()) == {0}
-    assert set(gen._choose(torch.tensor([[1.0, 0.0]]).expand(500, -1), True, 1e300, 0, 1.0, g).tolist()) == {0, 1}
+    assert set(sampling.choose(torch.tensor([[3e38, 1e38]]), True, 0.5, 0, 0.9, g).tolist()) == {0}
+    assert set(sampling.choose(torch.tensor([[1.0, 0.0]]).expand(500, -1), True, 1e300, 0, 1.0, g).tolist()) == {0, 1}
 
 
 def test_sliding_window_model_may_use_a_capacity_below_the_prompt():
@@ -395,6 +394,22 @@ def test_graph_path_with_frozen_host_state_matches_eager(monkeypatch, do_sample)
         assert torch.equal(got, _hf(model, ids, 9, attention_mask=mask))
 
 
+def test_on_capture_runs_once_after_the_capture(monkeypatch):
+    # The profiler's hook (benchmarks/decode_profile.py): after the capture, before the first replay.
+    model = _model("llama")
+    events = []
+
+    def capture(forward, cache):
+        events.append("capture")
+        return _fake_capture(forward, cache)
+
+    monkeypatch.setattr(gen, "_graphs_available", lambda device: True)
+    monkeypatch.setattr(gen, "_capture", capture)
+    settings = DecodeSettings(on_capture=lambda: events.append("hook"))
+    _, stats = gen.generate(model, _ids(1, 5), max_new_tokens=5, return_stats=True, settings=settings)
+    assert stats["cuda_graph"] and events == ["capture", "hook"]
+
+
 @pytest.mark.parametrize("attention", ["auto", "hf"])
 def test_graph_path_past_the_ring(monkeypatch, attention):
     # With the tigon attention a ring that wraps takes the graph path, and a replay with the capture-time host
@@ -422,7 +437,9 @@ def _gpu_model():
     cfg = tiny_config("llama", num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=128, hidden_size=4096, intermediate_size=4096, vocab_size=32000,
                       max_position_embeddings=4096, attn_implementation="sdpa")
-    return AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None  # every new token: the step counts below are exact
+    return model
 
 
 @pytest.mark.gpu
@@ -480,7 +497,7 @@ def test_gpu_ttft_phases_sum_to_ttft():
     gen.generate(model, ids, max_new_tokens=4)  # Triton JIT outside the timed call
     _, stats = gen.generate(model, ids, max_new_tokens=4, return_stats=True)
     dev, host = stats["ttft_phases_s"], stats["ttft_host_phases_s"]
-    assert tuple(dev) == tuple(host) == gen.TTFT_PHASES
+    assert tuple(dev) == tuple(host) == TTFT_PHASES
     assert sum(dev.values()) == pytest.approx(stats["ttft_s"], abs=2e-5)
     assert all(v >= 0 for v in host.values()) and dev["prefill"] > 0
 
@@ -532,88 +549,6 @@ def test_gpu_tigon_replay_past_the_ring_does_not_sync(monkeypatch, model_type, o
     assert len(calls) == 38 and seqs.shape == (2, 80)
 
 
-def _samples(text):
-    """{(sample name, sorted labels): value} from an exposition, with prometheus_client's parser when installed,
-    else a line reader of the same format."""
-    try:
-        from prometheus_client.parser import text_string_to_metric_families
-    except ImportError:
-        out = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            head, value = line.rsplit(" ", 1)
-            name, _, rest = head.partition("{")
-            unescape = lambda v: re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), v)
-            labels = re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest)
-            out[(name, tuple(sorted((k, unescape(v)) for k, v in labels)))] = float(value)
-        return out
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def _check_exposition(text, stats, labels=()):
-    got = _samples(text)
-    p = "tigon_generate_"
-    lab = tuple(sorted(labels))
-    assert got[(p + "time_to_first_token_seconds", lab)] == pytest.approx(stats["ttft_s"])
-    assert got[(p + "step_latency_p50_seconds", lab)] == pytest.approx(stats["p50_step_s"])
-    assert got[(p + "step_latency_p99_seconds", lab)] == pytest.approx(stats["p99_step_s"])
-    assert got[(p + "tokens_per_second", lab)] == pytest.approx(stats["tokens_per_s"])
-    assert got[(p + "new_tokens", lab)] == stats["new_tokens"]
-    assert got[(p + "batch_size", lab)] == stats["batch_size"]
-    assert got[(p + "cuda_graph", lab)] == float(stats["cuda_graph"])
-    if stats["peak_memory_bytes"] is None:  # on a CPU: left out, not a fake 0
-        assert (p + "peak_memory_bytes", lab) not in got
-    else:
-        assert got[(p + "peak_memory_bytes", lab)] == stats["peak_memory_bytes"]
-    steps = stats["step_s"]
-    assert got[(p + "step_latency_seconds_count", lab)] == len(steps)
-    assert got[(p + "step_latency_seconds_sum", lab)] == pytest.approx(sum(steps))
-    for le in (*metrics.LATENCY_BUCKETS, float("inf")):
-        key = (p + "step_latency_seconds_bucket", tuple(sorted(labels + (("le", metrics._fmt(le)),))))
-        assert got[key] == sum(s <= le for s in steps)
-
-
-@pytest.mark.parametrize("client", [True, False])
-def test_prometheus_exposition_parses_and_matches_stats(monkeypatch, client):
-    model = _model("llama")
-    _, stats = gen.generate(model, _ids(2, 5), max_new_tokens=6, return_stats=True)
-    if client:
-        pytest.importorskip("prometheus_client")
-    else:  # the fallback writes the same metrics by hand (parsed below by the real parser when installed)
-        monkeypatch.setitem(sys.modules, "prometheus_client", None)
-    text = gen.prometheus_text(stats)
-    monkeypatch.undo()
-    assert "# TYPE tigon_generate_step_latency_seconds histogram" in text
-    _check_exposition(text, stats)
-
-
-def test_prometheus_several_runs_with_labels_and_bad_labels():
-    a = dict(ttft_s=0.01, step_s=[0.001, 0.002, 0.0011], p50_step_s=0.0011, p99_step_s=0.002, tokens_per_s=500.0,
-             decode_tokens_per_s=700.0, peak_memory_bytes=3 * 2**30, new_tokens=4, batch_size=1, cuda_graph=True)
-    b = dict(a, ttft_s=0.02, step_s=[0.05] * 3, peak_memory_bytes=None, cuda_graph=False, batch_size=8)
-    text = gen.prometheus_text([({"variant": "tigon", "batch": "1"}, a), ({"variant": 'x"y', "batch": "8"}, b)])
-    _check_exposition(text, a, (("variant", "tigon"), ("batch", "1")))
-    _check_exposition(text, b, (("variant", 'x"y'), ("batch", "8")))
-    got = _samples(text)
-    assert got[("tigon_generate_batch_size", (("batch", "8"), ("variant", 'x"y')))] == 8
-    one = gen.prometheus_text(a, labels={"run": "r1"})
-    assert 'tigon_generate_cuda_graph{run="r1"} 1.0' in one
-    with pytest.raises(ValueError, match="same label names"):
-        gen.prometheus_text([({"a": "1"}, a), ({"b": "1"}, b)])
-    with pytest.raises(ValueError, match="labels= goes with one stats dict"):
-        gen.prometheus_text([({"a": "1"}, a)], labels={"a": "2"})
-    for bad in ("bad-name", "le", "__x", "1st"):
-        with pytest.raises(ValueError, match=f"prometheus_text: '{bad}' is not a usable label name"):
-            gen.prometheus_text(a, labels={bad: "1"})
-    for bad in (None, "stats", [a], [({"a": "1"}, a, 3)]):
-        with pytest.raises(TypeError, match="prometheus_text: stats must be generate's stats dict or a list"):
-            gen.prometheus_text(bad)
-    with pytest.raises(TypeError, match="prometheus_text: labels must be a dict"):
-        gen.prometheus_text([(["a"], a)])
-
-
 def test_ttft_counts_from_the_call(monkeypatch):
     # The first clock mark comes before the cache is built: a slow cache allocation shows up in TTFT.
     import time
@@ -643,7 +578,7 @@ def test_ttft_phases_sum_to_ttft(attention):
     _, stats = gen.generate(model, _ids(2, 5), max_new_tokens=2, attention=attention, return_stats=True)
     for key in ("ttft_phases_s", "ttft_host_phases_s"):
         phases = stats[key]
-        assert tuple(phases) == gen.TTFT_PHASES  # in call order
+        assert tuple(phases) == TTFT_PHASES  # in call order
         assert all(s >= 0 for s in phases.values())
         assert sum(phases.values()) == pytest.approx(stats["ttft_s"], rel=1e-6, abs=1e-6)
     assert stats["ttft_phases_s"]["prefill"] > 0
@@ -655,5 +590,59 @@ def test_two_pass_argmax_is_argmax_with_first_index_ties(v):
     x = torch.randn(3, v, generator=g).to(torch.bfloat16)  # bf16: many ties
     x[1, 7] = x[1, v - 5] = 100.0  # a tie of the maximum across groups: the first index wins
     x[2, :] = 0.0  # all equal: index 0
-    assert torch.equal(gen._argmax(x, two_pass=True), x.float().argmax(-1))
-    assert gen._argmax(x, two_pass=True)[1] == 7
+    assert torch.equal(sampling.argmax(x, two_pass=True), x.float().argmax(-1))
+    assert sampling.argmax(x, two_pass=True)[1] == 7
+
+
+def test_stop_ids_come_from_the_generation_config_unless_given():
+    # As model.generate: eos/pad left None are read from model.generation_config; an explicit argument wins.
+    model = _model("llama")
+    ids = _ids(2, 6, seed=4)
+    greedy = gen.generate(model, ids, max_new_tokens=12, attention=HF)
+    eos = int(greedy[0, 6 + 3])
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, 127
+    got = gen.generate(model, ids, max_new_tokens=12, attention=HF)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=12, do_sample=False))
+    assert bool((got[0, 10:] == 127).all())
+    assert torch.equal(gen.generate(model, ids, max_new_tokens=12, eos_token_id=[130], pad_token_id=5,
+                                    attention=HF), greedy)  # 130 never comes: the explicit id wins
+    model.generation_config.eos_token_id = [eos, 500]
+    with pytest.raises(ValueError, match=r"generate: generation_config.eos_token_id \[500\] is outside"):
+        gen.generate(model, ids, max_new_tokens=2, attention=HF)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 300
+    with pytest.raises(ValueError, match=r"generate: generation_config.pad_token_id 300 is outside"):
+        gen.generate(model, ids, max_new_tokens=2, attention=HF)
+
+
+def test_settings_are_one_checked_value():
+    with pytest.raises(ValueError, match="DecodeSettings: eos_check_every must be an int >= 1, got 0"):
+        DecodeSettings(eos_check_every=0)
+    with pytest.raises(TypeError, match="DecodeSettings: rotary_table must be True or False, got int"):
+        DecodeSettings(rotary_table=1)
+    with pytest.raises(TypeError, match="DecodeSettings: on_capture must be a callable or None"):
+        DecodeSettings(on_capture="start")
+    with pytest.raises(AttributeError):
+        DecodeSettings().eos_check_every = 2  # frozen: passed in, never flipped
+    with pytest.raises(TypeError, match="generate: settings must be a tigon.decode.DecodeSettings, got dict"):
+        gen.generate(_model("llama"), _ids(1, 5), max_new_tokens=2, settings={"rotary_table": False})
+
+
+def test_nearest_rank_percentile():
+    from tigon.decode.stats import percentile
+
+    values = list(range(1, 101))  # 1..100: the q-quantile is the ceil(100 q)-th value
+    assert [percentile(values, q) for q in (0.01, 0.5, 0.99, 1.0)] == [1, 50, 99, 100]
+    assert percentile([7.0], 0.99) == 7.0 and percentile([], 0.5) is None
+    steps = sorted(range(255))  # the benchmark's 255 steps: the anchors' sorted[int(q n)] picks the same
+    assert all(percentile(steps, q) == steps[min(254, int(255 * q))] for q in (0.5, 0.99))
+
+
+def test_old_names_still_work():
+    import tigon
+    from tigon import generation
+    from tigon import metrics as old_metrics
+    from tigon.decode import metrics
+
+    assert tigon.generate is generation.generate is gen.generate
+    assert generation.prometheus_text is old_metrics.prometheus_text is metrics.prometheus_text
+    assert generation.TTFT_PHASES == TTFT_PHASES and tigon.DecodeSettings is DecodeSettings

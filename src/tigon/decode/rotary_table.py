@@ -5,7 +5,7 @@ decode step (expand, float cast, a K = 1 matmul, transpose, cat, cos, sin, the s
 casts). Inside `cached_rotary(model, length)` the module's forward is one `index_select` into a `[2, length, rd]`
 table that the module's own forward computed once for positions `0 .. length - 1`. Every op of that forward is
 elementwise per (position, dim) (the matmul has K = 1: an exact fp32 product), so a row of the table is bit for
-bit what the module returns for that position (tests/hf/test_rotary_table.py checks it with `torch.equal`). This
+bit what the module returns for that position (tests/decode/test_rotary_table.py checks it with `torch.equal`). This
 assumes fp32 matmuls (PyTorch's default): with TF32 allowed, cuBLAS may round `inv_freq` for one shape and not
 for another.
 

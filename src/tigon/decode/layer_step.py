@@ -1,5 +1,13 @@
-"""A whole Llama-style decoder layer for one decode step over a RollingKVCache, in six kernels; and the
-first prompt chunk's layer without the module-by-module host time (`prefill_layer_step`).
+"""The fused decoder-layer step: a whole Llama-style layer for one decode step over a RollingKVCache in six
+kernels (`decode_layer_step`), and the first prompt chunk's layer without the module-by-module host time
+(`prefill_layer_step`); and how a model gets it (`install`, `uninstall`, `fused_decode`).
+
+How it is reached: the decoder forward that `tigon.patch` gives Llama-style layers
+(`tigon.hf.causal_lm.fused_prenorm_decoder_forward`) calls `layer.__dict__["_tigon_layer_step"]` when the
+layer holds one, in a no-grad step with a cache; `install(model)` puts `layer_step` there on every layer that
+runs that forward. `tigon.patch(model)` installs it (so HF's own `model.generate` over a RollingKVCache on the
+"tigon" attention runs it), `tigon.unpatch(model)` takes it away, and `tigon.generate` holds it for its call
+(`fused_decode`: a class-level patched model gets it too). `hf/` never imports this package.
 
 The module-by-module decode step launches ~25 kernels per layer (norms, three projections, the cache's slot
 arithmetic, RoPE, attention, residual adds, the GLU), most far too small to fill an H200, and cuBLAS reads
@@ -15,21 +23,34 @@ the small projections at a third of the bandwidth. `decode_layer_step` runs inst
 
 The roundings are the unfused modules' (each projection output, the norm output and the GLU product are
 rounded to the model dtype where they would be). It applies only where that is exactly what the layer's own
-forward computes: the "tigon" attention with RoPE on write (Llama, Mistral, Qwen2 without q/k/v bias, Qwen3),
+forward computes: the "tigon" attention with RoPE on write (`hf.attention.rope_on_write_form`: Llama,
+Mistral, Qwen2 without q/k/v bias, Qwen3, ...),
 Tigon's RMSNorm modules in "llama" casting with no offset, plain bias-free nn.Linear projections in the model
 dtype, a SwiGLU or GeGLU MLP, no hooks, no autograd. Anything else returns None and the layer runs its forward
 as before. (Fusing RoPE and the cache write into the q/k/v projection measured slower: docs/ops/decode_linear.md.)
 """
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..hf.attention import (
+    NAME,
+    has_qk_norm,
+    is_tigon_forward,
+    mask_usable,
+    ring_decode,
+    ring_layer,
+    sliding_window_of,
+    slot_positions,
+)
+from ..hf.causal_lm import fused_prenorm_decoder_forward
 from ..memory.kv_cache import RollingKVCache
 from ..modules import RMSNorm
 from ..modules.mlp import GeGLUMLP, SwiGLUMLP, plain_linear
-from .attention import NAME, _attention_forward, _decode, _mask_usable, _ring_layer, _slot_positions, _window
 
 _ACT = {SwiGLUMLP: "silu", GeGLUMLP: "gelu_tanh"}
 
@@ -65,7 +86,7 @@ def _weights(layer, dtype):
         if not (_plain(mlp.gate_proj, dtype) and _plain(mlp.up_proj, dtype)):
             return None
         gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
-    if hasattr(attn, "q_norm") and not (_norm_ok(attn.q_norm, dtype) and _norm_ok(attn.k_norm, dtype)):
+    if has_qk_norm(attn) and not (_norm_ok(attn.q_norm, dtype) and _norm_ok(attn.k_norm, dtype)):
         return None
     return [p.weight for p in projs], gate, up, mlp.down_proj.weight, act
 
@@ -75,10 +96,7 @@ def _tigon_attention(layer, position_embeddings):
     attn = getattr(layer, "self_attn", None)
     if attn is None or not attn.__dict__.get("_tigon_rope_on_write") or position_embeddings is None:
         return None
-    if (getattr(attn.__dict__.get("forward"), "__func__", None) is not _attention_forward or attn._forward_hooks
-            or attn._forward_pre_hooks):
-        return None
-    return attn
+    return attn if is_tigon_forward(attn) else None
 
 
 def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):
@@ -97,7 +115,7 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     if t < 2 or not isinstance(idx, int) or not 0 <= idx < len(past_key_values.layers):
         return None
     ring = past_key_values.layers[idx]
-    window = _window(attn)
+    window = sliding_window_of(attn)
     if ring.seen != 0 or t > ring.ring or b > ring.batch_size or (window and t > window):
         return None  # a later chunk, a chunk past the ring or the window: HF's masks are needed
     found = _weights(layer, hidden_states.dtype)
@@ -112,7 +130,7 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     q = F.linear(h, attn.q_proj.weight).view(shape)
     k = F.linear(h, attn.k_proj.weight).view(shape)
     v = F.linear(h, attn.v_proj.weight).view(shape)
-    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on the head dim before RoPE
+    if has_qk_norm(attn):  # Qwen3: RMSNorm on the head dim before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     cos, sin = position_embeddings
     keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2))
@@ -132,11 +150,11 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
     attn = _tigon_attention(layer, position_embeddings)
     if attn is None:
         return None
-    ring = _ring_layer(attn, hidden_states, past_key_values)
+    ring = ring_layer(attn, hidden_states, past_key_values)
     if ring is None or hidden_states.shape[0] > 16:  # the fused projections are for decode-sized batches
         return None
     b = hidden_states.shape[0]
-    if not _mask_usable(attention_mask, b, ring.ring) or not hidden_states.is_contiguous():
+    if not mask_usable(attention_mask, b, ring.ring) or not hidden_states.is_contiguous():
         return None
     found = _weights(layer, hidden_states.dtype)
     if found is None:
@@ -150,14 +168,60 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
     q = qkv[:, :nq].view(b, 1, -1, d)
     k = qkv[:, nq:nq + nk].view(b, 1, -1, d)
     v = qkv[:, nq + nk:].view(b, 1, -1, d)
-    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on the head dim before RoPE
+    if has_qk_norm(attn):  # Qwen3: RMSNorm on the head dim before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     # The ring's next position advances in the attention kernel, not in a kernel of its own.
     keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2),
                                        advance=False)
-    slot_pos = _slot_positions(ring, attention_mask, b)
-    out = _decode(ring, q, keys, values, slot_pos, scaling=attn.scaling, sliding_window=_window(attn),
+    slot_pos = slot_positions(ring, attention_mask, b)
+    out = ring_decode(ring, q, keys, values, slot_pos, scaling=attn.scaling, sliding_window=sliding_window_of(attn),
                   softcap=None, advanced=False)
     h = ops.decode_linear(out.reshape(b, -1), wo, residual=x)
     m = ops.decode_linear(h, [gate, up], norm_weight=ln2.weight, eps=ln2.eps, activation=act)
     return ops.decode_linear(m, down, residual=h).view_as(hidden_states)
+
+
+LAYER_STEP = "_tigon_layer_step"  # the key fused_prenorm_decoder_forward reads in the layer's __dict__
+
+
+def layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):
+    """The hook `install` puts on a layer: the fused decode step for one token, the direct prefill for a chunk;
+    None where the layer runs its own forward."""
+    step = decode_layer_step if hidden_states.shape[1] == 1 else prefill_layer_step
+    return step(layer, hidden_states, attention_mask, past_key_values, position_embeddings)
+
+
+def _runs_fused_forward(module) -> bool:
+    """The module's forward is tigon.patch's pre-norm decoder forward (on the instance or, class-level, on the
+    class; functools.wraps keeps the function as `__wrapped__`)."""
+    forward = module.__dict__.get("forward")
+    if forward is not None:
+        return getattr(forward, "__func__", None) is fused_prenorm_decoder_forward
+    cls_forward = getattr(type(module), "forward", None)
+    return fused_prenorm_decoder_forward in (cls_forward, getattr(cls_forward, "__wrapped__", None))
+
+
+def install(model) -> list:
+    """Put the fused layer step on every layer of `model` that runs Tigon's pre-norm decoder forward and does
+    not hold it yet. Returns those layers (what `uninstall(model, layers)` takes away)."""
+    layers = [m for m in model.modules() if LAYER_STEP not in m.__dict__ and _runs_fused_forward(m)]
+    for layer in layers:
+        layer.__dict__[LAYER_STEP] = layer_step
+    return layers
+
+
+def uninstall(model, layers=None) -> None:
+    """Take the fused layer step off `layers` (default: every layer of `model`)."""
+    for layer in model.modules() if layers is None else layers:
+        layer.__dict__.pop(LAYER_STEP, None)
+
+
+@contextlib.contextmanager
+def fused_decode(model):
+    """Within the block the layers of a patched `model` run the fused layer step (see the module docstring);
+    on exit the layers this installed it on lose it again, also on an exception. Yields the number installed."""
+    layers = install(model)
+    try:
+        yield len(layers)
+    finally:
+        uninstall(model, layers)

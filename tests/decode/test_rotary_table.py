@@ -1,4 +1,4 @@
-"""The per-call cos/sin table of the rotary module (tigon.hf.rotary_table) and its use in tigon.generate."""
+"""The per-call cos/sin table of the rotary module (tigon.decode.rotary_table) and its use in tigon.generate."""
 
 import importlib
 import inspect
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from tests.hf._tiny import tiny_model
-from tigon.hf.rotary_table import _FORWARD_FORMS, _layer_types, cached_rotary
+from tigon.decode import DecodeSettings
+from tigon.decode import loop as gen
+from tigon.decode.rotary_table import _FORWARD_FORMS, _layer_types, cached_rotary
 
-gen = importlib.import_module("tigon.generation")
 GEMMA3 = dict(layer_types=["sliding_attention", "full_attention"])  # two inv_freq: a table each
 CASES = [("llama", {}), ("qwen3", {}), ("gemma3_text", GEMMA3), ("llama", dict(partial_rotary_factor=0.5)),
          ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -93,9 +94,9 @@ def test_generate_tokens_with_and_without_the_table(model_type, overrides, monke
     calls.clear()
     got, stats = gen.generate(model, ids, max_new_tokens=8, return_stats=True)
     assert stats["rotary_tables"] == len(_kinds(rot)) and len(calls) == len(_kinds(rot))  # the table build only
-    monkeypatch.setattr(gen, "ROTARY_TABLE", False)
     calls.clear()
-    off, stats = gen.generate(model, ids, max_new_tokens=8, return_stats=True)
+    off, stats = gen.generate(model, ids, max_new_tokens=8, return_stats=True,
+                              settings=DecodeSettings(rotary_table=False))
     assert stats["rotary_tables"] == 0 and len(calls) == 8 * len(_kinds(rot))  # prefill + 7 decode steps
     assert torch.equal(got, off) and torch.equal(got, ref)
     assert not any("forward" in m.__dict__ for m in model.modules())

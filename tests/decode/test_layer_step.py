@@ -1,4 +1,4 @@
-"""The fused decoder-layer decode step (tigon.hf.decode_layer) inside tigon.generate and model.generate.
+"""The fused decoder-layer decode step (tigon.decode.layer_step) inside tigon.generate and model.generate.
 
 A patched model decodes with four `decode_linear` kernels per layer and step; the tokens must equal
 Hugging Face's own generate on an unpatched copy (fp32, where the roundings agree), and anything the fused
@@ -111,17 +111,17 @@ def test_gpu_bf16_graph_decode_close_to_hf():
 
 
 def _count_prefill(monkeypatch):
-    from tigon.hf import decode_layer
+    from tigon.decode import layer_step
 
     ran = []
-    original = decode_layer.prefill_layer_step
+    original = layer_step.prefill_layer_step
 
     def counting(*args):
         out = original(*args)
         ran.append(out is not None)
         return out
 
-    monkeypatch.setattr(decode_layer, "prefill_layer_step", counting)
+    monkeypatch.setattr(layer_step, "prefill_layer_step", counting)
     return ran
 
 
@@ -146,3 +146,31 @@ def test_direct_prefill_declines_padding_and_a_prompt_past_the_window(monkeypatc
     assert torch.equal(tigon.generate(patched, ids[:, :7], max_new_tokens=3, attention_mask=mask[:, :7]),
                        ref.generate(ids[:, :7], max_new_tokens=3, do_sample=False, attention_mask=mask[:, :7]))
     assert not any(ran)
+
+
+def test_the_step_is_installed_by_patch_and_held_by_generate():
+    # tigon.patch(model) puts the step on the instance's layers (HF's generate reaches it); tigon.unpatch takes it
+    # away; tigon.generate holds it for its call, also on a class-level patched model, and leaves nothing behind.
+    from tigon.decode import layer_step
+
+    ref, patched = _pair("llama", {}, "cpu")
+    layers = patched.model.layers
+    assert all(layer.__dict__[layer_step.LAYER_STEP] is layer_step.layer_step for layer in layers)
+    tigon.unpatch(patched)
+    assert not any(layer_step.LAYER_STEP in m.__dict__ for m in patched.modules())
+    ids = _ids(1, 5, "cpu")
+    tigon.patch(model_type="llama")
+    try:
+        model = tiny_model("llama", attn_implementation="sdpa").eval()
+        model.load_state_dict(ref.state_dict())
+        model.generation_config.eos_token_id = None
+        before = _fused_calls()
+        got = tigon.generate(model, ids, max_new_tokens=4)
+        assert _fused_calls() - before == 4 * 2 * 3
+        assert not any(layer_step.LAYER_STEP in m.__dict__ for m in model.modules())
+        before = _fused_calls()
+        off = tigon.generate(model, ids, max_new_tokens=4, settings=tigon.DecodeSettings(fused_layers=False))
+        assert _fused_calls() == before and torch.equal(got, off)
+    finally:
+        tigon.unpatch(model_type="llama")
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=4, do_sample=False))

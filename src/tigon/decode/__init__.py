@@ -1,0 +1,36 @@
+"""The inference wing: `tigon.generate` and what it is made of.
+
+    from tigon.decode import DecodeSettings, generate
+    seqs, stats = generate(model, ids, max_new_tokens=64, return_stats=True,
+                           settings=DecodeSettings(eos_check_every=8))
+
+Modules, in the order a decode call meets them:
+    settings.py     DecodeSettings: how the loop runs (one frozen value passed in; the tokens never depend on it)
+    inputs.py       argument checks, and the stop ids (explicit, else model.generation_config)
+    loop.py         generate: the attention switch, the prefill, the decode steps, the CUDA graph
+    layer_step.py   the fused decoder-layer step (decode: 6 kernels; prefill: the direct op calls) and how a
+                    model gets it (install / uninstall / fused_decode)
+    rotary_table.py the per-call cos/sin table the rotary module reads
+    sampling.py     token choice on the device (argmax, temperature / top-k / top-p)
+    stats.py        the step clock, the TTFT phases, the one percentile rule, the stats dict
+    metrics.py      the stats as Prometheus metrics (StatsCollector, prometheus_text)
+
+How the fused layer step is reached (the one run-time link between hf/ and this package, hf/ never imports
+it): `tigon.patch` gives each Llama-style decoder layer Tigon's forward
+(`hf.causal_lm.fused_prenorm_decoder_forward`), which, in a no-grad step with a cache, calls the step held in
+`layer.__dict__["_tigon_layer_step"]` if there is one. `layer_step.install(model)` puts it there:
+`tigon.patch(model)` (tigon/api.py) does so for the instance, so HF's own `model.generate` over a
+RollingKVCache on the "tigon" attention runs the fused step; `tigon.generate` holds it for the duration of its
+call (`fused_decode`), so a class-level patched model gets it too.
+
+Layering: this package imports ops, memory, modules and hf; tigon/api.py, cli and demo import it.
+"""
+
+from .layer_step import fused_decode, install, uninstall
+from .loop import generate
+from .metrics import LATENCY_BUCKETS, StatsCollector, prometheus_text
+from .settings import DecodeSettings
+from .stats import TTFT_PHASES, percentile
+
+__all__ = ["DecodeSettings", "LATENCY_BUCKETS", "StatsCollector", "TTFT_PHASES", "fused_decode", "generate",
+           "install", "percentile", "prometheus_text", "uninstall"]

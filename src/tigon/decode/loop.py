@@ -1,0 +1,317 @@
+"""generate: a lean decode loop for Hugging Face causal LMs over a RollingKVCache, with CUDA-graph replay.
+
+    from tigon import generate
+    seqs = generate(model, input_ids, max_new_tokens=64)                    # greedy, like model.generate
+    seqs, stats = generate(model, ids, max_new_tokens=64, do_sample=True, top_p=0.9, return_stats=True)
+
+One prefill with the model's own forward (`logits_to_keep=1`), then one token per step. Everything per step
+stays on the device: token choice (`sampling`), the `finished` mask of rows that emitted EOS (later tokens of
+those rows are the pad id), the output writes and the position counters. The host looks at `finished` only
+every `settings.eos_check_every` steps and once at the end to trim the output to the longest row, as
+`model.generate` returns it.
+
+For the call the loop switches, and puts back at the end (also on an exception):
+- the attention (`attention="auto"`): the "tigon" implementation (`tigon.hf.attention`: a decode step reads the
+  ring in place with `decode_attention`) when every attention layer of the family is covered; "hf" keeps
+  Hugging Face's. With "tigon" the decode steps get a ready 4-D boolean mask per ring size (`TigonMasks`)
+  instead of HF's mask builder, so nothing in a step depends on a host integer that changes between steps;
+- the fused layer step of a patched model (`settings.fused_layers`, `layer_step.fused_decode`);
+- the rotary tables (`settings.rotary_table`, `rotary_table.cached_rotary`).
+
+CUDA graphs (`cuda_graph=True` on CUDA): the decode forward is captured once per call (the batch is fixed
+within a call) over static `input_ids` / `position_ids` / mask tensors and the cache's static buffers, then
+replayed; token choice runs eagerly after each replay (a few small kernels; a user `generator` needs no graph
+registration). With "tigon" attention this holds for any generation, rings that wrap included. With HF's
+attention it holds only while the whole generation fits every layer's ring (HF's mask sizes are then the
+constant `(ring, 0)` and the query offset is the cache's device counter; past the ring HF's `kv_offset` is a
+host integer that grows every step), so such a generation runs eagerly.
+"""
+
+import contextlib
+
+import torch
+
+from . import inputs, sampling
+from .layer_step import fused_decode
+from .rotary_table import cached_rotary
+from .settings import DEFAULT, DecodeSettings
+from .stats import Clock, summary
+
+NAME = inputs.NAME
+
+
+def _cache_class():
+    from tigon.memory.kv_cache import RollingKVCache  # imports transformers: only when generating
+
+    class _DecodeCache(RollingKVCache):
+        """A RollingKVCache whose query offset can be the device counter (`_next`), so the decode mask
+        does not bake a host integer into a captured graph."""
+
+        device_offset = False
+
+        def get_query_offset(self, layer_idx: int = 0):
+            if self.device_offset:
+                return self.layers[layer_idx]._next
+            return super().get_query_offset(layer_idx)
+
+    return _DecodeCache
+
+
+def _switch_attention(model, attention):
+    """Put `model` on the attention this call runs: ("tigon" or "hf", a callable that undoes it or None)."""
+    from tigon.hf import attention as tigon_attention  # imports transformers: only when generating
+
+    on_tigon = getattr(model.config, "_attn_implementation", None) == tigon_attention.NAME
+    if attention == "hf":
+        if not on_tigon:
+            return "hf", None
+        tigon_attention.restore_attention(model)
+        return "hf", lambda: tigon_attention.use_tigon_attention(model)
+    if on_tigon:
+        return "tigon", None
+    covered = tigon_attention.use_tigon_attention(model).decode_modules
+    layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+    if covered and (layers is None or covered >= layers):
+        return "tigon", lambda: tigon_attention.restore_attention(model)
+    tigon_attention.restore_attention(model)
+    if attention == "tigon":
+        raise ValueError(f"{NAME}: attention='tigon': the \"tigon\" attention covers {covered} of the "
+                         f"{layers} attention layers of this {type(model).__name__}; pass attention='auto' or "
+                         "'hf'")
+    return "hf", None
+
+
+class TigonMasks:
+    """The decode step's attention masks for the "tigon" attention: one `[1 or B, 1, 1, ring]` boolean per
+    ring size, column j = slot j, given to the model as a ready 4-D mask (a dict by layer type when the full
+    and sliding rings differ), so HF's mask builder, whose `kv_offset` past the ring is a host integer, is not
+    part of the step.
+
+    Without padding the mask is a constant all-true tensor: decode_attention attends slot j iff its position
+    is >= 0, <= the query's and inside the window. With left padding it is `keep[b, pos_j]` on the slot
+    positions after this step's write (`keep` = the prompt mask, then ones), and `pos_j >= 0`: exact past the
+    ring too, where HF's 2-D mask is applied by position instead of slot. Only device ops per step."""
+
+    def __init__(self, cache, keep):
+        self.keep = keep  # [B, >= total] bool, or None
+        self.kinds = {}  # layer type -> its first cache layer (all layers of a type hold the same positions)
+        for layer in cache.layers:
+            self.kinds.setdefault("sliding_attention" if layer.is_sliding else "full_attention", layer)
+        self.single = len({(layer.ring, layer.sink) for layer in self.kinds.values()}) == 1
+        self.constant = None
+        if keep is None:
+            from tigon.hf.attention import mark_unmasked
+
+            self.constant = {kind: mark_unmasked(torch.ones((1, 1, 1, layer.ring), dtype=torch.bool,
+                                                            device=layer.device))
+                             for kind, layer in self.kinds.items()}
+
+    def _one(self, kind):
+        if self.constant is not None:
+            return self.constant[kind]
+        layer = self.kinds[kind]
+        nxt = layer._next
+        pos = layer.positions.scatter(0, layer._slots_of(nxt), nxt)  # after this step's write
+        return (self.keep.index_select(1, pos.clamp(min=0)) & (pos >= 0))[:, None, None, :]
+
+    def __call__(self):
+        if self.single:
+            return self._one(next(iter(self.kinds)))
+        return {kind: self._one(kind) for kind in self.kinds}
+
+
+@torch.no_grad()
+def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=None, cuda_graph=True,
+             attention="auto", return_stats=False, do_sample=False, temperature=1.0, top_k=0, top_p=1.0,
+             eos_token_id=None, pad_token_id=None, generator=None, settings=DEFAULT):
+    """Generate `max_new_tokens` tokens per row; returns `[B, P + n]` int64 sequences (prompt then new tokens,
+    n <= max_new_tokens: trimmed once every row has emitted an EOS), or `(sequences, stats)`.
+
+    `input_ids` `[B, P]` (left padding with `attention_mask` `[B, P]`, 1 = real token). `capacity` is the
+    ring size of the RollingKVCache (default P + max_new_tokens: exact full attention); below the prompt
+    length it is refused unless every layer is a sliding-window layer. `attention`: "auto" (default) runs the
+    "tigon" attention implementation for this call when the model's family is covered (Llama, Mistral, Qwen2,
+    Qwen3, Gemma-2, ...; a model already on "tigon" stays there) and restores the model's own implementation
+    afterwards, else HF's; "tigon" requires it; "hf" runs the model's HF attention (a model on "tigon" is
+    switched back for the call). With "tigon" the CUDA-graph path also covers rings that wrap (sliding windows
+    shorter than the sequence, capacity < P + max_new_tokens); with "hf" those run eagerly.
+
+    Stopping, as `model.generate`: `eos_token_id` (int or list) finishes a row, whose later tokens are
+    `pad_token_id`; either one left None is read from `model.generation_config` (an explicit argument wins).
+    Without a pad id the first EOS id pads (0 without any EOS); with no EOS anywhere rows never stop (set
+    `model.generation_config.eos_token_id = None` to force every new token). Ids must be inside the model's
+    vocabulary. Sampling (`do_sample=True`) applies temperature (a float > 0; a tiny one tends to greedy), then
+    top-k (0 = off), then top-p (1.0 = off, 0 keeps the top token), and draws with `generator` (on the model's
+    device); as in `model.generate`, these are ignored (and not checked) when do_sample=False. `settings`: a
+    `DecodeSettings` (how the loop runs; the tokens do not depend on it).
+
+    `stats`: ttft_s (from the call to the first token), ttft_phases_s ({phase: seconds} over TTFT_PHASES,
+    summing to ttft_s: CUDA-event intervals on CUDA), ttft_host_phases_s (the host's wall time of each phase),
+    step_s (one latency per later step), p50_step_s, p99_step_s (`stats.percentile`), tokens_per_s (B * n / total
+    time), decode_tokens_per_s, peak_memory_bytes (CUDA only, else None), new_tokens, batch_size, cuda_graph
+    (whether the replay path ran), attention ("tigon" or "hf"), rotary_tables (the cos/sin tables the rotary
+    modules read for the call; 0 = HF's modules computed them every step). `tigon.decode.metrics` exposes them
+    to Prometheus."""
+    inputs.check_model(model)
+    vocab = inputs.vocab_size(model)
+    inputs.check_int("max_new_tokens", max_new_tokens, 1)
+    for name, flag in (("do_sample", do_sample), ("cuda_graph", cuda_graph), ("return_stats", return_stats)):
+        inputs.check_bool(name, flag)
+    if not isinstance(settings, DecodeSettings):
+        raise TypeError(f"{NAME}: settings must be a tigon.decode.DecodeSettings, got {type(settings).__name__}")
+    if do_sample:
+        # None is "off", as in model.generate's keyword arguments
+        temperature = 1.0 if temperature is None else temperature
+        top_k, top_p = 0 if top_k is None else top_k, 1.0 if top_p is None else top_p
+        inputs.check_sampling(temperature, top_k, top_p)
+        if generator is not None and (not isinstance(generator, torch.Generator)
+                                      or generator.device.type != model.device.type):
+            raise TypeError(f"{NAME}: generator must be a torch.Generator on the model's device "
+                            f"({model.device.type}), got {getattr(generator, 'device', type(generator).__name__)}")
+    if not isinstance(attention, str) or attention not in inputs.ATTENTION:
+        raise ValueError(f"{NAME}: attention must be one of {', '.join(map(repr, inputs.ATTENTION))}, got "
+                         f"{attention!r}")
+    eos, pad = inputs.stop_ids(model, eos_token_id, pad_token_id, vocab)
+    if capacity is not None:
+        inputs.check_int("capacity", capacity, 1)
+    inputs.check_prompt(input_ids, attention_mask, vocab)
+
+    clock = Clock(model.device)
+    clock.mark()  # TTFT counts from here: the attention switch, the cache allocation and the prompt copies
+    ran, undo = _switch_attention(model, attention)
+    scope = contextlib.ExitStack()  # what the loop switches for the call, undone here
+    try:
+        if settings.fused_layers:
+            scope.enter_context(fused_decode(model))
+        clock.phase("attention_switch")
+        sequences, stats = _decode_loop(
+            model, input_ids, clock, scope, settings, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
+            capacity=capacity, cuda_graph=cuda_graph, tigon=ran == "tigon", return_stats=return_stats,
+            sampling_args=(do_sample, temperature, top_k, top_p, generator), eos=eos, pad=pad)
+    finally:
+        scope.close()
+        if undo is not None:
+            undo()
+    if not return_stats:
+        return sequences
+    stats["attention"] = ran
+    return sequences, stats
+
+
+def _decode_loop(model, input_ids, clock, scope, settings, *, max_new_tokens, attention_mask, capacity, cuda_graph,
+                 tigon, return_stats, sampling_args, eos, pad):
+    do_sample, temperature, top_k, top_p, generator = sampling_args
+    b, p = input_ids.shape
+    total = p + max_new_tokens
+    capacity = total if capacity is None else capacity
+    device = model.device
+    if return_stats and device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    cache = _cache_class()(model.config, batch_size=b, capacity=capacity, dtype=model.dtype, device=device)
+    if capacity < p and not all(cache.is_sliding):
+        raise ValueError(f"{NAME}: capacity ({capacity}) is smaller than the prompt ({p} tokens) and the "
+                         "model has full-attention layers, which would drop prompt tokens; pass capacity >= "
+                         "the prompt length")
+    clock.phase("cache_alloc")
+    # HF's decode mask is valid in a graph only while every ring fits; the tigon masks always are.
+    use_graph = (cuda_graph and _graphs_available(device) and max_new_tokens >= 3
+                 and (tigon or total <= min(layer.ring for layer in cache.layers)))
+
+    ids = input_ids.to(device=device, dtype=torch.int64)
+    rotary_tables = 0
+    if settings.rotary_table:  # positions stay < total: left padding only lowers them
+        rotary_tables = scope.enter_context(cached_rotary(model, total, dtype=model.dtype, device=device))
+    out = torch.full((b, total), pad, dtype=torch.int64, device=device)
+    out[:, :p].copy_(ids)
+    if attention_mask is not None:
+        prompt_mask = attention_mask.to(device=device, dtype=torch.int64)
+        positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)
+        # One static mask for every decode step: the prompt's padding, then ones. HF indexes it by absolute
+        # position (slot == position while the ring fits), and the causal mask hides the future columns.
+        width = max(total, capacity)
+        step_mask = torch.ones((b, width), dtype=torch.int64, device=device)
+        step_mask[:, :p].copy_(prompt_mask)
+    else:
+        prompt_mask = step_mask = None
+        positions = torch.arange(p, device=device).expand(b, -1)
+    if tigon:
+        decode_masks = TigonMasks(cache, step_mask.bool() if step_mask is not None else None)
+    eos_t = torch.tensor(eos, dtype=torch.int64, device=device) if eos else None
+    pad_t = torch.full((b,), pad, dtype=torch.int64, device=device)
+    finished = torch.zeros((b,), dtype=torch.bool, device=device)
+    lengths = torch.zeros((b,), dtype=torch.int64, device=device)  # new tokens per row, its EOS included
+    tok = torch.zeros((b, 1), dtype=torch.int64, device=device)     # static decode inputs
+    pos = positions[:, -1:].clone()
+
+    def emit(logits, step):
+        nxt = sampling.choose(logits, do_sample, temperature, top_k, top_p, generator)
+        if eos_t is not None:
+            nxt = torch.where(finished, pad_t, nxt)
+            lengths.add_(~finished)
+            # A broadcast compare, not torch.isin: isin may take a sort/unique path for larger id lists.
+            finished.logical_or_((nxt[:, None] == eos_t).any(-1))
+        out[:, p + step].copy_(nxt)
+        tok.copy_(nxt[:, None])
+        pos.add_(1)
+
+    def forward():
+        mask = decode_masks() if tigon else step_mask
+        return model(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                     use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    clock.phase("prompt_setup")
+    logits = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    clock.phase("prefill")
+    emit(logits, 0)
+    clock.marks.append(clock.phase("first_token"))  # the TTFT end: the phases sum to ttft_s
+    cache.device_offset = True
+    graph = graph_logits = None
+    steps = 1
+    for step in range(1, max_new_tokens):
+        if eos_t is not None and step % settings.eos_check_every == 0 and bool(finished.all()):
+            break
+        if graph is not None:
+            graph.replay()
+            for layer in cache.layers:  # the host count HF reads for mask sizes: replay skips the Python
+                layer.seen += 1
+            logits = graph_logits
+        elif use_graph:
+            graph, graph_logits, logits = _capture(forward, cache)
+            if settings.on_capture is not None:
+                settings.on_capture()
+        else:
+            logits = forward()
+        emit(logits, step)
+        clock.mark()
+        steps += 1
+
+    if eos_t is not None:
+        steps = int(lengths.max())  # the one sync of a run without stats: trim like model.generate
+    sequences = out[:, :p + steps]
+    if not return_stats:
+        return sequences, None
+    return sequences, summary(clock, batch=b, new_tokens=steps, device=device, cuda_graph=graph is not None,
+                              rotary_tables=rotary_tables)
+
+
+def _graphs_available(device) -> bool:
+    return device.type == "cuda"
+
+
+def _capture(forward, cache):
+    """First CUDA-graph step: run it eagerly on a side stream (the warm-up capture needs: cuBLAS handles and
+    workspaces exist before capture; its logits are this step's real result), then capture the next step
+    without running it. Capture runs the Python once, so the host counters it advanced are put back."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        logits = forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    seen = [layer.seen for layer in cache.layers]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        graph_logits = forward()
+    for layer, count in zip(cache.layers, seen):
+        layer.seen = count
+    return graph, graph_logits, logits
