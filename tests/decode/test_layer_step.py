@@ -156,6 +156,9 @@ def test_the_step_is_installed_by_patch_and_held_by_generate():
     ref, patched = _pair("llama", {}, "cpu")
     layers = patched.model.layers
     assert all(layer.__dict__[layer_step.LAYER_STEP] is layer_step.layer_step for layer in layers)
+    with layer_step.fused_decode(patched) as installed:
+        assert installed == 0  # patch put it there: generate neither walks the modules nor takes it off
+    assert all(layer_step.LAYER_STEP in layer.__dict__ for layer in layers)
     tigon.unpatch(patched)
     assert not any(layer_step.LAYER_STEP in m.__dict__ for m in patched.modules())
     ids = _ids(1, 5, "cpu")

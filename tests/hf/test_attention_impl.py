@@ -44,6 +44,11 @@ def _compare(model, ids, new, cache_kw, **gen_kw):
     ("mistral", dict(sliding_window=8), "sdpa", 13, 8, True),
     # local layers: window 8 < 7 + 5, they roll; softcap 2.0 so the capping changes the scores
     ("gemma2", dict(attn_logit_softcapping=2.0, sliding_window=8), "eager", 7, 16, False),
+    # Llama-form by the rule, not by name: Gemma (embedding scale, its own norms), Granite (attention_multiplier
+    # as the scaling), Mixtral (Mistral's window from the config, MoE MLP)
+    ("gemma", {}, "sdpa", 7, 16, True),
+    ("granite", {}, "sdpa", 7, 16, True),
+    ("mixtral", dict(sliding_window=8), "sdpa", 9, 8, True),
 ])
 def test_generate_matches_hf(model_type, overrides, ref_attn, prompt, capacity, rope_on_write):
     model = tiny_model(model_type, attn_implementation=ref_attn, **overrides).eval()

