@@ -1,12 +1,16 @@
 """End-to-end training step on the anchors' 1.5B Llama config: HF eager vs Tigon vs Liger (vs compile).
 
+Variants: eager (HF), tigon (patched), liger, compile (HF under torch.compile), tigon_compile (patched, then
+torch.compile: Tigon's kernels as graph nodes, inductor fusing the glue between them); `--compile` adds the
+last two to the variants.
+
 Each variant runs in its own subprocess (clean memory stats, no cross-talk between patches): build the
 model from config in bf16 with sdpa attention, AdamW(fused=True), batch 8 x 2048 with labels=input_ids;
 median of 10 steps (fwd + bwd + step + zero_grad) after 3 warm-ups, GPU-synchronized per step. On OOM a
 variant halves its batch and says so. `--profile` adds a kernel-time breakdown of one Tigon step.
 
     PYTHONPATH=src python benchmarks/bench_e2e.py --out DIR [--variants eager,tigon,liger] [--configs llama,qwen3]
-        [--with-ckpt --ckpt-variants tigon,liger] [--longest eager,tigon,liger] [--profile]
+        [--with-ckpt --ckpt-variants tigon,liger] [--longest eager,tigon,liger] [--profile] [--compile]
 """
 
 import argparse
@@ -46,7 +50,7 @@ def _build(variant, config_name, max_positions, ckpt=False):
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     report = None
-    if variant == "tigon":
+    if variant in ("tigon", "tigon_compile"):
         import tigon
 
         report = str(tigon.patch(model))
@@ -57,8 +61,8 @@ def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
     import torch
 
     model, config, report = _build(variant, config_name, max(4096, seq), ckpt)
-    if variant == "compile":
-        model = torch.compile(model)
+    if variant in ("compile", "tigon_compile"):
+        model = torch.compile(model)  # default mode (no CUDA graphs); the first step pays the compile
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
     times, losses = [], []
@@ -161,10 +165,11 @@ def run_variant(variant, config_name="llama", batch=8, seq=2048, ckpt=False, ste
                "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup)]
         cmd += ["--ckpt"] if ckpt else []
         cmd += ["--profile"] if profile else []
+        limit = 2 * timeout if "compile" in variant else timeout  # inductor's first compile: ~1-2 min
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=os.environ.copy())
         except subprocess.TimeoutExpired:
-            return dict(variant=variant, config=config_name, ckpt=ckpt, error=f"timeout after {timeout}s")
+            return dict(variant=variant, config=config_name, ckpt=ckpt, error=f"timeout after {limit}s")
         for line in p.stdout.splitlines():
             if line.startswith("RESULT "):
                 return json.loads(line[7:])
@@ -217,6 +222,7 @@ def main(argv=None):
     p.add_argument("--ckpt", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--variants", default="eager,tigon,liger")
+    p.add_argument("--compile", action="store_true", help="also run compile and tigon_compile")
     p.add_argument("--configs", default="llama")
     p.add_argument("--with-ckpt", action="store_true", help="also run --ckpt-variants with checkpointing")
     p.add_argument("--ckpt-variants", default="eager,tigon,liger")
@@ -230,9 +236,11 @@ def main(argv=None):
         return None
     if a.child:
         return _child(a.child, a.config, a.batch, a.seq, a.ckpt, a.steps, a.warmup, a.profile)
+    variants = [v for v in a.variants.split(",") if v]
+    variants += [v for v in ("compile", "tigon_compile") if a.compile and v not in variants]
     results = []
     for config_name in a.configs.split(","):
-        for v in filter(None, a.variants.split(",")):
+        for v in variants:
             results.append(run_variant(v, config_name, a.batch, a.seq, profile=(v == "tigon" and a.profile)))
             print(table(results[-1:]), flush=True)
     if a.with_ckpt:
