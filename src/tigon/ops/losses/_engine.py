@@ -17,6 +17,8 @@ engine walks row chunks of C tokens twice, never holding more than a [C, V] chun
 The gradients exist after the forward (backward scales them by grad_output). Sequence-level losses (DPO's
 log-sigmoid of a difference of sums over two sequences) need every token's statistic before any coefficient
 is known, hence two passes: 4 GEMMs of 2 N V H FLOPs where a single-pass head has 3 (docs/ops/losses.md).
+Token-local losses (token-level GRPO) pass `coef_fn` to `logp_grads`: stats, coefficients and gradient per chunk
+in one pass, 3 GEMMs.
 No host sync: every count stays a tensor.
 """
 
@@ -227,11 +229,15 @@ def logp_stats(hidden, weight, bias, target, target2=None, *, scale=1.0, cfg=DEF
 
 
 def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, target2=None, *, scale=1.0,
-               need_dh=True, need_dw=True, need_db=False, cfg=DEFAULT):
+               need_dh=True, need_dw=True, need_db=False, cfg=DEFAULT, coef_fn=None, want_e=False):
     """The grad pass: gradients (dh [N, H] hidden.dtype, dW [V, H] weight.dtype, db [V]) of
     sum_i a_i log p_i(t_i) + a2_i log p_i(t2_i) + e_i H_i, each None when not asked. dW accumulates in fp32
     when the weight is an fp32 master copy of lower-precision hidden states, else in the weight's dtype
-    (cuBLAS addmm, like linear_cross_entropy)."""
+    (cuBLAS addmm, like linear_cross_entropy).
+
+    One pass (coef_fn given; lse, ent, a, e None): for losses whose coefficients for a token depend only on that
+    token's statistics, each chunk runs the stats kernel, then coef_fn(start, end, chunk stats dict) -> (a, e or
+    None) for its rows, then the grad kernel on the same chunk: 3 GEMMs instead of 4. want_e: coef_fn returns e."""
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
@@ -243,15 +249,28 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
     db = torch.zeros(V, dtype=torch.float32, device=dev) if need_db else None
     rows = chunk_rows(N, V, hidden.element_size(), cfg)
     block = _block_v(V, dev, cfg)
+    names = ("lse", "xt", "xt2", "ent", "xsum", "lsq", "top1")
+    st = {k: torch.empty(N, dtype=torch.float32, device=dev) for k in names} if coef_fn is not None else None
     with workspace(dev).borrow(((rows, V), hidden.dtype)) as (buf,):
         for s in range(0, N, rows):
             end = min(N, s + rows)
             logits, h_c = buf[: end - s], hidden[s:end]
             _gemm_logits(h_c, w_t, b, logits)
+            if coef_fn is not None:
+                chunk = {k: v[s:end] for k, v in st.items()}
+                _stats_kernel[(end - s,)](logits, target[s:end], target[s:end], *(chunk[k] for k in names),
+                                          logits.stride(0), V, float(scale), HAS_T2=False, BLOCK_V=block)
+                a_c, e_c = coef_fn(s, end, chunk)
+                lse_c, ent_c, a2_c = chunk["lse"], chunk["ent"], None
+                e_c = e_c if want_e else None
+            else:
+                lse_c, ent_c, a_c = lse[s:end], ent[s:end], a[s:end]
+                a2_c = None if a2 is None else a2[s:end]
+                e_c = None if e is None else e[s:end]
             _grad_kernel[(end - s,)](
-                logits, target[s:end], target[s:end] if target2 is None else target2[s:end], lse[s:end],
-                ent[s:end], a[s:end], a[s:end] if a2 is None else a2[s:end], a[s:end] if e is None else e[s:end],
-                logits.stride(0), V, float(scale), HAS_T2=a2 is not None, HAS_E=e is not None, BLOCK_V=block,
+                logits, target[s:end], target[s:end] if target2 is None else target2[s:end], lse_c, ent_c, a_c,
+                a_c if a2_c is None else a2_c, a_c if e_c is None else e_c, logits.stride(0), V, float(scale),
+                HAS_T2=a2_c is not None, HAS_E=e_c is not None, BLOCK_V=block,
             )
             if need_dh:
                 torch.mm(logits, w, out=dh[s:end])

@@ -65,12 +65,16 @@ def fused_linear_grpo_op(
     B, T = ids.shape
     t = ids.reshape(-1)
     inv_t = 1.0 / temperature
-    st = _engine.logp_stats(hidden, weight, bias, t, scale=inv_t, cfg=cfg)
     m = attention_mask.float()
     ref = None if ref_logps is None else ref_logps.float()
     if ref is None and ref_hidden is not None:
         rs = _engine.logp_stats(ref_hidden, ref_weight, ref_bias, t, scale=inv_t, cfg=cfg)
         ref = (rs["xt"] - rs["lse"]).view(B, T)
+    grads = need_dh or need_dw or need_db
+    if grads and level == "token":
+        return _grpo_one_pass(hidden, weight, bias, t, m, advantages.float(), ref, old_logps, floats, loss_type,
+                              max_len, num_items, need_dh, need_dw, need_db, cfg)
+    st = _engine.logp_stats(hidden, weight, bias, t, scale=inv_t, cfg=cfg)
     with _engine.autograd_inside():
         lp = (st["xt"] - st["lse"]).requires_grad_()
         ent = st["ent"].clone().requires_grad_()
@@ -78,7 +82,6 @@ def fused_linear_grpo_op(
             lp.view(B, T), ent.view(B, T), m, advantages.float(), ref, None if old_logps is None else old_logps.float(),
             beta, eps_lo, eps_hi, level, delta, ent_coef)
         loss = grpo_reduce(per_tok, m, loss_type, max_len, num_items)
-        grads = need_dh or need_dw or need_db
         coef = _engine.coefficients(loss, [lp, ent]) if grads else None
     total = m.sum().clamp(min=1.0)
     outs = (loss.detach(), (k3.detach() * m).sum() / total, (clipped * m).sum() / total)
@@ -87,9 +90,56 @@ def fused_linear_grpo_op(
         dh, dw, db = _engine.logp_grads(hidden, weight, bias, t, st["lse"], st["ent"], coef[0],
                                         e=coef[1] if ent_coef != 0.0 else None, scale=inv_t, need_dh=need_dh,
                                         need_dw=need_dw, need_db=need_db and bias is not None, cfg=cfg)
-    return tuple(o.clone() for o in outs) + (
-        _engine.empty(hidden) if dh is None else dh, _engine.empty(weight) if dw is None else dw,
-        _engine.empty(weight) if db is None else db)
+    return tuple(o.clone() for o in outs) + _engine.grads_out(hidden, weight, dh, dw, db)
+
+
+def _token_weights(m, loss_type, max_len, num_items):
+    """d loss / d per-token loss: the normalization of each loss type, known before any log-prob."""
+    B = m.shape[0]
+    if loss_type == "grpo":
+        return m / m.sum(-1, keepdim=True).clamp(min=1.0) / B
+    if loss_type == "bnpo":
+        return m / m.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return m / (B * max_len)
+    n = m.sum() if num_items is None else num_items.float().reshape(())
+    return m / n.clamp(min=1.0)
+
+
+def _grpo_one_pass(hidden, weight, bias, t, m, adv, ref, old, floats, loss_type, max_len, num_items, need_dh,
+                   need_dw, need_db, cfg):
+    """Token-level ratios: a token's loss depends on its own log-prob and entropy only, and the normalization is
+    known up front, so each chunk gets its coefficients right after its stats: one pass, 3 GEMMs, no second
+    logits GEMM."""
+    beta, eps_lo, eps_hi, temperature, delta, ent_coef = floats
+    B, T = m.shape
+    omega = _token_weights(m, loss_type, max_len, num_items).reshape(-1)
+    adv_t = adv.repeat_interleave(T)
+    m_f = m.reshape(-1)
+    ref_f = None if ref is None else ref.reshape(-1)
+    old_f = None if old is None else old.float().reshape(-1)
+    acc = torch.zeros(3, dtype=torch.float32, device=hidden.device)  # loss, sum k3 m, sum clipped m
+
+    def coef_fn(s, e, st):
+        with _engine.autograd_inside():
+            lp = (st["xt"] - st["lse"]).requires_grad_()
+            ent = st["ent"].clone().requires_grad_()
+            col = slice(s, e)
+            per_tok, k3, clipped = grpo_token_loss(
+                lp[:, None], ent[:, None], m_f[col, None], adv_t[col], None if ref_f is None else ref_f[col, None],
+                None if old_f is None else old_f[col, None], beta, eps_lo, eps_hi, "token", delta, ent_coef)
+            part = (per_tok[:, 0] * omega[col]).sum()
+            a, de = _engine.coefficients(part, [lp, ent])
+        acc[0] += part.detach()
+        acc[1] += (k3.detach()[:, 0] * m_f[col]).sum()
+        acc[2] += (clipped[:, 0] * m_f[col]).sum()
+        return a, de
+
+    dh, dw, db = _engine.logp_grads(hidden, weight, bias, t, None, None, None, scale=1.0 / temperature,
+                                    need_dh=need_dh, need_dw=need_dw, need_db=need_db and bias is not None, cfg=cfg,
+                                    coef_fn=coef_fn, want_e=ent_coef != 0.0)
+    total = m.sum().clamp(min=1.0)
+    return (acc[0].clone(), acc[1] / total, acc[2] / total) + _engine.grads_out(hidden, weight, dh, dw, db)
 
 
 @fused_linear_grpo_op.register_fake
