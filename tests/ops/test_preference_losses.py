@@ -177,5 +177,11 @@ def test_bad_input():
         ops.fused_linear_dpo(h, w, t, config=7)
     with pytest.raises(ValueError, match="fused_linear_kto: preference_labels must be a tensor of shape"):
         ops.fused_linear_kto(h, w, t, torch.ones(3, dtype=torch.bool))
+    bad = t.clone()
+    bad[0, 1] = V
+    with pytest.raises(ValueError, match=r"fused_linear_preference: target must be in \[0, 67\) or ignore_index"):
+        ops.fused_linear_dpo(h, w, bad)
+    with pytest.raises(ValueError, match=r"fused_linear_kto: target must be in \[0, 67\)"):
+        ops.fused_linear_kto(h, w, bad, torch.ones(B, dtype=torch.bool))
     with pytest.raises(ValueError, match="FusedLinearLossConfig: chunk_rows must be an int >= 0"):
         FusedLinearLossConfig(chunk_rows=-1)

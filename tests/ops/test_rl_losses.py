@@ -115,6 +115,8 @@ def test_bad_input():
         ops.fused_linear_grpo(h, w, ids, mask, adv[:2])
     with pytest.raises(ValueError, match="fused_linear_grpo: temperature must be"):
         ops.fused_linear_grpo(h, w, ids, mask, adv, temperature=0.0)
+    with pytest.raises(ValueError, match=r"fused_linear_grpo: selected_token_ids must be in \[0, 67\); got -1"):
+        ops.fused_linear_grpo(h, w, torch.full_like(ids, -1), mask, adv)
     with pytest.raises(ValueError, match="fused_linear_logprobs: target must have shape"):
         ops.fused_linear_logprobs(h, w, ids[:, :2])
     with pytest.raises(TypeError, match="fused_linear_logprobs: target must be an integer tensor"):

@@ -89,3 +89,17 @@ def backward_saved_grads(op_name, grad_slots):
         return tuple(grads)
 
     return backward
+
+
+def check_id_range(op, name, t, V, ignore_index=None):
+    """ValueError for an id outside [0, V) that is not ignore_index. It reads the ids (a host sync), so only on
+    CPU tensors or with TIGON_VALIDATE=1; elsewhere such a token counts as having no target (log-prob 0)."""
+    if not (t.device.type == "cpu" or _library.validation_on()) or torch.compiler.is_compiling():
+        return
+    bad = (t < 0) | (t >= V)
+    if ignore_index is not None:
+        bad &= t != ignore_index
+    if bool(bad.any()):
+        v = int(t[bad][0])
+        allowed = "" if ignore_index is None else f" or ignore_index={ignore_index}"
+        raise ValueError(f"{op}: {name} must be in [0, {V}){allowed}; got {v}")

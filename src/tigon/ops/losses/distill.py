@@ -124,6 +124,7 @@ def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weigh
         raise ValueError(f"{op}: temperature must be > 0, got {temperature}")
     _common.check_int(op, "ignore_index", ignore_index)
     cfg = _engine.check_config(op, config)
+    _common.check_id_range(op, "true_labels", true_labels, student_weight.shape[0], ignore_index)
     if not _library.use_kernels("fused_linear_jsd", student_input):
         loss, soft, hard = reference.fused_linear_jsd(
             student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,

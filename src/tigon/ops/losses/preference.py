@@ -196,6 +196,9 @@ def fused_linear_preference(hidden, weight, target, bias=None, *, kind="dpo", lo
     if nll_target is not None:
         _common.check_ids(op, "nll_target", nll_target, (B, T), hidden.device)
     cfg = _engine.check_config(op, config)
+    _common.check_id_range(op, "target", target, weight.shape[0], ignore_index)
+    if nll_target is not None:
+        _common.check_id_range(op, "nll_target", nll_target, weight.shape[0], ignore_index)
     ref_logps, ref_rows = _check_ref(op, hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps)
     if ref_rows is not None and ref_weight.shape[0] != weight.shape[0]:
         raise ValueError(f"{op}: ref_weight must have {weight.shape[0]} rows (the vocabulary), "
@@ -323,6 +326,7 @@ def fused_linear_kto(hidden, weight, target, preference_labels, bias=None, *, be
             raise ValueError(f"{op}: kl must be a tensor with 1 or {B} elements, got {kl!r}")
         kl = kl.detach().reshape(-1) if kl.numel() == B else kl.detach().reshape(())
     cfg = _engine.check_config(op, config)
+    _common.check_id_range(op, "target", target, weight.shape[0], ignore_index)
     ref_logps, ref_rows = _check_ref(op, hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps)
     if not _library.use_kernels("fused_linear_kto", hidden):
         loss, aux = reference.fused_linear_kto(

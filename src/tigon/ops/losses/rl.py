@@ -191,6 +191,7 @@ def fused_linear_grpo(hidden, weight, selected_token_ids, attention_mask, advant
     if temperature <= 0:
         raise ValueError(f"{op}: temperature must be > 0, got {temperature}")
     cfg = _engine.check_config(op, config)
+    _common.check_id_range(op, "selected_token_ids", selected_token_ids, weight.shape[0])
     ref_rows = None
     if ref is None and ref_hidden is not None:
         if ref_weight is None:
@@ -302,6 +303,7 @@ def fused_linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0,
     scale = _launch.check_number(op, "logit_scale", logit_scale) / t
     _common.check_int(op, "ignore_index", ignore_index)
     cfg = _engine.check_config(op, config)
+    _common.check_id_range(op, "target", target, weight.shape[0], ignore_index)
     lead = target.shape
     if not _library.use_kernels("fused_linear_logprobs", hidden):
         lp, ent = reference.fused_linear_logprobs(hidden, weight, target, bias, temperature=temperature,
