@@ -71,27 +71,31 @@ def _softcap_of(config):
 
 
 def tigon_mask(*args, config=None, **kwargs):
-    """HF's sdpa mask: boolean, or None where sdpa's is_causal does the work, except for a softcapping model,
-    whose non-decode steps run the family's eager attention and so need the mask materialized. (Not HF's
-    eager_mask: it copies a host scalar to the device, which a CUDA-graph capture refuses.)"""
+    """The mask builder of "tigon". A mask without padding or a cache offset whose function is causal, a sliding
+    window and/or HF's packed-sequence documents becomes a `training_attention.TrainingMask` (document ids and the
+    window, no [T, T] tensor), plain causal None; the rest is HF's sdpa mask: boolean, or None where sdpa's
+    is_causal does the work, except for a softcapping model, whose eager attention needs it materialized. (Not
+    HF's eager_mask: it copies a host scalar to the device, which a CUDA-graph capture refuses.)"""
     from transformers.masking_utils import sdpa_mask
 
+    from .training_attention import training_mask
+
+    if not args:
+        mask = training_mask(mask_function=kwargs.get("mask_function"), q_length=kwargs.get("q_length"),
+                             kv_length=kwargs.get("kv_length"), q_offset=kwargs.get("q_offset", 0),
+                             kv_offset=kwargs.get("kv_offset", 0), attention_mask=kwargs.get("attention_mask"))
+        if mask is not NotImplemented:
+            return mask
     if _softcap_of(config):
         kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, config=config, **kwargs)
 
 
 def _fallback(module, query, key, value, attention_mask, **kwargs):
-    if kwargs.get("softcap") is not None:
-        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if eager is not None:
-            if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager adds its mask
-                attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill_(
-                    ~attention_mask, torch.finfo(query.dtype).min)
-            return eager(module, query, key, value, attention_mask, **kwargs)
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    """Every call but a ring decode step: training / prefill attention (tigon.hf.training_attention)."""
+    from .training_attention import training_attention_forward
 
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return training_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def mask_usable(attention_mask, batch: int, ring: int) -> bool:

@@ -23,7 +23,7 @@ import os
 import torch
 
 from . import attention as tigon_attention
-from . import causal_lm, registry
+from . import causal_lm, registry, training_attention
 from .bound import BoundForward
 from .unwrap import unwrap_model
 
@@ -40,6 +40,9 @@ class PatchReport:
     target: str
     replaced: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     skipped: list = dataclasses.field(default_factory=list)
+    # {layer kind: {mask kind: backend}} of the "tigon" training attention (training_attention.layer_plan), for
+    # the device the model was on when patched; empty when the model keeps its own attention.
+    attention_backends: dict = dataclasses.field(default_factory=dict)
 
     def add(self, piece: str, n: int = 1) -> None:
         self.replaced[piece] += n
@@ -50,6 +53,8 @@ class PatchReport:
     def __str__(self) -> str:
         rows = [f"tigon.patch: {self.model_type} ({self.target})", f"  {'replaced':<58} {'count':>5}"]
         rows += [f"  {piece:<58} {n:>5}" for piece, n in sorted(self.replaced.items())]
+        rows += [f"  training attention, {layer}: " + ", ".join(f"{kind} -> {b}" for kind, b in plan.items())
+                 for layer, plan in self.attention_backends.items()]
         rows += [f"  skipped: {piece}: {reason}" for piece, reason in self.skipped]
         return "\n".join(rows)
 
@@ -256,6 +261,42 @@ def _instance_patch(model, family, report, spec):
         report.add("loss_function (cross_entropy)")
 
 
+def _model_device(hf):
+    param = next(hf.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _attention_patch(model, report, attention) -> None:
+    """Switch the model to "tigon" (attention=True, or "auto" where the table measured a faster backend), and
+    mark packed rows for its decoder model (training_attention.packed_model_forward)."""
+    hf = unwrap_model(model)
+    device = _model_device(hf)
+    plan = training_attention.layer_plan(hf.config, device)
+    from .attention_table import hf_pick
+
+    faster = sorted({kind for kinds in plan.values() for kind, b in kinds.items() if b != hf_pick(kind)})
+    impl = hf.config._attn_implementation
+    if attention == "auto" and impl != tigon_attention.NAME:
+        where = training_attention.gpu_name(device) or device.type
+        why = (f"keeps {impl!r}: no mask kind of this model has a backend measured faster than HF's on {where} "
+               f"(tigon.hf.attention_table; attention=True switches anyway)" if not faster
+               else f"keeps {impl!r}, a choice of the user's" if impl not in ("sdpa", "eager") else "")
+        if why:
+            report.skip("attention", why)
+            return
+    for piece, n in tigon_attention.use_tigon_attention(model).items():
+        report.add(piece, n)
+    report.attention_backends = plan
+    inner = hf.base_model if hf.base_model is not hf else hf
+    if "forward" not in inner.__dict__:
+        hf.__dict__.setdefault("_tigon_undo", []).append((inner, "forward", None))
+        bound = BoundForward(training_attention.packed_model_forward, inner)
+        bound.__signature__ = inspect.signature(type(inner).forward.__get__(inner))  # what callers inspect
+        inner.forward = bound
+    if _ours(inner.__dict__["forward"]):
+        report.add(f"{type(inner).__name__}.forward (packed rows: documents from position_ids)")
+
+
 def _quantized_lm_head(hf) -> str:
     """Why the fused loss cannot read the lm_head's weight, or "": bitsandbytes' Linear4bit and Linear8bitLt
     subclass nn.Linear but hold packed integers (a 4-bit [V, H] weight is a uint8 [V*H/2, 1])."""
@@ -276,14 +317,19 @@ def patch(
     layer_norm=True,
     cross_entropy=False,
     fused_linear_cross_entropy=True,
-    attention=False,
+    attention="auto",
     verbose=False,
 ) -> PatchReport:
     """Swap Tigon's fused pieces into a model instance (that instance only), or, with model_type= (a string
     such as "llama", or a config), into a model family module-wide (models built afterwards come up fused).
 
     attention=True (instance only) switches the model to the "tigon" attention implementation
-    (`tigon.hf.attention`: decode steps over a RollingKVCache run decode_attention on the ring).
+    (`tigon.hf.attention`: decode steps over a RollingKVCache run decode_attention on the ring; training and
+    prefill run `tigon.hf.training_attention`: packed rows confined to each example, sliding windows and
+    softcapping without a [T, T] mask, on the backend measured fastest for the GPU). attention="auto" (the
+    default) does so only for a model on a GPU whose table (hf/attention_table.py) names a backend faster than
+    HF's for one of the model's mask kinds, and whose attention implementation is HF's sdpa or eager; elsewhere the
+    model keeps its own, which computes the same. attention=False never switches.
     Raises TypeError for an argument of the wrong kind, ValueError for an unsupported family."""
     if model is None and model_type is None:
         raise ValueError("tigon.patch: pass a model (tigon.patch(model)) or model_type= (a string such as "
@@ -293,9 +339,11 @@ def patch(
                          "config.model_type says)")
     spec = dict(rms_norm=rms_norm, rope=rope, swiglu=swiglu, layer_norm=layer_norm, cross_entropy=cross_entropy,
                 fused_linear_cross_entropy=fused_linear_cross_entropy)
-    for name, value in {**spec, "attention": attention, "verbose": verbose}.items():
+    for name, value in {**spec, "verbose": verbose}.items():
         if not isinstance(value, bool):
             raise TypeError(f"tigon.patch: {name} must be True or False, got {value!r}")
+    if not isinstance(attention, bool) and attention != "auto":
+        raise TypeError(f"tigon.patch: attention must be True, False or 'auto', got {attention!r}")
     if model is not None:
         model_type = unwrap_model(model).config.model_type
         family = registry.family_for(model_type, argument="the model's config.model_type")
@@ -307,11 +355,10 @@ def patch(
         _class_patch(family, report, spec)
     else:
         _instance_patch(model, family, report, spec)
-    if attention and model is None:
+    if attention is True and model is None:
         report.skip("attention", "the 'tigon' attention implementation is set on a model instance")
-    elif attention:
-        for piece, n in tigon_attention.use_tigon_attention(model).items():
-            report.add(piece, n)
+    elif attention and model is not None:
+        _attention_patch(model, report, attention)
     if layer_norm:
         report.skip("LayerNorm", f"{model_type} has no LayerNorm")
     if not family.mlp and swiglu:
@@ -347,7 +394,8 @@ def unpatch(model=None, *, model_type=None) -> None:
 
 def _ours(value) -> bool:
     return getattr(value, "__func__", value) in (
-        causal_lm.fused_causal_lm_forward, causal_lm.fused_prenorm_decoder_forward, causal_lm.causal_lm_loss)
+        causal_lm.fused_causal_lm_forward, causal_lm.fused_prenorm_decoder_forward, causal_lm.causal_lm_loss,
+        training_attention.packed_model_forward)
 
 
 def _restore(owner, name, original):

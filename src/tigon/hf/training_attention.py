@@ -1,0 +1,358 @@
+"""Training (and prefill) attention of the "tigon" implementation: packed sequences, sliding windows, softcapping.
+
+What a layer attends to, in a row of T tokens (query i, key j): j <= i (causal); the same document (packed rows:
+transformers' `DataCollatorWithFlattening` / TRL's padding-free layout, one row whose `position_ids` restart at 0
+per example, with or without `cu_seq_lens_q/k` and `max_length_q/k`); i - j < window (sliding layers); and the
+logits capped as softcap * tanh(s / softcap) (Gemma-2). How it gets here without a [T, T] mask:
+
+- `training_mask` (called by the "tigon" mask builder) reads the mask Hugging Face describes (its mask function:
+  causal, sliding overlay, the packed-sequence document ids HF found in position_ids) and, for a mask without a
+  padding mask or a cache offset, returns a `TrainingMask` (the [B, T] document ids and the window) in place of the
+  dense boolean tensor; plain causal stays None, as SDPA's is_causal wants. Anything else it does not know returns
+  NotImplemented and HF builds its mask as before.
+- `training_attention_forward` (the AttentionInterface function for non-decode calls) picks the backend from
+  `attention_table.pick(gpu, kind)`: FlexAttention (a block mask from the document ids, built once per forward
+  and shared by the layers, score_mod for softcap), flash_attn's varlen kernel when installed, or HF's own pick
+  (SDPA; eager for softcap) with the dense mask built here from the same document ids. Unmeasured GPUs and CPUs
+  run HF's pick, so they compute exactly what HF computes.
+
+No host sync: the document ids come from HF's packed-sequence detection (a device cumsum) or from `cu_seq_lens`
+by a device searchsorted; nothing here reads a tensor value on the host. (HF's own detection, outside Tigon, does
+one `.all()` per forward in eager mode, skipped under torch.compile.) Dropout > 0 runs HF's pick.
+"""
+
+import functools
+import importlib.util
+import sys
+
+import torch
+
+from . import attention_table
+
+_CAUSAL = "causal_mask_function"
+_AND = "and_masks.<locals>.and_mask"
+_WINDOW = "sliding_window_overlay.<locals>.inner_mask"
+_PACKED = "packed_sequence_mask_function.<locals>.inner_mask"
+DOCUMENTS = "tigon_documents"  # the kwarg that carries a packed row's TrainingMask from the model to the layers
+
+
+class TrainingMask:
+    """What a layer's mask means, without the [T, T] tensor: `docs` [B, T] int document ids (None: one document
+    per row) and `window` (None: no window). One per mask kind and forward; the layers share it, and with it the
+    FlexAttention block mask built at the first layer."""
+
+    __slots__ = ("docs", "window", "block_masks")
+
+    def __init__(self, docs=None, window=None):
+        self.docs, self.window, self.block_masks = docs, window, {}
+
+    def __repr__(self):
+        shape = None if self.docs is None else tuple(self.docs.shape)
+        return f"TrainingMask(docs={shape}, window={self.window})"
+
+
+def _cells(fn) -> dict:
+    closure = getattr(fn, "__closure__", None) or ()
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in closure)))
+
+
+def _read_mask_function(fn, found: dict) -> bool:
+    """Fill `found` (causal, window, docs) from HF's mask function; False for any function this does not know."""
+    name = getattr(fn, "__qualname__", "")
+    if name == _CAUSAL:
+        found["causal"] = True
+        return True
+    cells = _cells(fn) if hasattr(fn, "__code__") else {}
+    if name == _AND:
+        return all(_read_mask_function(f, found) for f in cells.get("mask_functions", ()))
+    if name == _WINDOW and isinstance(cells.get("sliding_window"), int):
+        found["window"] = min(found.get("window") or cells["sliding_window"], cells["sliding_window"])
+        return True
+    if name == _PACKED and isinstance(cells.get("packed_sequence_mask"), torch.Tensor):
+        found["docs"] = cells["packed_sequence_mask"]
+        return True
+    return False
+
+
+def training_mask(*, mask_function, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None,
+                  batch_size=None):
+    """The mask HF describes, as a TrainingMask (packed and/or windowed), None (plain causal), or NotImplemented
+    where HF must build it (a padding mask, a cache offset, a mask function other than causal/window/packed)."""
+    if (attention_mask is not None or not isinstance(q_offset, int) or not isinstance(kv_offset, int)
+            or q_offset or kv_offset or q_length != kv_length or q_length < 2 or mask_function is None):
+        return NotImplemented
+    found = {}
+    if not _read_mask_function(mask_function, found) or not found.get("causal"):
+        return NotImplemented
+    window = found.get("window")
+    window = window if window is not None and window < q_length else None  # i - j < T always holds
+    docs = found.get("docs")
+    if docs is not None and (docs.dim() != 2 or docs.shape[-1] != q_length):
+        return NotImplemented
+    if docs is None and window is None:
+        return None
+    return TrainingMask(docs, window)
+
+
+def documents_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] document ids of packed rows: a new document wherever the position does not step by one (what HF's
+    find_packed_sequence_indices computes), on the device."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def packed_model_forward(self, *args, **kwargs):
+    """Installed (by tigon.patch) on the instance of a decoder model (LlamaModel, ...) running "tigon": a call
+    given position_ids with no attention_mask and no cache is a packed (padding-free) row, whose document ids
+    travel to the attention layers as a kwarg, computed here once per forward on the device. HF's own packed
+    detection does not run there: the model makes a DynamicCache first when use_cache is on (the default),
+    and its sdpa path then attends across the examples."""
+    position_ids = kwargs.get("position_ids")
+    if (len(args) <= 2 and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
+            and kwargs.get("attention_mask") is None and kwargs.get("past_key_values") is None
+            and getattr(self.config, "_attn_implementation", None) == "tigon"):
+        kwargs[DOCUMENTS] = TrainingMask(documents_from_position_ids(position_ids), None)
+    return type(self).forward(self, *args, **kwargs)
+
+
+def documents_from_cu_seq_lens(cu_seq_lens: torch.Tensor, length: int) -> torch.Tensor:
+    """[1, length] document ids from flash-attention style boundaries [0, l0, l0 + l1, ...], on the device (a
+    searchsorted, no host read); tokens past the last boundary form one more document."""
+    positions = torch.arange(length, device=cu_seq_lens.device, dtype=cu_seq_lens.dtype)
+    return torch.searchsorted(cu_seq_lens[1:].contiguous(), positions, right=True).unsqueeze(0)
+
+
+def mask_kind(docs, window, softcap) -> str:
+    """The attention_table key: causal / packed / sliding / packed+sliding, + "+softcap"."""
+    parts = [p for p, on in (("packed", docs is not None), ("sliding", bool(window))) if on] or ["causal"]
+    return "+".join(parts) + ("+softcap" if softcap else "")
+
+
+def dense_mask(docs, window, length: int, device) -> torch.Tensor:
+    """The boolean [B or 1, 1, T, T] mask (True = attend) of causal / documents / window: HF's pick and the
+    reference build it; the fast backends never do."""
+    i = torch.arange(length, device=device)
+    allowed = i[:, None] >= i[None, :]
+    if window:
+        allowed = allowed & (i[:, None] - i[None, :] < window)
+    allowed = allowed[None, None]
+    if docs is not None:
+        docs = docs.to(device)
+        allowed = allowed & (docs[:, None, :, None] == docs[:, None, None, :])
+    return allowed
+
+
+def attention_reference(query, key, value, *, scaling, docs=None, window=None, softcap=None, mask=None):
+    """The spec, in fp32 (fp64 for fp64 inputs): query [B, Hq, T, D], key/value [B, Hk, T, D] (Hq a multiple of
+    Hk), docs [B, T] or None; `mask` (boolean, broadcastable to [B, Hq, T, T]) in place of docs and window.
+    Returns [B, T, Hq, D] in query's dtype, as HF's attention functions do."""
+    math_dtype = torch.promote_types(query.dtype, torch.float32)
+    q, k, v = (t.to(math_dtype) for t in (query, key, value))
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    allowed = dense_mask(docs, window, q.shape[2], q.device) if mask is None else mask
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    return out.transpose(1, 2).to(query.dtype)
+
+
+def _sdpa(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def hf_attention(module, query, key, value, attention_mask, **kwargs):
+    """Hugging Face's pick for a materialized (or None) mask: SDPA, or the family's eager attention for a
+    softcapping layer (SDPA drops the softcap)."""
+    if kwargs.get("softcap") is not None:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager adds its mask
+                attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill_(
+                    ~attention_mask, torch.finfo(query.dtype).min)
+            return eager(module, query, key, value, attention_mask, **kwargs)
+        return _softcap_without_eager(query, key, value, attention_mask, **kwargs)
+    return _sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+def _softcap_without_eager(query, key, value, attention_mask, *, softcap, scaling=None, dropout=0.0, **kwargs):
+    """A softcapping layer whose modeling module has no eager_attention_forward: the spec's math (SDPA would
+    drop the cap). Takes a boolean mask, or None for causal."""
+    if dropout:
+        raise ValueError(f"tigon training attention: dropout={dropout} with softcap={softcap} needs the model "
+                         "family's eager_attention_forward, which its modeling module does not define")
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise ValueError("tigon training attention: a softcapping layer without eager attention takes a boolean "
+                         f"mask, got {attention_mask.dtype}")
+    return attention_reference(query, key, value, scaling=scaling or query.shape[-1] ** -0.5, softcap=softcap,
+                               mask=attention_mask), None
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Eager flex_attention is a slow dense reference; compiled, it is the fused kernel. dynamic=None: the first
+    # packed length compiles static, a second one recompiles with a dynamic T, after which lengths reuse it.
+    return torch.compile(flex_attention)
+
+
+def _block_mask(docs, window, length, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = q_idx >= kv_idx
+        if window:
+            allowed = allowed & (q_idx - kv_idx < window)
+        if docs is not None:
+            allowed = allowed & (docs[b, q_idx] == docs[b, kv_idx])
+        return allowed
+
+    batch = docs.shape[0] if docs is not None else None
+    return create_block_mask(mask_mod, batch, None, length, length, device=device, _compile=device.type == "cuda")
+
+
+def flex_attention_forward(query, key, value, *, scaling, docs=None, window=None, softcap=None, mask=None,
+                           compiled=True):
+    """FlexAttention over [B, Hq, T, D] / [B, Hk, T, D]: a block mask from docs / window (cached on `mask`, the
+    forward's TrainingMask, so one block mask serves every layer) and a softcap score_mod. Returns [B, T, Hq, D]."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    length = query.shape[2]
+    cache = mask.block_masks if mask is not None else {}
+    key_ = (window, length, str(query.device))
+    block_mask = cache.get(key_)
+    if block_mask is None:
+        block_mask = cache[key_] = _block_mask(docs, window, length, query.device)
+    score_mod = None
+    if softcap:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return softcap * torch.tanh(score / softcap)
+    fn = _compiled_flex() if compiled else flex_attention
+    out = fn(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling,
+             enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _has_flash_attn() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _flash_attn_forward(query, key, value, *, scaling, window, softcap, cu, max_length):
+    """flash_attn over [B, H, T, D]: varlen with the collator's cu_seq_lens / max_length (B == 1), else dense
+    causal. window_size=(w - 1, 0): flash_attn attends j in [i - left, i], HF's window is i - j < w."""
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, T, H, D]
+    extra = dict(softmax_scale=scaling, causal=True, window_size=(window - 1, 0) if window else (-1, -1),
+                 softcap=float(softcap or 0.0))
+    if cu is None:
+        return flash_attn_func(q, k, v, **extra)
+    cu = cu.to(torch.int32)
+    out = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, max_length, max_length, **extra)
+    return out.unsqueeze(0)
+
+
+def _eligible(backend, query, key, dropout, docs, cu, max_length) -> bool:
+    d = query.shape[-1]
+    if dropout or query.shape[1] % key.shape[1]:
+        return False
+    if backend == "flex":
+        return d >= 16 and d <= 256 and d & (d - 1) == 0 and query.dtype in (torch.float16, torch.bfloat16,
+                                                                              torch.float32)
+    if backend == "flash_attn":
+        packed_ok = docs is None or (cu is not None and isinstance(max_length, int) and query.shape[0] == 1)
+        return (_has_flash_attn() and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+                and d <= 256 and packed_ok)
+    return backend in ("sdpa", "eager")
+
+
+_GPU_NAMES: dict = {}
+
+
+def gpu_name(device) -> str | None:
+    """torch.cuda.get_device_name of a CUDA device (cached per index), None for any other device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _GPU_NAMES:
+        _GPU_NAMES[index] = torch.cuda.get_device_name(index)
+    return _GPU_NAMES[index]
+
+
+def choose_backend(device, kind: str) -> str:
+    """The backend the table names for this device and mask kind (HF's pick where nothing is measured)."""
+    return attention_table.pick(gpu_name(device), kind)
+
+
+def _documents(attention_mask, packed, cu, query):
+    """(docs, the TrainingMask that caches the block masks) of this call: the mask's documents (HF found them),
+    else the model's (tigon_documents kwarg), else cu_seq_lens_q's (a single packed row)."""
+    length = query.shape[2]
+    if isinstance(attention_mask, TrainingMask) and attention_mask.docs is not None:
+        return attention_mask.docs, attention_mask
+    if isinstance(packed, TrainingMask) and packed.docs is not None and packed.docs.shape[-1] == length:
+        return packed.docs, packed
+    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and query.shape[0] == 1:
+        return documents_from_cu_seq_lens(cu.to(query.device), length), None
+    return None, attention_mask if isinstance(attention_mask, TrainingMask) else None
+
+
+def training_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                               sliding_window=None, softcap=None, **kwargs):
+    """Non-decode attention of "tigon": query [B, Hq, T, D], key/value [B, Hk, S, D]; attention_mask a
+    TrainingMask, None (causal; packed by the tigon_documents or cu_seq_lens_q kwarg) or HF's dense mask.
+    Returns ([B, T, Hq, D], None)."""
+    packed = kwargs.pop(DOCUMENTS, None)
+    common = dict(dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap)
+    length = query.shape[2]
+    if not isinstance(attention_mask, TrainingMask) and (attention_mask is not None or length < 2
+                                                         or key.shape[2] != length):
+        return hf_attention(module, query, key, value, attention_mask, **common, **kwargs)  # dense, decode, cache
+    window = attention_mask.window if isinstance(attention_mask, TrainingMask) else None
+    cu = kwargs.get("cu_seq_lens_q")
+    docs, cache = _documents(attention_mask, packed, cu, query)
+    if scaling is None:
+        scaling = common["scaling"] = query.shape[-1] ** -0.5
+    kind = mask_kind(docs, window, softcap)
+    backend = choose_backend(query.device, kind)
+    max_length = kwargs.get("max_length_q")
+    if not _eligible(backend, query, key, dropout, docs, cu, max_length):
+        backend = attention_table.hf_pick(kind)
+    if backend == "flex":
+        return flex_attention_forward(query, key, value, scaling=scaling, docs=docs, window=window, softcap=softcap,
+                                      mask=cache), None
+    if backend == "flash_attn":
+        return _flash_attn_forward(query, key, value, scaling=scaling, window=window, softcap=softcap,
+                                   cu=cu if docs is not None else None, max_length=max_length), None
+    dense = None if docs is None and window is None else dense_mask(docs, window, length, query.device)
+    if backend == "eager" and softcap and dense is None:
+        dense = dense_mask(None, None, length, query.device)  # eager takes no is_causal
+    return hf_attention(module, query, key, value, dense, **common, **kwargs)
+
+
+def layer_plan(config, device) -> dict:
+    """{layer kind: {mask kind: backend}} for the PatchReport: full layers see causal / packed rows, sliding
+    layers sliding / packed+sliding rows (shorter rows than the window are causal / packed)."""
+    types = list(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None)
+    if not types:
+        sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
+        types = ["sliding_attention" if sliding else "full_attention"]
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    plan = {}
+    for layer in dict.fromkeys(types):
+        kinds = [("causal", None), ("packed", True)]
+        if layer == "sliding_attention" and window:
+            kinds += [("sliding", None), ("packed+sliding", True)]
+        plan[layer] = {}
+        for name, packed in kinds:
+            kind = mask_kind(packed, "sliding" in name, softcap)
+            plan[layer][kind] = choose_backend(device, kind)
+    return plan

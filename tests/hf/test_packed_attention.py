@@ -1,0 +1,233 @@
+"""Padding-free packed training through tigon.patch(model, attention=True) on tiny models (CPU, kernels through the
+interpreter): a DataCollatorWithFlattening row (position_ids restarting per example, first label of each example
+-100, with and without cu_seq_lens / max_length) trains exactly as the examples run one at a time unpatched.
+
+Bound (tests/_grid.py assert_bound): against the same model in fp64 run one example at a time, the patched packed
+fp32 run is within 2 x the error of the unpatched one-at-a-time fp32 run + ULPS units of roundoff of the largest
+value. The packed run sums its softmax over the whole [T] row with the other examples' keys at exp(-inf) = 0 and
+its loss over all examples at once; Tigon's kernels reorder the sums over the hidden size (64) and the vocabulary
+(131): sum_ulps(131) = 8 sqrt(131) = 92 units of roundoff per reduction, so ULPS = 128.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import tigon
+from tests._grid import assert_bound
+
+from ._tiny import tiny_model
+
+ULPS = 128
+LENGTHS = (5, 9, 3, 7)
+CASES = {
+    "llama": ("llama", {}, "sdpa"),
+    "mistral_window": ("mistral", dict(sliding_window=4), "sdpa"),  # window 4 < every row length but one
+    "gemma2_softcap": ("gemma2", dict(sliding_window=4, attn_logit_softcapping=3.0), "eager"),
+}
+
+
+def _examples(seed=0, lengths=LENGTHS):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 131, (n,), generator=g) for n in lengths]
+
+
+def _packed(examples, flash_kwargs=False, position_ids=True):
+    from transformers import DataCollatorWithFlattening
+
+    collator = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=flash_kwargs,
+                                          return_position_ids=position_ids)
+    return collator([{"input_ids": e.tolist()} for e in examples])
+
+
+def _model(case):
+    model_type, overrides, impl = CASES[case]
+    model = tiny_model(model_type, **overrides)
+    model.config._attn_implementation = impl
+    return model.train()
+
+
+def _one_at_a_time(model, examples):
+    """Per-example mean losses, and the gradients of the token-weighted mean over all examples."""
+    model.zero_grad()
+    n = sum(len(e) - 1 for e in examples)
+    losses = []
+    for e in examples:
+        loss = model(input_ids=e[None], labels=e[None]).loss
+        (loss * (len(e) - 1) / n).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _packed_run(model, batch, examples, per_example=True):
+    """Per-example losses of the packed row (labels of the other examples set to -100), and the gradients of
+    its loss (the collator's labels: the mean over every example's targets)."""
+    model.zero_grad()
+    kwargs = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
+    losses, start = [], 0
+    with torch.no_grad():
+        for e in examples if per_example else ():
+            labels = torch.full_like(batch["labels"], -100)
+            labels[:, start:start + len(e)] = batch["labels"][:, start:start + len(e)]
+            losses.append(model(input_ids=batch["input_ids"], labels=labels, **kwargs).loss)
+            start += len(e)
+    model(input_ids=batch["input_ids"], labels=batch["labels"], **kwargs).loss.backward()
+    return torch.stack(losses) if losses else None, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+# The attention alone (HF's norms, MLP, RoPE and loss: PyTorch, fast on CPU), or every Tigon piece (kernels
+# through the interpreter: the fused loss at the example boundaries, ~20x slower, so one case only).
+ATTENTION_ONLY = dict(rms_norm=False, swiglu=False, rope=False, fused_linear_cross_entropy=False, attention=True)
+
+
+def _compare(case, flash_kwargs=False, position_ids=True, examples=None, full_patch=False):
+    examples = examples or _examples()
+    model = _model(case)
+    ref64 = copy.deepcopy(model).double()
+    hf32 = copy.deepcopy(model)
+    report = tigon.patch(model, attention=True) if full_patch else tigon.patch(model, **ATTENTION_ONLY)
+    assert report.attention_backends, report
+    batch = _packed(examples, flash_kwargs, position_ids)
+    assert batch["input_ids"].shape == (1, sum(len(e) for e in examples)) and "attention_mask" not in batch
+    got_loss, got_grads = _packed_run(model, batch, examples, per_example=not full_patch)
+    hf_loss, hf_grads = _one_at_a_time(hf32, examples)
+    ref_loss, ref_grads = _one_at_a_time(ref64, examples)
+    if not full_patch:
+        assert_bound("per-example loss", got_loss, hf_loss, ref_loss, torch.float32, ulps=ULPS)
+    assert got_grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert_bound(f"grad {name}", got_grads[name], hf_grads[name], ref_grads[name], torch.float32, ulps=ULPS)
+    return model, batch
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_packed_row_trains_as_the_examples_one_at_a_time(case):
+    _compare(case)
+
+
+def test_packed_row_with_every_tigon_piece():
+    """Norms, MLP, RoPE and the fused loss too: the collator's -100 at each example's first token is the target
+    of the previous example's last token, so the fused loss drops exactly the cross-example predictions."""
+    _compare("llama", examples=_examples(3, (4, 6, 3)), full_patch=True)
+
+
+@pytest.mark.parametrize("flash_kwargs,position_ids", [(True, True), (True, False)])
+def test_packed_with_cu_seq_lens_kwargs(flash_kwargs, position_ids):
+    """The collator's cu_seq_lens_q/k, max_length_q/k beside position_ids, or alone (positions then run on
+    across examples, so only the llama case's attention is checked: the reference gets the same positions)."""
+    if position_ids:
+        _compare("llama", flash_kwargs, position_ids)
+        return
+    examples = _examples()
+    model = _model("llama")
+    hf = copy.deepcopy(model)
+    tigon.patch(model, **ATTENTION_ONLY)
+    batch = _packed(examples, flash_kwargs=True, position_ids=False)
+    assert "cu_seq_lens_q" in batch and "position_ids" not in batch
+    # Without position_ids HF numbers the row 0..T-1; attention must still stay inside each example. The
+    # unpatched model sees the same positions with a block-diagonal mask: a 4-D mask is used as given.
+    docs = torch.repeat_interleave(torch.arange(len(examples)), torch.tensor([len(e) for e in examples]))
+    t = len(docs)
+    allowed = torch.tril(torch.ones(t, t, dtype=torch.bool)) & (docs[:, None] == docs[None, :])
+    with torch.no_grad():
+        ref = hf(input_ids=batch["input_ids"], labels=batch["labels"], attention_mask=allowed[None, None]).loss
+        got = model(input_ids=batch["input_ids"], labels=batch["labels"],
+                    **{k: v for k, v in batch.items() if k not in ("input_ids", "labels")}).loss
+    torch.testing.assert_close(got, ref, rtol=ULPS * 2**-24 * 10, atol=0)
+
+
+def test_unpatched_sdpa_attends_across_examples():
+    """Why this exists: HF's sdpa path makes a DynamicCache (use_cache defaults on), which turns its packed-sequence
+    detection off, so a packed row attends across examples."""
+    examples = _examples()
+    model = _model("llama")
+    batch = _packed(examples)
+    with torch.no_grad():
+        packed = model(**batch).loss
+    per, _ = _one_at_a_time(copy.deepcopy(model), examples)
+    n = torch.tensor([len(e) - 1 for e in examples], dtype=per.dtype)
+    assert abs(float(packed - (per * n).sum() / n.sum())) > 1e-3
+
+
+def test_unpatch_restores_the_models_attention():
+    model = _model("llama")
+    tigon.patch(model, attention=True)
+    assert model.config._attn_implementation == "tigon" and "forward" in model.model.__dict__
+    tigon.unpatch(model)
+    assert model.config._attn_implementation == "sdpa" and "forward" not in model.model.__dict__
+
+
+def test_auto_keeps_hf_attention_where_nothing_is_measured():
+    model = _model("llama")
+    report = tigon.patch(model)  # attention="auto" on a CPU: nothing measured faster than HF's pick
+    assert model.config._attn_implementation == "sdpa"
+    assert any(piece == "attention" and "keeps 'sdpa'" in why for piece, why in report.skipped), report.skipped
+    with pytest.raises(TypeError, match="attention must be True, False or 'auto'"):
+        tigon.patch(model, attention="yes")
+
+
+def _padded(examples):
+    t = max(len(e) for e in examples)
+    ids = torch.zeros(len(examples), t, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, e in enumerate(examples):
+        ids[i, :len(e)], mask[i, :len(e)], labels[i, :len(e)] = e, 1, e
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def test_hf_trainer_with_flattening_collator_matches_padded_unpatched(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    examples = _examples(1, (6, 11, 4, 9, 7, 5))
+    data = [{"input_ids": e.tolist()} for e in examples]
+
+    def run(patched, out):
+        model = _model("llama")
+        if patched:
+            tigon.patch(model, **ATTENTION_ONLY)
+        collator = (transformers.DataCollatorWithFlattening() if patched
+                    else lambda feats: _padded([torch.tensor(f["input_ids"]) for f in feats]))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
+            dataloader_num_workers=0, remove_unused_columns=False)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    packed, padded = run(True, "packed"), run(False, "padded")
+    assert len(packed) == 3
+    torch.testing.assert_close(torch.tensor(packed), torch.tensor(padded), rtol=1e-4, atol=1e-5)
+
+
+def _tokenizer():
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(131)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t1"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2", unk_token="t1")
+
+
+def test_trl_sft_padding_free_on_a_patched_model(tmp_path):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    examples = _examples(2, (6, 11, 4, 9))
+    data = datasets.Dataset.from_list([{"input_ids": e.tolist()} for e in examples])
+
+    def run(padding_free, patched, out):
+        model = _model("llama")
+        if patched:
+            tigon.patch(model, **ATTENTION_ONLY)
+        args = trl.SFTConfig(output_dir=str(tmp_path / out), max_steps=2, per_device_train_batch_size=2,
+                             learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                             seed=0, data_seed=0, padding_free=padding_free, max_length=None, bf16=False)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer())
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    packed, padded = run(True, True, "packed"), run(False, False, "padded")
+    assert len(packed) == 2
+    torch.testing.assert_close(torch.tensor(packed), torch.tensor(padded), rtol=1e-4, atol=1e-5)

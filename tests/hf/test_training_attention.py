@@ -1,0 +1,232 @@
+"""tigon.hf.training_attention: HF's mask read without the [T, T] tensor, document ids on the device, each backend
+against the fp64 spec (attention_reference), the table's pick and its fallbacks.
+
+Bounds (tests/_grid.py assert_bound): err(backend) <= 2 * err(HF's pick in the same dtype) + ulps * u * max|ref|
+against attention_reference in fp64 on the same inputs. In fp32 a softmax row is a sum of T <= 40 terms and the
+two GEMMs sum over D = 16 and T: sum_ulps(40) = 8 sqrt(40) = 51 units of roundoff, so ulps = 64.
+"""
+
+import pytest
+import torch
+
+from tests._grid import assert_bound, randn
+from tigon.hf import attention_table
+from tigon.hf import training_attention as ta
+
+ULPS = 64
+
+
+def _docs(lengths, t=None):
+    docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return docs[None] if t is None else docs[None, :t]
+
+
+def _positions(lengths):
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+def _hf_mask(fn, t, attention_mask=None):
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(batch_size=1, q_length=t, kv_length=t, q_offset=0, kv_offset=0, mask_function=fn,
+                     attention_mask=attention_mask, allow_is_causal_skip=False)
+
+
+def test_training_mask_reads_hfs_causal_window_and_packed_functions():
+    from transformers import masking_utils as mu
+
+    lengths, t = [5, 9, 3, 7], 24
+    docs = mu.find_packed_sequence_indices(_positions(lengths))
+    cases = {
+        "packed": (mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(docs)), docs, None),
+        "sliding": (mu.sliding_window_causal_mask_function(4), None, 4),
+        "packed+sliding": (mu.and_masks(mu.sliding_window_causal_mask_function(4),
+                                        mu.packed_sequence_mask_function(docs)), docs, 4),
+    }
+    for name, (fn, want_docs, want_window) in cases.items():
+        got = ta.training_mask(mask_function=fn, q_length=t, kv_length=t)
+        assert isinstance(got, ta.TrainingMask), name
+        assert got.window == want_window and (got.docs is want_docs), name
+        # the dense mask built from what was read is HF's, element for element
+        assert torch.equal(ta.dense_mask(got.docs, got.window, t, "cpu").expand(1, 1, t, t), _hf_mask(fn, t)), name
+    assert ta.training_mask(mask_function=mu.causal_mask_function, q_length=t, kv_length=t) is None
+    # a window no row reaches is plain causal
+    assert ta.training_mask(mask_function=mu.sliding_window_causal_mask_function(t), q_length=t, kv_length=t) is None
+
+
+@pytest.mark.parametrize("case", ["padding", "offset", "cache", "unknown", "or", "decode"])
+def test_training_mask_leaves_the_rest_to_hf(case):
+    from transformers import masking_utils as mu
+
+    t, fn, kw = 12, mu.causal_mask_function, {}
+    if case == "padding":
+        kw["attention_mask"] = torch.ones(1, t, dtype=torch.bool)
+    elif case == "offset":
+        kw["q_offset"] = 3
+    elif case == "cache":
+        kw["kv_length"] = t + 4
+    elif case == "unknown":
+        fn = mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
+    elif case == "or":
+        fn = mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function)
+    kw.setdefault("kv_length", 1 if case == "decode" else t)
+    got = ta.training_mask(mask_function=fn, q_length=1 if case == "decode" else t, **kw)
+    assert got is NotImplemented
+
+
+def test_document_ids_on_the_device_match_hfs_detection():
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    lengths = [5, 1, 9, 3]
+    pos = _positions(lengths)
+    assert torch.equal(ta.documents_from_position_ids(pos), find_packed_sequence_indices(pos))
+    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    assert torch.equal(ta.documents_from_cu_seq_lens(cu, 18), _docs(lengths))
+    # tokens past the last boundary (a row padded to a multiple) form one more document
+    assert ta.documents_from_cu_seq_lens(cu, 20)[0, -2:].tolist() == [4, 4]
+
+
+def _qkv(b=1, hq=4, hk=2, t=24, d=16, dtype=torch.float32, seed=0, grad=False):
+    torch.manual_seed(seed)
+    return [randn(b, h, t, d, dtype=dtype, requires_grad=grad) for h in (hq, hk, hk)]
+
+
+SPECS = {
+    "causal": (None, None, None),
+    "packed": ([5, 9, 3, 7], None, None),
+    "sliding": (None, 4, None),
+    "packed+sliding+softcap": ([5, 9, 3, 7], 4, 3.0),
+    "packed+softcap": ([5, 9, 3, 7], None, 2.0),
+}
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_flex_forward_matches_the_reference(spec):
+    """FlexAttention's block mask and softcap score_mod (eager on CPU: forward only, torch has no CPU backward)."""
+    lengths, window, softcap = SPECS[spec]
+    docs = _docs(lengths) if lengths else None
+    q, k, v = _qkv()
+    scaling = 16 ** -0.5
+    ref = ta.attention_reference(q.double(), k.double(), v.double(), scaling=scaling, docs=docs, window=window,
+                                 softcap=softcap)
+    hf = ta.attention_reference(q, k, v, scaling=scaling, docs=docs, window=window, softcap=softcap)
+    mask = ta.TrainingMask(docs, window)
+    with torch.no_grad():
+        got = ta.flex_attention_forward(q, k, v, scaling=scaling, docs=docs, window=window, softcap=softcap,
+                                        mask=mask, compiled=False)
+    assert_bound(f"flex {spec}", got, hf, ref, torch.float32, ulps=ULPS)
+    assert list(mask.block_masks) == [(window, 24, "cpu")]  # built once, kept for the next layer
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+    num_key_value_groups = 2  # HF repeats K/V by it (4 query heads, 2 KV heads)
+    training = True
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_hfs_pick_forward_and_gradients_match_the_reference(spec):
+    """What a CPU (and a GPU without a measured row) runs: SDPA / eager with the dense mask of the same
+    documents and window, forward and every gradient."""
+    lengths, window, softcap = SPECS[spec]
+    docs = _docs(lengths) if lengths else None
+    q, k, v = _qkv(grad=True)
+    go = randn(1, 24, 4, 16)
+    scaling = 16 ** -0.5
+    mask = ta.TrainingMask(docs, window) if docs is not None or window else None
+    out, weights = ta.training_attention_forward(_Module(), q, k, v, mask, scaling=scaling, softcap=softcap)
+    assert weights is None or softcap  # eager returns its weights
+    got = [out, *torch.autograd.grad(out, (q, k, v), go)]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out = ta.attention_reference(q64, k64, v64, scaling=scaling, docs=docs, window=window, softcap=softcap)
+    ref = [ref_out, *torch.autograd.grad(ref_out, (q64, k64, v64), go.double())]
+    q32, k32, v32 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    t_out = ta.attention_reference(q32, k32, v32, scaling=scaling, docs=docs, window=window, softcap=softcap)
+    torch_f32 = [t_out, *torch.autograd.grad(t_out, (q32, k32, v32), go)]
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), got, torch_f32, ref):
+        assert_bound(f"{spec} {name}", a, b, r, torch.float32, ulps=ULPS)
+
+
+def test_documents_kwarg_and_cu_seq_lens_confine_a_none_mask():
+    lengths = [5, 9, 3, 7]
+    q, k, v = _qkv()
+    scaling = 16 ** -0.5
+    ref = ta.attention_reference(q, k, v, scaling=scaling, docs=_docs(lengths))
+    with torch.no_grad():
+        by_docs, _ = ta.training_attention_forward(_Module(), q, k, v, None, scaling=scaling,
+                                                   **{ta.DOCUMENTS: ta.TrainingMask(_docs(lengths))})
+        cu = torch.tensor([0, 5, 14, 17, 24], dtype=torch.int32)
+        by_cu, _ = ta.training_attention_forward(_Module(), q, k, v, None, scaling=scaling, cu_seq_lens_q=cu,
+                                                 cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+    torch.testing.assert_close(by_docs, ref, rtol=ULPS * 2**-24, atol=ULPS * 2**-24)
+    torch.testing.assert_close(by_cu, ref, rtol=ULPS * 2**-24, atol=ULPS * 2**-24)
+
+
+def test_the_table_picks_measured_rows_and_falls_back_when_not_eligible(monkeypatch):
+    assert attention_table.pick(None, "packed") == "sdpa"
+    assert attention_table.pick("NVIDIA H200", "causal+softcap") == "eager" or \
+        ("NVIDIA H200", "causal+softcap") in attention_table.MEASURED
+    monkeypatch.setattr(attention_table, "MEASURED", {("Test GPU", "packed"): "flex"})
+    monkeypatch.setattr(ta, "gpu_name", lambda device: "Test GPU")
+    monkeypatch.setattr(ta, "_compiled_flex", lambda: __import__("torch").nn.attention.flex_attention.flex_attention)
+    calls = []
+    real = ta.flex_attention_forward
+    monkeypatch.setattr(ta, "flex_attention_forward", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    lengths = [5, 9, 3, 7]
+    mask = ta.TrainingMask(_docs(lengths))
+    q, k, v = _qkv()
+    with torch.no_grad():
+        ta.training_attention_forward(_Module(), q, k, v, mask, scaling=0.25)
+        assert len(calls) == 1 and calls[0]["mask"] is mask
+        ta.training_attention_forward(_Module(), q, k, v, mask, scaling=0.25, dropout=0.1)  # flex has no dropout
+        q24, k24, v24 = _qkv(d=24)
+        ta.training_attention_forward(_Module(), q24, k24, v24, mask, scaling=0.25)  # head dim not a power of 2
+    assert len(calls) == 1
+
+
+def test_layer_plan_names_each_layer_kind():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gemma2", sliding_window=16, attn_logit_softcapping=50.0, num_hidden_layers=2)
+    plan = ta.layer_plan(config, torch.device("cpu"))
+    assert set(plan) == {"sliding_attention", "full_attention"}
+    assert plan["full_attention"] == {"causal+softcap": "eager", "packed+softcap": "eager"}
+    assert plan["sliding_attention"]["packed+sliding+softcap"] == "eager"
+    llama = ta.layer_plan(AutoConfig.for_model("llama"), torch.device("cpu"))
+    assert llama == {"full_attention": {"causal": "sdpa", "packed": "sdpa"}}
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs a CUDA GPU")
+
+
+@CUDA
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_flex_forward_and_gradients_on_the_gpu(spec, dtype):
+    """The kernel the table picks on a GPU, forward and backward, at a length past two 128-blocks."""
+    lengths, window, softcap = SPECS[spec]
+    t = 300
+    if lengths:
+        lengths = [90, 17, 130, 63]
+    docs = _docs(lengths).cuda() if lengths else None
+    window = 40 if window else None
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2 if docs is None else 1, h, t, 64, device="cuda", dtype=dtype, requires_grad=True)
+               for h in (8, 2, 2))
+    go = torch.randn(q.shape[0], t, 8, 64, device="cuda", dtype=dtype)
+    scaling = 64 ** -0.5
+    out = ta.flex_attention_forward(q, k, v, scaling=scaling, docs=docs, window=window, softcap=softcap)
+    got = [out, *torch.autograd.grad(out, (q, k, v), go)]
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    r = ta.attention_reference(q64, k64, v64, scaling=scaling, docs=docs, window=window, softcap=softcap)
+    ref = [r, *torch.autograd.grad(r, (q64, k64, v64), go.double())]
+    qd, kd, vd = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    mask = ta.dense_mask(docs, window, t, "cuda")
+    hq = torch.nn.functional.scaled_dot_product_attention
+    if softcap:
+        td = ta.attention_reference(qd, kd, vd, scaling=scaling, docs=docs, window=window, softcap=softcap)
+    else:
+        td = hq(qd, kd, vd, attn_mask=mask, scale=scaling, enable_gqa=True).transpose(1, 2)
+    tdt = [td, *torch.autograd.grad(td, (qd, kd, vd), go)]
+    for name, a, b, rr in zip(("out", "dq", "dk", "dv"), got, tdt, ref):
+        assert_bound(f"{spec} {name}", a, b, rr, dtype, ulps=ULPS)
