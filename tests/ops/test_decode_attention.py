@@ -6,8 +6,9 @@ import torch.nn.functional as F
 
 from tests._grid import DTYPES, assert_bound, assert_no_sync_and_deterministic, randn
 from tigon import ops
+from tigon.ops import reference
 from tigon.ops._config import DecodeAttentionConfig
-from tigon.ops.decode_attention import decode_attention, decode_attention_reference
+from tigon.ops.decode_attention import decode_attention
 
 B, HQ, HKV = 2, 4, 2
 
@@ -76,7 +77,7 @@ def _eager_in_dtype(q, k, v, sp, qp, scale=None, sliding_window=None, softcap=No
 
 def _check(name, q, k, v, sp, qp, dtype, config=None, **kw):
     out = decode_attention(q, k, v, sp, qp, config=config, **kw)
-    ref = decode_attention_reference(q.double(), k.double(), v.double(), sp, qp, **kw)
+    ref = reference.decode_attention(q.double(), k.double(), v.double(), sp, qp, **kw)
     assert out.dtype == dtype and out.shape == q.shape
     assert_bound(name, out, _eager_in_dtype(q, k, v, sp, qp, **kw), ref, dtype)
     return out
@@ -169,7 +170,7 @@ def test_nothing_attended_is_nan(device, n_splits):
     sp[0] = torch.where(sp[0] >= 0, sp[0] + 100, -1)  # all of sequence 0's slots are in its future
     out = decode_attention(q, k, v, sp, qp, config=_splits(n_splits))
     assert out[0].isnan().all() and torch.isfinite(out[1]).all()
-    ref = decode_attention_reference(q, k, v, sp, qp)
+    ref = reference.decode_attention(q, k, v, sp, qp)
     assert ref[0].isnan().all()
     torch.testing.assert_close(out[1], ref[1])
 

@@ -1,7 +1,7 @@
 """decode_linear: the few-row GEMV of a decode step with RMSNorm before and concat / GLU / residual after.
 
 Every output is checked against
-- bf16 / fp16: the spec in the input dtype (`decode_linear_reference`: the unfused modules in fp32, rounding
+- bf16 / fp16: the spec in the input dtype (`reference.decode_linear`: the unfused modules in fp32, rounding
   where they round), within a couple of ulps of the output magnitude. Triton's interpreter casts fp32 -> bf16 by
   truncation (a GPU rounds to nearest), and up to four such casts compound (norm, projection, GLU, residual),
   so where the cast truncates bf16 is held to the same spec with truncating casts (`_spec`), as tight; and the
@@ -27,7 +27,7 @@ from tests._grid import DTYPES, U32, UNIT_ROUNDOFF, assert_bound, assert_tol, er
 from tigon import ops
 from tigon.ops import _library, reference
 from tigon.ops._config import DecodeLinearConfig
-from tigon.ops.decode_linear import decode_linear, decode_linear_reference
+from tigon.ops.decode_linear import decode_linear
 
 dl = importlib.import_module("tigon.ops.decode_linear")  # the module: tigon.ops.decode_linear is the op
 
@@ -97,7 +97,7 @@ def _d64(t):
 
 
 def _spec(x, ws, *, norm_weight=None, eps=1e-6, residual=None, activation=None, truncate=False):
-    """decode_linear_reference written out, each fp32 -> dtype cast rounding to nearest or, with truncate, toward
+    """reference.decode_linear written out, each fp32 -> dtype cast rounding to nearest or, with truncate, toward
     zero (for bf16: the low 16 bits dropped, as Triton's interpreter casts)."""
     dt = x.dtype
 
@@ -145,7 +145,7 @@ def _exact_and_fp32_tol(x, ws, *, norm_weight=None, eps=1e-6, residual=None, act
     terms); act(gate) * up carries the projections' errors through |d/d gate|, |d/d up| and adds GLU_ULPS; the
     residual add one rounding. A kernel summing K in any order, and torch on any host, is within it."""
     ws = [ws] if isinstance(ws, torch.Tensor) else list(ws)
-    exact = decode_linear_reference(x.double(), [w.double() for w in ws], norm_weight=_d64(norm_weight), eps=eps,
+    exact = reference.decode_linear(x.double(), [w.double() for w in ws], norm_weight=_d64(norm_weight), eps=eps,
                                     residual=_d64(residual), activation=activation)
     K = x.shape[-1]
     x2 = x.detach().double().reshape(-1, K)
@@ -172,7 +172,7 @@ def _check(name, x, weights, config=None, **kw):
     dtype = x.dtype
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     y = decode_linear(x, weights, config=config, **kw)
-    spec = decode_linear_reference(x, ws, **kw)
+    spec = reference.decode_linear(x, ws, **kw)
     exact, tol32 = _exact_and_fp32_tol(x, ws, **kw)
     assert y.dtype == dtype and y.shape == spec.shape == exact.shape, (y.shape, spec.shape)
     assert y.is_contiguous()
@@ -619,7 +619,7 @@ def test_tensors_that_require_grad_are_fine_under_no_grad(device):
     with torch.no_grad():
         y = decode_linear(x.requires_grad_(), [w.requires_grad_() for w in ws], norm_weight=nw, residual=r)
     assert not y.requires_grad
-    torch.testing.assert_close(y, decode_linear_reference(x.detach(), [w.detach() for w in ws], norm_weight=nw,
+    torch.testing.assert_close(y, reference.decode_linear(x.detach(), [w.detach() for w in ws], norm_weight=nw,
                                                           residual=r), rtol=1e-5, atol=1e-5)
 
 

@@ -4,13 +4,7 @@ import torch
 from tests._grid import DTYPES, assert_bound, assert_no_sync_and_deterministic, randn
 from tigon import ops
 from tigon.ops import reference
-from tigon.ops.kv_write import (
-    ring_slots,
-    rope_kv_append,
-    rope_kv_append_reference,
-    rope_kv_write,
-    rope_kv_write_reference,
-)
+from tigon.ops.kv_write import rope_kv_append, rope_kv_write
 
 
 def _inputs(dtype, B=3, Hq=6, Hkv=3, T=2, D=16, rd=None, C=7, slots=(5, 1), device="cpu", cos_batch=1, seed=0):
@@ -30,7 +24,7 @@ def _inputs(dtype, B=3, Hq=6, Hkv=3, T=2, D=16, rd=None, C=7, slots=(5, 1), devi
 def _check(dtype, key, value, cos, sin, k_cache, v_cache, slots, query):
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
     q_embed = rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, query=query)
-    q_ref = rope_kv_write_reference(key, value, cos, sin, kc_ref, vc_ref, slots, query=query)
+    q_ref = reference.rope_kv_write(key, value, cos, sin, kc_ref, vc_ref, slots, query=query)
     # Slots not written keep their NaN poison; the written ones are finite.
     assert torch.equal(k_cache.isnan(), kc_ref.isnan()) and torch.equal(v_cache.isnan(), vc_ref.isnan())
     written = [s for s in slots.tolist() if 0 <= s < k_cache.shape[2]]
@@ -211,8 +205,24 @@ def test_rolling_cache_update_rope_equals_rope_then_update(device):
 
 
 def _ring_slot(p, C, sink):
-    """The documented rule, in plain Python: p below the sinks stays, the rest rolls over C - sink slots."""
-    return p if p < sink else sink + (p - sink) % (C - sink)
+    """The documented rule stated as the ring fills, independently of reference.ring_slot's arithmetic: the
+    first C positions take slots 0..C-1; later, position p takes the slot of the oldest rolling position still
+    held, p - (C - sink)."""
+    return p if p < C else _ring_slot(p - (C - sink), C, sink)
+
+
+@pytest.mark.parametrize("C,sink", [(1, 0), (8, 0), (8, 2), (8, 7), (5, 1)])
+def test_ring_slot_formula(device, C, sink):
+    """reference.ring_slot (the one formula: the kernel, the reference and RollingKVCache use it) against the
+    fill rule, functional and in place from device constants, for positions up to several laps."""
+    p = torch.arange(4 * C + 3, device=device)
+    want = [_ring_slot(int(i), C, sink) for i in p]
+    assert reference.ring_slot(p, sink, C - sink).tolist() == want
+    consts = torch.tensor([sink, C - sink], device=device)
+    out = torch.empty(1, dtype=torch.int64, device=device)
+    for i in (0, C - 1, C, 3 * C + 2):
+        reference.ring_slot(p[i:i + 1], consts[0:1], consts[1:2], out=out)
+        assert out.item() == want[i]
 
 
 def _append_inputs(dtype, *, C=8, T=1, next_pos=0, device, **kw):
@@ -234,14 +244,14 @@ def _check_append(dtype, key, value, cos, sin, k_cache, v_cache, positions, next
     ps = [int(next_position.item()) + t for t in range(T)]
     slots = [_ring_slot(p, C, sink) for p in ps]
     assert len(set(slots)) == T, "test precondition: no two tokens of the chunk share a slot"
-    assert ring_slots(torch.tensor(ps), C, sink).tolist() == slots
+    assert reference.ring_slot(torch.tensor(ps), sink, C - sink).tolist() == slots
     kc_ref, vc_ref, pos_ref = k_cache.clone(), v_cache.clone(), positions.clone()
     kc_w, vc_w = k_cache.clone(), v_cache.clone()
     pos_before, next_before = positions.clone(), next_position.clone()
 
     q_embed = rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position, sink=sink,
                              query=query)
-    q_ref = rope_kv_append_reference(key, value, cos, sin, kc_ref, vc_ref, pos_ref, next_position.clone(),
+    q_ref = reference.rope_kv_append(key, value, cos, sin, kc_ref, vc_ref, pos_ref, next_position.clone(),
                                      sink=sink, query=query)
     q_w = rope_kv_write(key, value, cos, sin, kc_w, vc_w, torch.tensor(slots, device=key.device), query=query)
 
@@ -315,7 +325,7 @@ def test_append_decode_sequence_wraps_the_ring(device):
         key, value, cos, sin, _, _, _, query = _inputs(torch.bfloat16, B=B, T=T, C=C, slots=(0,) * T,
                                                        device=device, seed=step)
         q = rope_kv_append(key, value, cos, sin, kc, vc, pos, nxt, sink=sink, query=query)
-        q_ref = rope_kv_append_reference(key, value, cos, sin, kc_ref, vc_ref, pos_ref, nxt, sink=sink,
+        q_ref = reference.rope_kv_append(key, value, cos, sin, kc_ref, vc_ref, pos_ref, nxt, sink=sink,
                                          query=query)
         nxt += T
         assert torch.equal(pos, pos_ref)

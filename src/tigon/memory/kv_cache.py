@@ -28,6 +28,8 @@ layers are refused; beam search reorders in place, other batch reshaping is refu
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
+from ..ops.reference import ring_slot
+
 _NAME = "RollingKVCache"
 _SUPPORTED = ("full_attention", "sliding_attention")
 
@@ -88,7 +90,7 @@ def _layer_storage(batch, heads, head_dim, rings, sinks, dtype, device):
     one buffer of each kind (a few kernels to build a cache, not six per layer). keys and values are zeros, not
     garbage: HF's attention over the whole ring (attention="hf") multiplies masked slots by 0; positions are
     -1 (empty); next (the next absolute position) and slot (the decode step's) are zero counters updated in
-    place; consts are the decode step's int64 constants (sink, recent, -recent, 1) as device tensors, one
+    place; consts are the decode step's int64 constants (sink, recent, 1) as device tensors, one
     host-to-device copy per distinct ring shape (a Python scalar operand would be a fresh 8-byte tensor per op)."""
     per = [batch * heads * r * head_dim for r in rings]
     kv = torch.zeros(2 * sum(per), dtype=dtype, device=device)
@@ -98,7 +100,7 @@ def _layer_storage(batch, heads, head_dim, rings, sinks, dtype, device):
     out, k_off, p_off = [], 0, 0
     for i, (r, n, sink) in enumerate(zip(rings, per, sinks)):
         if (r, sink) not in consts:
-            consts[r, sink] = torch.tensor([sink, r - sink, sink - r, 1], dtype=torch.int64, device=device)
+            consts[r, sink] = torch.tensor([sink, r - sink, 1], dtype=torch.int64, device=device)
         keys = kv[k_off:k_off + n].view(batch, heads, r, head_dim)
         values = kv[k_off + n:k_off + 2 * n].view(batch, heads, r, head_dim)
         out.append((keys, values, pos[p_off:p_off + r], state[i, 0:1], state[i, 1:2], consts[r, sink]))
@@ -136,7 +138,7 @@ class RollingKVLayer(CacheLayerMixin):
 
     def _adopt(self, storage) -> None:
         self.keys, self.values, self.positions, self._next, self._slot, consts = storage
-        self._sink_t, self._recent_t, self._neg_recent_t, self._one_t = consts.split(1)
+        self._sink_t, self._recent_t, self._one_t = consts.split(1)
         self.is_initialized = True
         if not torch.compiler.is_compiling():
             for t in (self.keys, self.values, self.positions, self._next, self._slot, consts):
@@ -172,8 +174,7 @@ class RollingKVLayer(CacheLayerMixin):
 
     def _slots_of(self, p: torch.Tensor) -> torch.Tensor:
         """Slot of each absolute position: p below the sinks, else sink + (p - sink) % recent."""
-        laps = torch.div(p - self.sink, self.recent, rounding_mode="floor").clamp_(min=0)
-        return p - laps * self.recent
+        return ring_slot(p, self.sink, self.recent)
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Validate an update's K/V; a lazily allocated ring is allocated here, from the first one."""
@@ -247,10 +248,8 @@ class RollingKVLayer(CacheLayerMixin):
         return full_k, full_v
 
     def _decode_slot(self) -> None:
-        """The slot of position `_next` into `_slot`, on the device: sink + (p - sink) % recent past the sinks."""
-        torch.sub(self._next, self._sink_t, out=self._slot)
-        self._slot.div_(self._recent_t, rounding_mode="floor").clamp_(min=0)
-        self._slot.mul_(self._neg_recent_t).add_(self._next)
+        """The slot of position `_next` into `_slot`, on the device, from the device constants (no allocation)."""
+        ring_slot(self._next, self._sink_t, self._recent_t, out=self._slot)
 
     def update_rope(self, key_states, value_states, cos, sin, query_states=None, *, advance=True):
         """`update` for keys before RoPE: returns (keys, values, rotated query or None).

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _library
+from . import _launch, _library, reference
 from ._config import DECODE_ATTENTION, DecodeAttentionConfig
 
 # Launch settings: a DecodeAttentionConfig (ops/_config.py), the measured defaults unless the caller passes one.
@@ -293,30 +293,6 @@ def _(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap, conf
     return q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3]))
 
 
-def decode_attention_reference(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, sliding_window=None,
-                               softcap=None):
-    """The spec, in fp32 (fp64 for fp64 inputs): softmax over the attended slots, one cast at the end."""
-    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    B, Hq, _, D = q.shape
-    Hkv, C = k_cache.shape[1], k_cache.shape[2]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    qf = q.to(ct).reshape(B, Hkv, Hq // Hkv, D)
-    sp = slot_pos.expand(B, C)
-    qp = q_pos.reshape(-1, 1)  # [B, 1] or [1, 1]
-    allowed = (sp >= 0) & (sp <= qp)
-    if sliding_window:
-        allowed = allowed & (qp - sp < sliding_window)
-    s = torch.einsum("bhgd,bhcd->bhgc", qf, k_cache.to(ct)) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)  # a row with nothing allowed is NaN
-    # What unattended slots hold (stale values, an uninitialized cache's NaN) must not leak in via 0 * NaN.
-    vf = v_cache.to(ct).masked_fill(~allowed[:, None, :, None], 0.0)
-    out = torch.einsum("bhgc,bhcd->bhgd", p, vf)
-    return out.reshape(B, Hq, 1, D).to(q.dtype)
-
-
 def _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap):
     op = "decode_attention"
     _launch.check_tensor(op, "q", q)
@@ -385,7 +361,7 @@ def decode_attention(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, slidin
     counter = q_pos
     q_pos = q_pos.reshape(-1).expand(q.shape[0])  # one position for the batch: a stride-0 view, no copy
     if not _library.use_kernels("decode_attention", q):
-        out = decode_attention_reference(q, k_cache, v_cache, slot_pos, q_pos, scale=scale,
+        out = reference.decode_attention(q, k_cache, v_cache, slot_pos, q_pos, scale=scale,
                                          sliding_window=window, softcap=softcap)
         if advance_q_pos:
             counter.add_(1)

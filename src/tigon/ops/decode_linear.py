@@ -283,21 +283,6 @@ def _(x, weights, norm_weight, eps, residual, activation, config=None):
     return x.new_empty((x.shape[0], n))
 
 
-def decode_linear_reference(x, weights, *, norm_weight=None, eps=1e-6, residual=None, activation=None):
-    """The spec: the unfused modules in fp32 (fp64 for fp64 inputs), rounding where they round."""
-    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    h = reference.rms_norm(x, norm_weight, eps) if norm_weight is not None else x
-    outs = [(h.to(ct) @ w.to(ct).t()).to(x.dtype) for w in weights]
-    if activation is not None:
-        glu = reference.swiglu if activation == "silu" else reference.geglu
-        y = glu(outs[0], outs[1])
-    else:
-        y = torch.cat(outs, dim=-1)
-    if residual is not None:
-        y = (y.to(ct) + residual.to(ct)).to(x.dtype)
-    return y
-
-
 def _validate(x, weights, norm_weight, eps, residual, activation, config):
     op = "decode_linear"
     if config is not None and not isinstance(config, DecodeLinearConfig):
@@ -367,7 +352,7 @@ def decode_linear(x, weights, *, norm_weight=None, eps=1e-6, residual=None, acti
             r2 = r2.contiguous()
     nw = norm_weight.contiguous() if norm_weight is not None else None
     if not _library.use_kernels("decode_linear", x):
-        y = decode_linear_reference(x2, weights, norm_weight=nw, eps=eps, residual=r2, activation=activation)
+        y = reference.decode_linear(x2, weights, norm_weight=nw, eps=eps, residual=r2, activation=activation)
         return y.reshape(*lead, n_out)
     act = ACTIVATIONS[activation]
     y = _library.dispatch(_traced, None, _launch_kernel, x2, weights, nw, eps, r2, act, config)

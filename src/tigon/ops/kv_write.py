@@ -44,6 +44,13 @@ def _copy_heads(
 
 
 @triton.jit
+def _ring_slot(p, sink, recent):
+    """reference.ring_slot in a kernel: p below the sinks, else sink + (p - sink) % recent."""
+    laps = tl.maximum((p - sink) // recent, 0)  # p - sink < 0 truncates to 0 either way
+    return p - laps * recent
+
+
+@triton.jit
 def _rope_kv_write_kernel(
     K,  # [B, Hkv, T, D] new keys before RoPE, unit stride on D
     V,  # [B, Hkv, T, D] new values, unit stride on D
@@ -94,11 +101,9 @@ def _rope_kv_write_kernel(
             Hq, D, HALF, HAS_PASS, BLOCK_HQ, BLOCK_R, BLOCK_P,
         )
     else:
-        if SLOT_FROM_NEXT:  # position p = next + t goes to p below the sinks, else sink + (p - sink) % recent
+        if SLOT_FROM_NEXT:  # position p = next + t goes to its ring slot
             p = tl.load(NEXT) + t
-            recent = C - sink
-            laps = tl.maximum((p - sink) // recent, 0)  # p - sink < 0 truncates to 0 either way
-            slot = p - laps * recent
+            slot = _ring_slot(p, sink, C - sink)
             if (b == 0) & (part == 1) & (slot >= 0) & (slot < C):
                 tl.store(POSITIONS + slot, p)
         else:
@@ -167,15 +172,6 @@ def _(key, value, cos, sin, k_cache, v_cache, slots, query):
     return torch.empty_like(query) if query is not None else cos.new_empty(0)
 
 
-def rope_kv_write_reference(key, value, cos, sin, k_cache, v_cache, slots, *, query=None):
-    """The spec, in fp32 (rotation by `reference.apply_rope`), one cast at the store. Syncs on the slots."""
-    q_embed, k_embed = reference.apply_rope(query if query is not None else key, key, cos, sin)
-    keep = ((slots >= 0) & (slots < k_cache.shape[2])).nonzero().flatten()
-    k_cache.index_copy_(2, slots[keep], k_embed.index_select(2, keep).to(k_cache.dtype))
-    v_cache.index_copy_(2, slots[keep], value.index_select(2, keep).to(v_cache.dtype))
-    return q_embed if query is not None else None
-
-
 def _validate(key, value, cos, sin, k_cache, v_cache, slots, query, op="rope_kv_write"):
     for name, t in (("key", key), ("value", value), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
                     ("v_cache", v_cache)):
@@ -225,7 +221,7 @@ def rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, *, query=None):
     """
     _validate(key, value, cos, sin, k_cache, v_cache, slots, query)
     if not _library.use_kernels("rope_kv_write", key):
-        return rope_kv_write_reference(key, value, cos, sin, k_cache, v_cache, slots, query=query)
+        return reference.rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, query=query)
     key, value = _unit_last(key), _unit_last(value)
     query = _unit_last(query) if query is not None else None
     q_embed = _library.dispatch(torch.ops.tigon.rope_kv_write, None, _fwd_launch, key, value, cos, sin, k_cache,
@@ -250,20 +246,6 @@ def rope_kv_append_op(
 @rope_kv_append_op.register_fake
 def _(key, value, cos, sin, k_cache, v_cache, positions, next_position, sink, query):
     return torch.empty_like(query) if query is not None else cos.new_empty(0)
-
-
-def ring_slots(p: torch.Tensor, capacity: int, sink: int) -> torch.Tensor:
-    """Slot of absolute position p in a ring of `capacity` slots whose first `sink` never roll."""
-    laps = torch.div(p - sink, capacity - sink, rounding_mode="floor").clamp(min=0)
-    return p - laps * (capacity - sink)
-
-
-def rope_kv_append_reference(key, value, cos, sin, k_cache, v_cache, positions, next_position, *, sink=0,
-                             query=None):
-    p = next_position.reshape(1) + torch.arange(key.shape[2], device=next_position.device)
-    slots = ring_slots(p, k_cache.shape[2], sink)
-    positions.index_copy_(0, slots, p)
-    return rope_kv_write_reference(key, value, cos, sin, k_cache, v_cache, slots, query=query)
 
 
 def rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position, *, sink=0, query=None):
@@ -295,7 +277,7 @@ def rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_posit
     if isinstance(sink, bool) or not isinstance(sink, int) or not 0 <= sink < C:
         raise ValueError(f"{op}: sink must be an int in [0, {C}), got {sink!r}")
     if not _library.use_kernels("rope_kv_append", key):
-        return rope_kv_append_reference(key, value, cos, sin, k_cache, v_cache, positions, next_position,
+        return reference.rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position,
                                         sink=sink, query=query)
     key, value = _unit_last(key), _unit_last(value)
     query = _unit_last(query) if query is not None else None

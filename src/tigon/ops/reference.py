@@ -146,6 +146,85 @@ def linear_cross_entropy(hidden, weight, target, bias=None, **ce_kwargs):
     return loss.reshape(target.shape) if loss.dim() else loss
 
 
+# Decode ops (inference): a ring-buffer KV cache, the attention that reads it in place, the projections with
+# their neighbours fused in. Each of these writes or reads cache slots exactly as the kernel does.
+
+
+def ring_slot(p, sink, recent, *, out=None):
+    """Slot of absolute position p in a ring of `sink + recent` slots whose first `sink` never roll: p itself
+    below the sinks, else `sink + (p - sink) % recent`. p: an int64 tensor; sink, recent: ints or one-element
+    int64 tensors (a decode step's device constants). out: an int64 tensor other than p to write the slot into
+    (no allocation). The one definition of the rule; kernels use its copy, kv_write._ring_slot."""
+    if out is None:
+        laps = torch.div(p - sink, recent, rounding_mode="floor").clamp(min=0)  # below the sinks: no lap
+        return p - laps * recent
+    torch.sub(p, sink, out=out)
+    out.div_(recent, rounding_mode="floor").clamp_(min=0).mul_(recent)
+    return torch.sub(p, out, out=out)
+
+
+def rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, *, query=None):
+    """RoPE(key) and value into k_cache / v_cache at `slots` (a slot outside [0, C) is skipped), rotation in
+    fp32 (`apply_rope`), one cast at the store. Returns RoPE(query) or None. Syncs on the slots."""
+    q_embed, k_embed = apply_rope(query if query is not None else key, key, cos, sin)
+    keep = ((slots >= 0) & (slots < k_cache.shape[2])).nonzero().flatten()
+    k_cache.index_copy_(2, slots[keep], k_embed.index_select(2, keep).to(k_cache.dtype))
+    v_cache.index_copy_(2, slots[keep], value.index_select(2, keep).to(v_cache.dtype))
+    return q_embed if query is not None else None
+
+
+def rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position, *, sink=0, query=None):
+    """rope_kv_write at the ring slots of positions next_position + t (`ring_slot`), recorded in `positions`;
+    next_position is not advanced."""
+    p = next_position.reshape(1) + torch.arange(key.shape[2], device=next_position.device)
+    slots = ring_slot(p, sink, k_cache.shape[2] - sink)
+    positions.index_copy_(0, slots, p)
+    return rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, query=query)
+
+
+def decode_attention(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, sliding_window=None, softcap=None):
+    """One query token per sequence over a cache whose slots hold arbitrary positions: slot s is attended iff
+    0 <= slot_pos[s] <= q_pos (and q_pos - slot_pos[s] < sliding_window). q [B, Hq, 1, D], caches
+    [B, Hkv, C, D], slot_pos [B, C] or [C], q_pos [B], [1] or []. softcap c: scores c * tanh(s / c). fp32 math
+    (fp64 for fp64 inputs), one cast at the end; a row with no attended slot is NaN."""
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, Hq, _, D = q.shape
+    Hkv, C = k_cache.shape[1], k_cache.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qf = q.to(ct).reshape(B, Hkv, Hq // Hkv, D)
+    sp = slot_pos.expand(B, C)
+    qp = q_pos.reshape(-1, 1)  # [B, 1] or [1, 1]
+    allowed = (sp >= 0) & (sp <= qp)
+    if sliding_window:
+        allowed = allowed & (qp - sp < sliding_window)
+    s = torch.einsum("bhgd,bhcd->bhgc", qf, k_cache.to(ct)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)  # a row with nothing allowed is NaN
+    # What unattended slots hold (stale values, an uninitialized cache's NaN) must not leak in via 0 * NaN.
+    vf = v_cache.to(ct).masked_fill(~allowed[:, None, :, None], 0.0)
+    out = torch.einsum("bhgc,bhcd->bhgd", p, vf)
+    return out.reshape(B, Hq, 1, D).to(q.dtype)
+
+
+def decode_linear(x, weights, *, norm_weight=None, eps=1e-6, residual=None, activation=None):
+    """[rms_norm(x)] @ W_i^T for 1-3 weights (concatenated), or act(x gate^T) * (x up^T) with activation "silu" /
+    "gelu_tanh", then + residual: the unfused modules in fp32 (fp64 for fp64 inputs), rounding to x.dtype where
+    they round (the norm output, each projection, the GLU product, the sum)."""
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
+    outs = [(h.to(ct) @ w.to(ct).t()).to(x.dtype) for w in weights]
+    if activation is not None:
+        glu = swiglu if activation == "silu" else geglu
+        y = glu(outs[0], outs[1])
+    else:
+        y = torch.cat(outs, dim=-1)
+    if residual is not None:
+        y = (y.to(ct) + residual.to(ct)).to(x.dtype)
+    return y
+
+
 # The formulas as Hugging Face models write them, run in the input dtype: the "torch in dtype" side of
 # the tests' error bound and the "eager" provider of the benchmarks.
 
