@@ -3,37 +3,111 @@ student head and a teacher head (different hidden sizes, one vocabulary), at a t
 cross-entropy of the student, as Liger-Kernel's LigerFusedLinearJSDLoss.
 
 Every token's loss is its own (the denominators are counts known up front), so one pass suffices: per chunk of C
-tokens, the student and teacher logits (two GEMMs into workspace scratch), the per-row math in fp32 and its
-gradient for the chunk, then dh_c = dz_c W_s and dW_s += dz_c^T h_c. Math: docs/ops/losses.md.
+tokens, the student and teacher logits (two GEMMs into workspace scratch), `_jsd_kernel` (one program per row, three
+walks over the row in fp32: the logsumexps, the divergence and the softmax-Jacobian sum, the gradient written over
+the student chunk in place), then dh_c = dz_c W_s and dW_s += dz_c^T h_c. Math: docs/ops/losses.md.
 """
 
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
 
 from .. import _launch, _library, reference
 from .._workspace import workspace
 from . import _common, _engine
 
 
-def _chunk_math(zs, zt, t, valid, n, inv_t, beta, w_hard, w_soft):
-    """(soft sum, hard sum, d(w_hard hard / n + w_soft soft / n) / d zs) for one chunk; zs, zt [C, V] fp32."""
-    zs = zs.requires_grad_()
-    ls = torch.log_softmax(zs * inv_t, -1)
-    lt = torch.log_softmax(zt * inv_t, -1)
-    if beta == 0.0:
-        per = (lt.exp() * (lt - ls)).sum(-1)
-    elif beta == 1.0:
-        per = (ls.exp() * (ls - lt)).sum(-1)
-    else:
-        lm = torch.logaddexp(ls + torch.log1p(torch.tensor(-beta)), lt + torch.log(torch.tensor(beta)))
-        per = beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
-    soft = (per * valid).sum()
-    lsm = torch.log_softmax(zs, -1)
-    hard = -(lsm.gather(-1, torch.where(valid, t, 0).long().unsqueeze(-1)).squeeze(-1) * valid).sum()
-    loss = (w_hard * hard + w_soft * soft) / n
-    (g,) = torch.autograd.grad(loss, [zs])
-    return soft.detach(), hard.detach(), g
+@triton.jit
+def _jsd_kernel(
+    ZS, ZT,  # [C, V] student / teacher chunk logits; ZS is overwritten by d loss / d student logits (its dtype)
+    T,  # [C] labels
+    SOFT, HARD,  # [C] fp32 per-row soft (divergence) and hard (CE) terms, 0 for ignored rows
+    NVALID,  # [1] fp32 count of unignored labels of the whole batch (a tensor: no host sync)
+    stride_s, stride_t, V, ignore_index,
+    inv_t, beta, w_hard, w_soft,  # runtime floats
+    MODE: tl.constexpr,  # 0: beta 0 (KL(T || S)), 1: beta 1 (KL(S || T)), 2: the generalized JSD
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    p_s = ZS + row * stride_s
+    p_t = ZT + row * stride_t
+    t = tl.load(T + row).to(tl.int64)
+    valid = t != ignore_index
+    it = tl.cast(inv_t, tl.float32)
+    bt = tl.cast(beta, tl.float32)
+    o_v = tl.arange(0, BLOCK_V)
+    # pass 1: three online logsumexps (tempered student, tempered teacher, raw student for the CE)
+    ms = tl.full([], float("-inf"), tl.float32)
+    mt = tl.full([], float("-inf"), tl.float32)
+    mr = tl.full([], float("-inf"), tl.float32)
+    ss = tl.zeros([], dtype=tl.float32)
+    st = tl.zeros([], dtype=tl.float32)
+    sr = tl.zeros([], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        o = v0 + o_v
+        m_ = o < V
+        zr = tl.load(p_s + o, mask=m_, other=float("-inf")).to(tl.float32)
+        zt = tl.load(p_t + o, mask=m_, other=float("-inf")).to(tl.float32)
+        xs, xt = zr * it, zt * it
+        n_ms, n_mt, n_mr = tl.maximum(ms, tl.max(xs)), tl.maximum(mt, tl.max(xt)), tl.maximum(mr, tl.max(zr))
+        ss = ss * tl.exp(ms - n_ms) + tl.sum(tl.where(m_, tl.exp(xs - n_ms), 0.0))
+        st = st * tl.exp(mt - n_mt) + tl.sum(tl.where(m_, tl.exp(xt - n_mt), 0.0))
+        sr = sr * tl.exp(mr - n_mr) + tl.sum(tl.where(m_, tl.exp(zr - n_mr), 0.0))
+        ms, mt, mr = n_ms, n_mt, n_mr
+    lse_s, lse_t, lse_r = ms + tl.log(ss), mt + tl.log(st), mr + tl.log(sr)
+    log_b = tl.log(tl.maximum(bt, 1e-30))
+    log_1b = tl.log(tl.maximum(1.0 - bt, 1e-30))
+    # pass 2: the divergence and, for the JSD and reverse KL, S = sum_v p_s g_v with g = d soft / d p_s
+    soft = tl.zeros([], dtype=tl.float32)
+    big_s = tl.zeros([], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        o = v0 + o_v
+        m_ = o < V
+        ls = tl.load(p_s + o, mask=m_, other=0.0).to(tl.float32) * it - lse_s
+        lt = tl.load(p_t + o, mask=m_, other=0.0).to(tl.float32) * it - lse_t
+        ps, pt = tl.exp(ls), tl.exp(lt)
+        if MODE == 0:
+            term = pt * (lt - ls)
+            g = tl.zeros_like(ls)
+        elif MODE == 1:
+            term = ps * (ls - lt)
+            g = ls - lt
+        else:
+            a, b = ls + log_1b, lt + log_b
+            mx = tl.maximum(a, b)
+            lm = mx + tl.log(tl.exp(a - mx) + tl.exp(b - mx))
+            term = bt * pt * (lt - lm) + (1.0 - bt) * ps * (ls - lm)
+            g = (1.0 - bt) * (ls - lm)
+        soft += tl.sum(tl.where(m_, term, 0.0))
+        big_s += tl.sum(tl.where(m_, ps * g, 0.0))
+    zt_t = tl.load(p_s + tl.where(valid & (t >= 0) & (t < V), t, 0)).to(tl.float32)
+    hard = lse_r - zt_t
+    tl.store(SOFT + row, tl.where(valid, soft, 0.0))
+    tl.store(HARD + row, tl.where(valid, hard, 0.0))
+    n = tl.load(NVALID)
+    c_soft = tl.where(valid, w_soft / n, 0.0) * it
+    c_hard = tl.where(valid, w_hard / n, 0.0)
+    # pass 3: d loss / d z_s = c_soft (p_s (g - S) | p_s - p_t) + c_hard (softmax(z_s) - onehot)
+    for v0 in range(0, V, BLOCK_V):
+        o = v0 + o_v
+        m_ = o < V
+        zr = tl.load(p_s + o, mask=m_, other=0.0).to(tl.float32)
+        ls = zr * it - lse_s
+        lt = tl.load(p_t + o, mask=m_, other=0.0).to(tl.float32) * it - lse_t
+        ps, pt = tl.exp(ls), tl.exp(lt)
+        if MODE == 0:
+            d_soft = ps - pt
+        elif MODE == 1:
+            d_soft = ps * ((ls - lt) - big_s)
+        else:
+            a, b = ls + log_1b, lt + log_b
+            mx = tl.maximum(a, b)
+            lm = mx + tl.log(tl.exp(a - mx) + tl.exp(b - mx))
+            d_soft = ps * ((1.0 - bt) * (ls - lm) - big_s)
+        d = c_soft * d_soft + c_hard * (tl.exp(zr - lse_r) - tl.where(o == t, 1.0, 0.0))
+        tl.store(p_s + o, d.to(ZS.dtype.element_ty), mask=m_)
 
 
 @torch.library.custom_op("tigon::fused_linear_jsd", mutates_args=())
@@ -49,35 +123,39 @@ def fused_linear_jsd_op(
     V = student_weight.shape[0]
     dev = student.device
     valid_all = labels != ignore_index
-    n = valid_all.sum().clamp(min=1).float()
+    n = valid_all.sum().clamp(min=1).float().reshape(1)
     ws, bs = _engine._lowp(student_weight, student_bias, student.dtype)
     wt, bt = _engine._lowp(teacher_weight, teacher_bias, teacher.dtype)
     dh = torch.empty_like(student) if need_dh else None
-    dw = torch.zeros((V, Hs), dtype=torch.float32, device=dev) if need_dw else None
+    dw = torch.zeros((V, Hs), dtype=torch.float32 if student_weight.dtype != student.dtype else student_weight.dtype,
+                     device=dev) if need_dw else None
     db = torch.zeros(V, dtype=torch.float32, device=dev) if need_db and student_bias is not None else None
-    soft = torch.zeros((), dtype=torch.float32, device=dev)
-    hard = torch.zeros((), dtype=torch.float32, device=dev)
-    # fp32 math on the chunk holds ~8 [C, V] fp32 temporaries: chunks of a quarter of the usual rows
-    rows = max(1, _engine.chunk_rows(N, V, 4 * student.element_size(), cfg))
+    rows = _engine.chunk_rows(N, V, student.element_size(), cfg)
+    block = _engine._block_v(V, dev, cfg)
+    soft_rows = torch.empty(N, dtype=torch.float32, device=dev)
+    hard_rows = torch.empty(N, dtype=torch.float32, device=dev)
+    mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
     with workspace(dev).borrow(((rows, V), student.dtype), ((rows, V), teacher.dtype)) as (bufs, buft):
         for s in range(0, N, rows):
             e = min(N, s + rows)
             zs, zt, h_c = bufs[: e - s], buft[: e - s], student[s:e]
             _engine._gemm_logits(h_c, ws.t(), bs, zs)
             _engine._gemm_logits(teacher[s:e], wt.t(), bt, zt)
-            with _engine.autograd_inside():
-                cs, ch, g = _chunk_math(zs.float(), zt.float(), labels[s:e], valid_all[s:e], n, 1.0 / temperature,
-                                        beta, w_hard, w_soft)
-            soft += cs
-            hard += ch
-            g = g.to(student.dtype)
+            _jsd_kernel[(e - s,)](zs, zt, labels[s:e], soft_rows[s:e], hard_rows[s:e], n, zs.stride(0), zt.stride(0),
+                                  V, ignore_index, 1.0 / temperature, beta, w_hard, w_soft, MODE=mode,
+                                  BLOCK_V=block)
+            # the chunk now holds d loss / d student logits
             if need_dh:
-                torch.mm(g, ws, out=dh[s:e])
+                torch.mm(zs, ws, out=dh[s:e])
             if need_dw:
-                dw.addmm_(g.t().float(), h_c.float())
+                if dw.dtype == zs.dtype:
+                    dw.addmm_(zs.t(), h_c)
+                else:
+                    dw.addmm_(zs.t().float(), h_c.float())
             if db is not None:
-                db += g.sum(0, dtype=torch.float32)
-    soft, hard = soft / n, hard / n
+                db += zs.sum(0, dtype=torch.float32)
+    soft, hard = soft_rows.sum(), hard_rows.sum()
+    soft, hard = soft / n[0], hard / n[0]
     loss = w_hard * hard + w_soft * soft
     return (loss, soft, hard, _engine.empty(student) if dh is None else dh,
             _engine.empty(student_weight) if dw is None else dw.to(student_weight.dtype),
