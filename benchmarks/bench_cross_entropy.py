@@ -3,7 +3,8 @@ W [128256, 4096] bf16 (Llama-3-8B's head), plus Qwen-2.5-7B's (V 151936, H 3584)
 (V 262144, H 2304) heads, and a token sweep 1k..64k. Mean reduction, targets uniform over the vocabulary,
 no ignored token; the lm_head weight has std 0.02 (HF's init).
 
-Providers: tigon (also with inplace_backward=True for CE, accum_dtype=torch.float32 for FLCE), eager
+Providers: tigon (also with inplace_backward=True for CE, accum_dtype=torch.float32 and 192 MiB chunks
+(LinearCrossEntropyConfig(chunk_bytes=192 << 20): the largest inside 1.3 GiB at Llama-3-8B) for FLCE), eager
 (HF's path: logits.float() then F.cross_entropy), torch.compile of it, Liger (LigerCrossEntropyLoss with
 bf16 and with fp32-upcast logits; LigerFusedLinearCrossEntropyLoss, also with accum_dtype=fp32 where this
 Liger takes it) and cut_cross_entropy.linear_cross_entropy (defaults).
@@ -129,6 +130,12 @@ def flce_providers(ctx, h, w, tgt, *, variants=True, compiled_fn=None):
         f = H.with_kwargs(ops.linear_cross_entropy, "tigon linear_cross_entropy", accum_dtype=torch.float32)
         return Call(lambda: f(h, w, tgt), inputs)
 
+    def tigon_chunk(mib):
+        from tigon.ops._config import LinearCrossEntropyConfig
+
+        cfg = LinearCrossEntropyConfig(chunk_bytes=mib << 20)
+        return lambda: Call(lambda: ops.linear_cross_entropy(h, w, tgt, config=cfg), inputs)
+
     def eager():
         return Call(lambda: flce_eager(h, w, tgt), inputs)
 
@@ -153,6 +160,7 @@ def flce_providers(ctx, h, w, tgt, *, variants=True, compiled_fn=None):
     provs = [("tigon", tigon)]
     if variants:
         provs.append(("tigon accum_dtype=fp32", tigon_fp32))
+        provs.append(("tigon chunk_bytes=192 MiB", tigon_chunk(192)))
     provs += [("eager", eager), ("torch.compile", compiled), ("liger", _liger)]
     if variants:
         provs.append(("liger accum_dtype=fp32", lambda: _liger(accum_dtype=torch.float32)))

@@ -4,7 +4,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests._grid import DTYPES, UNIT_ROUNDOFF, assert_bound, assert_tol, cross_entropy_model, err, matmul_tol, randn
+from tests._grid import (
+    DTYPES,
+    U32,
+    UNIT_ROUNDOFF,
+    assert_bound,
+    assert_tol,
+    cross_entropy_model,
+    err,
+    matmul_tol,
+    randn,
+    sum_ulps,
+)
 from tigon import modules, ops
 from tigon.ops import reference
 from tigon.ops._workspace import workspace
@@ -246,6 +257,113 @@ def test_gradient_subsets(device, needs):
         x.requires_grad_(n)
     t = _targets(7, 19, device)
     _check((h, w, b), t, torch.float32, chunk=3, z_loss_scale=1e-3)
+
+
+def _gemm_inputs(run):
+    """The first operand's shape of every aten matmul `run` makes (the op's cuBLAS calls on CUDA, torch's CPU GEMM
+    under the interpreter): [C, H] for a chunk's logits, [C, V] for its dh, [V, C] for its dW."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        run()
+    names = ("aten::mm", "aten::addmm", "aten::addmm_")
+    return [tuple(e.input_shapes[0 if e.name == "aten::mm" else 1]) for e in prof.events() if e.name in names]
+
+
+@pytest.mark.parametrize("frozen", ["weight", "bias", "weight and bias"])
+def test_frozen_lm_head_runs_no_weight_gemm(device, monkeypatch, frozen):
+    """LoRA / QLoRA freeze the lm_head: no dW GEMM and no [V, H] gradient buffer (a frozen bias: no [V] one), the
+    same dh bits as with a trainable head, and no gradient for what is frozen."""
+    N, Hd, V, chunk = 10, 8, 37, 4
+    h, w, b = _inputs(N, Hd, V, torch.float32, device, bias=True, seed=21)
+    t = _targets(N, V, device)
+    (dh_all,) = torch.autograd.grad(ops.linear_cross_entropy(h, w, t, b, _chunk_rows=chunk), [h])
+    w.requires_grad_("weight" not in frozen)
+    b.requires_grad_("bias" not in frozen)
+    made = []
+    launch = flce_mod._fwd_launch
+
+    def recording(*args):
+        out = launch(*args)
+        made.append([tuple(g.shape) for g in out[1:]])
+        return out
+
+    monkeypatch.setattr(flce_mod, "_fwd_launch", recording)
+    grads = []
+    shapes = _gemm_inputs(lambda: grads.extend(torch.autograd.grad(
+        ops.linear_cross_entropy(h, w, t, b, _chunk_rows=chunk), [x for x in (h, w, b) if x.requires_grad])))
+    assert torch.equal(grads[0], dh_all)
+    n_chunks = -(-N // chunk)
+    dw_gemms = [s for s in shapes if s[0] == V]
+    assert len(dw_gemms) == (0 if "weight" in frozen else n_chunks), shapes
+    assert len(shapes) == 2 * n_chunks + len(dw_gemms), shapes  # logits and dh per chunk; dW only when trained
+    assert made == [[(N, Hd), (0,) if "weight" in frozen else (V, Hd), (0,) if "bias" in frozen else (V,)]]
+
+
+def _dw_partials(h, w, t, chunk):
+    """fp64 partial sums S_i = sum_{j <= i} g_j^T h_j of dW over the chunks, from the chunks' own logits gradient
+    (each chunk's GEMM and the row kernel, reduction "sum": a row's gradient does not depend on the chunking)."""
+    partials, s = [], 0
+    for i in range(0, h.shape[0], chunk):
+        hc = h.detach()[i:i + chunk]
+        logits = torch.mm(hc, w.detach().t()).requires_grad_()
+        (g,) = torch.autograd.grad(ops.cross_entropy(logits, t[i:i + chunk], reduction="sum"), [logits])
+        s = s + g.double().t() @ hc.double()
+        partials.append((s, g.double().abs().t() @ hc.double().abs(), hc.shape[0]))
+    return partials
+
+
+@pytest.mark.parametrize("dtype,accum_dtype", [(torch.bfloat16, None), (torch.bfloat16, torch.float32),
+                                               (torch.float32, None)])
+def test_dw_accumulation_is_exact_to_its_rounding(device, dtype, accum_dtype):
+    """dW accumulated over 4 chunks, element by element within the error model of its roundings: in weight.dtype
+    each chunk's addmm rounds its sum once (u of the dtype, on |S_i| plus the error so far); in fp32 every chunk
+    rounds with fp32's u and the end once to weight.dtype. Each GEMM adds the fp32 model of tests/_grid.py
+    (U32 * (sum_ulps(K) + 4) over |g|^T |h| and the accumulator it adds into)."""
+    N, Hd, V, chunk = 12, 16, 29, 3
+    h, w, _ = _inputs(N, Hd, V, dtype, device, seed=22)
+    t = _targets(N, V, device, n_ignored=1)
+    (dw,) = torch.autograd.grad(ops.linear_cross_entropy(h, w, t, reduction="sum", accum_dtype=accum_dtype,
+                                                         _chunk_rows=chunk), [w])
+    assert dw.dtype == dtype
+    u_acc = UNIT_ROUNDOFF[torch.float32 if accum_dtype is not None else dtype]
+    e = torch.zeros(V, Hd, dtype=torch.float64, device=dw.device)
+    prev = torch.zeros_like(e)
+    for s, mag, k in _dw_partials(h, w, t, chunk):
+        gemm = U32 * (sum_ulps(k + 1) + 4) * (mag + prev + e)
+        e = e + gemm + u_acc * (s.abs() + e + gemm)
+        prev = s.abs()
+    if accum_dtype is not None:  # the one rounding of the fp32 sum to weight.dtype
+        e = e + UNIT_ROUNDOFF[dtype] * (prev + e)
+    assert_tol(f"dW accumulated in {accum_dtype or dtype}", dw, s, e)
+    if dtype == torch.bfloat16 and accum_dtype is None:
+        # bf16 rounds at every chunk: the fp32 accumulation's bound (one rounding) is tighter, and this path needs
+        # the looser one somewhere, or the test would not tell the two apart
+        one_rounding = UNIT_ROUNDOFF[dtype] * s.abs() * (1 + 2**-6) + U32 * 64 * (prev + mag)
+        assert bool(((dw.double() - s).abs() > one_rounding).any())
+
+
+def test_config_sets_the_chunks(device):
+    """config=LinearCrossEntropyConfig: chunk_rows gives the same bits as the private _chunk_rows, chunk_bytes
+    picks rows from the byte budget; anything else is refused by name."""
+    from tigon.ops._config import LinearCrossEntropyConfig
+
+    h, w, _ = _inputs(12, 8, 50, torch.float32, device, seed=23)
+    t = _targets(12, 50, device)
+    a = _run(lambda h, w, t, b: ops.linear_cross_entropy(h, w, t, _chunk_rows=5), (h, w, None), t, torch.tensor(1.0))
+    c = _run(lambda h, w, t, b: ops.linear_cross_entropy(h, w, t, config=LinearCrossEntropyConfig(chunk_rows=5)),
+             (h, w, None), t, torch.tensor(1.0))
+    assert torch.equal(a[0], c[0]) and all(torch.equal(x, y) for x, y in zip(a[1][:2], c[1][:2]))
+    ws = workspace(device)
+    ws.reset_peak()
+    before = ws.stats()["in_use_bytes"]
+    ops.linear_cross_entropy(h, w, t, config=LinearCrossEntropyConfig(chunk_bytes=3 * 50 * 4)).backward()
+    assert ws.stats()["peak_in_use_bytes"] - before <= 3 * 50 * 4 + ws.alignment  # 3 rows a chunk
+    assert flce_mod.chunk_rows(16384, 128256, 2, chunk_bytes=192 << 20) == 768  # 22 chunks at Llama-3-8B
+    with pytest.raises(TypeError, match="linear_cross_entropy: config must be a .*LinearCrossEntropyConfig"):
+        ops.linear_cross_entropy(h, w, t, config={"chunk_rows": 5})
+    with pytest.raises(ValueError, match="LinearCrossEntropyConfig: chunk_bytes must be an int >= 1"):
+        LinearCrossEntropyConfig(chunk_bytes=0)
 
 
 def test_grad_output_and_loss_used_twice(device):

@@ -82,3 +82,22 @@ class RopeKVWriteConfig:
 
 DECODE_ATTENTION = DecodeAttentionConfig()
 ROPE_KV_WRITE = RopeKVWriteConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCrossEntropyConfig:
+    """The chunking of `tigon.ops.linear_cross_entropy`: `chunk_bytes` of chunk logits (rows = chunk_bytes / (V x
+    itemsize), a multiple of 64, balanced over the chunks), or exactly `chunk_rows` rows when > 0. Each chunk's
+    dW GEMM reads and writes the whole [V, H] gradient once, so larger chunks move fewer bytes and cost memory:
+    peak extra = dh (N H b) + dW (V H b) + one chunk (docs/ops/cross_entropy.md has the model and the H200
+    sweep)."""
+
+    # 128 MiB: 512 rows at V = 128256 bf16; peak 1.23 GiB at h [16384, 4096], W [128256, 4096]
+    chunk_bytes: int = 128 << 20
+    chunk_rows: int = 0
+
+    def __post_init__(self):
+        _check_fields(self, zero_ok=("chunk_rows",))
+
+
+LINEAR_CROSS_ENTROPY = LinearCrossEntropyConfig()

@@ -8,12 +8,14 @@ when it is 1). reduction="none" cannot know its per-token grad_output in the for
 the chunks with grad_output folded into the row kernel. Math and cost model: docs/ops/cross_entropy.md.
 """
 
+import math
 from typing import Optional
 
 import torch
 import triton
 
 from . import _launch, _library, reference
+from ._config import LINEAR_CROSS_ENTROPY, LinearCrossEntropyConfig
 from ._workspace import workspace
 
 # named imports: `tigon.ops.cross_entropy` is the function once ops/__init__ has run
@@ -29,18 +31,17 @@ from .cross_entropy import (
 )
 from .cross_entropy import launch as ce_launch
 
-# Bytes of chunk logits: 128 MiB is 512 rows at V=128256 in bf16, where the dW GEMM's K=512 keeps its
-# accumulator traffic (read + write dW, 2 GB a chunk) under its math time on an H200. Override freely.
-CHUNK_BYTES = 128 << 20
 # device -> whether cuBLAS adds bf16 x bf16 into an fp32 C here (torch's addmm out_dtype); else a fallback.
 _fp32_addmm_ok: dict = {}
 
 
-def chunk_rows(N: int, V: int, itemsize: int, override: int = 0) -> int:
-    """Rows per chunk: CHUNK_BYTES of logits, a multiple of 64 (GEMM tiles), balanced over the chunks."""
+def chunk_rows(N: int, V: int, itemsize: int, override: int = 0,
+               chunk_bytes: int = LINEAR_CROSS_ENTROPY.chunk_bytes) -> int:
+    """Rows per chunk: chunk_bytes of logits, a multiple of 64 (GEMM tiles), balanced over the chunks; or
+    `override` rows when > 0."""
     if override:
         return max(1, min(N, override))
-    rows = max(1, CHUNK_BYTES // max(1, V * itemsize))
+    rows = max(1, chunk_bytes // max(1, V * itemsize))
     if rows >= N:
         return max(1, N)
     step = 64 if rows >= 64 else 1
@@ -80,7 +81,7 @@ def _add_dw(dw, g_t, h_c, first: bool) -> None:
     # older torch: fp32 GEMM output for a block of dW rows into scratch, then add (one extra pass over dW)
 
     V, H = dw.shape
-    step = max(1, min(V, CHUNK_BYTES // (4 * H)))
+    step = max(1, min(V, LINEAR_CROSS_ENTROPY.chunk_bytes // (4 * H)))
     with workspace(dw.device).borrow(((step, H), torch.float32)) as (tmp,):
         for v0 in range(0, V, step):
             v1 = min(V, v0 + step)
@@ -272,7 +273,7 @@ def _autocast(op, hidden, weight, bias):
 
 def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, z_loss_scale=0.0, softcap=None, num_items_in_batch=None,
-                         accum_dtype=None, _chunk_rows=0):
+                         accum_dtype=None, config=None, _chunk_rows=0):
     """cross_entropy(hidden @ weight.T + bias, target) without materializing the logits.
 
     hidden [..., H], weight [V, H] (the lm_head), bias [V] or None, all one float dtype (under autocast the
@@ -280,11 +281,17 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     [...] integer class indices. Options as `cross_entropy`. The loss is fp32; exact
     gradients for hidden, weight and bias. dW accumulates over token chunks in weight.dtype (cuBLAS addmm,
     like Liger) or in fp32 with accum_dtype=torch.float32 (a transient fp32 [V, H]). Extra memory: the
-    gradients plus CHUNK_BYTES of chunk logits. Never syncs the host on CUDA. No double backward: a backward
-    with create_graph=True raises NotImplementedError.
+    gradients plus one chunk of logits (config: a `LinearCrossEntropyConfig`, the chunking; None: 128 MiB of
+    logits). A frozen weight or bias (requires_grad False: LoRA, QLoRA) gets no gradient and costs no GEMM or
+    buffer. Rows whose target is ignore_index still go through the GEMMs (their gradient rows are zeros): which
+    rows they are is known only on the device, and skipping them would take a host sync. Never syncs the host on
+    CUDA. No double backward: a backward with create_graph=True raises NotImplementedError.
     """
     op, name = "linear_cross_entropy", "tigon.ops.linear_cross_entropy"
     _validate(name, hidden, weight, target, bias, accum_dtype)
+    if config is not None and not isinstance(config, LinearCrossEntropyConfig):
+        raise TypeError(f"{name}: config must be a tigon.ops._config.LinearCrossEntropyConfig or None, got "
+                        f"{type(config).__name__}")
     ls, z, cap = validate_loss_args(name, target, hidden.shape[:-1], hidden.device, ignore_index, reduction,
                                     label_smoothing, z_loss_scale, softcap, num_items_in_batch)
     hidden = _autocast(name, hidden, weight, bias)
@@ -300,11 +307,15 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     # A frozen lm_head (LoRA, QLoRA: weight.requires_grad False) or bias asks for no gradient: no dW / db GEMM
     # runs and no [V, H] buffer is allocated (need_dw / need_db False all the way into the chunk loop).
     need = [_library.needs_grad(t) for t in (hidden, weight, bias)]
+    rows = int(_chunk_rows)
+    if not rows and config is not None:  # the rows on the host, from shapes: the op takes them as one int
+        rows = config.chunk_rows or chunk_rows(math.prod(hidden.shape[:-1]), V, hidden.element_size(),
+                                               chunk_bytes=config.chunk_bytes)
     loss, *_ = _library.dispatch(
         torch.ops.tigon.linear_cross_entropy_fwd, None, _fwd_launch,
         _launch.as_rows(hidden), weight, target.reshape(-1), bias,
         num_items_tensor(num_items_in_batch, hidden.device), ignore_index, ls, z, cap,
-        REDUCTIONS[reduction], *need, accum_dtype == torch.float32, int(_chunk_rows),
+        REDUCTIONS[reduction], *need, accum_dtype == torch.float32, rows,
         grad_from=(hidden, weight, bias),
     )
     return loss.view(target.shape) if loss.dim() else loss
