@@ -308,7 +308,13 @@ def fused_linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0,
     if not _library.use_kernels("fused_linear_logprobs", hidden):
         lp, ent = reference.fused_linear_logprobs(hidden, weight, target, bias, temperature=temperature,
                                                   logit_scale=logit_scale, ignore_index=ignore_index)
-        return _library.first_order_only(op, lp), _library.first_order_only(op, ent), None, None, None
+        with torch.no_grad():  # the metrics, from the full logits as the reference does
+            x = (hidden.float() @ weight.float().T + (0 if bias is None else bias.float())) * scale
+            lsm = torch.log_softmax(x, -1)
+            lsq = torch.logsumexp(2 * lsm, -1)
+            valid = (target != ignore_index) & (target >= 0) & (target < weight.shape[0])
+            top1 = valid & (x.argmax(-1) == target)
+        return (_library.first_order_only(op, lp), _library.first_order_only(op, ent), lsq, x.mean(-1), top1)
     out = torch.ops.tigon.fused_linear_logprobs_fwd(_launch.as_rows(hidden), weight, target.reshape(-1), bias, scale,
                                                     ignore_index, cfg.ints())
     return tuple(o.view(lead) for o in out[:5])
