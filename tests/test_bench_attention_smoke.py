@@ -1,0 +1,56 @@
+"""benchmarks/bench_training_attention.py --smoke on CPU: every mask kind gets a row with HF's pick timed, the GPU
+backends say why they did not run, the FLOP model counts what the masks allow, and --write-table's rewrite keeps
+the table importable."""
+
+import importlib.util
+import json
+import os
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def _bench():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import bench_training_attention
+
+    return bench_training_attention
+
+
+def test_smoke_run_writes_every_mask_kind(tmp_path):
+    bench = _bench()
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--budget", "120"]) == 0
+    result = json.loads((tmp_path / "training_attention.json").read_text())
+    kinds = {r["op"] for r in result["rows"]}
+    assert kinds == {"causal", "packed", "sliding", "packed+sliding", "causal+softcap", "packed+softcap"}
+    for r in result["rows"]:
+        hf_pick = "eager" if r["op"].endswith("softcap") else "sdpa"
+        if r["provider"] == hf_pick:
+            assert r["fb_us"] > 0 and r["fb_TFLOPs"] > 0, r
+        elif r["provider"] != "sdpa":
+            assert "needs CUDA" in r.get("note", ""), r
+    packed = next(r for r in result["rows"] if r["op"] == "packed")
+    assert int(packed["case"].split(", ")[2].split()[0]) > 1  # several documents in the smoke row
+    assert "| packed |" in (tmp_path / "training_attention.md").read_text()
+
+
+def test_flop_model_and_lengths():
+    bench = _bench()
+    assert bench.pairs([4]) == 10 and bench.pairs([4], window=2) == 1 + 2 + 2 + 2
+    lengths = bench.lengths_lognormal(16384)
+    assert sum(lengths) == 16384 and max(lengths) <= 4096 and min(lengths[:-1]) >= 16
+    assert lengths == bench.lengths_lognormal(16384)  # fixed seed
+
+
+def test_write_table_rewrites_only_the_measured_block(tmp_path):
+    bench = _bench()
+    path = tmp_path / "attention_table.py"
+    path.write_text(open(bench.TABLE).read())
+    bench.write_table("Test GPU", {"packed": "flex", "sliding": "flex"}, str(path))
+    spec = importlib.util.spec_from_file_location("table_copy", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    assert table.MEASURED[("Test GPU", "packed")] == "flex"
+    assert table.pick("Test GPU", "packed") == "flex" and table.pick("Test GPU", "causal") == "sdpa"
+    assert table.pick("Other GPU", "packed") == "sdpa"
