@@ -2,102 +2,301 @@
 `tigon.compat.liger` and the script runs on Tigon's kernels.
 
     from tigon.compat.liger import apply_liger_kernel_to_llama, AutoLigerKernelForCausalLM
+    from tigon.compat.liger import _apply_liger_kernel_to_instance   # what transformers' Trainer calls
+
+Every apply_liger_kernel_to_<family> takes liger-kernel 0.8.5's parameters (names, order, defaults), so a call
+written for Liger binds the same way here, a misspelled flag is a TypeError in both, and the kwargs filtering
+of transformers' Trainer and axolotl (`inspect.signature(MODEL_TYPE_TO_APPLY_LIGER_FN[model_type])`) keeps
+the same keys. Each returns tigon.patch's PatchReport (Liger's return None), which lists what ran and what
+was left to Hugging Face and why.
 """
 
 import difflib
+import importlib
 import inspect
 
-from ..hf import registry
+from .. import _log
+from ..hf import causal_lm, registry
 from ..hf.patch import patch
+from ..hf.unwrap import unwrap_model
+from .liger_chunked_loss import *  # noqa: F403  (liger_kernel.chunked_loss's classes, on Tigon's losses)
+from .liger_chunked_loss import __all__ as _chunked_loss_names
+from .liger_modules import *  # noqa: F403  (Liger's module classes, on Tigon's ops)
+from .liger_modules import __all__ as _module_names
 
-# liger-kernel 0.8.5's parameters of apply_liger_kernel_to_<family> (liger_kernel/transformers/monkey_patch.py),
-# in its order and with its defaults, so that a call written for Liger binds the same way here and a misspelled
-# flag is a TypeError in both. Families Liger does not have (qwen2_moe, olmoe, glm, ...) take Llama's.
-_LLAMA = (("rope", True), ("cross_entropy", False), ("fused_linear_cross_entropy", True), ("rms_norm", True),
-          ("swiglu", True), ("model", None))
-_GEMMA = (("rope", True), ("cross_entropy", False), ("fused_linear_cross_entropy", True), ("rms_norm", True),
-          ("geglu", True), ("model", None))
-_NO_ROPE = (("rope", False),) + _LLAMA[1:]  # interleaved RoPE: Liger raises on rope=True, Tigon leaves HF's
-_PARAMETERS = {
+_ORDER = ("relu_squared", "rope", "cross_entropy", "fused_linear_cross_entropy", "layer_norm", "rms_norm",
+          "swiglu", "geglu", "model")
+_DEFAULTS = dict(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, layer_norm=True, rms_norm=True,
+                 swiglu=True, geglu=True, model=None)
+
+
+def _params(names, **defaults):
+    """(name, default) pairs of a Liger signature written as a space-separated list ("**" for **kwargs)."""
+    return tuple((n, defaults.get(n, _DEFAULTS.get(n))) for n in names.split())
+
+
+# liger-kernel 0.8.5, liger_kernel/transformers/monkey_patch.py: the parameters of each apply function
+_LLAMA = _params("rope cross_entropy fused_linear_cross_entropy rms_norm swiglu model")
+_NO_ROPE = _params("rope cross_entropy fused_linear_cross_entropy rms_norm swiglu model", rope=False)
+_GEMMA = _params("rope cross_entropy fused_linear_cross_entropy rms_norm geglu model")
+_GEMMA_VLM = _params("rope cross_entropy fused_linear_cross_entropy layer_norm rms_norm geglu model")
+_TEXT_TOWER = _params("cross_entropy fused_linear_cross_entropy rms_norm layer_norm model **")
+LIGER_PARAMETERS = {
     "gemma": _GEMMA, "gemma2": _GEMMA, "gemma3_text": _GEMMA,
-    "granite": (("rope", True), ("cross_entropy", True), ("fused_linear_cross_entropy", False), ("rms_norm", True),
-                ("swiglu", True), ("model", None)),
-    "glm4": _NO_ROPE, "glm": _NO_ROPE,
+    "gemma3": _GEMMA_VLM, "paligemma": _GEMMA_VLM,
+    "gemma4_text": _params("rope cross_entropy fused_linear_cross_entropy rms_norm geglu model", rope=False),
+    "gemma4": _params("rope cross_entropy fused_linear_cross_entropy layer_norm rms_norm geglu model", rope=False,
+                      layer_norm=False),
+    "granite": _params("rope cross_entropy fused_linear_cross_entropy rms_norm swiglu model", cross_entropy=True,
+                       fused_linear_cross_entropy=False),
+    **dict.fromkeys(("glm4", "glm4v", "glm4v_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                     "qwen3_5_moe_text", "deepseek_v2", "deepseek_v3"), _NO_ROPE),
+    **dict.fromkeys(("gpt_oss", "qwen3_vl", "qwen3_vl_text"),
+                    _params("rope cross_entropy fused_linear_cross_entropy rms_norm swiglu model", swiglu=False)),
+    **dict.fromkeys(("llama4", "llama4_text"),
+                    _params("rope cross_entropy fused_linear_cross_entropy rms_norm swiglu model layer_norm")),
+    **dict.fromkeys(("mllama", "mllama_text_model"),
+                    _params("rope cross_entropy fused_linear_cross_entropy layer_norm rms_norm swiglu model")),
+    **dict.fromkeys(("qwen2_vl", "qwen2_vl_text"),
+                    _params("rope cross_entropy fused_linear_cross_entropy rms_norm layer_norm swiglu model")),
+    "internvl": _TEXT_TOWER, "smolvlm": _TEXT_TOWER,
+    "llava": _params("cross_entropy fused_linear_cross_entropy model **"),
+    **dict.fromkeys(("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "smollm3",
+                     "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "olmo2", "olmo3", "qwen2_5_vl",
+                     "qwen2_5_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text", "falcon_h1"), _LLAMA),
 }
-_IN_LIGER = {"llama", "mistral", "ministral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2",
-             "gemma3_text", "phi3", "granite", "smollm3", "exaone4", "hunyuan_v1_dense", "olmo2", "olmo3", "glm4"}
+# Liger names some functions after a family and maps several model types to them (llama4_text -> llama4)
+_LIGER_FUNCTION_NAME = {"llama4_text": "llama4", "mllama_text_model": "mllama", "qwen2_vl_text": "qwen2_vl",
+                        "qwen2_5_vl_text": "qwen2_5_vl", "qwen3_vl_text": "qwen3_vl",
+                        "qwen3_vl_moe_text": "qwen3_vl_moe", "qwen3_5_text": "qwen3_5",
+                        "qwen3_5_moe_text": "qwen3_5_moe"}
+# Vision-language model types: their language model (text tower) is patched as its own row; the vision tower is
+# left as it is
+_TEXT_TOWER_TYPES = tuple(registry.VISION_LANGUAGE)
 
 
-def _signature(model_type) -> inspect.Signature:
+def _signature(params) -> inspect.Signature:
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    return inspect.Signature([inspect.Parameter(name, kind, default=default)
-                              for name, default in _PARAMETERS.get(model_type, _LLAMA)])
+    return inspect.Signature([inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD) if name == "**" else
+                              inspect.Parameter(name, kind, default=default) for name, default in params])
+
+
+def _bind(name, signature, args, kwargs):
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as e:
+        close = [difflib.get_close_matches(k, signature.parameters, n=1) for k in kwargs
+                 if k not in signature.parameters]
+        hint = f" (did you mean {close[0][0]!r}?)" if close and close[0] else ""
+        raise TypeError(f"{name}() {e}{hint}; it takes {', '.join(signature.parameters)}") from None
+    bound.apply_defaults()
+    flags = dict(bound.arguments)
+    return flags.pop("model"), flags.pop("kwargs", {}), flags
+
+
+def _patch_flags(name, flags):
+    """tigon.patch's keyword arguments from Liger's flags: geglu is patch's swiglu (the gated MLP whatever its
+    activation), a flag the Liger function does not take is off (layer_norm where Liger has none)."""
+    if flags.get("cross_entropy") and flags.get("fused_linear_cross_entropy"):
+        raise ValueError(f"{name}: cross_entropy and fused_linear_cross_entropy cannot both be True")
+    return dict(rope=flags.get("rope", False), cross_entropy=flags.get("cross_entropy", False),
+                fused_linear_cross_entropy=flags.get("fused_linear_cross_entropy", False),
+                rms_norm=flags.get("rms_norm", False), swiglu=flags.get("swiglu", flags.get("geglu", False)),
+                layer_norm=flags.get("layer_norm", False))
+
+
+def _class_cross_entropy(model_type, report):
+    """Class-level cross_entropy=True: the family's ForCausalLM computes its loss with Tigon's cross-entropy
+    (models built afterwards), recorded with the class-level patch so tigon.unpatch(model_type=) undoes it."""
+    patch_module = importlib.import_module("tigon.hf.patch")  # the module (tigon.hf.patch is also the function)
+    family = registry.family_for(model_type, caller="tigon.compat.liger")
+    modeling = patch_module._modeling(family, "tigon.compat.liger")
+    cls = getattr(modeling, f"{family.prefix}ForCausalLM", None)
+    if cls is None:
+        report.skip("loss_function (cross_entropy)", f"{family.modeling} has no {family.prefix}ForCausalLM")
+        return
+    undo = patch_module._CLASS_UNDO.setdefault(model_type, [])
+    if getattr(cls.__dict__.get("loss_function"), "fget", None) is not _tigon_loss:
+        undo.append((cls, "loss_function", cls.loss_function))  # the property PreTrainedModel defines
+        cls.loss_function = property(_tigon_loss, _set_loss)
+    report.add(f"{cls.__name__}.loss_function (cross_entropy)")
+
+
+def _tigon_loss(self):
+    return self.__dict__.get("_loss_function", causal_lm.causal_lm_loss)
+
+
+def _set_loss(self, value):  # HF's setter: an instance may still set its own loss function
+    self._loss_function = value
+
+
+def _text_tower(model):
+    """The language model inside a vision-language model (LlavaModel.language_model, SmolVLM's text_model)."""
+    inner = getattr(model, "model", model)
+    for name in ("language_model", "text_model"):
+        tower = getattr(inner, name, None)
+        if tower is not None:
+            return tower
+    return None
+
+
+def _apply_text_tower(name, vlm_type, model, extra, flags):
+    """A vision-language model: Tigon's patch on its language model only. Liger's functions with **kwargs
+    (Llava, InternVL, SmolVLM) hand their flags and the extra keywords to the language model's own apply function,
+    dropping (with a warning) those it does not take; the others patch the tower with their own flags."""
+    logger = _log.get_logger()
+    text_type = registry.VISION_LANGUAGE[vlm_type]
+    if model is None:
+        if text_type is None:
+            logger.warning("%s: a class-level patch needs the language model's family, which a %s config does not "
+                           "fix; call it with model= (nothing patched)", name, vlm_type)
+            return None
+        spec = _patch_flags(name, flags)
+        report = patch(model_type=text_type, **spec)
+        if spec["cross_entropy"]:
+            report.skip("loss_function (cross_entropy)", f"the {vlm_type} ForConditionalGeneration keeps HF's loss")
+        return report
+    tower = _text_tower(unwrap_model(model, name))
+    tower_type = getattr(getattr(tower, "config", None), "model_type", None)
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(tower_type)
+    if apply is None or tower_type in _TEXT_TOWER_TYPES:
+        logger.warning("%s: the language model (%s) is not a family Tigon patches; left as it is", name, tower_type)
+        return None
+    if not any(n == "**" for n, _ in LIGER_PARAMETERS.get(vlm_type, _LLAMA)):
+        return patch(tower, **_patch_flags(name, flags))
+    kwargs = {**flags, **extra}
+    taken = inspect.signature(apply).parameters
+    dropped = sorted(set(kwargs) - set(taken))
+    if dropped:
+        logger.warning("%s: %s does not take %s; applied without them", name, apply.__name__, ", ".join(dropped))
+    return apply(model=tower, **{k: v for k, v in kwargs.items() if k in taken})
 
 
 def _apply_for(model_type):
-    name = f"apply_liger_kernel_to_{model_type}"
-    signature = _signature(model_type)
+    name = f"apply_liger_kernel_to_{_LIGER_FUNCTION_NAME.get(model_type, model_type)}"
+    row = registry.FAMILIES.get(model_type) or registry.TOWERS.get(model_type)
+    # a family Liger lacks takes Llama's parameters, rope off by default where Tigon leaves the RoPE to HF
+    params = LIGER_PARAMETERS.get(model_type, _LLAMA if row is None or row.rope else _NO_ROPE)
+    signature = _signature(params)
 
     def apply(*args, **kwargs):
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError as e:
-            close = [difflib.get_close_matches(k, signature.parameters, n=1) for k in kwargs
-                     if k not in signature.parameters]
-            hint = f" (did you mean {close[0][0]!r}?)" if close and close[0] else ""
-            raise TypeError(f"{name}() {e}{hint}; it takes {', '.join(signature.parameters)}") from None
-        bound.apply_defaults()
-        flags = dict(bound.arguments)
-        model = flags.pop("model")
-        if "geglu" in flags:  # tigon.patch's swiglu flag covers the gated MLP of either activation
-            flags["swiglu"] = flags.pop("geglu")
-        if flags["cross_entropy"] and flags["fused_linear_cross_entropy"]:
-            raise ValueError(f"{name}: cross_entropy and fused_linear_cross_entropy cannot both be True")
-        return patch(model, model_type=None if model is not None else model_type, **flags)
+        model, extra, flags = _bind(name, signature, args, kwargs)
+        if model_type in _TEXT_TOWER_TYPES:
+            _patch_flags(name, flags)  # the same ValueError for contradicting flags
+            return _apply_text_tower(name, model_type, model, extra, flags)
+        spec = _patch_flags(name, flags)
+        if model is not None:
+            return patch(model, **spec)
+        report = patch(model_type=model_type, **spec)
+        if spec["cross_entropy"]:
+            _class_cross_entropy(model_type, report)
+        return report
 
     apply.__name__ = apply.__qualname__ = name
     apply.__signature__ = signature
-    source = "Liger-Kernel 0.8.5's signature" if model_type in _IN_LIGER else "not in Liger-Kernel 0.8.5: Llama's"
+    source = ("liger-kernel 0.8.5's signature" if model_type in LIGER_PARAMETERS
+              else "not in liger-kernel 0.8.5: Llama's")
     apply.__doc__ = (f"Patch {model_type} models (the class, or `model` only) with Tigon ({source}). "
                      "TypeError for an argument it does not take.")
     return apply
 
 
-APPLY_FUNCTIONS = {model_type: _apply_for(model_type) for model_type in registry.FAMILIES}
-globals().update({fn.__name__: fn for fn in APPLY_FUNCTIONS.values()})
-# The flags any apply function takes: AutoLigerKernelForCausalLM hands them to the model's apply function (which
-# refuses one its family does not take, e.g. swiglu= for Gemma) and the rest to transformers.
-_FLAGS = {name for params in (_LLAMA, _GEMMA) for name, _ in params} - {"model"}
+MODEL_TYPE_TO_APPLY_LIGER_FN = {t: _apply_for(t) for t in [*registry.FAMILIES, *registry.TOWERS, *_TEXT_TOWER_TYPES]}
+APPLY_FUNCTIONS = MODEL_TYPE_TO_APPLY_LIGER_FN  # the name earlier Tigon releases used
+# One public function per name: where Liger maps two model types to one function (qwen2_vl_text -> qwen2_vl), the
+# family's own (each patches an instance as its config says; class-level, the classes the two rows share).
+globals().update({fn.__name__: fn for t, fn in sorted(MODEL_TYPE_TO_APPLY_LIGER_FN.items(),
+                                                      key=lambda item: item[0] in _LIGER_FUNCTION_NAME, reverse=True)})
 
 
-def _split_flags(kwargs):
-    return {k: v for k, v in kwargs.items() if k in _FLAGS}, {k: v for k, v in kwargs.items() if k not in _FLAGS}
+def _unsupported(caller, model_type, strict):
+    message = (f"{caller}: Tigon has no kernels for model type {model_type!r}; the model is left as it is "
+               f"(supported: {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))})")
+    if strict:
+        raise ValueError(message)
+    _log.get_logger().warning("%s", message)
+
+
+def _applicable(apply, kwargs):
+    parameters = inspect.signature(apply).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return {k: v for k, v in kwargs.items() if k != "model"}
+    return {k: v for k, v in kwargs.items() if k in parameters and k != "model"}
+
+
+def _apply_liger_kernel(model_type, *, strict=False, **kwargs):
+    """Liger's pre-initialization entry point: the class-level patch of `model_type`'s family with the keyword
+    arguments its apply function takes (the others are dropped, as Liger does). A model type Tigon does not
+    cover logs a warning and patches nothing, or raises ValueError with strict=True."""
+    if not model_type:
+        _log.get_logger().info("_apply_liger_kernel: no model type given; nothing patched")
+        return None
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply is None:
+        return _unsupported("_apply_liger_kernel", model_type, strict)
+    applicable = _applicable(apply, kwargs)
+    _log.get_logger().info("_apply_liger_kernel: %s with %s", apply.__name__, applicable)
+    return apply(**applicable)
+
+
+def _apply_liger_kernel_to_instance(model, *, strict=False, **kwargs):
+    """What transformers' Trainer (use_liger_kernel=True, liger_kernel_config=kwargs) and axolotl call: the
+    family's apply function on this model instance, with the keyword arguments it takes. A model type Tigon does
+    not cover logs a warning and leaves the model alone (Liger's behaviour), or raises ValueError with
+    strict=True."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not model_type:
+        if strict:
+            raise ValueError("_apply_liger_kernel_to_instance: the model has no config.model_type")
+        _log.get_logger().warning("_apply_liger_kernel_to_instance: the model has no config.model_type; left as "
+                                  "it is")
+        return None
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply is None:
+        return _unsupported("_apply_liger_kernel_to_instance", model_type, strict)
+    applicable = _applicable(apply, kwargs)
+    _log.get_logger().info("_apply_liger_kernel_to_instance: %s with %s", apply.__name__, applicable)
+    return apply(model=model, **applicable)
+
+
+def _split_flags(model_type, kwargs):
+    """Liger's split of from_pretrained/from_config keywords: those the family's apply function takes go to it,
+    the rest to transformers (all of them for a model type Tigon does not cover)."""
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    taken = set(inspect.signature(apply).parameters) - {"model", "kwargs"} if apply else set()
+    return {k: v for k, v in kwargs.items() if k in taken}, {k: v for k, v in kwargs.items() if k not in taken}
 
 
 class AutoLigerKernelForCausalLM:
     """AutoModelForCausalLM.from_pretrained / from_config, then the family's apply function on the model: the
     keyword arguments that function takes (e.g. rope=False, geglu=False for Gemma) go to it, the rest to
-    transformers, as in Liger-Kernel."""
+    transformers, as in Liger-Kernel. A model type Tigon does not cover loads as it is, with a warning."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        flags, rest = _split_flags(kwargs)
-        return _patched(AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **rest), flags)
+        config = kwargs.get("config")
+        if config is None or isinstance(config, str):
+            config = AutoConfig.from_pretrained(config or pretrained_model_name_or_path,
+                                                trust_remote_code=kwargs.get("trust_remote_code", False))
+        flags, rest = _split_flags(config.model_type, kwargs)
+        model = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **rest)
+        return _patched(model, flags)
 
     @classmethod
     def from_config(cls, config, **kwargs):
         from transformers import AutoModelForCausalLM
 
-        flags, rest = _split_flags(kwargs)
+        flags, rest = _split_flags(getattr(config, "model_type", None), kwargs)
         return _patched(AutoModelForCausalLM.from_config(config, **rest), flags)
 
 
 def _patched(model, flags):
-    apply = APPLY_FUNCTIONS.get(model.config.model_type)
-    if apply is None:  # tigon.patch names the model type it does not cover
-        patch(model)
-    else:
-        apply(model=model, **flags)
+    _apply_liger_kernel_to_instance(model, **flags)
     return model
+
+
+__all__ = ["AutoLigerKernelForCausalLM", "MODEL_TYPE_TO_APPLY_LIGER_FN", "LIGER_PARAMETERS", "_apply_liger_kernel",
+           "_apply_liger_kernel_to_instance", *sorted(fn.__name__ for fn in MODEL_TYPE_TO_APPLY_LIGER_FN.values()),
+           *_module_names, *_chunked_loss_names]

@@ -7,7 +7,14 @@ A row names the family's modeling module and, per piece, the HF names to replace
 - rope: the module-level function that attention calls (rotate-half convention only);
 - causal_lm: the ForCausalLM class whose forward gets the fused loss.
 A family that lacks a piece leaves it out; the patch report says so. The casting of each norm row is
-checked against the HF class by tests/hf/test_registry.py, so a wrong row fails CI.
+checked against the HF class by tests/hf/test_patch.py (every row of FAMILIES) and
+tests/hf/test_registry_families.py (the text towers), so a wrong row fails CI.
+
+Vision-language models: TOWERS holds the rows of language models that live inside a vision-language model's
+modeling module (Qwen2-VL's Qwen2VLTextModel, model_type "qwen2_vl_text"); family_for finds them like any row,
+so tigon.patch(vlm.model.language_model) patches the text tower. VISION_LANGUAGE names, per vision-language
+model type, the model type of its text tower (None: the tower's own config says, as in Llava, whose language
+model is any family).
 """
 
 import dataclasses
@@ -38,8 +45,10 @@ class Family:
     # fused only where it is 0, as Tigon's MLP has no dropout.
     mlp_dropout: str = ""
     # The DecoderLayer forward is Llama's pre-norm block (norm, attention, add, norm, MLP, add), so the
-    # first add and the second norm can be one add_rms_norm; tests/hf/test_registry checks the source.
+    # first add and the second norm can be one add_rms_norm; tests/hf/test_patch.py checks the source.
     prenorm_layer: bool = False
+    norm_class: str = "RMSNorm"  # suffix of the norm class after the prefix (Llama-4's "TextRMSNorm")
+    mlp_prefix: str = ""  # class-name prefix of the MLP where it is not `prefix` (Qwen2-VL's text MLP is Qwen2MLP)
     notes: str = ""
 
     @property
@@ -48,11 +57,12 @@ class Family:
 
     @property
     def norm_classes(self) -> dict:
-        return {f"{self.prefix}RMSNorm": self.norm, **{f"{self.prefix}{s}": self.norm for s in self.extra_norms}}
+        return {f"{self.prefix}{self.norm_class}": self.norm,
+                **{f"{self.prefix}{s}": self.norm for s in self.extra_norms}}
 
     @property
     def mlp_class_names(self) -> tuple:
-        return tuple(f"{self.prefix}{s}" for s in self.mlp_classes) if self.mlp else ()
+        return tuple(f"{self.mlp_prefix or self.prefix}{s}" for s in self.mlp_classes) if self.mlp else ()
 
     @property
     def decoder_layer_class(self) -> str:
@@ -90,21 +100,62 @@ _ROWS = [
     Family("helium", "helium", "Helium", norm=FP32_WEIGHT_NORM, rope=False, notes="interleaved RoPE"),
     Family("arcee", "arcee", "Arcee", mlp="", notes="ReLU^2 MLP is not gated"),
     Family("apertus", "apertus", "Apertus", mlp="", notes="xIELU MLP is not gated"),
+    Family("gpt_oss", "gpt_oss", "GptOss", norm=FP32_WEIGHT_NORM, mlp="", rope=False,
+           notes="experts stay HF; RoPE on half-width cos/sin stays HF"),
+    # The MoE layer adds the routed output into the shared expert's output in place, which a custom autograd
+    # Function's output view refuses: the MLPs stay HF (dense and shared).
+    Family("llama4_text", "llama4", "Llama4", norm_class="TextRMSNorm", mlp="", rope=False,
+           notes="complex (interleaved) RoPE, the experts and the MLPs (the shared expert's output is added into "
+                 "in place) stay HF"),
+    Family("hunyuan_v1_moe", "hunyuan_v1_moe", "HunYuanMoEV1", notes="shared MLP fused; routed experts stay HF"),
 ]
 FAMILIES = {row.model_type: row for row in _ROWS}
+
+# Text towers of vision-language models (not built by AutoModelForCausalLM; causal_lm="" since the
+# ForConditionalGeneration forward keeps Hugging Face's loss). mRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V)
+# stays Hugging Face's.
+_TOWER_ROWS = [
+    Family("qwen2_vl_text", "qwen2_vl", "Qwen2VL", mlp_prefix="Qwen2", rope=False, causal_lm="", notes="mRoPE"),
+    Family("qwen2_5_vl_text", "qwen2_5_vl", "Qwen2_5_VL", mlp_prefix="Qwen2", rope=False, causal_lm="",
+           notes="mRoPE"),
+    Family("qwen3_vl_text", "qwen3_vl", "Qwen3VL", norm_class="TextRMSNorm", mlp_classes=("TextMLP",), rope=False,
+           causal_lm="", notes="interleaved mRoPE"),
+    Family("glm4v_text", "glm4v", "Glm4v", mlp="fused_glu", mlp_classes=("TextMLP",), rope=False, causal_lm="",
+           notes="mRoPE"),
+    # Qwen3.5's text models (also built alone as Qwen3_5ForCausalLM). Their norm computes x * (1 + weight) from a
+    # zero weight, which HF's _init_weights sets by isinstance: a class-level patch builds Tigon's norm, which the
+    # generic init sets to ones, so from_config weights differ (from_pretrained loads them; instance patches share
+    # them).
+    Family("qwen3_5_text", "qwen3_5", "Qwen3_5", norm=GEMMA_NORM, rope=False,
+           notes="mRoPE stays HF; the gated DeltaNet norm stays HF"),
+    Family("qwen3_5_moe_text", "qwen3_5_moe", "Qwen3_5Moe", norm=GEMMA_NORM, rope=False,
+           notes="shared expert's MLP fused; routed experts, mRoPE and the gated DeltaNet norm stay HF"),
+    Family("mllama_text_model", "mllama", "Mllama", norm_class="TextRMSNorm", mlp_classes=("TextMLP",),
+           notes="cross-attention layers' norms fused as well"),
+]
+TOWERS = {row.model_type: row for row in _TOWER_ROWS}
+VISION_LANGUAGE = {
+    "gemma3": "gemma3_text", "llama4": "llama4_text", "mllama": "mllama_text_model", "qwen2_vl": "qwen2_vl_text",
+    "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text", "glm4v": "glm4v_text", "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text", "llava": None, "paligemma": None, "internvl": None, "smolvlm": None,
+}
 
 
 def family_for(model_type: str, caller: str = "tigon.patch", argument: str = "model_type") -> Family:
     """The row of `model_type`; a ValueError naming `caller` and `argument` (with close names) if there is none."""
     _log.get_logger()  # every patch() looks its family up first: TIGON_LOG's handler is in place for its report
-    try:
-        return FAMILIES[model_type]
-    except KeyError:
-        close = difflib.get_close_matches(model_type, FAMILIES, n=3, cutoff=0.6)
-        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-        raise ValueError(
-            f"{caller}: {argument} {model_type!r} is not supported{hint}; supported: {', '.join(sorted(FAMILIES))}"
-        ) from None
+    row = FAMILIES.get(model_type) or TOWERS.get(model_type)
+    if row is not None:
+        return row
+    close = difflib.get_close_matches(model_type, [*FAMILIES, *TOWERS], n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+    if model_type in VISION_LANGUAGE:
+        hint += ("; it is a vision-language model: patch its language model (tigon.patch(model.model.language_model))"
+                 f" or call tigon.compat.liger.apply_liger_kernel_to_{model_type}(model=model)")
+    raise ValueError(
+        f"{caller}: {argument} {model_type!r} is not supported{hint}; supported: "
+        f"{', '.join(sorted([*FAMILIES, *TOWERS]))}"
+    )
 
 
 def mlp_kept(family: Family, config) -> str:
