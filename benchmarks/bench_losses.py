@@ -31,7 +31,7 @@ from _harness import Call  # noqa: E402
 DPO = dict(P=4, T=2048, H=4096, V=128256)
 GRPO = dict(B=8, T=1024, H=3584, V=151936)
 JSD = dict(N=8192, HS=2048, HT=4096, V=128256)
-DPO_SMOKE, GRPO_SMOKE, JSD_SMOKE = dict(P=2, T=8, H=32, V=97), dict(B=4, T=8, H=32, V=97), dict(N=16, HS=32, HT=48,
+DPO_SMOKE, GRPO_SMOKE, JSD_SMOKE = dict(P=2, T=4, H=32, V=97), dict(B=4, T=8, H=32, V=97), dict(N=16, HS=32, HT=48,
                                                                                               V=97)
 
 
