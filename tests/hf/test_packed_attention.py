@@ -41,9 +41,9 @@ def _packed(examples, flash_kwargs=False, position_ids=True):
     return collator([{"input_ids": e.tolist()} for e in examples])
 
 
-def _model(case):
+def _model(case, device="cpu"):
     model_type, overrides, impl = CASES[case]
-    model = tiny_model(model_type, **overrides)
+    model = tiny_model(model_type, **overrides).to(device)
     model.config._attn_implementation = impl
     return model.train()
 
@@ -81,14 +81,15 @@ def _packed_run(model, batch, examples, per_example=True):
 ATTENTION_ONLY = dict(rms_norm=False, swiglu=False, rope=False, fused_linear_cross_entropy=False, attention=True)
 
 
-def _compare(case, flash_kwargs=False, position_ids=True, examples=None, full_patch=False):
-    examples = examples or _examples()
-    model = _model(case)
+def _compare(case, flash_kwargs=False, position_ids=True, examples=None, full_patch=False, device="cpu"):
+    examples = [e.to(device) for e in examples or _examples()]
+    model = _model(case, device)
     ref64 = copy.deepcopy(model).double()
     hf32 = copy.deepcopy(model)
     report = tigon.patch(model, attention=True) if full_patch else tigon.patch(model, **ATTENTION_ONLY)
     assert report.attention_backends, report
-    batch = _packed(examples, flash_kwargs, position_ids)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+             for k, v in _packed([e.cpu() for e in examples], flash_kwargs, position_ids).items()}
     assert batch["input_ids"].shape == (1, sum(len(e) for e in examples)) and "attention_mask" not in batch
     got_loss, got_grads = _packed_run(model, batch, examples, per_example=not full_patch)
     hf_loss, hf_grads = _one_at_a_time(hf32, examples)
@@ -104,6 +105,23 @@ def _compare(case, flash_kwargs=False, position_ids=True, examples=None, full_pa
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_row_trains_as_the_examples_one_at_a_time(case):
     _compare(case)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs a CUDA GPU")
+@pytest.mark.parametrize("case", list(CASES))
+def test_packed_row_on_flex_on_the_gpu(case, monkeypatch):
+    """The backend a measured table picks on a GPU (compiled FlexAttention, block mask shared by the layers)."""
+    from tigon.hf import attention_table
+    from tigon.hf import training_attention as ta
+
+    gpu = torch.cuda.get_device_name()
+    kinds = ("packed", "packed+sliding", "packed+softcap", "packed+sliding+softcap")
+    monkeypatch.setattr(attention_table, "MEASURED", {(gpu, k): "flex" for k in kinds})
+    calls = []
+    real = ta.flex_attention_forward
+    monkeypatch.setattr(ta, "flex_attention_forward", lambda *a, **kw: calls.append(kw["mask"]) or real(*a, **kw))
+    _compare(case, device="cuda")
+    assert calls and all(m is calls[0] for m in calls)  # one TrainingMask (and block mask) for every layer
 
 
 def test_packed_row_with_every_tigon_piece():
