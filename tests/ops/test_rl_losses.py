@@ -121,3 +121,16 @@ def test_bad_input():
         ops.fused_linear_logprobs(h, w, ids[:, :2])
     with pytest.raises(TypeError, match="fused_linear_logprobs: target must be an integer tensor"):
         ops.fused_linear_logprobs(h, w, ids.float())
+
+
+def test_strided_views():
+    """A strided target and a transposed hidden view read as their values (the ops make the ids contiguous)."""
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(H, 10, generator=g).t().requires_grad_()  # non-contiguous [10, H]
+    w = torch.randn(V, H, generator=g) * 0.3
+    t = torch.randint(0, V, (20,), generator=g)[::2]
+    assert not t.is_contiguous() and not h.is_contiguous()
+    lp, ent = ops.fused_linear_logprobs(h, w, t, config=CFG)[:2]
+    rlp, rent = reference.fused_linear_logprobs(h.detach().double(), w.double(), t)
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), rent, rtol=1e-5, atol=1e-5)

@@ -207,6 +207,8 @@ def logp_stats(hidden, weight, bias, target, target2=None, *, scale=1.0, cfg=DEF
     a dict of [N] fp32 tensors lse, xt (x at target, 0 without one), xt2, ent, xsum, lsq, top1."""
     N, V = hidden.shape[0], weight.shape[0]
     dev = hidden.device
+    target = target.contiguous()  # the row kernels read ids at unit stride
+    target2 = None if target2 is None else target2.contiguous()
     names = ("lse", "xt", "xt2", "ent", "xsum", "lsq", "top1")
     out = {k: torch.empty(N, dtype=torch.float32, device=dev) for k in names}
     if target2 is None:
@@ -241,6 +243,9 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
+    target = target.contiguous()  # the row kernels read ids and per-row values at unit stride
+    target2 = None if target2 is None else target2.contiguous()
+    lse, ent, a, a2, e = (None if x is None else x.contiguous() for x in (lse, ent, a, a2, e))
     w, b = _lowp(weight, bias, hidden.dtype)
     w_t = w.t()
     dh = torch.empty((N, H), dtype=hidden.dtype, device=dev) if need_dh else None

@@ -122,6 +122,7 @@ def fused_linear_jsd_op(
     N, Hs = student.shape
     V = student_weight.shape[0]
     dev = student.device
+    labels = labels.contiguous()  # read at unit stride by the row kernel
     valid_all = labels != ignore_index
     n = valid_all.sum().clamp(min=1).float().reshape(1)
     ws, bs = _engine._lowp(student_weight, student_bias, student.dtype)
