@@ -213,7 +213,10 @@ def _block_mask(docs, window, length, device):
         return allowed
 
     batch = docs.shape[0] if docs is not None else None
-    return create_block_mask(mask_mod, batch, None, length, length, device=device, _compile=device.type == "cuda")
+    # _compile runs a nested torch.compile, which dynamo refuses inside a traced forward: there the outer compile
+    # traces the block-mask build itself (docs/compile.md).
+    nested = device.type == "cuda" and not torch.compiler.is_compiling()
+    return create_block_mask(mask_mod, batch, None, length, length, device=device, _compile=nested)
 
 
 def flex_attention_forward(query, key, value, *, scaling, docs=None, window=None, softcap=None, mask=None,
@@ -232,7 +235,8 @@ def flex_attention_forward(query, key, value, *, scaling, docs=None, window=None
     if softcap:
         def score_mod(score, b, h, q_idx, kv_idx):
             return softcap * torch.tanh(score / softcap)
-    fn = _compiled_flex() if compiled else flex_attention
+    # Inside a compiled model the outer compile fuses flex_attention itself; calling the compiled one nests.
+    fn = _compiled_flex() if compiled and not torch.compiler.is_compiling() else flex_attention
     out = fn(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling,
              enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous()
