@@ -1,11 +1,13 @@
 """Sweep the launch settings of the bandwidth-bound kernels at the benchmark shapes (GPU), and profile
-where the host time of one small-op fwd+bwd goes. The winners become the defaults in the op files.
+where the host time of one small-op fwd+bwd goes. Each setting is a frozen config passed to the op
+(`tigon.ops._config`); the winners become the configs' defaults.
 
     PYTHONPATH=src python benchmarks/tune.py [--ops rms_norm,rope,glu,ce] [--out DIR]
 """
 
 import argparse
 import cProfile
+import dataclasses
 import importlib
 import io
 import itertools
@@ -16,6 +18,8 @@ import time
 
 import _harness as H
 import torch
+
+from tigon.ops._config import CrossEntropyConfig, GLUConfig, LinearCrossEntropyConfig, RMSNormConfig, RopeConfig
 
 BF16 = torch.bfloat16
 
@@ -32,26 +36,21 @@ def _time(ctx, fn):
     return H.bench(ctx, fn, min_rep=10, max_rep=20, rep_ms=100.0)["ms"] * 1e3
 
 
-def sweep(ctx, mod, grid, make):
-    """Time fwd and fwd+bwd for each setting of `mod`'s attributes in `grid`; restore the defaults after."""
+def sweep(ctx, config_cls, grid, make):
+    """Time fwd and fwd+bwd for each config of `config_cls` with the fields in `grid` (the others default);
+    make(config) returns the (fwd, fwd+bwd) callables that pass it to the op."""
     keys = list(grid)
-    saved = {k: getattr(mod, k) for k in keys}
     rows = []
-    try:
-        for values in itertools.product(*grid.values()):
-            for k, v in zip(keys, values):
-                setattr(mod, k, v)
-            fwd, fb = make()
-            row = dict(zip(keys, values))
-            try:
-                row.update(fwd_us=_time(ctx, fwd), fb_us=_time(ctx, fb))
-            except Exception as e:  # a setting that does not compile (too many registers) is a row, not a crash
-                row.update(error=H.short_error(e))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    finally:
-        for k, v in saved.items():
-            setattr(mod, k, v)
+    for values in itertools.product(*grid.values()):
+        config = config_cls(**dict(zip(keys, values)))
+        fwd, fb = make(config)
+        row = dataclasses.asdict(config)
+        try:
+            row.update(fwd_us=_time(ctx, fwd), fb_us=_time(ctx, fb))
+        except Exception as e:  # a setting that does not compile (too many registers) is a row, not a crash
+            row.update(error=H.short_error(e))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -63,12 +62,18 @@ def tune_rms_norm(ctx):
     r = torch.randn(16384, 4096, device="cuda", generator=g).to(BF16).requires_grad_()
     w = (1 + 0.1 * torch.randn(4096, device="cuda", generator=g)).to(BF16).requires_grad_()
     dy = torch.randn_like(x)
-    plain = lambda: (lambda: m.rms_norm(x, w), _fb(lambda: m.rms_norm(x, w), (x, w), (dy,)))
-    add = lambda: (lambda: m.add_rms_norm(x, r, w), _fb(lambda: m.add_rms_norm(x, r, w), (x, r, w), (dy, dy)))
-    grid = {"_FWD_WARPS": [4, 8, 16], "_BWD_WARPS": [4, 8, 16], "_BWD_PER_SM": [1, 2, 4, 8]}
-    return {"rms_norm": sweep(ctx, m, grid, plain),
-            "add_rms_norm": sweep(ctx, m, {"_FWD_WARPS": [4, 8, 16], "_BWD_WARPS": [8, 16], "_BWD_PER_SM": [2, 4]},
-                                  add)}
+    def plain(c):
+        f = lambda: m.rms_norm(x, w, config=c)
+        return f, _fb(f, (x, w), (dy,))
+
+    def add(c):
+        f = lambda: m.add_rms_norm(x, r, w, config=c)
+        return f, _fb(f, (x, r, w), (dy, dy))
+
+    grid = {"fwd_warps": [4, 8, 16], "bwd_warps": [4, 8, 16], "bwd_per_sm": [1, 2, 4, 8]}
+    return {"rms_norm": sweep(ctx, RMSNormConfig, grid, plain),
+            "add_rms_norm": sweep(ctx, RMSNormConfig, {"fwd_warps": [4, 8, 16], "bwd_warps": [8, 16],
+                                                       "bwd_per_sm": [2, 4]}, add)}
 
 
 def tune_rope(ctx):
@@ -81,9 +86,11 @@ def tune_rope(ctx):
     ang = torch.cat([ang, ang], -1)[None].expand(4, -1, -1)
     cos, sin = ang.cos().to(BF16).contiguous(), ang.sin().to(BF16).contiguous()
     dq, dk = torch.randn_like(q), torch.randn_like(k)
-    f = lambda: m.apply_rope(q, k, cos, sin)
-    return {"rope": sweep(ctx, m, {"_NUM_WARPS": [1, 2, 4, 8], "_TILE": [512, 1024, 2048, 4096]},
-                          lambda: (f, _fb(f, (q, k), (dq, dk))))}
+    def make(c):
+        f = lambda: m.apply_rope(q, k, cos, sin, config=c)
+        return f, _fb(f, (q, k), (dq, dk))
+
+    return {"rope": sweep(ctx, RopeConfig, {"num_warps": [1, 2, 4, 8], "tile": [512, 1024, 2048, 4096]}, make)}
 
 
 def tune_glu(ctx):
@@ -95,9 +102,11 @@ def tune_glu(ctx):
     dy = torch.randn_like(a)
     out = {}
     for name in ("swiglu", "geglu"):
-        f = lambda name=name: getattr(m, name)(a, b)
-        out[name] = sweep(ctx, m, {"_TILE_BYTES_GPU": [4096, 8192, 16384, 32768], "_NUM_WARPS": [4, 8, 16]},
-                          lambda f=f: (f, _fb(f, (a, b), (dy,))))
+        def make(c, name=name):
+            f = lambda: getattr(m, name)(a, b, config=c)
+            return f, _fb(f, (a, b), (dy,))
+
+        out[name] = sweep(ctx, GLUConfig, {"tile_bytes": [4096, 8192, 16384, 32768], "num_warps": [4, 8, 16]}, make)
     return out
 
 
@@ -106,10 +115,12 @@ def tune_ce(ctx):
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(4096, 128256, device="cuda", generator=g).to(BF16).requires_grad_()
     target = torch.randint(0, 128256, (4096,), device="cuda", generator=g)
-    f = lambda: m.cross_entropy(logits, target)
-    return {"cross_entropy": sweep(ctx, m, {"_BLOCK_V": [8192, 16384, 32768], "_NUM_WARPS": [16, 32],
-                                            "_L2_HINTS": [True, False]},
-                                   lambda: (f, _fb(f, (logits,), (None,))))}
+    def make(c):
+        f = lambda: m.cross_entropy(logits, target, config=c)
+        return f, _fb(f, (logits,), (None,))
+
+    return {"cross_entropy": sweep(ctx, CrossEntropyConfig, {"block_v": [8192, 16384, 32768], "num_warps": [16, 32],
+                                                             "l2_hints": [True, False]}, make)}
 
 
 def tune_flce(ctx):
@@ -121,8 +132,9 @@ def tune_flce(ctx):
     rows = []
     for chunk_mib in (96, 128, 192, 256):
         for accum in (None,):
-            m.CHUNK_BYTES = chunk_mib << 20
-            fn = lambda accum=accum: torch.autograd.grad(m.linear_cross_entropy(h, w, t, accum_dtype=accum), (h, w))
+            cfg = LinearCrossEntropyConfig(chunk_bytes=chunk_mib << 20)
+            fn = lambda accum=accum, cfg=cfg: torch.autograd.grad(
+                m.linear_cross_entropy(h, w, t, accum_dtype=accum, config=cfg), (h, w))
             try:
                 ms = H.bench(ctx, fn, min_rep=3, max_rep=4, rep_ms=100.0, passes=1)["ms"]
                 torch.cuda.synchronize()
@@ -136,7 +148,6 @@ def tune_flce(ctx):
                 row = dict(chunk_mib=chunk_mib, accum=str(accum), error=H.short_error(e))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    m.CHUNK_BYTES = 128 << 20
     return {"flce": rows}
 
 

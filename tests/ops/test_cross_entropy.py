@@ -323,3 +323,41 @@ def test_gpu_compile_no_sync_deterministic():
             torch.cuda.set_sync_debug_mode(0)
         grads.append((loss.detach().clone(), x.grad.clone()))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_config_reaches_the_launches(device, monkeypatch, inplace):
+    # A CrossEntropyConfig's L2 hints reach the row kernel and its programs per SM the grad_output scaling, on
+    # the out-of-place and the in-place path; hints change no value, so the bits match the default's.
+    from tigon.ops import _launch
+    from tigon.ops._config import CrossEntropyConfig
+
+    mod = sys.modules["tigon.ops.cross_entropy"]
+    hints, per_sm, real = [], [], mod._cross_entropy_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                hints.append(kwargs["L2_HINTS"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(mod, "_cross_entropy_kernel", Spy())
+    programs = _launch.num_programs
+    monkeypatch.setattr(_launch, "num_programs", lambda d, rows, per_sm_=None, **kw: per_sm.append(
+        kw.get("per_sm", per_sm_)) or programs(d, rows, kw.get("per_sm", per_sm_)))
+    torch.manual_seed(0)
+    x0, t = torch.randn(3, 40, device=device), torch.tensor([1, 7, 39], device=device)
+    outs = []
+    for cfg in (None, CrossEntropyConfig(l2_hints=False, scale_per_sm=7)):
+        x = x0.clone().requires_grad_()
+        logits = x * 1.0 if inplace else x  # in place needs logits autograd made
+        loss = ops.cross_entropy(logits, t, inplace_backward=inplace, config=cfg)
+        outs.append((loss, *torch.autograd.grad(loss * 0.5, x)))
+    assert hints == [True, False] and per_sm == [4, 7]
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="cross_entropy: config must be"):
+        ops.cross_entropy(x0, t, config=(0, 0, 4, 1))
+    with pytest.raises(ValueError, match="l2_hints must be a bool"):
+        CrossEntropyConfig(l2_hints=1)

@@ -151,3 +151,55 @@ def test_compile_fullgraph_uses_the_custom_op(device):
     want = grads(fn(x, r, w), (x, r, w), torch.tensor(1.0, device=device))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+class _KernelSpy:
+    """Stands in for a Triton kernel: records each launch's keyword arguments, then launches the real one."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("path", ["function", "custom_op"])
+def test_config_reaches_both_launches(device, monkeypatch, path):
+    # The warps and programs per SM of an RMSNormConfig reach the forward and backward launches on the eager
+    # (autograd.Function) and the custom-op path; the interpreter ignores warps and uses 4 programs, so the
+    # result is the default's, bit for bit.
+    import sys
+
+    from tigon.ops import _launch
+    from tigon.ops._config import RMSNormConfig
+
+    mod = sys.modules["tigon.ops.rms_norm"]  # the module: tigon.ops.rms_norm is the function
+
+    fwd, bwd, per_sm = _KernelSpy(mod._rms_norm_fwd_kernel), _KernelSpy(mod._rms_norm_bwd_kernel), []
+    monkeypatch.setattr(mod, "_rms_norm_fwd_kernel", fwd)
+    monkeypatch.setattr(mod, "_rms_norm_bwd_kernel", bwd)
+    programs = _launch.num_programs
+    monkeypatch.setattr(_launch, "num_programs", lambda d, rows, per_sm_=None, **kw: per_sm.append(
+        kw.get("per_sm", per_sm_)) or programs(d, rows, kw.get("per_sm", per_sm_)))
+    cfg = RMSNormConfig(fwd_warps=2, bwd_warps=16, bwd_per_sm=3)
+    x, r, w = (randn(*s, device=device) for s in ((5, 24), (5, 24), (24,)))
+    outs = []
+    for c in (None, cfg):
+        xs = [t.clone().requires_grad_() for t in (x, r, w)]
+        if path == "function":
+            y, _ = ops.add_rms_norm(*xs, config=c)
+        else:
+            y, _, _ = torch.ops.tigon.rms_norm_fwd(xs[0], xs[1], xs[2], 1e-6, 0.0, 0, torch.float32,
+                                                   None if c is None else c.ints())
+        outs.append((y, *grads(y, xs, torch.ones_like(y))))
+    assert [c["num_warps"] for c in fwd.calls] == [1, 2] and [c["num_warps"] for c in bwd.calls] == [1, 16]
+    assert per_sm == [2, 3]
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="rms_norm: config must be"):
+        ops.rms_norm(x, w, config=(2, 16, 3))
+    torch.library.opcheck(torch.ops.tigon.rms_norm_fwd, (x.requires_grad_(), None, w, 1e-6, 0.0, 0, torch.float32,
+                                                        cfg.ints()))

@@ -262,3 +262,37 @@ def test_no_host_sync_and_deterministic():
         return (*outs, *grads(outs, (q, k), go))
 
     assert_no_sync_and_deterministic(run)
+
+
+def test_config_reaches_forward_and_backward(device, monkeypatch):
+    # A RopeConfig's tile sets the heads per program of both launches (forward and the transposed backward): a
+    # 16-element tile with rd / 2 = 4 takes 4 heads a step instead of all 8; the rotation is elementwise per
+    # head, so the bits match the default's.
+    import sys
+
+    from tigon.ops._config import RopeConfig
+
+    mod = sys.modules["tigon.ops.rope"]
+    seen, real = [], mod._rope_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((kwargs["BLOCK_HQ"], kwargs["num_warps"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(mod, "_rope_kernel", Spy())
+    q, k, _ = _qk("hf", 1, 8, 2, 3, 8, torch.float32, device)
+    cos, sin = _cos_sin(1, 3, 8, torch.float32, device)
+    outs = []
+    for cfg in (None, RopeConfig(tile=16, num_warps=2)):
+        qq, kk = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        qe, ke = ops.apply_rope(qq, kk, cos, sin, config=cfg)
+        outs.append((qe, ke, *grads((qe, ke), (qq, kk), (torch.ones_like(qe), torch.ones_like(ke)))))
+    assert seen == [(8, 4), (8, 4), (4, 2), (4, 2)]
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="apply_rope: config must be"):
+        ops.apply_rope(q, k, cos, sin, config={"tile": 16})
+    torch.library.opcheck(torch.ops.tigon.rope, (q, k, cos, sin, False, [16, 2]))

@@ -6,6 +6,7 @@ import torch
 from tests._grid import DTYPES, assert_bound, fp64_copy, grads, randn
 from tigon import ops
 from tigon.ops import _launch, reference
+from tigon.ops._config import GLUConfig
 from tigon.ops.swiglu import geglu_packed, swiglu_packed
 
 glu_mod = sys.modules["tigon.ops.swiglu"]  # `tigon.ops.swiglu` the attribute is the function
@@ -98,7 +99,7 @@ def test_expanded_output_gradient(device):
 def test_many_tiles(device, monkeypatch, contiguous):
     # Small tiles, so the tile index math and both masks are exercised at odd sizes (the CPU default
     # covers a whole test case with one tile).
-    monkeypatch.setattr(glu_mod, "_tiles", lambda dev, eb, rows, cols: (2, 16, 1))
+    monkeypatch.setattr(glu_mod, "_tiles", lambda dev, eb, rows, cols, config=None: (2, 16, 1))
     torch.manual_seed(2)
     gate_up = randn(5, 2 * 37, device=device, scale=3.0)
     gate, up = (t.contiguous() for t in gate_up.chunk(2, -1)) if contiguous else gate_up.chunk(2, -1)
@@ -106,20 +107,42 @@ def test_many_tiles(device, monkeypatch, contiguous):
     _check("geglu", ops.geglu, reference.geglu, reference.eager_geglu, (gate, up), torch.float32)
 
 
-def test_gpu_tile_heuristic(monkeypatch):
+def test_gpu_tile_heuristic():
     # Pure arithmetic (no GPU needed), at pinned settings: whole-tile widths at Llama shapes, at most 1/16 of
     # a row wasted.
-    monkeypatch.setattr(glu_mod, "_TILE_BYTES_GPU", 4096)
-    monkeypatch.setattr(glu_mod, "_NUM_WARPS", 4)
+    cfg = GLUConfig(tile_bytes=4096, num_warps=4).ints()
     cuda = torch.device("cuda")
-    assert glu_mod._tiles(cuda, 2, 16384, 14336) == (1, 2048, 4)
-    assert glu_mod._tiles(cuda, 2, 16384, 11008) == (2, 1024, 4)
-    assert glu_mod._tiles(cuda, 4, 16384, 14336) == (1, 1024, 4)
-    assert glu_mod._tiles(cuda, 2, 1, 16384 * 14336) == (1, 2048, 4)  # contiguous: one flat row
-    assert glu_mod._tiles(cuda, 2, 3, 7) == (4, 8, 4)
+    assert glu_mod._tiles(cuda, 2, 16384, 14336, cfg) == (1, 2048, 4)
+    assert glu_mod._tiles(cuda, 2, 16384, 11008, cfg) == (2, 1024, 4)
+    assert glu_mod._tiles(cuda, 4, 16384, 14336, cfg) == (1, 1024, 4)
+    assert glu_mod._tiles(cuda, 2, 1, 16384 * 14336, cfg) == (1, 2048, 4)  # contiguous: one flat row
+    assert glu_mod._tiles(cuda, 2, 3, 7, cfg) == (4, 8, 4)
     for cols in (1, 7, 200, 1000, 4097, 11008, 14336, 28672):
-        bm, bn, _ = glu_mod._tiles(cuda, 2, 16384, cols)
+        bm, bn, _ = glu_mod._tiles(cuda, 2, 16384, cols, cfg)
         assert bm * bn <= 2048 and (bn <= 128 or -(-cols // bn) * bn * 16 <= cols * 17)
+    # The defaults are these settings, and a config changes the tiles it names.
+    assert glu_mod._tiles(cuda, 2, 16384, 14336) == (1, 2048, 4)
+    assert glu_mod._tiles(cuda, 2, 16384, 14336, GLUConfig(tile_bytes=16384, num_warps=8).ints()) == (4, 2048, 8)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_config_reaches_the_kernel(device, packed, monkeypatch):
+    # A config with 32-element CPU tiles runs many programs (the default: one); an elementwise op gives the same
+    # bits for every tiling, forward and both gradients, and a bad config is a TypeError naming the op.
+    seen, tiles = [], glu_mod._tiles
+    monkeypatch.setattr(glu_mod, "_tiles", lambda *a: seen.append(a[4] if len(a) > 4 else None) or tiles(*a))
+    torch.manual_seed(3)
+    gate_up = randn(5, 2 * 37, device=device, scale=3.0)
+    outs = []
+    for cfg in (None, GLUConfig(cpu_tile=32)):
+        x = gate_up.clone().requires_grad_()
+        y = swiglu_packed(x, config=cfg) if packed else ops.swiglu(*x.chunk(2, -1), config=cfg)
+        (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+        outs.append((y, dx))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert seen == [None, None] + [GLUConfig(cpu_tile=32).ints()] * 2  # forward and backward launches
+    with pytest.raises(TypeError, match="swiglu: config must be"):
+        ops.swiglu(gate_up[:, :37], gate_up[:, 37:], config={"cpu_tile": 32})
 
 
 def _grad_ptrs(t):

@@ -1,18 +1,23 @@
-"""Launch settings of the decode ops as typed, frozen values.
+"""Launch settings of the ops as typed, frozen values.
 
-The defaults are the measured ones (H200 sweeps, docs/ops/decode_linear.md and decode_attention.md). A benchmark
-that sweeps a setting passes a config to the op (`decode_linear(..., config=DecodeLinearConfig(...))`,
-`decode_attention(..., config=DecodeAttentionConfig(...))`); nothing assigns module attributes. Every field is
-a plain int, so `ints()` hands a config across a custom-op boundary (torch.compile) and the op rebuilds it.
+The defaults are the measured ones (H200 sweeps, docs/ops/<op>.md). A benchmark that sweeps a setting passes a
+config to the op (`rms_norm(..., config=RMSNormConfig(bwd_per_sm=4))`, `decode_linear(...,
+config=DecodeLinearConfig(...))`, benchmarks/tune.py); nothing assigns module attributes. Every field is a plain
+int (a bool is stored as 0 / 1), so `ints()` hands a config across a custom-op boundary (torch.compile), whose
+schema takes ints, not dataclasses, and the launcher reads the ints back.
 """
 
 import dataclasses
 
 
-def _check_fields(cfg, powers_of_two=(), zero_ok=()) -> None:
+def _check_fields(cfg, powers_of_two=(), zero_ok=(), bools=()) -> None:
     name = type(cfg).__name__
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
+        if f.name in bools:
+            if not isinstance(v, bool):
+                raise ValueError(f"{name}: {f.name} must be a bool, got {v!r}")
+            continue
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if f.name in zero_ok else 1):
             least = "0" if f.name in zero_ok else "1"
             raise ValueError(f"{name}: {f.name} must be an int >= {least}, got {v!r}")
@@ -101,3 +106,72 @@ class LinearCrossEntropyConfig:
 
 
 LINEAR_CROSS_ENTROPY = LinearCrossEntropyConfig()
+
+
+def _ints(cfg) -> list[int]:
+    return [int(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RMSNormConfig:
+    """The launches of `rms_norm` / `add_rms_norm`: warps of the forward (one row a program) and of the backward
+    (0: from the hidden size, `_launch.row_warps`, at most 8 in the forward), and backward programs per SM (each
+    loops over rows and keeps one fp32 partial dw row)."""
+
+    fwd_warps: int = 0
+    bwd_warps: int = 0
+    # H200, H=4096: 2 programs x 16 warps per SM beat 4 x 16 (204 vs 216 us fwd+bwd)
+    bwd_per_sm: int = 2
+
+    def __post_init__(self):
+        _check_fields(self, powers_of_two=("fwd_warps", "bwd_warps"), zero_ok=("fwd_warps", "bwd_warps"))
+
+    ints = _ints
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """The launch of `apply_rope`: q and k heads in tiles of at most `tile` elements of `[heads, rd / 2]`.
+    H200 at Llama-8B shapes: 512 x 4 warps, 180 us fwd+bwd (2048 x 4: 194 us)."""
+
+    tile: int = 512
+    num_warps: int = 4
+
+    def __post_init__(self):
+        _check_fields(self, powers_of_two=("tile", "num_warps"))
+
+    ints = _ints
+
+
+@dataclasses.dataclass(frozen=True)
+class GLUConfig:
+    """The launches of `swiglu` / `geglu` (and the packed forms): `tile_bytes` of each tensor a program covers
+    on a GPU, `cpu_tile` elements a program on the interpreter (~1 ms a program: one big tile a test case),
+    `num_warps` on a GPU. H200 at [16384, 14336] bf16: 4 KiB x 4 warps, 912 us fwd+bwd (16 KiB x 8: 940)."""
+
+    tile_bytes: int = 4096
+    cpu_tile: int = 1 << 16
+    num_warps: int = 4
+
+    def __post_init__(self):
+        _check_fields(self, powers_of_two=("tile_bytes", "cpu_tile", "num_warps"))
+
+    ints = _ints
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyConfig:
+    """The launches of `cross_entropy` on a GPU: `block_v` logits a loop step (0: 8192) with `num_warps` (0:
+    block_v / 512, at most 16), programs per SM of the grad_output scaling, and `l2_hints` (evict_last on the
+    first pass over a row, evict_first on the gradient pass). The interpreter always uses 512-wide steps."""
+
+    block_v: int = 0
+    num_warps: int = 0
+    scale_per_sm: int = 4
+    l2_hints: bool = True
+
+    def __post_init__(self):
+        _check_fields(self, powers_of_two=("block_v", "num_warps"), zero_ok=("block_v", "num_warps"),
+                      bools=("l2_hints",))
+
+    ints = _ints

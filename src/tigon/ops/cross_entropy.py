@@ -18,15 +18,14 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
+from ._config import CrossEntropyConfig
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 _NONE, _MEAN, _SUM = 0, 1, 2
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-# Launch settings on CUDA; None picks from V (block_config). benchmarks/tune.py sweeps module attributes.
-_BLOCK_V = None
-_NUM_WARPS = None
-_SCALE_PER_SM = 4
-_L2_HINTS = True  # evict_last on the first pass, evict_first on the gradient pass (tune.py compares)
+# (block_v, num_warps, scale_per_sm, l2_hints) = CrossEntropyConfig.ints(), the form a custom op takes; None:
+# these defaults (block_v, num_warps 0: picked from V by block_config).
+_DEFAULT = tuple(CrossEntropyConfig().ints())
 
 
 @triton.jit
@@ -188,27 +187,29 @@ def _scale_grad_kernel(
                 tl.store(p, (b_g * b_go).to(G.dtype.element_ty), mask=m_c)
 
 
-def block_config(V: int, device: torch.device) -> tuple:
+def block_config(V: int, device: torch.device, config=None) -> tuple:
     """(BLOCK_V, num_warps) for the row kernel. GPU: 8192-wide tiles, 16 warps (16 fp32 values a thread);
     one resident program per SM keeps 132 rows (33 MB at V=128256 bf16) in flight, under the 50 MB L2, so the
     gradient pass re-reads the row from L2. The interpreter uses 512 so that small test vocabularies
-    still loop over several tiles."""
+    still loop over several tiles. config: CrossEntropyConfig.ints() or None."""
     if device.type != "cuda":
         return min(triton.next_power_of_2(max(V, 1)), 512), 1
     # H200 sweep at [4096, 128256] bf16 (benchmarks/results/h200_tune.json): 8192 x 16 warps 883 us
     # fwd+bwd, 16384 x 16 warps 970 us, 32768 x 32 warps 885 us.
-    block = min(triton.next_power_of_2(max(V, 1)), _BLOCK_V or 8192)
-    return block, _NUM_WARPS or max(1, min(16, block // 512))
+    block_v, num_warps = (config or _DEFAULT)[:2]
+    block = min(triton.next_power_of_2(max(V, 1)), block_v or 8192)
+    return block, num_warps or max(1, min(16, block // 512))
 
 
 def launch(x, target, loss, dx, denom=None, row_scale=None, *, ignore_index, label_smoothing, z_loss_scale,
-           softcap):
+           softcap, config=None):
     """Run the row kernel: x [N, V] (unit last stride), target [N], loss [N] fp32; the gradient goes to dx
-    (None: forward only; x itself: in place). softcap 0 means none. Used by linear_cross_entropy too."""
+    (None: forward only; x itself: in place). softcap 0 means none. config: CrossEntropyConfig.ints() or
+    None. Used by linear_cross_entropy too."""
     N, V = x.shape
     if N == 0:
         return
-    block, warps = block_config(V, x.device)
+    block, warps = block_config(V, x.device, config)
     _cross_entropy_kernel[(N,)](
         x, target, loss, x if dx is None else dx, loss if denom is None else denom,
         loss if row_scale is None else row_scale, x.stride(0), target.stride(0),
@@ -216,7 +217,7 @@ def launch(x, target, loss, dx, denom=None, row_scale=None, *, ignore_index, lab
         label_smoothing, z_loss_scale, softcap if softcap else 1.0,
         HAS_GRAD=dx is not None, HAS_DENOM=denom is not None, HAS_ROW_SCALE=row_scale is not None,
         HAS_SMOOTHING=label_smoothing > 0, HAS_Z=z_loss_scale > 0, HAS_SOFTCAP=softcap > 0,
-        L2_HINTS=_L2_HINTS, BLOCK_V=block, num_warps=warps,
+        L2_HINTS=bool((config or _DEFAULT)[3]), BLOCK_V=block, num_warps=warps,
     )
 
 
@@ -244,11 +245,12 @@ def reduce(loss_rows, denom, reduction):
     return loss_rows if reduction == _NONE else loss_rows.sum()
 
 
-def _fwd(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, dx):
+def _fwd(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, dx,
+         config=None):
     denom = denominator(target, ignore_index, reduction, num_items)
     loss_rows = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     launch(logits, target, loss_rows, dx, denom, ignore_index=ignore_index, label_smoothing=label_smoothing,
-           z_loss_scale=z_loss_scale, softcap=softcap)
+           z_loss_scale=z_loss_scale, softcap=softcap, config=config)
     return reduce(loss_rows, denom, reduction)
 
 
@@ -258,9 +260,10 @@ def _loss_fake(logits, num_items, reduction):
 
 
 def _fwd_launch(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
-                compute_grad):
+                compute_grad, config=None):
     dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else None
-    loss = _fwd(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, dx)
+    loss = _fwd(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, dx,
+                config)
     return loss, (dx if compute_grad else logits.new_empty(0))
 
 
@@ -268,15 +271,18 @@ def _fwd_launch(logits, target, num_items, ignore_index, label_smoothing, z_loss
 def cross_entropy_fwd(
     logits: torch.Tensor, target: torch.Tensor, num_items: Optional[torch.Tensor], ignore_index: int,
     label_smoothing: float, z_loss_scale: float, softcap: float, reduction: int, compute_grad: bool,
+    config: Optional[list[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V] (unit last stride), target [N]. Returns (loss: [] or [N] fp32, dlogits for
-    grad_output == 1 in logits' dtype, or empty when compute_grad is False)."""
+    grad_output == 1 in logits' dtype, or empty when compute_grad is False). config: None or
+    `CrossEntropyConfig.ints()`."""
     return _fwd_launch(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
-                       compute_grad)
+                       compute_grad, config)
 
 
 @cross_entropy_fwd.register_fake
-def _(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, compute_grad):
+def _(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, compute_grad,
+      config=None):
     dx = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0)
     return _loss_fake(logits, num_items, reduction), dx
 
@@ -284,19 +290,19 @@ def _(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, so
 @torch.library.custom_op("tigon::cross_entropy_fwd_inplace", mutates_args=("logits",))
 def cross_entropy_fwd_inplace(
     logits: torch.Tensor, target: torch.Tensor, num_items: Optional[torch.Tensor], ignore_index: int,
-    label_smoothing: float, z_loss_scale: float, softcap: float, reduction: int,
+    label_smoothing: float, z_loss_scale: float, softcap: float, reduction: int, config: Optional[list[int]] = None,
 ) -> torch.Tensor:
     """As cross_entropy_fwd with compute_grad, but the gradient overwrites the logits: no [N, V] allocation."""
     return _fwd(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
-                logits)
+                logits, config)
 
 
 @cross_entropy_fwd_inplace.register_fake
-def _(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction):
+def _(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, config=None):
     return _loss_fake(logits, num_items, reduction)
 
 
-def _scale_grad_launch(grad, grad_output):
+def _scale_grad_launch(grad, grad_output, per_sm=_DEFAULT[2]):
     per_row = grad_output.numel() != 1
     # one scale: a contiguous gradient is one long row cut into BLOCK tiles (dW [V, 16] is not 16-wide tiles)
     g = grad.view(1, -1) if (not per_row and grad.is_contiguous()) or grad.dim() == 1 else grad
@@ -306,7 +312,7 @@ def _scale_grad_launch(grad, grad_output):
         return
     block = min(triton.next_power_of_2(C), 4096 if g.device.type == "cuda" else 1024)
     tiles = M * triton.cdiv(C, block) if not per_row else M
-    n_prog = _launch.num_programs(g.device, tiles, per_sm=_SCALE_PER_SM)
+    n_prog = _launch.num_programs(g.device, tiles, per_sm=per_sm)
     _scale_grad_kernel[(n_prog,)](
         g, go, g.stride(0), go.stride(0) if per_row else 0, M, C, PER_ROW=per_row, BLOCK=block,
         num_warps=max(1, min(8, block // 512)),
@@ -314,24 +320,31 @@ def _scale_grad_launch(grad, grad_output):
 
 
 @torch.library.custom_op("tigon::scale_grad_", mutates_args=("grad",))
-def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
+def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor, per_sm: int = _DEFAULT[2]) -> None:
     """grad [M, C] (or [C]) *= grad_output ([] / [1]: one scale; [M]: one per row), in place; a no-op on the
-    device when the scale is 1."""
-    _scale_grad_launch(grad, grad_output)
+    device when the scale is 1. per_sm: programs per SM (CrossEntropyConfig.scale_per_sm)."""
+    _scale_grad_launch(grad, grad_output, per_sm)
 
 
 @scale_grad_.register_fake
-def _(grad, grad_output):
+def _(grad, grad_output, per_sm=_DEFAULT[2]):
     return None
 
 
-def _scale_grad_eager(grad, grad_output):
-    _scale_grad_launch(grad, grad_output)
+def _scale_grad_eager(grad, grad_output, per_sm=_DEFAULT[2]):
+    _scale_grad_launch(grad, grad_output, per_sm)
     torch.autograd.graph.increment_version(grad)  # what the custom op's mutation would do: see below
 
 
-def _scale_grad(grad, grad_output):
-    _library.dispatch(torch.ops.tigon.scale_grad_, None, _scale_grad_eager, grad, grad_output)
+def _scale_grad(grad, grad_output, per_sm=_DEFAULT[2]):
+    _library.dispatch(torch.ops.tigon.scale_grad_, None, _scale_grad_eager, grad, grad_output, per_sm)
+
+
+def _scaler(scale, config):
+    """`scale` (a scale_grad_ form) with the programs per SM of `config` (CrossEntropyConfig.ints() or None)."""
+    if config is None:
+        return scale
+    return lambda g, go: scale(g, go, config[2])
 
 
 def apply_grad_output(grads, grad_output, scale=None):
@@ -360,7 +373,8 @@ def saved_grads(ctx, op):
 
 
 def _setup(ctx, inputs, output):
-    compute_grad = inputs[-1]
+    compute_grad = inputs[8]
+    ctx.config, ctx.n_inputs = (inputs[9] if len(inputs) > 9 else None), len(inputs)
     ctx.mark_non_differentiable(output[1])
     # The gradient outputs get no gradient: without this, autograd would fill a zero tensor of their size
     # for each (measured on the H200: +1 GiB and +300 us for CE at [4096, 128256]).
@@ -371,8 +385,8 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dloss, _ddx, scale=None):
     _library.refuse_double_backward("tigon.ops.cross_entropy")
     (dx,) = saved_grads(ctx, "tigon.ops.cross_entropy")
-    apply_grad_output([dx], dloss, scale)
-    return dx, None, None, None, None, None, None, None, None
+    apply_grad_output([dx], dloss, _scaler(scale or torch.ops.tigon.scale_grad_, ctx.config))
+    return (dx,) + (None,) * (ctx.n_inputs - 1)
 
 
 cross_entropy_fwd.register_autograd(_backward, setup_context=_setup)
@@ -393,7 +407,8 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 
 def _fwd_inplace_eager(logits, *args):
-    loss = _fwd(logits, *args, logits)
+    *args, config = args
+    loss = _fwd(logits, *args, logits, config)
     # What the custom op's mutation would do: another op that saved these logits for its backward then fails
     # loudly ("modified by an inplace operation") instead of reading the gradient.
     torch.autograd.graph.increment_version(logits)
@@ -405,18 +420,20 @@ class _CrossEntropyInplace(torch.autograd.Function):
     register_autograd, hence a Function)."""
 
     @staticmethod
-    def forward(ctx, logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction):
-        args = (logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction)
+    def forward(ctx, logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
+                config=None):
+        args = (logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, config)
         loss = _library.dispatch(torch.ops.tigon.cross_entropy_fwd_inplace, None, _fwd_inplace_eager, *args)
         ctx.save_for_backward(logits)
+        ctx.config = config
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
         _library.refuse_double_backward("tigon.ops.cross_entropy")
         (dx,) = saved_grads(ctx, "tigon.ops.cross_entropy")
-        apply_grad_output([dx], dloss, _scale_grad)
-        return dx, None, None, None, None, None, None, None
+        apply_grad_output([dx], dloss, _scaler(_scale_grad, ctx.config))
+        return dx, None, None, None, None, None, None, None, None
 
 
 def validate_loss_args(op, target, lead_shape, device, ignore_index, reduction, label_smoothing, z_loss_scale,
@@ -487,7 +504,7 @@ def check_target(op, target, V, ignore_index):
 
 
 def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss_scale=0.0,
-                  softcap=None, inplace_backward=False, num_items_in_batch=None):
+                  softcap=None, inplace_backward=False, num_items_in_batch=None, config=None):
     """F.cross_entropy(logits.float(), target) with z-loss and softcap; fp32 loss.
 
     logits [..., V] fp32/fp16/bf16 (any V), target [...] integer class indices. reduction "mean" divides by
@@ -499,7 +516,8 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
     (an expanded row), and anything else silently takes the out-of-place path. A target outside
     [0, V) that is not ignore_index raises ValueError when validating (CPU, or TIGON_VALIDATE=1), else
     gives a NaN loss and NaN gradient row. Never syncs the host on CUDA. No double backward: a backward
-    with create_graph=True raises NotImplementedError.
+    with create_graph=True raises NotImplementedError. config: a `CrossEntropyConfig` (the GPU launches; None:
+    the measured defaults).
     """
     op, name = "cross_entropy", "tigon.ops.cross_entropy"
     _launch.check_tensor(name, "logits", logits)
@@ -508,6 +526,10 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
     ls, z, cap = validate_loss_args(name, target, logits.shape[:-1], logits.device, ignore_index, reduction,
                                     label_smoothing, z_loss_scale, softcap, num_items_in_batch)
     _launch.check_bool(name, "inplace_backward", inplace_backward)
+    if config is not None and not isinstance(config, CrossEntropyConfig):
+        raise TypeError(f"{name}: config must be a tigon.ops._config.CrossEntropyConfig or None, got "
+                        f"{type(config).__name__}")
+    cfg = None if config is None else config.ints()
     V = logits.shape[-1]
     if not _library.use_kernels(op, logits):
         check_target(name, target, V, ignore_index)
@@ -525,8 +547,8 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
     # Writing the gradient over rows that share memory (logits.expand(N, V)) would overwrite a row while
     # another program reads it; over a leaf it would hand the caller's tensor back as its own .grad.
     if inplace_backward and need_grad and not _launch.is_leafish(x) and not _launch.may_overlap(x):
-        loss = _CrossEntropyInplace.apply(x, t, num_items, ignore_index, ls, z, cap, red)
+        loss = _CrossEntropyInplace.apply(x, t, num_items, ignore_index, ls, z, cap, red, cfg)
     else:
         loss, _ = _library.dispatch(torch.ops.tigon.cross_entropy_fwd, CrossEntropyFunction, _fwd_launch,
-                                    x, t, num_items, ignore_index, ls, z, cap, red, need_grad, grad_from=(x,))
+                                    x, t, num_items, ignore_index, ls, z, cap, red, need_grad, cfg, grad_from=(x,))
     return loss.view(target.shape) if loss.dim() else loss

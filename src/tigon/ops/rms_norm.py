@@ -13,12 +13,11 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
+from ._config import RMSNormConfig
 
 _CASTING = {"llama": 0, "gemma": 1, "none": 2}
-# Launch settings; None picks from the hidden size (_launch.row_warps). benchmarks/tune.py sweeps them.
-_FWD_WARPS = None
-_BWD_WARPS = None
-_BWD_PER_SM = 2  # H200, H=4096: 2 programs x 16 warps per SM beat 4 x 16 (204 vs 216 us fwd+bwd)
+# The launch settings travel as RMSNormConfig.ints() (a custom op takes ints); None: these defaults.
+_DEFAULT = tuple(RMSNormConfig().ints())
 
 
 @triton.jit
@@ -119,7 +118,8 @@ def _rms_norm_bwd_kernel(
         tl.store(DW_PART + pid.to(tl.int64) * H + o_h, b_dw, mask=m_h)
 
 
-def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype):
+def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=None):
+    fwd_warps = (config or _DEFAULT)[0]
     M, H = x.shape
     block = _launch.row_block("rms_norm", H)
     y = torch.empty((M, H), dtype=out_dtype, device=x.device)
@@ -131,7 +131,7 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype):
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
             s.stride(0) if residual is not None else 0, H, eps, offset,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, CASTING=casting,
-            BLOCK_H=block, num_warps=_FWD_WARPS or min(8, _launch.row_warps(block)),  # 8: 70 vs 80 us at 4096
+            BLOCK_H=block, num_warps=fwd_warps or min(8, _launch.row_warps(block)),  # 8: 70 vs 80 us at 4096
         )
     return y, s, rstd
 
@@ -139,20 +139,22 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype):
 @torch.library.custom_op("tigon::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(
     x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor], eps: float,
-    offset: float, casting: int, out_dtype: torch.dtype,
+    offset: float, casting: int, out_dtype: torch.dtype, config: Optional[list[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x, residual: [M, H] with unit last stride. Returns (y, s or empty, rstd[M] fp32)."""
-    return _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype)
+    """x, residual: [M, H] with unit last stride. Returns (y, s or empty, rstd[M] fp32). config: None or
+    `RMSNormConfig.ints()`."""
+    return _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config)
 
 
 @rms_norm_fwd.register_fake
-def _(x, residual, weight, eps, offset, casting, out_dtype):
+def _(x, residual, weight, eps, offset, casting, out_dtype, config=None):
     M, H = x.shape
     s = torch.empty_like(x) if residual is not None else x.new_empty(0)
     return x.new_empty((M, H), dtype=out_dtype), s, x.new_empty((M,), dtype=torch.float32)
 
 
-def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx):
+def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, config=None):
+    _, bwd_warps, bwd_per_sm = config or _DEFAULT
     M, H = x.shape
     block = _launch.row_block("rms_norm", H)
     dx = torch.empty_like(x)
@@ -160,7 +162,7 @@ def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx):
     compute_dw = compute_dw and weight is not None
     # Each program loops over rows, so dw needs only n_prog partial rows (0.2% of the traffic of x at
     # M=16384, H=4096 with 2 programs per SM).
-    n_prog = _launch.num_programs(x.device, M, per_sm=_BWD_PER_SM)
+    n_prog = _launch.num_programs(x.device, M, per_sm=bwd_per_sm)
     dw_part = torch.empty((n_prog, H), dtype=torch.float32, device=x.device) if compute_dw else rstd
     if M > 0 and H > 0:
         _rms_norm_bwd_kernel[(n_prog,)](
@@ -168,7 +170,7 @@ def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx):
             dr if two_dx else dx, dw_part,
             dy.stride(0), ds.stride(0) if ds is not None else 0, x.stride(0), dx.stride(0), M, H, offset,
             HAS_DR=two_dx, HAS_DS=ds is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
-            CASTING=casting, BLOCK_H=block, num_warps=_BWD_WARPS or _launch.row_warps(block),
+            CASTING=casting, BLOCK_H=block, num_warps=bwd_warps or _launch.row_warps(block),
         )
     if not compute_dw:
         return dx, dr, x.new_empty(0)
@@ -180,20 +182,22 @@ def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx):
 def rms_norm_bwd(
     dy: torch.Tensor, ds: Optional[torch.Tensor], x: torch.Tensor, weight: Optional[torch.Tensor],
     rstd: torch.Tensor, offset: float, casting: int, compute_dw: bool, two_dx: bool,
+    config: Optional[list[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx [M, H] in x.dtype, a copy of dx or empty, dw [H] in weight.dtype or empty)."""
-    return _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx)
+    return _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, config)
 
 
 @rms_norm_bwd.register_fake
-def _(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx):
+def _(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, config=None):
     dw = torch.empty_like(weight) if (compute_dw and weight is not None) else x.new_empty(0)
     return torch.empty_like(x), torch.empty_like(x) if two_dx else x.new_empty(0), dw
 
 
 def _setup(ctx, inputs, output):
-    x, residual, weight, eps, offset, casting, out_dtype = inputs
+    x, residual, weight, eps, offset, casting, out_dtype = inputs[:7]
     _, s, rstd = output
+    ctx.config, ctx.n_inputs = (inputs[7] if len(inputs) > 7 else None), len(inputs)
     ctx.save_for_backward(s if residual is not None else x, weight, rstd)
     ctx.offset, ctx.casting, ctx.has_residual, ctx.eps = offset, casting, residual is not None, eps
     # x and residual get the same gradient. Handing one tensor to both is free inside a decoder, but a leaf
@@ -219,7 +223,7 @@ def _reference_backward(ctx, xs, weight, dy, ds):
     dres = None
     if ctx.needs_input_grad[1]:
         dres = dx.clone() if ctx.copy_dresidual else dx  # as the kernel path: x and residual never share .grad
-    return dx if ctx.needs_input_grad[0] else None, dres, dw, None, None, None, None
+    return (dx if ctx.needs_input_grad[0] else None, dres, dw) + (None,) * (ctx.n_inputs - 3)
 
 
 def _backward(ctx, dy, ds, _drstd, bwd=None):
@@ -230,10 +234,10 @@ def _backward(ctx, dy, ds, _drstd, bwd=None):
     need_dw = weight is not None and ctx.needs_input_grad[2]
     dx, dr, dw = (bwd or torch.ops.tigon.rms_norm_bwd)(
         dy.contiguous(), None if ds is None else ds.contiguous(), xs, weight, rstd, ctx.offset, ctx.casting, need_dw,
-        ctx.copy_dresidual,
+        ctx.copy_dresidual, ctx.config,
     )
     dres = (dr if ctx.copy_dresidual else dx) if ctx.has_residual else None
-    return dx, dres, (dw if need_dw else None), None, None, None, None
+    return (dx, dres, (dw if need_dw else None)) + (None,) * (ctx.n_inputs - 3)
 
 
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup)
@@ -254,6 +258,15 @@ class RMSNormFunction(torch.autograd.Function):
         return _backward(ctx, dy, ds, drstd, bwd=_bwd_launch)
 
 
+def _config_ints(op, config):
+    if config is None:
+        return None
+    if not isinstance(config, RMSNormConfig):
+        raise TypeError(f"{op}: config must be a tigon.ops._config.RMSNormConfig or None, got "
+                        f"{type(config).__name__}")
+    return config.ints()
+
+
 def _validate(op, x, residual, weight, eps, offset, casting_mode, add=False):
     _launch.check_tensor(op, "x", x)
     _launch.check_min_dim(op, "x", x)
@@ -272,34 +285,37 @@ def _validate(op, x, residual, weight, eps, offset, casting_mode, add=False):
     return _launch.check_eps(op, eps), _launch.check_number(op, "offset", offset)
 
 
-def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
+def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama", config=None):
     """RMSNorm over the last dim. x [..., H] fp32/fp16/bf16, weight [H] or None; H <= 65536.
 
     casting_mode "llama" (LlamaRMSNorm: normalize in fp32, cast to x.dtype, times weight; output dtype is
     promote(x, weight)), "gemma" (all fp32, times offset + weight, cast at the end), "none" (fp32 math,
-    a single cast at the end; output x.dtype).
+    a single cast at the end; output x.dtype). config: an `RMSNormConfig` (the launches; None: the measured
+    defaults); it changes speed only, never the result.
     """
     eps, offset = _validate("tigon.ops.rms_norm", x, None, weight, eps, offset, casting_mode)
+    cfg = _config_ints("tigon.ops.rms_norm", config)
     if not _library.use_kernels("rms_norm", x):
         return reference.rms_norm(x, weight, eps, offset=offset, casting_mode=casting_mode)
     out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
     weight = None if weight is None else weight.contiguous()  # the kernel reads it at unit stride
-    args = (_launch.as_rows(x), None, weight, eps, offset, _CASTING[casting_mode], out_dtype)
+    args = (_launch.as_rows(x), None, weight, eps, offset, _CASTING[casting_mode], out_dtype, cfg)
     y, _, _ = _library.dispatch(torch.ops.tigon.rms_norm_fwd, RMSNormFunction, _fwd_launch, *args,
                                 grad_from=(x, weight))
     return y.view(x.shape)
 
 
-def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
+def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting_mode="llama", config=None):
     """Returns (rms_norm(x + residual), x + residual) from one kernel; both [..., H], sum in x.dtype."""
     eps, offset = _validate("tigon.ops.add_rms_norm", x, residual, weight, eps, offset, casting_mode,
                             add=True)
+    cfg = _config_ints("tigon.ops.add_rms_norm", config)
     if not _library.use_kernels("add_rms_norm", x):
         return reference.add_rms_norm(x, residual, weight, eps, offset=offset, casting_mode=casting_mode)
     out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
     weight = None if weight is None else weight.contiguous()
     args = (_launch.as_rows(x), _launch.as_rows(residual), weight, eps, offset, _CASTING[casting_mode],
-            out_dtype)
+            out_dtype, cfg)
     y, s, _ = _library.dispatch(torch.ops.tigon.rms_norm_fwd, RMSNormFunction, _fwd_launch, *args,
                                 grad_from=(x, residual, weight))
     return y.view(x.shape), s.view(x.shape)

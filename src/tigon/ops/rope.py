@@ -15,13 +15,11 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
+from ._config import RopeConfig
 
-# Elements of one [heads, rd/2] tile: two of them (x1, x2) plus cos/sin stay in registers. 2048 covers
-# the 32 heads x 64 of Llama-3-8B's q in one step (16 fp32 values per thread per half at 4 warps).
-# Elements of q/k per [heads, rd/2] tile, and warps; benchmarks/tune.py sweeps both.
-# H200 at Llama-8B shapes: 512 x 4 warps, 180 us fwd+bwd (2048 x 4: 194 us).
-_TILE = 512
-_NUM_WARPS = 4
+# (tile, num_warps), RopeConfig.ints(): two [heads, rd/2] tiles (x1, x2) plus cos/sin stay in registers; the
+# defaults and their H200 measurement are in RopeConfig. A custom op takes the ints; None: these defaults.
+_DEFAULT = tuple(RopeConfig().ints())
 
 
 @triton.jit
@@ -131,11 +129,12 @@ def _out_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _heads_block(n_heads: int, block_r: int) -> int:
-    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), _TILE // block_r))
+def _heads_block(n_heads: int, block_r: int, tile: int = _DEFAULT[0]) -> int:
+    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), tile // block_r))
 
 
-def rope_launch(q, k, cos, sin, transpose):
+def rope_launch(q, k, cos, sin, transpose, config=None):
+    tile, num_warps = config or _DEFAULT
     ref = q if q is not None else k
     qo = _out_like(q) if q is not None else cos.new_empty(0)
     ko = _out_like(k) if k is not None else cos.new_empty(0)
@@ -161,8 +160,8 @@ def rope_launch(q, k, cos, sin, transpose):
         *qs, *ks, *qos, *kos, cb, cos.stride(1), cos.stride(2), sb, sin.stride(1), sin.stride(2),
         T, Hq, Hkv, D, rd // 2,
         TRANSPOSE=transpose, HAS_PASS=rd < D,
-        BLOCK_HQ=_heads_block(Hq, block_r), BLOCK_HK=_heads_block(Hkv, block_r),
-        BLOCK_R=block_r, BLOCK_P=block_p, num_warps=_NUM_WARPS,
+        BLOCK_HQ=_heads_block(Hq, block_r, tile), BLOCK_HK=_heads_block(Hkv, block_r, tile),
+        BLOCK_R=block_r, BLOCK_P=block_p, num_warps=num_warps,
     )
     return qo, ko
 
@@ -170,17 +169,18 @@ def rope_launch(q, k, cos, sin, transpose):
 @torch.library.custom_op("tigon::rope", mutates_args=())
 def rope(
     q: torch.Tensor | None, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, transpose: bool,
+    config: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, T, D], k [B, Hkv, T, D] (either may be None), unit stride on D; cos, sin [1 or B, T, rd].
 
     Returns (q_embed, k_embed), each in its input's dtype and layout (empty for a None input);
-    transpose=True applies the transpose of the rotation (the backward).
+    transpose=True applies the transpose of the rotation (the backward). config: None or `RopeConfig.ints()`.
     """
-    return rope_launch(q, k, cos, sin, transpose)
+    return rope_launch(q, k, cos, sin, transpose, config)
 
 
 @rope.register_fake
-def _(q, k, cos, sin, transpose):
+def _(q, k, cos, sin, transpose, config=None):
     return (
         _out_like(q) if q is not None else cos.new_empty(0),
         _out_like(k) if k is not None else cos.new_empty(0),
@@ -188,9 +188,10 @@ def _(q, k, cos, sin, transpose):
 
 
 def _setup(ctx, inputs, output):
-    _, _, cos, sin, transpose = inputs
+    cos, sin, transpose = inputs[2:5]
     ctx.save_for_backward(cos, sin)
     ctx.transpose = transpose
+    ctx.config, ctx.n_inputs = (inputs[5] if len(inputs) > 5 else None), len(inputs)
 
 
 def _unit_last(t):
@@ -203,9 +204,9 @@ def _backward(ctx, dq_embed, dk_embed):
     # The backward is the same linear map transposed, through the same op: double backward comes free.
     dq, dk = torch.ops.tigon.rope(
         _unit_last(dq_embed) if need_q else None, _unit_last(dk_embed) if need_k else None, cos, sin,
-        not ctx.transpose,
+        not ctx.transpose, ctx.config,
     )
-    return (dq if need_q else None), (dk if need_k else None), None, None, None
+    return ((dq if need_q else None), (dk if need_k else None)) + (None,) * (ctx.n_inputs - 2)
 
 
 rope.register_autograd(_backward, setup_context=_setup)
@@ -242,16 +243,19 @@ def check_cos_sin(op, cos, sin, B, T, D):
         raise ValueError(f"{op}: cos rotary_dim {rd} must be even, > 0 and <= the head dim {D}")
 
 
-def apply_rope(q, k, cos, sin, unsqueeze_dim=1):
+def apply_rope(q, k, cos, sin, unsqueeze_dim=1, *, config=None):
     """transformers' apply_rotary_pos_emb (rotate-half), out of place; returns (q_embed, k_embed).
 
     unsqueeze_dim=1: q [B, Hq, T, D], k [B, Hkv, T, D]; unsqueeze_dim=2: q [B, T, Hq, D], k [B, T, Hkv, D].
     Any strides (HF's transposed views are read in place). cos, sin [1 or B, T, rd], rd even <= D: the
     first rd dims rotate, the rest pass through. fp32/fp16/bf16; outputs in the dtypes of q and k with
     their memory layout. cos and sin get no gradient from the kernel: if either requires one, the
-    PyTorch reference runs instead.
+    PyTorch reference runs instead. config: a `RopeConfig` (the launch; None: the measured defaults).
     """
     _validate(q, k, cos, sin, unsqueeze_dim)
+    if config is not None and not isinstance(config, RopeConfig):
+        raise TypeError(f"tigon.ops.apply_rope: config must be a tigon.ops._config.RopeConfig or None, got "
+                        f"{type(config).__name__}")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         _library.record("apply_rope", "reference")
         return reference.apply_rope(q, k, cos, sin, unsqueeze_dim)
@@ -260,7 +264,7 @@ def apply_rope(q, k, cos, sin, unsqueeze_dim=1):
     if unsqueeze_dim == 2:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     q_embed, k_embed = _library.dispatch(torch.ops.tigon.rope, None, rope_launch, _unit_last(q), _unit_last(k), cos,
-                                         sin, False, grad_from=(q, k))
+                                         sin, False, None if config is None else config.ints(), grad_from=(q, k))
     if unsqueeze_dim == 2:
         q_embed, k_embed = q_embed.transpose(1, 2), k_embed.transpose(1, 2)
     return q_embed, k_embed

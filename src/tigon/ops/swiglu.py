@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
+from ._config import GLUConfig
 
 _SILU, _GELU_TANH = 0, 1
 
@@ -132,21 +133,20 @@ def _glu_bwd_kernel(
         tl.store(DY + o_m[:, None] * stride_dy + o_n[None, :], (b_a * b_u).to(DY.dtype.element_ty), mask=m_mn)
 
 
-# Elements per tile. GPU: 16 KiB of each tensor per program (8192 bf16 = 32 per thread at 8 warps, four
-# 16-byte vectors), ~29k programs at [16384, 14336]. The interpreter pays ~1 ms per program, so on CPU one
-# big tile covers a test case.
-# H200 sweep at [16384, 14336] bf16: 4 KiB tiles x 4 warps best (912 us fwd+bwd; 16 KiB x 8 warps: 940).
-_TILE_BYTES_GPU = 4096
-_TILE_CPU = 1 << 16
-_NUM_WARPS = 4
+# Bytes of each tensor per program on a GPU: 4 KiB (2048 bf16, 16 per thread at 4 warps, two 16-byte vectors),
+# ~29k programs at [16384, 14336]; the H200 sweep is in GLUConfig. The interpreter pays ~1 ms per program, so on
+# CPU one big tile covers a test case. (tile_bytes, cpu_tile, num_warps) = GLUConfig.ints(), the form a custom
+# op takes; None: these defaults.
+_DEFAULT = tuple(GLUConfig().ints())
 
 
-def _tiles(device: torch.device, elem_bytes: int, rows: int, cols: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for an elementwise pass over [rows, cols]."""
+def _tiles(device: torch.device, elem_bytes: int, rows: int, cols: int, config=None) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for an elementwise pass over [rows, cols]; config: GLUConfig.ints()."""
+    tile_bytes, cpu_tile, num_warps = config or _DEFAULT
     if device.type != "cuda":
-        block_n = min(triton.next_power_of_2(max(cols, 1)), _TILE_CPU)
-        return min(triton.next_power_of_2(max(rows, 1)), max(1, _TILE_CPU // block_n)), block_n, 1
-    tile = _TILE_BYTES_GPU // elem_bytes
+        block_n = min(triton.next_power_of_2(max(cols, 1)), cpu_tile)
+        return min(triton.next_power_of_2(max(rows, 1)), max(1, cpu_tile // block_n)), block_n, 1
+    tile = tile_bytes // elem_bytes
     # The widest power of two up to the tile whose last column tile wastes <= 1/16 of the row
     # (14336 -> 2048, 11008 -> 1024), so few lanes idle on masked columns; 128 bf16 = 256 bytes per row
     # piece still fills whole 32-byte sectors.
@@ -154,7 +154,7 @@ def _tiles(device: torch.device, elem_bytes: int, rows: int, cols: int) -> tuple
     while block_n > 128 and triton.cdiv(cols, block_n) * block_n * 16 > cols * 17:
         block_n //= 2
     block_m = min(triton.next_power_of_2(max(rows, 1)), max(1, tile // block_n))
-    return block_m, block_n, _NUM_WARPS
+    return block_m, block_n, num_warps
 
 
 def _pass_geometry(ts, M, N):
@@ -172,23 +172,23 @@ def _halves(gate, up):
     return gate[:, :half], gate[:, half:]
 
 
-def _launch_fwd(g, u, y, act):
+def _launch_fwd(g, u, y, act, config=None):
     M, N = g.shape
     if M * N == 0:
         return
     rows, cols, strides = _pass_geometry((g, u, y), M, N)
-    block_m, block_n, warps = _tiles(g.device, g.element_size(), rows, cols)
+    block_m, block_n, warps = _tiles(g.device, g.element_size(), rows, cols, config)
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n),)
     _glu_fwd_kernel[grid](g, u, y, *strides, rows, cols, ACT=act, BLOCK_M=block_m, BLOCK_N=block_n,
                           num_warps=warps)
 
 
-def _launch_bwd(dy, g, u, dg, du, act, store_y=False):
+def _launch_bwd(dy, g, u, dg, du, act, store_y=False, config=None):
     M, N = g.shape
     if M * N == 0:
         return
     rows, cols, strides = _pass_geometry((dy, g, u, dg, du), M, N)
-    block_m, block_n, warps = _tiles(g.device, g.element_size(), rows, cols)
+    block_m, block_n, warps = _tiles(g.device, g.element_size(), rows, cols, config)
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n),)
     _glu_bwd_kernel[grid](dy, g, u, dg, du, *strides, rows, cols, ACT=act, BLOCK_M=block_m, BLOCK_N=block_n,
                           STORE_Y=store_y, num_warps=warps)
@@ -198,51 +198,54 @@ def _unit_stride(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def glu_fwd_launch(gate, up, act, inplace_backward=False):
+def glu_fwd_launch(gate, up, act, inplace_backward=False, config=None):
     g, u = _halves(gate, up)
     y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-    _launch_fwd(g, u, y, act)
+    _launch_fwd(g, u, y, act, config)
     return y
 
 
 @torch.library.custom_op("tigon::glu_fwd", mutates_args=())
-def glu_fwd(gate: torch.Tensor, up: Optional[torch.Tensor], act: int, inplace_backward: bool) -> torch.Tensor:
-    """gate, up [M, I] with unit last stride, or up None and gate [M, 2I] = [gate | up]. Returns y [M, I]."""
-    return glu_fwd_launch(gate, up, act, inplace_backward)
+def glu_fwd(gate: torch.Tensor, up: Optional[torch.Tensor], act: int, inplace_backward: bool,
+            config: Optional[list[int]] = None) -> torch.Tensor:
+    """gate, up [M, I] with unit last stride, or up None and gate [M, 2I] = [gate | up]. Returns y [M, I].
+    config: None or `GLUConfig.ints()` (the forward's and the backward's launches)."""
+    return glu_fwd_launch(gate, up, act, inplace_backward, config)
 
 
 @glu_fwd.register_fake
-def _(gate, up, act, inplace_backward):
+def _(gate, up, act, inplace_backward, config=None):
     return gate.new_empty(_halves(gate, up)[0].shape)
 
 
 @torch.library.custom_op("tigon::glu_bwd", mutates_args=())
 def glu_bwd(
-    dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], act: int
+    dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], act: int, config: Optional[list[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dgate, dup), or (d gate_up [M, 2I], empty) when up is None."""
     dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     dup = torch.empty(up.shape, dtype=up.dtype, device=up.device) if up is not None else gate.new_empty(0)
     g, u = _halves(gate, up)
     dg, du = _halves(dgate, dup if up is not None else None)
-    _launch_bwd(_unit_stride(dy), g, u, dg, du, act)
+    _launch_bwd(_unit_stride(dy), g, u, dg, du, act, config=config)
     return dgate, dup
 
 
 @glu_bwd.register_fake
-def _(dy, gate, up, act):
+def _(dy, gate, up, act, config=None):
     return gate.new_empty(gate.shape), (up.new_empty(up.shape) if up is not None else gate.new_empty(0))
 
 
 @torch.library.custom_op("tigon::glu_bwd_inplace", mutates_args=("gate", "up"))
-def glu_bwd_inplace(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], act: int) -> None:
+def glu_bwd_inplace(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], act: int,
+                    config: Optional[list[int]] = None) -> None:
     """Overwrites gate with dgate and up with dup (no new memory); gate and up must not overlap."""
     g, u = _halves(gate, up)
-    _launch_bwd(_unit_stride(dy), g, u, g, u, act)
+    _launch_bwd(_unit_stride(dy), g, u, g, u, act, config=config)
 
 
 @glu_bwd_inplace.register_fake
-def _(dy, gate, up, act):
+def _(dy, gate, up, act, config=None):
     return None
 
 
@@ -288,7 +291,8 @@ def _may_overwrite(gate, up):
 
 
 def _setup(ctx, inputs, output):
-    gate, up, act, inplace_backward = inputs
+    gate, up, act, inplace_backward = inputs[:4]
+    ctx.config, ctx.n_inputs = (inputs[4] if len(inputs) > 4 else None), len(inputs)
     ctx.save_for_backward(gate, up)
     ctx.act, ctx.packed = act, up is None
     ctx.inplace = inplace_backward and _may_overwrite(gate, up)
@@ -298,6 +302,7 @@ _REFERENCE = {_SILU: reference.swiglu, _GELU_TANH: reference.geglu}
 
 
 def _backward(ctx, dy):
+    rest = (None,) * (ctx.n_inputs - 2)
     gate, up = ctx.saved_tensors
     if _library.double_backward():
         # create_graph=True: the reference's differentiable ops on the saved gate and up, for double backward
@@ -306,16 +311,16 @@ def _backward(ctx, dy):
         if ctx.packed:
             (dgate,) = _library.reference_grads(lambda gu: ref(*gu.chunk(2, dim=-1)), (gate,),
                                                   ctx.needs_input_grad[:1], (dy,))
-            return dgate, None, None, None
+            return (dgate, None) + rest
         dgate, dup = _library.reference_grads(ref, (gate, up), ctx.needs_input_grad[:2], (dy,))
-        return dgate, dup, None, None
+        return (dgate, dup) + rest
     if ctx.inplace:
         # Saved tensors are unpacked (version-checked) above; the write bumps their version, so any other
         # user that saved gate or up and runs its backward later fails loudly instead of reading gradients.
-        torch.ops.tigon.glu_bwd_inplace(dy, gate, up, ctx.act)
-        return gate.detach(), (None if ctx.packed else up.detach()), None, None
-    dgate, dup = torch.ops.tigon.glu_bwd(dy, gate, up, ctx.act)
-    return dgate, (None if ctx.packed else dup), None, None
+        torch.ops.tigon.glu_bwd_inplace(dy, gate, up, ctx.act, ctx.config)
+        return (gate.detach(), (None if ctx.packed else up.detach())) + rest
+    dgate, dup = torch.ops.tigon.glu_bwd(dy, gate, up, ctx.act, ctx.config)
+    return (dgate, (None if ctx.packed else dup)) + rest
 
 
 glu_fwd.register_autograd(_backward, setup_context=_setup)
@@ -330,34 +335,44 @@ def _validate(op, gate, up, inplace_backward):
     _launch.check_bool(op, "inplace_backward", inplace_backward)
 
 
+def _config_ints(op, config):
+    if config is None:
+        return None
+    if not isinstance(config, GLUConfig):
+        raise TypeError(f"{op}: config must be a tigon.ops._config.GLUConfig or None, got {type(config).__name__}")
+    return config.ints()
+
+
 def _as_rows(t):
     # elementwise: a 0-d tensor is one row of one element
     return t.reshape(1, 1) if t.dim() == 0 else _launch.as_rows(t)
 
 
-def _glu(op, act, ref_fn, gate, up, inplace_backward):
+def _glu(op, act, ref_fn, gate, up, inplace_backward, config):
     _validate(f"tigon.ops.{op}", gate, up, inplace_backward)
+    cfg = _config_ints(f"tigon.ops.{op}", config)
     if not _library.use_kernels(op, gate):
         return ref_fn(gate, up)
     y = _library.dispatch(torch.ops.tigon.glu_fwd, None, glu_fwd_launch, _as_rows(gate), _as_rows(up), act,
-                          inplace_backward, grad_from=(gate, up))
+                          inplace_backward, cfg, grad_from=(gate, up))
     return y.view(gate.shape)
 
 
-def _glu_packed(op, act, ref_fn, gate_up, inplace_backward):
+def _glu_packed(op, act, ref_fn, gate_up, inplace_backward, config):
     name = f"tigon.ops.{op}"
     _launch.check_tensor(name, "gate_up", gate_up)
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"{name}: gate_up must be [..., 2 * I], got shape {tuple(gate_up.shape)}")
     _launch.check_bool(name, "inplace_backward", inplace_backward)
+    cfg = _config_ints(name, config)
     if not _library.use_kernels(op, gate_up):
         return ref_fn(*gate_up.chunk(2, dim=-1))
     y = _library.dispatch(torch.ops.tigon.glu_fwd, None, glu_fwd_launch, _as_rows(gate_up), None, act,
-                          inplace_backward, grad_from=(gate_up,))
+                          inplace_backward, cfg, grad_from=(gate_up,))
     return y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
-def swiglu(gate, up, *, inplace_backward=False):
+def swiglu(gate, up, *, inplace_backward=False, config=None):
     """silu(gate) * up. gate, up [..., I] fp32/fp16/bf16, same shape, dtype and device; row-strided views
     (e.g. `gate_up.chunk(2, -1)`) are read without a copy. Returns a new [..., I] tensor in gate.dtype.
 
@@ -365,21 +380,22 @@ def swiglu(gate, up, *, inplace_backward=False):
     for tensors nobody reads after this op's backward, such as fresh projection outputs. Leaves, views of
     leaves and overlapping gate/up silently get the out-of-place backward; another op that saved gate or up
     and runs its backward after this one raises autograd's "modified by an inplace operation" error.
+    config: a `GLUConfig` (the launches; None: the measured defaults).
     """
-    return _glu("swiglu", _SILU, reference.swiglu, gate, up, inplace_backward)
+    return _glu("swiglu", _SILU, reference.swiglu, gate, up, inplace_backward, config)
 
 
-def geglu(gate, up, *, inplace_backward=False):
+def geglu(gate, up, *, inplace_backward=False, config=None):
     """gelu(gate, approximate="tanh") * up (GemmaMLP). Same contract as `swiglu`."""
-    return _glu("geglu", _GELU_TANH, reference.geglu, gate, up, inplace_backward)
+    return _glu("geglu", _GELU_TANH, reference.geglu, gate, up, inplace_backward, config)
 
 
-def swiglu_packed(gate_up, *, inplace_backward=False):
+def swiglu_packed(gate_up, *, inplace_backward=False, config=None):
     """swiglu(*gate_up.chunk(2, -1)) for a fused [..., 2I] projection (Phi3MLP): one [..., 2I] gradient,
     written over gate_up itself with inplace_backward=True, and no concatenation in backward."""
-    return _glu_packed("swiglu", _SILU, reference.swiglu, gate_up, inplace_backward)
+    return _glu_packed("swiglu", _SILU, reference.swiglu, gate_up, inplace_backward, config)
 
 
-def geglu_packed(gate_up, *, inplace_backward=False):
+def geglu_packed(gate_up, *, inplace_backward=False, config=None):
     """geglu(*gate_up.chunk(2, -1)); see `swiglu_packed`."""
-    return _glu_packed("geglu", _GELU_TANH, reference.geglu, gate_up, inplace_backward)
+    return _glu_packed("geglu", _GELU_TANH, reference.geglu, gate_up, inplace_backward, config)
