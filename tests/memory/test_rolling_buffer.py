@@ -264,3 +264,21 @@ def test_cuda_graph_capture_after_warmup():
     expected = torch.logsumexp((x.bfloat16() @ w.bfloat16().T).float(), dim=-1)
     torch.testing.assert_close(out, expected)
     assert ws.stats()["grows"] == grows
+
+
+def test_pinned_buffers_keep_their_address_until_release():
+    # A pinned buffer is the same tensor for every request that fits, a bigger (doubled, zero-filled) one when a
+    # request does not, the outgrown one still held (a captured graph may write it), and all dropped by release().
+    ws = RollingBuffer("cpu")
+    a = ws.pinned("t.counters", 10, torch.int32, zeros=True)
+    assert not a.any() and ws.pinned("t.counters", 7, torch.int32, zeros=True) is a
+    assert ws.pinned("t.counters", 10, torch.float32) is not a  # keyed by dtype too
+    b = ws.pinned("t.counters", 15, torch.int32, zeros=True)
+    assert b.numel() == 20 and not b.any()
+    st = ws.stats()
+    assert (st["pinned_calls"], st["pinned_hits"]) == (4, 1)
+    assert st["pinned_bytes"] == 10 * 4 + 10 * 4 + 20 * 4
+    with ws.borrow(((4,), torch.float32)):
+        pass
+    ws.release()
+    assert ws.stats()["pinned_bytes"] == 0 and ws.pinned("t.counters", 1, torch.int32) is not b

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from tests._grid import DTYPES, assert_bound, assert_no_sync_and_deterministic, randn
 from tigon import ops
-from tigon.ops import reference
+from tigon.ops import _workspace, reference
 from tigon.ops._config import DecodeAttentionConfig
 from tigon.ops.decode_attention import decode_attention
 
@@ -308,3 +308,20 @@ def test_llama_decode_shapes_gpu(batch, kw):
     assert_no_sync_and_deterministic(lambda: (decode_attention(q, k, v, sp, qp, **kw),))
     compiled = torch.compile(lambda *a: decode_attention(*a, **kw), fullgraph=True)
     assert torch.equal(compiled(q, k, v, sp, qp), decode_attention(q, k, v, sp, qp, **kw))
+
+
+def test_split_partials_are_one_pinned_arena_buffer(device):
+    # Two calls of one shape get the same split partials (a stable address: what a captured decode step replays)
+    # and allocate nothing the second time; the arena's stats count both calls; the bits repeat.
+    inputs = _inputs(torch.float32, 16, 40, "sinks", device=device)
+    ws, cfg = _workspace.workspace(device), _splits(2)
+    outs, ptrs = [], []
+    for _ in range(2):
+        before = ws.stats()
+        outs.append(decode_attention(*inputs, config=cfg))
+        after = ws.stats()
+        ptrs.append([b.data_ptr() for (name, _, _), b in ws._pinned.items() if name == "decode_attention.partials"])
+        assert after["pinned_calls"] == before["pinned_calls"] + 1
+    assert len(ptrs[0]) == 1 and ptrs[0] == ptrs[1]
+    assert after["pinned_hits"] == before["pinned_hits"] + 1 and after["pinned_bytes"] == before["pinned_bytes"]
+    assert torch.equal(outs[0], outs[1])

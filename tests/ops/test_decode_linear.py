@@ -25,7 +25,7 @@ import triton.language as tl
 
 from tests._grid import DTYPES, U32, UNIT_ROUNDOFF, assert_bound, assert_tol, err, matmul_tol, randn, sum_ulps
 from tigon import ops
-from tigon.ops import _library, reference
+from tigon.ops import _library, _workspace, reference
 from tigon.ops._config import DecodeLinearConfig
 from tigon.ops.decode_linear import decode_linear
 
@@ -135,8 +135,10 @@ def _eager(x, ws, *, norm_weight=None, eps=1e-6, residual=None, activation=None)
 
 def _assert_workspace_clean():
     # The partial tiles are overwritten by every call (no zeroing needed); the arrival counters must be zero.
-    for _, counters in dl._WORKSPACE.values():
-        assert not counters.any(), "split-K arrival counters left in the workspace"
+    for ws in list(_workspace._workspaces.values()):
+        for (name, _, _), buf in ws._pinned.items():
+            if name == "decode_linear.counters":
+                assert not buf.any(), "split-K arrival counters left in the workspace"
 
 
 def _exact_and_fp32_tol(x, ws, *, norm_weight=None, eps=1e-6, residual=None, activation=None):
@@ -679,3 +681,24 @@ def test_fp32_model_rejects_a_wrong_output(device, case):
 def test_no_features_is_refused():
     with pytest.raises(ValueError, match="decode_linear: x must have K >= 1"):
         decode_linear(torch.ones(2, 0), torch.ones(3, 0))
+
+
+def test_split_k_scratch_is_one_pinned_arena_buffer(device):
+    # Two calls of one shape get the same split-K partials and counters (a stable address: what a captured decode
+    # step replays) and allocate nothing the second time; the arena's stats count both calls.
+    torch.manual_seed(0)
+    x, w = randn(2, 130, device=device), randn(33, 130, device=device)
+    ws = _workspace.workspace(device)
+    cfg = DecodeLinearConfig(16, 64, 4, 1, 2)
+    ptrs = []
+    for _ in range(2):
+        before = ws.stats()
+        y = decode_linear(x, w, config=cfg)
+        after = ws.stats()
+        ptrs.append([b.data_ptr() for (name, _, _), b in ws._pinned.items() if name.startswith("decode_linear.")])
+        assert after["pinned_calls"] == before["pinned_calls"] + 2  # partials and counters
+    assert len(ptrs[0]) == 2 and ptrs[0] == ptrs[1]
+    assert after["pinned_hits"] == before["pinned_hits"] + 2 and after["pinned_bytes"] == before["pinned_bytes"]
+    assert after["pinned_bytes"] >= (1 << 18) * 4 + (1 << 12) * 4
+    torch.testing.assert_close(y, reference.decode_linear(x, (w,)), rtol=1e-5, atol=1e-5)
+    _assert_workspace_clean()

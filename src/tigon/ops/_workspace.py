@@ -8,6 +8,12 @@ serves it and every later borrow, while the old block stays alive until its loan
 Scratch is stream-ordered on the stream current when the loan is used: a returned loan may be handed to
 the next kernel at once, which is safe on one stream (kernels run in order); work on another stream
 must synchronize before the loan is returned. Imports torch and the stdlib only (`tigon.ops` uses it).
+
+A loan's bytes may go to the next borrower, and an outgrown block is freed when its last loan returns: neither
+holds for scratch that a CUDA graph captures (a replay writes the captured address long after the loan) or that
+keeps state between calls (decode_linear's split-K arrival counters, zero between calls). Those are `pinned`
+buffers of the same arena: one named tensor per (name, dtype, stream), the same address on every call that fits,
+grown only when a call needs more, and every buffer it ever handed out kept alive until `release()`.
 """
 
 import math
@@ -127,6 +133,9 @@ class RollingBuffer:
         self._block: _Block | None = None
         self._retired: list = []  # outgrown blocks kept alive until their last loan returns
         self._in_use = self._peak = self._loans = self._avoided = self._grows = 0
+        self._pinned: dict = {}  # (name, dtype, stream) -> tensor
+        self._pinned_old: list = []  # outgrown pinned tensors: a captured graph may still write them
+        self._pinned_calls = self._pinned_hits = 0
         if size_hint_bytes:
             self.reserve(size_hint_bytes)
 
@@ -143,15 +152,43 @@ class RollingBuffer:
             if self._block is None or self._block.capacity - self._block.top() < nbytes:
                 self._grow(nbytes)
 
+    def pinned(self, name: str, numel: int, dtype: torch.dtype, *, zeros: bool = False) -> torch.Tensor:
+        """The arena's 1-D `dtype` buffer `name` on the current stream with at least `numel` elements: the same
+        tensor for every call that fits (a stable address for CUDA-graph replay, nothing allocated), a bigger
+        one (zero-filled with zeros=True, as the first) when a call needs more; the old one stays alive until
+        `release()`, since a captured graph may still use it. The caller owns its contents between calls."""
+        stream = torch.cuda.current_stream(self.device).stream_id if self.device.type == "cuda" else 0
+        key = (name, dtype, stream)
+        with self._lock:
+            self._pinned_calls += 1
+            buf = self._pinned.get(key)
+            if buf is not None and buf.numel() >= numel:
+                self._pinned_hits += 1
+                return buf
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                warnings.warn(f"{_NAME}: pinned buffer {name!r} grows during CUDA graph capture; warm up first",
+                              RuntimeWarning, stacklevel=2)
+            if buf is not None:
+                self._pinned_old.append(buf)
+                numel = max(numel, 2 * buf.numel())  # doubling: a few grows for any sequence of sizes
+            with torch.inference_mode(False):
+                make = torch.zeros if zeros else torch.empty
+                buf = self._pinned[key] = make(numel, dtype=dtype, device=self.device)
+            return buf
+
     def stats(self) -> dict:
         """Bytes reserved (all live blocks), in use and peak in use (padding included), loans (views lent
-        so far), allocations avoided (views served without allocating), grows, active borrows, blocks."""
+        so far), allocations avoided (views served without allocating), grows, active borrows, blocks; for the
+        pinned buffers: bytes held (outgrown ones included), calls, and calls served without allocating."""
         with self._lock:
             blocks = self._retired + ([self._block] if self._block is not None else [])
+            pinned = list(self._pinned.values()) + self._pinned_old
             return dict(
                 reserved_bytes=sum(b.raw.numel() for b in blocks), in_use_bytes=self._in_use,
                 peak_in_use_bytes=self._peak, loans=self._loans, allocations_avoided=self._avoided,
                 grows=self._grows, active_borrows=sum(len(b.frames) for b in blocks), blocks=len(blocks),
+                pinned_bytes=sum(t.numel() * t.element_size() for t in pinned), pinned_calls=self._pinned_calls,
+                pinned_hits=self._pinned_hits,
             )
 
     def reset_peak(self) -> None:
@@ -159,7 +196,8 @@ class RollingBuffer:
             self._peak = self._in_use
 
     def release(self) -> None:
-        """Drop the backing memory (to PyTorch's caching allocator on CUDA); refused while loans are out."""
+        """Drop the backing memory (to PyTorch's caching allocator on CUDA), pinned buffers included (no CUDA
+        graph that captured an op using them may replay after this); refused while loans are out."""
         with self._lock:
             out = sum(len(b.frames) for b in self._retired + ([self._block] if self._block else []))
             if out:
@@ -167,6 +205,7 @@ class RollingBuffer:
             for block in self._retired + ([self._block] if self._block else []):
                 self._drop(block)
             self._block, self._retired = None, []
+            self._pinned, self._pinned_old = {}, []
 
     def _drop(self, block: _Block) -> None:
         # The caching allocator would hand the bytes out again on the stream the block was allocated on;

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
+from . import _workspace as _ws
 from ._config import DECODE_ATTENTION, DecodeAttentionConfig
 
 # Launch settings: a DecodeAttentionConfig (ops/_config.py), the measured defaults unless the caller passes one.
@@ -246,9 +247,12 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
     if one:
         m_part = l_part = acc_part = out
     else:
-        m_part = torch.empty((B * Hq, n_splits), dtype=torch.float32, device=q.device)
-        l_part = torch.empty((B * Hq, n_splits), dtype=torch.float32, device=q.device)
-        acc_part = torch.empty((B * Hq, n_splits, D), dtype=torch.float32, device=q.device)
+        # Per-split partials from one pinned buffer of the arena (a stable address for a captured decode step,
+        # nothing allocated per step once it fits): m and l [B Hq, n_splits], then acc [B Hq, n_splits, D].
+        n = B * Hq * n_splits
+        part = _ws.workspace(q.device).pinned("decode_attention.partials", n * (D + 2), torch.float32)
+        m_part, l_part = part[:n].view(B * Hq, n_splits), part[n:2 * n].view(B * Hq, n_splits)
+        acc_part = part[2 * n:n * (D + 2)].view(B * Hq, n_splits, D)
     interp = q.device.type != "cuda"
     shared_pos = slot_pos.dim() == 1
     _decode_attention_split_kernel[(B * Hkv * n_gblk, n_splits)](

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
+from . import _workspace as _ws
 from ._config import DecodeLinearConfig
 
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
@@ -213,18 +214,15 @@ def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, esize: int
     return _fit_smem(config, esize, glu, norm, _smem_limit(device) if smem_limit is None else smem_limit)
 
 
-_WORKSPACE: dict = {}  # (device, stream) -> (fp32 partial tiles, int32 arrival counters: zeros between calls)
-
-
 def _workspace(device, n_sums: int, n_counters: int):
-    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
-    ws = _WORKSPACE.get(key)
-    if ws is None or ws[0].numel() < n_sums or ws[1].numel() < n_counters:
-        size = max(n_sums, 1 << 18, 0 if ws is None else ws[0].numel())
-        count = max(n_counters, 1 << 12, 0 if ws is None else ws[1].numel())
-        ws = _WORKSPACE[key] = (torch.zeros(size, dtype=torch.float32, device=device),
-                                torch.zeros(count, dtype=torch.int32, device=device))
-    return ws
+    """The split-K scratch, pinned buffers of the device's workspace arena (`_workspace.RollingBuffer.pinned`):
+    fp32 partial tiles (overwritten by every call) and int32 arrival counters (zeros between calls: the last
+    arrival resets its counter, so no memset launch per call). Pinned, not borrowed: the counters are state kept
+    between calls, and a captured decode step replays these addresses (docs/ops/decode_linear.md). At least
+    1 MiB of partials and 4096 counters, so the first call's size serves every decode projection of a model."""
+    ws = _ws.workspace(device)
+    return (ws.pinned("decode_linear.partials", max(n_sums, 1 << 18), torch.float32, zeros=True),
+            ws.pinned("decode_linear.counters", max(n_counters, 1 << 12), torch.int32, zeros=True))
 
 
 def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
