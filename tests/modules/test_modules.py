@@ -237,3 +237,34 @@ def test_mlp_module_api():
         modules.GeGLUMLP.from_hf(_hf("llama.modeling_llama.LlamaMLP")(_config("llama")))
     with pytest.raises(TypeError, match="projections"):
         modules.SwiGLUMLP.from_hf(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("cls,act", [(modules.SwiGLUMLP, torch.nn.functional.silu),
+                                     (modules.GeGLUMLP, lambda g: torch.nn.functional.gelu(g, approximate="tanh"))],
+                         ids=["swiglu", "geglu"])
+def test_mlp_module_output_takes_in_place_writes(device, cls, act, fused):
+    # Llama-4's shared expert adds the routed experts into the MLP's output in place (out.add_(routed)): the
+    # one-node MLP's output must be a tensor of its own, not a view made inside its autograd.Function.
+    torch.manual_seed(4)
+    mlp = cls(hidden_size=16, intermediate_size=24, fused_gate_up=fused, device=device)
+    x = randn(2, 5, 16, device=device, requires_grad=True)
+    out = mlp(x)
+    assert type(out.grad_fn).__name__ == "_GLUMLPBackward"  # the one-node op ran, not the three Linears
+    assert out._base is None
+    out.add_(1)
+    go = torch.randn(2, 5, 16, device=device)
+    got = torch.autograd.grad(out, [x, *mlp.parameters()], go)
+
+    def eager(x):
+        if fused:
+            g, u = mlp.gate_up_proj(x).chunk(2, -1)
+        else:
+            g, u = mlp.gate_proj(x), mlp.up_proj(x)
+        return mlp.down_proj(act(g) * u) + 1
+
+    want_out = eager(x)
+    torch.testing.assert_close(out.detach(), want_out.detach())
+    want = torch.autograd.grad(want_out, [x, *mlp.parameters()], go)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

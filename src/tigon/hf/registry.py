@@ -102,11 +102,10 @@ _ROWS = [
     Family("apertus", "apertus", "Apertus", mlp="", notes="xIELU MLP is not gated"),
     Family("gpt_oss", "gpt_oss", "GptOss", norm=FP32_WEIGHT_NORM, mlp="", rope=False,
            notes="experts stay HF; RoPE on half-width cos/sin stays HF"),
-    # The MoE layer adds the routed output into the shared expert's output in place, which a custom autograd
-    # Function's output view refuses: the MLPs stay HF (dense and shared).
-    Family("llama4_text", "llama4", "Llama4", norm_class="TextRMSNorm", mlp="", rope=False,
-           notes="complex (interleaved) RoPE, the experts and the MLPs (the shared expert's output is added into "
-                 "in place) stay HF"),
+    # The MoE layer adds the routed output into the shared expert's output in place (out.add_): the one-node
+    # MLP returns a tensor of its own, not a view, so the dense and shared MLPs are fused.
+    Family("llama4_text", "llama4", "Llama4", norm_class="TextRMSNorm", mlp_classes=("TextMLP",), rope=False,
+           notes="complex (interleaved) RoPE and the routed experts stay HF; dense and shared MLPs fused"),
     Family("hunyuan_v1_moe", "hunyuan_v1_moe", "HunYuanMoEV1", notes="shared MLP fused; routed experts stay HF"),
 ]
 FAMILIES = {row.model_type: row for row in _ROWS}

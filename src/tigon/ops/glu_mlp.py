@@ -39,10 +39,17 @@ def _glu(gate, up, act):
     return _library.dispatch(torch.ops.tigon.glu_fwd, None, glu_fwd_launch, gate, up, act, False)
 
 
+def _down(h, down_weight, x):
+    """h [tokens, I] @ down_weight^T in x's leading shape, as a tensor of its own, not a view: matmul folds the
+    leading dims into one mm and returns its result reshaped in place (`_unsafe_view`), so callers may write into
+    it (Llama-4's shared expert does `out.add_(...)`), which autograd forbids on a view made inside a Function.
+    Same GEMM, same bits, no copy."""
+    return torch.matmul(h.view(*x.shape[:-1], h.shape[-1]), down_weight.t())
+
+
 def _mlp(x, gate_weight, up_weight, down_weight, act):
     """Inference: the same products as _GLUMLP's forward, nothing kept."""
-    y = _glu(*_project(_flat(x), gate_weight, up_weight), act) @ down_weight.t()
-    return y.view(*x.shape[:-1], y.shape[-1])
+    return _down(_glu(*_project(_flat(x), gate_weight, up_weight), act), down_weight, x)
 
 
 def _recompute_traced(dh, gate, up, act):
@@ -64,12 +71,12 @@ class _GLUMLP(torch.autograd.Function):
         x2 = _flat(x)
         gate, up = _project(x2, gate_weight, up_weight)
         h = _glu(gate, up, act)
-        y = h @ down_weight.t()
+        y = _down(h, down_weight, x)
         del h  # not saved: the backward recomputes it in the gradient pass
         # x itself, not the view x2 made here: a saved input keeps its graph, which double backward needs
         ctx.save_for_backward(x, gate, up, gate_weight, up_weight, down_weight)
         ctx.act = act
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
