@@ -8,7 +8,8 @@ median 400, sigma 1, clipped to [16, 4096], numpy seed 0; the last length fills 
              dense batch, else HF's materialized [T, T] boolean mask: HF's pick for packed and sliding rows)
   cudnn      SDPA's cuDNN kernel with enable_gqa (dense causal only)
   flex       torch.compile(flex_attention), block mask from the document ids / window (built untimed: training builds
-             it once per forward for all layers; its build time is its own row), score_mod for the softcap
+             it once per forward for all layers; its build time is its own row), score_mod for the softcap; dynamo
+             reset before each case (extras "flex_graphs": the graphs each case compiled, 1-2 when none fell back)
   flash_attn flash_attn_func / flash_attn_varlen_func, when installed
   eager      HF's eager attention (scores [T, T] in bf16, fp32 softmax): HF's pick for softcap
 FLOP count: fwd = 2 GEMMs x 2 FLOP per multiply-add x H x D x (allowed (query, key) pairs): 4 * T^2 * H * D / 2 for a
@@ -121,14 +122,27 @@ def providers(ctx, kind, q, k, v, go, docs, window, softcap, lengths):
 
     def flex():
         H.need_cuda(ctx, "compiled FlexAttention")
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+
+        # Each case is another flex variant (shape, mask, score_mod, grad mode): without a reset the cases add up
+        # past dynamo's recompile limit (8), where flex_attention would run eagerly ([T, T] scores, 53 GB).
+        torch._dynamo.reset()
+        graphs = counters["stats"]["unique_graphs"]
         mask = ta.TrainingMask(docs, window)
         t0 = time.perf_counter()
         ta.flex_attention_forward(q.detach(), k.detach(), v.detach(), scaling=scale, docs=docs, window=window,
                                   softcap=softcap, mask=mask)
         torch.cuda.synchronize()
         ctx.extras.setdefault("block_mask_first_call_s", {})[kind] = time.perf_counter() - t0
-        return call(lambda: ta.flex_attention_forward(q, k, v, scaling=scale, docs=docs, window=window,
-                                                      softcap=softcap, mask=mask).transpose(1, 2))()
+
+        def fn():
+            out = ta.flex_attention_forward(q, k, v, scaling=scale, docs=docs, window=window, softcap=softcap,
+                                            mask=mask).transpose(1, 2)
+            ctx.extras.setdefault("flex_graphs", {})[f"{kind}, head {q.shape[-1]}, {q.shape[0]} x {q.shape[2]}"] = (
+                counters["stats"]["unique_graphs"] - graphs)
+            return out
+        return call(fn)()
     out.append(("flex", "flex", flex))
 
     def flash():

@@ -124,6 +124,53 @@ def test_packed_row_on_flex_on_the_gpu(case, monkeypatch):
     assert calls and all(m is calls[0] for m in calls)  # one TrainingMask (and block mask) for every layer
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs a CUDA GPU")
+def test_ten_packed_steps_of_different_lengths_stay_on_the_compiled_kernel(monkeypatch):
+    """Every packed step has another length: flex must reuse its (dynamic) graphs, not reach dynamo's recompile
+    limit and run eagerly. Memory: 4 heads at T = 4000..8000 tokens, eager flex would hold [4, T, T] fp32 scores
+    (256 MiB..1 GiB) per layer; the compiled kernel's step needs ~50 MiB of activations (hidden 64)."""
+    import warnings
+
+    import numpy as np
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from tigon.hf import attention_table
+    from tigon.hf import training_attention as ta
+
+    from ._tiny import tiny_model
+
+    gpu = torch.cuda.get_device_name()
+    monkeypatch.setattr(attention_table, "MEASURED", {(gpu, "packed"): "flex"})
+    torch._dynamo.reset()
+    model = tiny_model("llama", max_position_embeddings=8192).cuda().train()
+    tigon.patch(model, **ATTENTION_ONLY)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    rng = np.random.default_rng(0)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    graphs = counters["stats"]["unique_graphs"]
+    totals = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the recompile-limit fallback to HF's pick warns
+        for step in range(10):
+            lengths = [int(n) for n in np.clip(rng.lognormal(np.log(400), 1.0, 64), 16, 2048)]
+            lengths = lengths[:int(np.searchsorted(np.cumsum(lengths), 4000 + 400 * step)) + 1]
+            batch = {k: v.cuda() for k, v in _packed(_examples(step, lengths)).items()}
+            totals.append(batch["input_ids"].shape[1])
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            assert torch.isfinite(loss)
+    assert len(set(totals)) == 10, totals
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 256 * 2**20, f"peak {peak / 2**20:.0f} MiB over the weights at lengths {totals}"
+    # flex_attention and create_block_mask: a static first length, then a dynamic T (3 each at most)
+    assert counters["stats"]["unique_graphs"] - graphs <= 8
+    torch._dynamo.reset()
+
+
 def test_packed_row_with_every_tigon_piece():
     """Norms, MLP, RoPE and the fused loss too: the collator's -100 at each example's first token is the target
     of the previous example's last token, so the fused loss drops exactly the cross-example predictions."""

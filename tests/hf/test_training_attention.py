@@ -196,6 +196,84 @@ def test_layer_plan_names_each_layer_kind():
     assert llama == {"full_attention": {"causal": "sdpa", "packed": "sdpa"}}
 
 
+# Packed training gives every step another total length and document count. 10 rows of 33..200 tokens, 2 to 6
+# documents, one of them inside one 128-block: automatic dynamic compiles a static graph, then one with a symbolic
+# T, then the one-block row (a size-1 block dimension specializes): 3 graphs, under dynamo's limit of 8.
+PACKED_LENGTHS = [(30, 11), (50, 70, 44), (8, 25), (90, 17, 30, 13), (120, 80), (40, 40, 40, 40, 39),
+                  (16, 100, 25), (60, 5, 5, 5, 5, 80), (150, 30), (70, 61)]
+MAX_FLEX_GRAPHS = 3
+ULPS_LONG = 128  # documents of up to 150 tokens: sum_ulps(150) = 8 sqrt(150) = 98 units of roundoff
+
+
+def _flex_on_the_test_gpu(monkeypatch, compiled):
+    """training_attention_forward as on a GPU whose table names flex for packed rows, flex compiled by `compiled`
+    (a CPU backend: inductor's flex kernel is GPU-only in practice, and CPU flex has no backward)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # other tests' graphs of flex_attention would count against its limit
+    monkeypatch.setattr(attention_table, "MEASURED", {("Test GPU", k): "flex" for k in ("packed", "packed+softcap")})
+    monkeypatch.setattr(ta, "gpu_name", lambda device: "Test GPU")
+    monkeypatch.setattr(ta, "_compiled_flex", lambda: compiled)
+
+
+def _packed_layers(lengths, softcap=None, layers=2):
+    """Two layers of one packed row through training_attention_forward: (output, fp32 reference, fp64 spec)."""
+    docs = _docs(lengths)
+    q, k, v = _qkv(t=docs.shape[-1], seed=len(lengths))
+    mask = ta.TrainingMask(docs)
+    for _ in range(layers):  # the second layer reuses the forward's block mask and graph
+        got, _ = ta.training_attention_forward(_Module(), q, k, v, None, scaling=0.25, softcap=softcap,
+                                               **{ta.DOCUMENTS: mask})
+    hf = ta.attention_reference(q, k, v, scaling=0.25, docs=docs, softcap=softcap)
+    ref = ta.attention_reference(q.double(), k.double(), v.double(), scaling=0.25, docs=docs, softcap=softcap)
+    return got, hf, ref
+
+
+@pytest.mark.parametrize("softcap", [None, 50.0])
+def test_packed_lengths_reuse_the_compiled_flex(monkeypatch, softcap):
+    import warnings
+
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    _flex_on_the_test_gpu(monkeypatch, ta._compile_flex(counter))  # the product's compile, a CPU backend
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a recompile-limit fallback warns: fail instead
+            for lengths in PACKED_LENGTHS:
+                got, hf, ref = _packed_layers(lengths, softcap)
+                assert_bound(f"flex packed {lengths}", got, hf, ref, torch.float32, ulps=ULPS_LONG)
+        assert 1 <= counter.frame_count <= MAX_FLEX_GRAPHS < torch._dynamo.config.recompile_limit
+    finally:
+        torch._dynamo.reset()
+
+
+def test_the_recompile_limit_raises_and_the_layer_runs_hfs_pick(monkeypatch):
+    """A compile that specializes every length (dynamic=False) reaches the limit: no silent eager flex (the [T, T]
+    scores), a warning and HF's pick (SDPA on the dense boolean mask), exact; dynamo's settings restored."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.nn.attention.flex_attention import flex_attention
+
+    counter = CompileCounterWithBackend("aot_eager")
+    _flex_on_the_test_gpu(monkeypatch, torch.compile(flex_attention, backend=counter, dynamic=False))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    monkeypatch.setattr(ta, "FLEX_RECOMPILE_LIMIT", 2)
+    try:
+        for i, lengths in enumerate(PACKED_LENGTHS[:4]):
+            if i < 2:
+                got, hf, ref = _packed_layers(lengths)
+            else:
+                with pytest.warns(RuntimeWarning, match="recompile limit"):
+                    got, hf, ref = _packed_layers(lengths)
+            assert_bound(f"packed {lengths}", got, hf, ref, torch.float32, ulps=ULPS_LONG)
+        assert counter.frame_count == 2
+        assert torch._dynamo.config.recompile_limit == 2 and not torch._dynamo.config.fail_on_recompile_limit_hit
+    finally:
+        torch._dynamo.reset()
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs a CUDA GPU")
 
 

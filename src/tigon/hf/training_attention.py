@@ -24,6 +24,7 @@ one `.all()` per forward in eager mode, skipped under torch.compile.) Dropout > 
 import functools
 import importlib.util
 import sys
+import warnings
 
 import torch
 
@@ -192,13 +193,49 @@ def _softcap_without_eager(query, key, value, attention_mask, *, softcap, scalin
                                mask=attention_mask), None
 
 
-@functools.cache
-def _compiled_flex():
+# Compiled variants of flex_attention one process may need: per (window, softcap, grad mode, dtype) up to 3
+# graphs (a static first length, then a dynamic T; rows of one 128-block specialize apart, size 1 being static),
+# so a Gemma-2 with train and eval steps needs ~12, past dynamo's default limit of 8. At the limit dynamo would
+# silently run flex_attention eagerly, which materializes the [B, H, T, T] scores (53 GB at 8192 tokens, 32 heads):
+# here the limit is raised to this for the flex call, and hitting it raises FlexRecompileLimitHit instead.
+FLEX_RECOMPILE_LIMIT = 64
+
+
+class FlexRecompileLimitHit(RuntimeError):
+    """Compiled FlexAttention reached its recompile limit; training_attention_forward then runs HF's pick."""
+
+
+def _compile_flex(backend="inductor"):
     from torch.nn.attention.flex_attention import flex_attention
 
-    # Eager flex_attention is a slow dense reference; compiled, it is the fused kernel. dynamic=None: the first
-    # packed length compiles static, a second one recompiles with a dynamic T, after which lengths reuse it.
-    return torch.compile(flex_attention)
+    # Eager flex_attention is a slow dense reference; compiled, it is the fused kernel. dynamic=None (automatic
+    # dynamic): the first packed length compiles static, the second recompiles with a symbolic T, and every later
+    # length reuses that graph (10 packed lengths of 80..200 tokens: 3 graphs, tests/hf/test_training_attention.py).
+    return torch.compile(flex_attention, backend=backend)
+
+
+@functools.cache
+def _compiled_flex():
+    return _compile_flex()
+
+
+def _without_silent_fallback(fn, *args, **kwargs):
+    """fn(*args, **kwargs) (a torch.compile'd callable) with dynamo's recompile limit raised to FLEX_RECOMPILE_LIMIT and
+    hitting it an error (FlexRecompileLimitHit), not an eager run. Plain attribute swaps: config.patch costs 30 us
+    a call, x layers per step."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    saved = config.recompile_limit, config.fail_on_recompile_limit_hit
+    config.recompile_limit, config.fail_on_recompile_limit_hit = max(saved[0], FLEX_RECOMPILE_LIMIT), True
+    try:
+        return fn(*args, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+        raise FlexRecompileLimitHit(
+            f"tigon training attention: compiled FlexAttention reached torch._dynamo's recompile limit "
+            f"({config.recompile_limit}); running it eagerly would materialize the [T, T] scores") from e
+    finally:
+        config.recompile_limit, config.fail_on_recompile_limit_hit = saved
 
 
 def _block_mask(docs, window, length, device):
@@ -216,13 +253,17 @@ def _block_mask(docs, window, length, device):
     # _compile runs a nested torch.compile, which dynamo refuses inside a traced forward: there the outer compile
     # traces the block-mask build itself (docs/compile.md).
     nested = device.type == "cuda" and not torch.compiler.is_compiling()
-    return create_block_mask(mask_mod, batch, None, length, length, device=device, _compile=nested)
+    if not nested:
+        return create_block_mask(mask_mod, batch, None, length, length, device=device)
+    return _without_silent_fallback(create_block_mask, mask_mod, batch, None, length, length, device=device,
+                                    _compile=True)
 
 
 def flex_attention_forward(query, key, value, *, scaling, docs=None, window=None, softcap=None, mask=None,
                            compiled=True):
     """FlexAttention over [B, Hq, T, D] / [B, Hk, T, D]: a block mask from docs / window (cached on `mask`, the
-    forward's TrainingMask, so one block mask serves every layer) and a softcap score_mod. Returns [B, T, Hq, D]."""
+    forward's TrainingMask, so one block mask serves every layer) and a softcap score_mod. Returns [B, T, Hq, D].
+    Raises FlexRecompileLimitHit where the compiled kernel would otherwise fall back to eager ([T, T] scores)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     length = query.shape[2]
@@ -236,9 +277,12 @@ def flex_attention_forward(query, key, value, *, scaling, docs=None, window=None
         def score_mod(score, b, h, q_idx, kv_idx):
             return softcap * torch.tanh(score / softcap)
     # Inside a compiled model the outer compile fuses flex_attention itself; calling the compiled one nests.
-    fn = _compiled_flex() if compiled and not torch.compiler.is_compiling() else flex_attention
-    out = fn(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling,
-             enable_gqa=query.shape[1] != key.shape[1])
+    args = (query, key, value)
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    if compiled and not torch.compiler.is_compiling():
+        out = _without_silent_fallback(_compiled_flex(), *args, **kwargs)
+    else:
+        out = flex_attention(*args, **kwargs)
     return out.transpose(1, 2).contiguous()
 
 
@@ -330,8 +374,13 @@ def training_attention_forward(module, query, key, value, attention_mask, dropou
     if not _eligible(backend, query, key, dropout, docs, cu, max_length):
         backend = attention_table.hf_pick(kind)
     if backend == "flex":
-        return flex_attention_forward(query, key, value, scaling=scaling, docs=docs, window=window, softcap=softcap,
-                                      mask=cache), None
+        try:
+            return flex_attention_forward(query, key, value, scaling=scaling, docs=docs, window=window,
+                                          softcap=softcap, mask=cache), None
+        except FlexRecompileLimitHit as e:  # exact either way; HF's pick costs a [T, T] boolean mask, not scores
+            warnings.warn(f"{e}; this call runs Hugging Face's pick ({attention_table.hf_pick(kind)}) instead",
+                          RuntimeWarning, stacklevel=2)
+            backend = attention_table.hf_pick(kind)
     if backend == "flash_attn":
         return _flash_attn_forward(query, key, value, scaling=scaling, window=window, softcap=softcap,
                                    cu=cu if docs is not None else None, max_length=max_length), None
