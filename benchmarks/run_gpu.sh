@@ -2,7 +2,7 @@
 # The benchmark runner for a GPU machine: runs the steps named on the command line, in that order, each under its
 # own timeout inside one budget, and leaves at most 8 files in $OUT (a device call returns no more).
 #
-#     bash benchmarks/run_gpu.sh [STEP ...]          steps: tests ops decode decode-ops e2e
+#     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-ops e2e e2e-compile lce losses attention sft
 #
 #   tests       the README's test command, natively: python -m pytest tests -q -n 8 (tests.log)
 #   ops         gpu_check.py without its tests: ceilings and every op benchmark (<gpu>_ops.md, <gpu>_ops.json)
@@ -10,13 +10,20 @@
 #               (<gpu>_decode.md, <gpu>_decode.json)
 #   decode-ops  bench_decode_ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
 #   e2e         bench_e2e: the 1.5B training step, tigon beside liger (<gpu>_e2e.md, <gpu>_e2e.json)
+#   e2e-compile bench_e2e --compile: torch.compile over HF, over a patched model, and patched alone (<gpu>_e2e_compile.md)
+#   lce         bench_cross_entropy --only linear_cross_entropy: the fused linear CE beside its peers (<gpu>_lce.md)
+#   losses      bench_losses: DPO, GRPO, JSD fused-linear losses beside eager, TRL's head and Liger (<gpu>_losses.md)
+#   attention   bench_training_attention --write-table: each backend per mask, and hf/attention_table.py's rows
+#               (<gpu>_attention.md)
+#   sft         bench_sft_packed: padded HF / Liger / Tigon vs packed Tigon on a length mix (<gpu>_sft.md)
 #
 # <gpu> is the GPU's short name ("h200"), as in benchmarks/results/<gpu>.md, whose tables these files refresh.
 # BUDGET_S bounds the whole run (default 570 s). DECODE_VARIANTS overrides the decode step's variants.
 # BASELINE=DIR (a tree with src/ and benchmarks/ of another commit) adds, to decode and e2e, the same run of that
 # tree in the same call, for side-by-side numbers (<gpu>_decode_base.md, <gpu>_e2e_base.md). Wheels the image
 # lacks (pytest-xdist, liger-kernel, ...) come from .whl/ (../shared/tools/device-wheels.sh; pass carry=[".whl"]).
-# Each step's tables come first; logs and plots are kept while fewer than 8 files are in $OUT.
+# Each step's tables come first; logs and plots are kept while fewer than 7 files are in $OUT; everything every step
+# wrote (JSON, logs, the rewritten attention table) also goes into $OUT/raw.tgz.
 # Exit status: the number of steps that failed or timed out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,9 +49,9 @@ step() {  # step NAME CAP_S CMD...: CMD under timeout min(CAP_S, what is left of
     if (( rc == 0 )); then log "DONE $name"; else log "FAILED $name: exit $rc"; failed=$((failed + 1)); fi
 }
 
-keep() {  # keep SRC DST: copy SRC to $OUT/DST while $OUT holds fewer than 8 files
+keep() {  # keep SRC DST: copy SRC to $OUT/DST while $OUT holds fewer than 7 files (the 8th is raw.tgz)
     [[ -f "$1" ]] || return 0
-    if (( $(find "$OUT" -type f | wc -l) < 8 )); then cp "$1" "$OUT/$2"; else log "not kept (8 files in \$OUT): $2"; fi
+    if (( $(find "$OUT" -type f | wc -l) < 7 )); then cp "$1" "$OUT/$2"; else log "not kept (7 files in \$OUT): $2"; fi
 }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -101,9 +108,27 @@ for s in "$@"; do
                 keep "$T/e2e_base/e2e.md" "${GPU}_e2e_base.md"
                 extras+=("$T/e2e_base/e2e.json ${GPU}_e2e_base.json")
             fi ;;
+        e2e-compile)
+            step e2e-compile 420 python3 benchmarks/bench_e2e.py --out "$T/e2e_compile" --variants tigon --compile \
+                >>"$LOG" 2>&1
+            keep "$T/e2e_compile/e2e.md" "${GPU}_e2e_compile.md" ;;
+        lce) mkdir -p "$T/lce"
+             step lce 200 python3 benchmarks/bench_cross_entropy.py --only linear_cross_entropy --budget 190 \
+                 --json "$T/lce/lce.json" >"$T/lce/lce.md" 2>>"$LOG"
+             keep "$T/lce/lce.md" "${GPU}_lce.md" ;;
+        losses) step losses 300 python3 benchmarks/bench_losses.py --out "$T/losses" --budget 290 >>"$LOG" 2>&1
+            keep "$T/losses/losses.md" "${GPU}_losses.md" ;;
+        attention)
+            step attention 360 python3 benchmarks/bench_training_attention.py --out "$T/attention" --budget 350 \
+                --write-table >>"$LOG" 2>&1
+            mkdir -p "$T/attention" && cp src/tigon/hf/attention_table.py "$T/attention/" 2>/dev/null
+            for f in "$T"/attention/*.md; do keep "$f" "${GPU}_attention.md"; done ;;
+        sft) step sft 300 python3 benchmarks/bench_sft_packed.py --out "$T/sft" >>"$LOG" 2>&1
+            for f in "$T"/sft/*.md; do keep "$f" "${GPU}_sft.md"; done ;;
         *) log "unknown step: $s"; failed=$((failed + 1)) ;;
     esac
 done
 for e in "${extras[@]+"${extras[@]}"}"; do keep ${e}; done
+cp "$LOG" "$T/run.log" 2>/dev/null; tar czf "$OUT/raw.tgz" -C "$T" . 2>/dev/null || log "raw.tgz not written"
 log "finished: $failed failed step(s); in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit "$failed"

@@ -35,7 +35,6 @@ import collections
 import dis
 import functools
 import inspect
-import sys
 import textwrap
 import types
 

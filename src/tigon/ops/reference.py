@@ -416,7 +416,8 @@ def fused_linear_grpo(hidden, weight, selected_token_ids, attention_mask, advant
     elif ref_hidden is not None:
         with torch.no_grad():
             rx = _f(ref_hidden) @ _f(ref_weight).T + (0 if ref_bias is None else _f(ref_bias))
-            ref = torch.log_softmax(rx / temperature, -1).gather(-1, selected_token_ids.long().unsqueeze(-1)).squeeze(-1)
+            ref = torch.log_softmax(rx / temperature, -1)
+            ref = ref.gather(-1, selected_token_ids.long().unsqueeze(-1)).squeeze(-1)
     else:
         ref = lp.detach()
     old = lp.detach() if old_per_token_logps is None else _f(old_per_token_logps)
