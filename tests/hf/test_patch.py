@@ -278,6 +278,43 @@ def test_class_level_patch_builds_and_trains_every_family(model_type):
     assert [type(m) for m in rebuilt.modules()] == [type(m) for m in ref.modules()]
 
 
+def test_patch_logs_its_report_at_info(caplog):
+    """Every patch() call logs its report to the "tigon" logger at INFO, whatever TIGON_LOG says: the logger's
+    level (TIGON_LOG's handler, or the application's logging config) decides whether it shows."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    with caplog.at_level("INFO", logger="tigon"):
+        report = tigon.patch(model)
+    tigon.unpatch(model)
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records if r.name == "tigon"] == \
+        [("tigon", "INFO", str(report))]
+
+
+def test_class_level_cross_entropy_is_a_loss_function_property():
+    """cross_entropy=True, class-level: the ForCausalLM's loss_function is Tigon's (an instance's own still wins),
+    and unpatch leaves the class as it was (HF's property inherited from PreTrainedModel)."""
+    from transformers.models.llama import modeling_llama
+
+    cls = modeling_llama.LlamaForCausalLM
+    assert "loss_function" not in vars(cls)
+    report = tigon.patch(model_type="llama", cross_entropy=True, fused_linear_cross_entropy=False)
+    try:
+        assert report.replaced["LlamaForCausalLM.loss_function (cross_entropy)"] == 1
+        tigon.patch(model_type="llama", cross_entropy=True, fused_linear_cross_entropy=False)  # idempotent
+        model = tiny_model("llama", num_hidden_layers=1)
+        assert model.loss_function is tigon.hf.causal_lm.causal_lm_loss
+        ids, labels = batch(model.config.vocab_size, b=1, t=5)
+        ops.dispatch_counts.clear()
+        model.train()(input_ids=ids, labels=labels).loss.backward()
+        assert ops.dispatch_counts[("cross_entropy", "triton")] == 1
+        own = object()
+        model.loss_function = own
+        assert model.loss_function is own
+    finally:
+        tigon.unpatch(model_type="llama")
+    assert "loss_function" not in vars(cls)
+    assert tiny_model("llama", num_hidden_layers=1).loss_function is not tigon.hf.causal_lm.causal_lm_loss
+
+
 def test_mlp_with_its_own_dropout_stays_hf():
     """Seed-OSS's MLP applies residual_dropout to its output in training; Tigon's has no dropout."""
     model = tiny_model("seed_oss", residual_dropout=0.1)

@@ -203,17 +203,26 @@ def test_new_text_rows_instance_patch_trains_like_hf(model_type):
     assert ops.dispatch_counts[("rms_norm", "triton")] > 0
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text"])
-@pytest.mark.xfail(strict=True, reason="class-level: HF's _init_weights zeroes its (1 + weight) norm by isinstance, "
-                                       "so a from_config model gets Tigon's norm at the generic init of ones")
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
 def test_qwen3_5_class_level_from_config_initializes_like_hf(model_type):
+    """HF's _init_weights zeroes Qwen3.5's (1 + weight) norm by isinstance, which misses Tigon's: the class-level
+    patch's _init_weights zeroes Tigon's offset norms too, and unpatch restores HF's."""
     ref = tiny_model(model_type, **_LAYERS[model_type])
+    modeling = importlib.import_module(registry.TOWERS[model_type].modeling)
+    base = getattr(modeling, f"{registry.TOWERS[model_type].prefix}PreTrainedModel")
+    hf_init = base.__dict__["_init_weights"]
     tigon.patch(model_type=model_type)
     try:
         model = tiny_model(model_type, **_LAYERS[model_type])
     finally:
         tigon.unpatch(model_type=model_type)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    assert base.__dict__["_init_weights"] is hf_init
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.offset == 1.0 for m in norms)
+    state, state_ref = model.state_dict(), ref.state_dict()
+    assert state.keys() == state_ref.keys()
+    for k in state:
+        assert torch.equal(state[k], state_ref[k]), f"{k} is initialized differently"
 
 
 MOE = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": "num_experts"}

@@ -12,11 +12,10 @@ was left to Hugging Face and why.
 """
 
 import difflib
-import importlib
 import inspect
 
 from .. import _log
-from ..hf import causal_lm, registry
+from ..hf import registry
 from ..hf.patch import patch
 from ..hf.unwrap import unwrap_model
 from .liger_chunked_loss import *  # noqa: F403  (liger_kernel.chunked_loss's classes, on Tigon's losses)
@@ -105,31 +104,6 @@ def _patch_flags(name, flags):
                 layer_norm=flags.get("layer_norm", False))
 
 
-def _class_cross_entropy(model_type, report):
-    """Class-level cross_entropy=True: the family's ForCausalLM computes its loss with Tigon's cross-entropy
-    (models built afterwards), recorded with the class-level patch so tigon.unpatch(model_type=) undoes it."""
-    patch_module = importlib.import_module("tigon.hf.patch")  # the module (tigon.hf.patch is also the function)
-    family = registry.family_for(model_type, caller="tigon.compat.liger")
-    modeling = patch_module._modeling(family, "tigon.compat.liger")
-    cls = getattr(modeling, f"{family.prefix}ForCausalLM", None)
-    if cls is None:
-        report.skip("loss_function (cross_entropy)", f"{family.modeling} has no {family.prefix}ForCausalLM")
-        return
-    undo = patch_module._CLASS_UNDO.setdefault(model_type, [])
-    if getattr(cls.__dict__.get("loss_function"), "fget", None) is not _tigon_loss:
-        undo.append((cls, "loss_function", cls.loss_function))  # the property PreTrainedModel defines
-        cls.loss_function = property(_tigon_loss, _set_loss)
-    report.add(f"{cls.__name__}.loss_function (cross_entropy)")
-
-
-def _tigon_loss(self):
-    return self.__dict__.get("_loss_function", causal_lm.causal_lm_loss)
-
-
-def _set_loss(self, value):  # HF's setter: an instance may still set its own loss function
-    self._loss_function = value
-
-
 def _text_tower(model):
     """The language model inside a vision-language model (LlavaModel.language_model, SmolVLM's text_model)."""
     inner = getattr(model, "model", model)
@@ -187,10 +161,7 @@ def _apply_for(model_type):
         spec = _patch_flags(name, flags)
         if model is not None:
             return patch(model, **spec)
-        report = patch(model_type=model_type, **spec)
-        if spec["cross_entropy"]:
-            _class_cross_entropy(model_type, report)
-        return report
+        return patch(model_type=model_type, **spec)  # cross_entropy=True: the ForCausalLM's loss_function too
 
     apply.__name__ = apply.__qualname__ = name
     apply.__signature__ = signature

@@ -17,17 +17,15 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import logging
-import os
 
 import torch
 
+from .. import _log
 from . import attention as tigon_attention
 from . import causal_lm, registry, training_attention
 from .bound import BoundForward
 from .unwrap import unwrap_model
 
-logger = logging.getLogger("tigon")
 _CLASS_UNDO: dict = {}  # model_type -> [(owner, attribute, original)]
 _PATCHED_CLASSES: dict = {}  # (model_type, HF class name) -> Tigon class built for it
 
@@ -151,6 +149,8 @@ def _class_patch(family, report, spec):
                 swap(modeling, hf_name, cls, f"MLP class {hf_name}")
             elif hf_cls is not None:
                 report.add(f"MLP class {hf_name}")
+    if spec["rms_norm"] and any(offset for _, offset in family.norm_classes.values()):
+        _patch_offset_norm_init(family, modeling, report)
     layer_cls = getattr(modeling, family.decoder_layer_class, None)
     if spec["rms_norm"] and family.prenorm_layer and layer_cls is not None:
         causal_lm.remember_hf_forward(layer_cls)
@@ -161,7 +161,36 @@ def _class_patch(family, report, spec):
     _patch_causal_lm_class(family, modeling, spec, swap, report)
 
 
+def _patch_offset_norm_init(family, modeling, report):
+    """A (1 + weight) norm starts at weight 0. Some families' _init_weights find their norm by isinstance
+    (Qwen3.5: `isinstance(module, Qwen3_5RMSNorm)`), which Tigon's RMSNorm is not, so from_config would leave
+    it at PreTrainedModel's generic ones (the "RMSNorm" name match) and the model would start at a scale of 2.
+    The family's PreTrainedModel gets an _init_weights that runs HF's, then zeroes Tigon's offset norms with
+    transformers.initialization.zeros_, which keeps a loaded weight (_is_hf_initialized) as HF's own init does."""
+    cls = getattr(modeling, f"{family.prefix}PreTrainedModel", None)
+    if cls is None or getattr(cls.__dict__.get("_init_weights"), "__tigon__", False):
+        return
+    hf_init = cls._init_weights
+
+    def _init_weights(self, module):
+        from transformers import initialization
+
+        from ..modules import RMSNorm
+
+        hf_init(self, module)
+        if isinstance(module, RMSNorm) and module.offset and module.weight is not None:
+            initialization.zeros_(module.weight)
+
+    _init_weights.__tigon__ = True
+    # None where the method is inherited: unpatch deletes ours rather than copying the parent's in
+    _CLASS_UNDO[family.model_type].append((cls, "_init_weights", cls.__dict__.get("_init_weights")))
+    cls._init_weights = _init_weights
+    report.add(f"{cls.__name__}._init_weights (zero-centred norms start at 0)")
+
+
 def _patch_causal_lm_class(family, modeling, spec, swap, report):
+    if spec["cross_entropy"]:
+        _patch_loss_function(family, modeling, report)
     cls = getattr(modeling, family.causal_lm_class, None) if family.causal_lm else None
     if cls is None:
         if spec["fused_linear_cross_entropy"]:
@@ -170,6 +199,35 @@ def _patch_causal_lm_class(family, modeling, spec, swap, report):
     causal_lm.remember_hf_forward(cls)
     if spec["fused_linear_cross_entropy"]:
         swap(cls, "forward", _tagged(causal_lm.fused_causal_lm_forward), f"{cls.__name__}.forward (fused loss)")
+
+
+def _patch_loss_function(family, modeling, report):
+    """cross_entropy=True: the family's ForCausalLM (also where its forward keeps HF's, as Granite's does for its
+    logits scaling: HF's forward still calls self.loss_function) gets a loss_function property giving Tigon's
+    cross-entropy, for models built before or after; unpatch removes it."""
+    cls = getattr(modeling, f"{family.prefix}ForCausalLM", None)
+    if cls is None:
+        report.skip("loss_function (cross_entropy)", f"{family.modeling} has no {family.prefix}ForCausalLM")
+        return
+    if not isinstance(cls.__dict__.get("loss_function"), _TigonLoss):
+        # None where PreTrainedModel's property is inherited: unpatch deletes ours rather than copying HF's in
+        _CLASS_UNDO[family.model_type].append((cls, "loss_function", cls.__dict__.get("loss_function")))
+        cls.loss_function = _TigonLoss(_tigon_loss, _set_loss)
+    report.add(f"{cls.__name__}.loss_function (cross_entropy)")
+
+
+class _TigonLoss(property):
+    """The class-level loss_function: HF's property (PreTrainedModel.loss_function) with Tigon's cross-entropy
+    where HF's picks ForCausalLMLoss; a loss function an instance sets (Trainer's compute_loss_func, TRL) wins,
+    through the same setter HF's property has."""
+
+
+def _tigon_loss(self):
+    return self.__dict__.get("_loss_function", causal_lm.causal_lm_loss)
+
+
+def _set_loss(self, value):
+    self._loss_function = value
 
 
 def _tagged(fn):
@@ -365,10 +423,10 @@ def patch(
         report.skip("MLP", family.notes or "no gated MLP")
     if not family.rope and rope:
         report.skip("RoPE", family.notes or "not rotate-half")
-    if verbose or os.environ.get("TIGON_LOG", "").lower() == "info":
-        logger.info("%s", report)
-        if verbose:
-            print(report)
+    # every call: the "tigon" logger's level (TIGON_LOG, or the application's logging) decides what shows
+    _log.get_logger().info("%s", report)
+    if verbose:
+        print(report)
     return report
 
 
@@ -393,6 +451,8 @@ def unpatch(model=None, *, model_type=None) -> None:
 
 
 def _ours(value) -> bool:
+    if isinstance(value, _TigonLoss) or getattr(value, "__tigon__", False):
+        return True
     return getattr(value, "__func__", value) in (
         causal_lm.fused_causal_lm_forward, causal_lm.fused_prenorm_decoder_forward, causal_lm.causal_lm_loss,
         training_attention.packed_model_forward)
@@ -401,6 +461,9 @@ def _ours(value) -> bool:
 def _restore(owner, name, original):
     if name == tigon_attention.ROPE:
         tigon_attention.unroute_rope(owner)
+    elif original is None and isinstance(owner, type):  # a class attribute that patch() added over an inherited one
+        if _ours(owner.__dict__.get(name)):
+            delattr(owner, name)
     elif original is None:  # an instance attribute that patch() added
         # One that another library installed over ours since (TRL's SFTTrainer wraps model.forward) stays:
         # removing it would break that library, and its wrapper holds our forward either way.

@@ -122,9 +122,8 @@ _TOWER_ROWS = [
     Family("glm4v_text", "glm4v", "Glm4v", mlp="fused_glu", mlp_classes=("TextMLP",), rope=False, causal_lm="",
            notes="mRoPE"),
     # Qwen3.5's text models (also built alone as Qwen3_5ForCausalLM). Their norm computes x * (1 + weight) from a
-    # zero weight, which HF's _init_weights sets by isinstance: a class-level patch builds Tigon's norm, which the
-    # generic init sets to ones, so from_config weights differ (from_pretrained loads them; instance patches share
-    # them).
+    # zero weight, which HF's _init_weights sets by isinstance, missing Tigon's norm: a class-level patch also
+    # gives the family's PreTrainedModel an _init_weights that zeroes Tigon's offset norms (hf/patch.py).
     Family("qwen3_5_text", "qwen3_5", "Qwen3_5", norm=GEMMA_NORM, rope=False,
            notes="mRoPE stays HF; the gated DeltaNet norm stays HF"),
     Family("qwen3_5_moe_text", "qwen3_5_moe", "Qwen3_5Moe", norm=GEMMA_NORM, rope=False,
