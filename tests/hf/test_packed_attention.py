@@ -136,7 +136,6 @@ def test_ten_packed_steps_of_different_lengths_stay_on_the_compiled_kernel(monke
     from torch._dynamo.utils import counters
 
     from tigon.hf import attention_table
-    from tigon.hf import training_attention as ta
 
     from ._tiny import tiny_model
 
