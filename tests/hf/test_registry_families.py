@@ -234,18 +234,27 @@ def test_moe_router_logits_loss_and_aux_loss_equal_hf(model_type):
     ref = tiny_model(model_type, num_hidden_layers=1, output_router_logits=True, router_aux_loss_coef=0.05)
     model = copy.deepcopy(ref)
     tigon.patch(model)
-    ids, labels = batch(model.config.vocab_size, b=1, t=5)
+    ids, labels = batch(model.config.vocab_size, b=2, t=5)
+    mask = torch.ones_like(ids)
+    mask[0, -1], labels[0, -1] = 0, -100  # a padded token: the aux loss averages over attended tokens only
     ref.train()
     model.train()
-    out_ref, out = ref(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+    ops.dispatch_counts.clear()
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out_ref = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.logits is None and ops.dispatch_counts[("linear_cross_entropy", "triton")] == 1
     assert out.aux_loss is not None and out_ref.aux_loss is not None
+    assert len(out.router_logits) == len(out_ref.router_logits)
     _close(out.aux_loss, out_ref.aux_loss, "aux loss")
     _close(out.loss, out_ref.loss, "loss")
+    out.loss.backward()
+    out_ref.loss.backward()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        if p_ref.grad is not None:
+            _close(p.grad, p_ref.grad, f"grad {name}")
 
 
 @pytest.mark.parametrize("model_type", sorted(MOE))
-@pytest.mark.xfail(strict=True, reason="hf/causal_lm.py's fused forward hands output_router_logits to HF's "
-                                       "forward, which builds the logits")
 def test_moe_router_logits_loss_stays_fused(model_type):
     model = tiny_model(model_type, num_hidden_layers=1, output_router_logits=True)
     tigon.patch(model)

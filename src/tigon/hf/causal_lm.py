@@ -105,13 +105,13 @@ def fused_causal_lm_forward(
     if skip_logits is None:
         skip_logits = self.training and labels is not None  # like HF: shift_labels alone computes no loss
     linear = _resolve_linear(self.lm_head)
+    router = kwargs.get("output_router_logits")
+    router = bool(getattr(self.config, "output_router_logits", False) if router is None else router)
+    balance = _load_balancing(self) if router else None
     # A quantized or LoRA-wrapped lm_head has no plain weight to fuse: HF's forward then runs, logits and all,
-    # with skip_logits=True too (the loss is the same; the memory is HF's). MoE router logits need HF's aux loss.
-    fused = (
-        bool(skip_logits)
-        and linear is not None
-        and not kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False))
-    )
+    # with skip_logits=True too (the loss is the same; the memory is HF's). So does an MoE model asked for its
+    # router logits whose class computes its aux loss in a way _load_balancing does not know.
+    fused = bool(skip_logits) and linear is not None and not (router and balance is None)
     if not fused:
         if cache is not None:
             kwargs.update(_inner_model_kwargs(self.model, None, cache))
@@ -121,8 +121,10 @@ def fused_causal_lm_forward(
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
             logits_to_keep=logits_to_keep, **kwargs,
         )
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+    if router:
+        kwargs["output_router_logits"] = True
     outputs = self.model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         inputs_embeds=inputs_embeds, use_cache=use_cache,
@@ -139,10 +141,30 @@ def fused_causal_lm_forward(
         softcap=getattr(self.config, "final_logit_softcapping", None),
         num_items_in_batch=kwargs.get("num_items_in_batch"),
     )
-    return CausalLMOutputWithPast(
-        loss=loss, logits=None, past_key_values=outputs.past_key_values,
-        hidden_states=getattr(outputs, "hidden_states", None), attentions=getattr(outputs, "attentions", None),
-    )
+    common = dict(past_key_values=outputs.past_key_values, hidden_states=getattr(outputs, "hidden_states", None),
+                  attentions=getattr(outputs, "attentions", None))
+    if not router:
+        return CausalLMOutputWithPast(loss=loss, logits=None, **common)
+    # HF's MoE forwards: aux = load_balancing_loss_func(router logits, experts, top-k, attention_mask), added to
+    # the loss times router_aux_loss_coef where labels are given (shift_labels alone: HF computes no loss)
+    aux_loss = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+    if labels is not None:
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=None, router_logits=outputs.router_logits,
+                                     **common)
+
+
+def _load_balancing(model):
+    """The load_balancing_loss_func of the model's own modeling module (Mixtral, Qwen2/3-MoE, OLMoE... each
+    define one) when the model has the attributes HF's MoE forwards pass it (num_experts, num_experts_per_tok,
+    router_aux_loss_coef), else None."""
+    forward = getattr(hf_forward(model), "__func__", None)
+    module = inspect.getmodule(forward) if forward is not None else None
+    fn = getattr(module, "load_balancing_loss_func", None)
+    if fn is None or not all(hasattr(model, a) for a in ("num_experts", "num_experts_per_tok",
+                                                          "router_aux_loss_coef")):
+        return None
+    return fn
 
 
 def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
