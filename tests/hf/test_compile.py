@@ -5,8 +5,8 @@ On CPU the backend is aot_eager (dynamo + AOTAutograd, the same graphs inductor 
 the Tigon ops run through Triton's interpreter as one custom-op node each. On a GPU the same checks run with
 inductor (the marked test at the end).
 
-Bounds: the compiled and the eager step run the same kernels; what may change is the fusion around them (the
-one-node MLP of eager training is three nn.Linear calls and the GLU under compile), so the order of fp32 sums.
+Bounds: the compiled and the eager step run the same kernels (the one-node MLP included: its autograd.Function is
+traced, its GLU pass two custom ops); what may change is the fusion around them, so the order of fp32 sums.
 Each result must be within 2x the error of the eager patched model against an fp64 run of the same model, plus
 8 fp32 (or 4 bf16) ulps of its magnitude: the house rule "err(new) <= 2 * err(yardstick) + eps".
 """
@@ -109,6 +109,37 @@ def test_compiled_patched_model_trains_and_evaluates_like_eager(model_type):
     model.eval()
     logits_eager = _logits(model, IDS)
     _assert_within("eval logits", _logits(compiled, IDS), logits_eager, logits_exact)
+
+
+def test_compiled_patched_mlp_is_the_one_node_op():
+    """Under torch.compile the patched MLP is still the one-node op (ops.swiglu_mlp): the forward graph computes the
+    GLU product h but does not hand it to the backward (the three-Linear path saves it for down_proj's weight
+    gradient: one [tokens, I] activation a layer, ~4 GiB at the 1.5B e2e shape), and the backward graph
+    recomputes it (its own tigon.glu_fwd) beside the gradient pass."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    model = _tiny("llama")
+    tigon.patch(model)
+    model.train()
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    compiled(input_ids=IDS, labels=LABELS).loss.backward()
+    forward, backward = graphs
+
+    def glu_nodes(gm):
+        return [n for n in gm.graph.nodes if n.target is torch.ops.tigon.glu_fwd.default]
+
+    (h,) = glu_nodes(forward)
+    (output,) = [n for n in forward.graph.nodes if n.op == "output"]
+    assert h not in output.all_input_nodes  # h is not saved for the backward
+    assert len(glu_nodes(backward)) == 1  # the backward recomputes it
 
 
 def test_compiled_peft_lora_on_patched_model():

@@ -3,8 +3,8 @@
 Training with plain bias-free nn.Linear projections runs the whole MLP as one autograd node
 (`ops.swiglu_mlp` / `ops.geglu_mlp`): it keeps x, gate and up for backward and recomputes the activation
 product in the gradient pass, a quarter less activation memory than autograd over the three Linears. Anything
-else (inference, biases, hooks on a projection, PEFT or quantized wrappers, DTensor weights, torch.compile,
-saved-tensor hooks such as activation checkpointing's)
+else (inference, biases, hooks on a projection, PEFT or quantized wrappers, DTensor weights,
+saved-tensor hooks such as activation checkpointing's in eager)
 calls the projections as they are (cuBLAS) around the fused GLU op with inplace_backward=True: dgate and dup
 overwrite the fresh projection outputs, so the MLP's backward needs no memory beyond the projections' own.
 """
@@ -73,13 +73,16 @@ class _GatedMLP(nn.Module):
         """The weights for the one-node MLP (ops.swiglu_mlp), or None where the three nn.Linear calls must
         run as they are: inference, biases, hooks on a projection, PEFT/quantized wrappers, tensor-parallel
         DTensors. Under autocast the cast nn.Linear would do is done here, once."""
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not torch.is_grad_enabled():
             return None
         # Saved-tensor hooks are active under activation checkpointing (and offloading): a checkpointed layer
         # keeps only its input anyway, and its recompute stops at the last saved tensor, which for built-in
         # ops is packed before they run but for a custom autograd.Function only after its whole forward: the
         # one-node MLP would make every recompute redo the down projection (~13 ms a step at the 1.5B config).
-        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        # Dynamo refuses to trace that query (marked skipped: a graph break, an error under fullgraph); a compiled
+        # graph's checkpointing is the compiler's own (selective recompute of the traced graph), so the check is
+        # an eager one.
+        if not torch.compiler.is_compiling() and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             return None
         projs = (self.gate_up_proj,) if self.fused_gate_up else (self.gate_proj, self.up_proj)
         projs += (self.down_proj,)
