@@ -89,3 +89,35 @@ def test_no_op_reads_a_custom_ops_private_body():
         if name.startswith("tigon.ops") and getattr(mod, "__file__", None):
             with open(mod.__file__) as f:
                 assert "_init_fn" not in f.read(), name
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_reference_path_loss_takes_an_in_place_update(monkeypatch, reduction):
+    """CPU tensors without Triton's interpreter take the reference path (the GPU machine's CPU tests do). Its loss
+    must take what the kernel path's takes: the Trainer scales the loss in place (`loss *= scale`) before
+    backward, which autograd refuses on a view returned by a custom Function. The gradient is then exactly twice
+    the unscaled one: scaling by 2 is exact in fp32, and both backwards run the same reference ops."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # _library reads it per call
+    assert _library.backend_for(torch.device("cpu")) == "reference"
+    torch.manual_seed(0)
+    h, w = randn(5, 16), randn(11, 16)
+    t = torch.randint(0, 11, (5,))
+    grads = []
+    for scale in (1.0, 2.0):
+        hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+        ops.dispatch_counts.clear()
+        loss = ops.linear_cross_entropy(hg, wg, t, reduction=reduction)
+        assert ops.dispatch_counts[("linear_cross_entropy", "reference")] == 1
+        loss.mul_(scale)
+        loss.sum().backward()
+        grads.append((hg.grad, wg.grad))
+    for one, two in zip(*grads):
+        torch.testing.assert_close(two, 2 * one, rtol=0, atol=0)
+    logits = randn(5, 11, requires_grad=True)
+    loss = ops.cross_entropy(logits, t)
+    loss.mul_(2)
+    loss.backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    with pytest.raises(NotImplementedError):  # still first order only, as the kernel path
+        g, = torch.autograd.grad(ops.cross_entropy(logits, t), logits, create_graph=True)
+        g.sum().backward()

@@ -150,12 +150,16 @@ def refuse_double_backward(op):
 
 class _FirstOrderOnly(torch.autograd.Function):
     """Identity whose backward refuses create_graph=True, so the reference path of a loss refuses double backward
-    exactly as its kernel path does (the two paths accept and refuse the same things)."""
+    exactly as its kernel path does (the two paths accept and refuse the same things).
+
+    The output is a new tensor, not a view of x: the kernel path's loss is a fresh tensor that callers may modify
+    in place (the Trainer scales its loss with `loss *= ...`), and autograd refuses an in-place write to the
+    output of a Function that returns a view. The copy is a scalar or one value a row (a [N] loss)."""
 
     @staticmethod
     def forward(ctx, x, op):
         ctx.op = op
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
