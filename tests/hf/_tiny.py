@@ -2,6 +2,8 @@
 
 import torch
 
+from tigon import ops
+
 COMMON = dict(
     vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
@@ -66,3 +68,11 @@ def greedy_with_scores(model, ids, cache, new, **kw):
     out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, past_key_values=cache,
                          output_scores=True, return_dict_in_generate=True, pad_token_id=0, **kw)
     return out.sequences, torch.stack(out.scores, 1)
+
+
+def op_calls(*op_names):
+    """Eager calls of Tigon's ops `op_names` so far, on either path (ops.dispatch_counts): the Triton kernels
+    (CUDA, or CPU under TRITON_INTERPRET=1) or the PyTorch reference (CPU tensors on a CUDA machine, where
+    tests/conftest.py leaves the interpreter off). For tests that prove a patched model routes through Tigon's op;
+    that the kernel equals the reference is tests/ops' job."""
+    return sum(ops.dispatch_counts[(op, path)] for op in op_names for path in ("triton", "reference"))

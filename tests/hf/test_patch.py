@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tigon
-from tests.hf._tiny import batch, tiny_model
+from tests.hf._tiny import batch, op_calls, tiny_model
 from tigon import ops
 from tigon.hf import registry
 from tigon.modules import RMSNorm, SwiGLUMLP
@@ -305,7 +305,7 @@ def test_class_level_cross_entropy_is_a_loss_function_property():
         ids, labels = batch(model.config.vocab_size, b=1, t=5)
         ops.dispatch_counts.clear()
         model.train()(input_ids=ids, labels=labels).loss.backward()
-        assert ops.dispatch_counts[("cross_entropy", "triton")] == 1
+        assert op_calls("cross_entropy") == 1
         own = object()
         model.loss_function = own
         assert model.loss_function is own
@@ -334,14 +334,11 @@ def test_mlp_with_its_own_dropout_stays_hf():
 
 def _rope_calls(model, ids):
     """apply_rope dispatches in one eval forward (one per attention layer where Tigon's RoPE runs)."""
-    def count():
-        return ops.dispatch_counts[("apply_rope", "triton")] + ops.dispatch_counts[("apply_rope", "reference")]
-
-    start = count()
+    start = op_calls("apply_rope")
     model.eval()
     with torch.no_grad():
         logits = model(ids).logits
-    return count() - start, logits
+    return op_calls("apply_rope") - start, logits
 
 
 def test_instance_patch_touches_only_that_instance():

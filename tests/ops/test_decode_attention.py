@@ -14,8 +14,10 @@ B, HQ, HKV = 2, 4, 2
 
 
 def _splits(n):
-    """The launch with n splits of the cache (the heuristic's 2 on the interpreter, made explicit)."""
-    return DecodeAttentionConfig(n_splits=n)
+    """The launch with n splits of the cache (the heuristic's 2 on the interpreter, made explicit) in 16-slot
+    steps on every device: a GPU's default step is 64 slots, which would fold a 40-slot test cache into one split
+    (no partials, no merge) whatever n is."""
+    return DecodeAttentionConfig(n_splits=n, block_n=16)
 
 
 def _slot_pos(layout, C, q_pos, seed=0):
