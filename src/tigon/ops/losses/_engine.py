@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _library
 from .._workspace import workspace
 
 
@@ -188,6 +189,46 @@ def _grad_kernel(
         tl.store(p_x + o, (b_g * sc).to(X.dtype.element_ty), mask=m_)
 
 
+def kernels_on(device) -> bool:
+    """Whether the row kernels run for tensors on `device` (CUDA, or CPU under TRITON_INTERPRET=1). Elsewhere
+    (CPU without the interpreter: a custom op called directly, or opcheck) the same per-row math runs in torch,
+    in fp32, so the op bodies never hand a CPU pointer to a compiled Triton launcher."""
+    return _library.backend_for(device) == "triton"
+
+
+def _stats_rows_torch(logits, t, t2, outs, V, scale):
+    """_stats_kernel's results in torch (fp32): outs is (lse, xt, xt2, ent, xsum, lsq, top1), written in place."""
+    lse_o, xt_o, xt2_o, ent_o, xsum_o, lsq_o, top1_o = outs
+    x = logits.float() * scale
+    lse = torch.logsumexp(x, -1)
+    has = (t >= 0) & (t < V)
+    ti = torch.where(has, t, 0).long()
+    xt = torch.where(has, x.gather(1, ti[:, None])[:, 0], 0.0)
+    lse_o.copy_(lse)
+    xt_o.copy_(xt)
+    ent_o.copy_(lse - (torch.softmax(x, -1) * x).sum(-1))
+    xsum_o.copy_(x.sum(-1))
+    lsq_o.copy_(torch.logsumexp(2.0 * x, -1) - 2.0 * lse)
+    top1_o.copy_((has & (x.argmax(-1) == ti)).float())  # argmax: the first maximum, the kernel's tie rule
+    if t2 is not None:
+        has2 = (t2 >= 0) & (t2 < V)
+        xt2 = x.gather(1, torch.where(has2, t2, 0).long()[:, None])[:, 0]
+        xt2_o.copy_(torch.where(has2, xt2, 0.0))
+
+
+def _grad_rows_torch(logits, t, t2, lse, ent, a, a2, e, V, scale):
+    """_grad_kernel in torch (fp32): overwrites the chunk logits with dL/dlogits."""
+    lp = logits.float() * scale - lse[:, None]
+    p = torch.exp(lp)
+    cols = torch.arange(V, device=logits.device)
+    g = torch.where(cols == t[:, None], a[:, None], 0.0) - (a if a2 is None else a + a2)[:, None] * p
+    if a2 is not None:
+        g += torch.where(cols == t2[:, None], a2[:, None], 0.0)
+    if e is not None:
+        g -= e[:, None] * p * (lp + ent[:, None])
+    logits.copy_(g * scale)
+
+
 def _gemm_logits(h_c, w_t, bias, out):
     if bias is None:
         torch.mm(h_c, w_t, out=out)
@@ -217,11 +258,16 @@ def logp_stats(hidden, weight, bias, target, target2=None, *, scale=1.0, cfg=DEF
     w_t = w.t()
     rows = chunk_rows(N, V, hidden.element_size(), cfg)
     block = _block_v(V, dev, cfg)
+    kernels = kernels_on(dev)
     with workspace(dev).borrow(((rows, V), hidden.dtype)) as (buf,):
         for s in range(0, N, rows):
             e = min(N, s + rows)
             logits = buf[: e - s]
             _gemm_logits(hidden[s:e], w_t, b, logits)
+            if not kernels:
+                _stats_rows_torch(logits, target[s:e], None if target2 is None else target2[s:e],
+                                  tuple(out[k][s:e] for k in names), V, float(scale))
+                continue
             _stats_kernel[(e - s,)](
                 logits, target[s:e], target[s:e] if target2 is None else target2[s:e],
                 *(out[k][s:e] for k in names), logits.stride(0), V, float(scale),
@@ -256,6 +302,7 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
     block = _block_v(V, dev, cfg)
     names = ("lse", "xt", "xt2", "ent", "xsum", "lsq", "top1")
     st = {k: torch.empty(N, dtype=torch.float32, device=dev) for k in names} if coef_fn is not None else None
+    kernels = kernels_on(dev)
     with workspace(dev).borrow(((rows, V), hidden.dtype)) as (buf,):
         for s in range(0, N, rows):
             end = min(N, s + rows)
@@ -263,8 +310,11 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
             _gemm_logits(h_c, w_t, b, logits)
             if coef_fn is not None:
                 chunk = {k: v[s:end] for k, v in st.items()}
-                _stats_kernel[(end - s,)](logits, target[s:end], target[s:end], *(chunk[k] for k in names),
-                                          logits.stride(0), V, float(scale), HAS_T2=False, BLOCK_V=block)
+                if kernels:
+                    _stats_kernel[(end - s,)](logits, target[s:end], target[s:end], *(chunk[k] for k in names),
+                                              logits.stride(0), V, float(scale), HAS_T2=False, BLOCK_V=block)
+                else:
+                    _stats_rows_torch(logits, target[s:end], None, tuple(chunk[k] for k in names), V, float(scale))
                 a_c, e_c = coef_fn(s, end, chunk)
                 lse_c, ent_c, a2_c = chunk["lse"], chunk["ent"], None
                 e_c = e_c if want_e else None
@@ -272,11 +322,15 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
                 lse_c, ent_c, a_c = lse[s:end], ent[s:end], a[s:end]
                 a2_c = None if a2 is None else a2[s:end]
                 e_c = None if e is None else e[s:end]
-            _grad_kernel[(end - s,)](
-                logits, target[s:end], target[s:end] if target2 is None else target2[s:end], lse_c, ent_c, a_c,
-                a_c if a2_c is None else a2_c, a_c if e_c is None else e_c, logits.stride(0), V, float(scale),
-                HAS_T2=a2_c is not None, HAS_E=e_c is not None, BLOCK_V=block,
-            )
+            if kernels:
+                _grad_kernel[(end - s,)](
+                    logits, target[s:end], target[s:end] if target2 is None else target2[s:end], lse_c, ent_c, a_c,
+                    a_c if a2_c is None else a2_c, a_c if e_c is None else e_c, logits.stride(0), V, float(scale),
+                    HAS_T2=a2_c is not None, HAS_E=e_c is not None, BLOCK_V=block,
+                )
+            else:
+                t2_c = (target if target2 is None else target2)[s:end]
+                _grad_rows_torch(logits, target[s:end], t2_c, lse_c, ent_c, a_c, a2_c, e_c, V, float(scale))
             if need_dh:
                 torch.mm(logits, w, out=dh[s:end])
             if need_dw:

@@ -8,6 +8,7 @@ walks over the row in fp32: the logsumexps, the divergence and the softmax-Jacob
 the student chunk in place), then dh_c = dz_c W_s and dW_s += dz_c^T h_c. Math: docs/ops/losses.md.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -110,6 +111,34 @@ def _jsd_kernel(
         tl.store(p_s + o, d.to(ZS.dtype.element_ty), mask=m_)
 
 
+def _jsd_rows_torch(zs, zt, t, soft_out, hard_out, n, V, ignore_index, inv_t, beta, w_hard, w_soft, mode):
+    """_jsd_kernel in torch (fp32), for CPU tensors without the interpreter: the per-row soft and hard terms into
+    soft_out / hard_out, and d loss / d student logits over zs."""
+    zr = zs.float()
+    ls, lt = torch.log_softmax(zr * inv_t, -1), torch.log_softmax(zt.float() * inv_t, -1)
+    lr = torch.log_softmax(zr, -1)
+    ps, pt = ls.exp(), lt.exp()
+    if mode == 0:
+        term, d_soft = pt * (lt - ls), ps - pt
+    else:
+        if mode == 1:
+            term = ps * (ls - lt)
+            g = ls - lt
+        else:
+            lm = torch.logaddexp(ls + math.log(1.0 - beta), lt + math.log(beta))
+            term = beta * pt * (lt - lm) + (1.0 - beta) * ps * (ls - lm)
+            g = (1.0 - beta) * (ls - lm)
+        d_soft = ps * (g - (ps * g).sum(-1, keepdim=True))
+    valid = t != ignore_index
+    ti = torch.where(valid & (t >= 0) & (t < V), t, 0).long()
+    soft_out.copy_(torch.where(valid, term.sum(-1), 0.0))
+    hard_out.copy_(torch.where(valid, -lr.gather(1, ti[:, None])[:, 0], 0.0))
+    c_soft = (torch.where(valid, w_soft / n, 0.0) * inv_t)[:, None]
+    c_hard = torch.where(valid, w_hard / n, 0.0)[:, None]
+    onehot = torch.arange(V, device=zs.device) == t[:, None]
+    zs.copy_(c_soft * d_soft + c_hard * (lr.exp() - onehot.float()))
+
+
 @torch.library.custom_op("tigon::fused_linear_jsd", mutates_args=())
 def fused_linear_jsd_op(
     student: torch.Tensor, student_weight: torch.Tensor, teacher: torch.Tensor, teacher_weight: torch.Tensor,
@@ -136,15 +165,20 @@ def fused_linear_jsd_op(
     soft_rows = torch.empty(N, dtype=torch.float32, device=dev)
     hard_rows = torch.empty(N, dtype=torch.float32, device=dev)
     mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+    kernels = _engine.kernels_on(dev)
     with workspace(dev).borrow(((rows, V), student.dtype), ((rows, V), teacher.dtype)) as (bufs, buft):
         for s in range(0, N, rows):
             e = min(N, s + rows)
             zs, zt, h_c = bufs[: e - s], buft[: e - s], student[s:e]
             _engine._gemm_logits(h_c, ws.t(), bs, zs)
             _engine._gemm_logits(teacher[s:e], wt.t(), bt, zt)
-            _jsd_kernel[(e - s,)](zs, zt, labels[s:e], soft_rows[s:e], hard_rows[s:e], n, zs.stride(0), zt.stride(0),
-                                  V, ignore_index, 1.0 / temperature, beta, w_hard, w_soft, MODE=mode,
-                                  BLOCK_V=block)
+            if kernels:
+                _jsd_kernel[(e - s,)](zs, zt, labels[s:e], soft_rows[s:e], hard_rows[s:e], n, zs.stride(0),
+                                      zt.stride(0), V, ignore_index, 1.0 / temperature, beta, w_hard, w_soft,
+                                      MODE=mode, BLOCK_V=block)
+            else:
+                _jsd_rows_torch(zs, zt, labels[s:e], soft_rows[s:e], hard_rows[s:e], n[0], V, ignore_index,
+                                1.0 / temperature, beta, w_hard, w_soft, mode)
             # the chunk now holds d loss / d student logits
             if need_dh:
                 torch.mm(zs, ws, out=dh[s:e])
