@@ -45,8 +45,20 @@ def _eager_logp(h, w, t, temperature=1.0):
     return lp.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
 
 
+def _trl_fn():
+    """TRL's chunked log-prob Function, or Skip ("not installed: ...") when it cannot run here. Its forward imports
+    trl.trainer.utils at call time, which imports `datasets`; both are imported now, in the provider's factory, so
+    a missing peer is a row note before any timing, not an error mid-call."""
+    try:
+        import trl.kernels
+        import trl.trainer.utils  # noqa: F401  (the call-time import)
+    except Exception as e:  # noqa: BLE001  (TRL's lazy modules raise ImportError or RuntimeError)
+        raise H.Skip(f"not installed: {H.short_error(e, 120)}") from None
+    return trl.kernels.ChunkedLogProbFunction
+
+
 def _trl_logp(h, w, t, temperature=1.0):
-    fn = H.import_first("trl.kernels:ChunkedLogProbFunction")
+    fn = _trl_fn()
     shape = t.shape
     lp = fn.apply(h.reshape(-1, h.shape[-1]), w, None, t.reshape(-1).clamp(min=0), temperature, 32768, None, 1.0,
                   ("log_probs",))[0]
@@ -81,6 +93,8 @@ def run_dpo(ctx):
         return Call(f, (h, w))
 
     def trl():
+        _trl_fn()
+
         def f():
             with torch.no_grad():
                 rlp = _trl_logp(rh, rw, t)
@@ -125,6 +139,7 @@ def run_grpo(ctx):
         return Call(lambda: formula(_eager_logp(h, w, ids, 0.9)), (h, w))
 
     def trl():
+        _trl_fn()
         return Call(lambda: formula(_trl_logp(h, w, ids, 0.9)), (h, w))
 
     def liger():
