@@ -119,9 +119,19 @@ def test_packed_row_on_flex_on_the_gpu(case, monkeypatch):
     monkeypatch.setattr(attention_table, "MEASURED", {(gpu, k): "flex" for k in kinds})
     calls = []
     real = ta.flex_attention_forward
-    monkeypatch.setattr(ta, "flex_attention_forward", lambda *a, **kw: calls.append(kw["mask"]) or real(*a, **kw))
-    _compare(case, device="cuda")
-    assert calls and all(m is calls[0] for m in calls)  # one TrainingMask (and block mask) for every layer
+    monkeypatch.setattr(ta, "flex_attention_forward",
+                        lambda *a, **kw: calls.append((kw["mask"], kw["window"], kw["softcap"])) or real(*a, **kw))
+    model, _ = _compare(case, device="cuda")
+    # _compare runs len(LENGTHS) no-grad forwards (each example's loss) and one training forward; each forward
+    # makes one TrainingMask (the documents) that every layer of that forward shares, with its block masks.
+    forwards, layers = len(LENGTHS) + 1, model.config.num_hidden_layers
+    masks = {id(m): m for m, _, _ in calls}
+    assert len(calls) == forwards * layers and len(masks) == forwards, [m for m, _, _ in calls]
+    assert all(m.block_masks for m in masks.values())
+    _, overrides, _ = CASES[case]
+    windows = {"llama": {None}, "mistral_window": {4}, "gemma2_softcap": {4, None}}[case]  # gemma2 alternates
+    assert {w for _, w, _ in calls} == windows
+    assert {s for _, _, s in calls} == {overrides.get("attn_logit_softcapping")}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs a CUDA GPU")

@@ -258,7 +258,10 @@ def test_the_recompile_limit_raises_and_the_layer_runs_hfs_pick(monkeypatch):
 
     counter = CompileCounterWithBackend("aot_eager")
     _flex_on_the_test_gpu(monkeypatch, torch.compile(flex_attention, backend=counter, dynamic=False))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    # not monkeypatch.setattr: its undo leaves torch's config module without recompile_limit (AttributeError
+    # in every later compile of the process)
+    saved_limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 2
     monkeypatch.setattr(ta, "FLEX_RECOMPILE_LIMIT", 2)
     try:
         for i, lengths in enumerate(PACKED_LENGTHS[:4]):
@@ -271,7 +274,67 @@ def test_the_recompile_limit_raises_and_the_layer_runs_hfs_pick(monkeypatch):
         assert counter.frame_count == 2
         assert torch._dynamo.config.recompile_limit == 2 and not torch._dynamo.config.fail_on_recompile_limit_hit
     finally:
+        torch._dynamo.config.recompile_limit = saved_limit
         torch._dynamo.reset()
+
+
+def test_a_second_softcap_compiles_a_static_graph_without_graph_breaks(monkeypatch):
+    """Two softcap values in one process (the GPU suite's specs use 3.0 and 2.0): automatic dynamic would make the
+    second a graph input, the HOP then graph-breaks and runs its autograd eagerly (torch 2.11: AssertionError in
+    create_fw_bw_graph). Traced with grad-requiring inputs on a CPU backend (CPU flex refuses requires_grad before
+    tracing, so that check is bypassed: only the trace is tested here, the GPU test runs the backward)."""
+    import torch._dynamo
+    import torch.nn.attention.flex_attention as flex_module
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    counter = CompileCounterWithBackend("aot_eager")
+    _flex_on_the_test_gpu(monkeypatch, ta._compile_flex(counter))
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
+    breaks = sum(counters["graph_break"].values())
+    specialize = torch._dynamo.config.specialize_float
+    try:
+        for softcap in (3.0, 2.0, 3.0):
+            q, k, v = _qkv(grad=True)
+            got = ta.flex_attention_forward(q, k, v, scaling=0.25, docs=_docs([5, 9, 3, 7]), softcap=softcap)
+            with torch.no_grad():
+                hf = ta.attention_reference(q, k, v, scaling=0.25, docs=_docs([5, 9, 3, 7]), softcap=softcap)
+                ref = ta.attention_reference(q.double(), k.double(), v.double(), scaling=0.25,
+                                             docs=_docs([5, 9, 3, 7]), softcap=softcap)
+            assert_bound(f"softcap {softcap}", got.detach(), hf, ref, torch.float32, ulps=ULPS)
+        assert sum(counters["graph_break"].values()) == breaks
+        assert counter.frame_count == 2  # one static graph per softcap value, the third call reuses the first
+        assert torch._dynamo.config.specialize_float == specialize
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_flex_compile_failure_runs_hfs_pick_with_a_warning(monkeypatch):
+    """Inductor finding no kernel config for a shape (torch 2.11: head 16, bf16, 64 tokens) must not crash the
+    layer: a warning, HF's pick (exact), and no second compile attempt for the same shape."""
+    import torch._dynamo
+
+    attempts = []
+
+    def no_kernel(*args, **kwargs):
+        attempts.append(1)
+        raise torch._dynamo.exc.BackendCompilerFailed(no_kernel, RuntimeError("NoValidChoicesError: no choices"),
+                                                      None)
+
+    _flex_on_the_test_gpu(monkeypatch, no_kernel)
+    monkeypatch.setattr(ta, "_FLEX_FAILED", set())
+    lengths = [5, 9, 3, 7]
+    q, k, v = _qkv()
+    ref = ta.attention_reference(q, k, v, scaling=0.25, docs=_docs(lengths))
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="failed to compile for packed, head 16"):
+            got, _ = ta.training_attention_forward(_Module(), q, k, v, ta.TrainingMask(_docs(lengths)),
+                                                   scaling=0.25)
+        again, _ = ta.training_attention_forward(_Module(), q, k, v, ta.TrainingMask(_docs(lengths)),
+                                                 scaling=0.25)
+    assert len(attempts) == 1
+    for out in (got, again):
+        torch.testing.assert_close(out, ref, rtol=ULPS * 2**-24, atol=ULPS * 2**-24)
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs a CUDA GPU")

@@ -205,6 +205,18 @@ class FlexRecompileLimitHit(RuntimeError):
     """Compiled FlexAttention reached its recompile limit; training_attention_forward then runs HF's pick."""
 
 
+# (device, dtype, head dim, GQA groups, grad, mask kind, under one 128-block) of flex calls whose compile failed
+# (inductor found no kernel config: torch 2.11 at head 16, bf16, GQA 4, 64 tokens, no grad): they run HF's pick
+# without compiling again, which would cost seconds per layer and fail the same way.
+_FLEX_FAILED: set = set()
+
+
+def _flex_key(query, key, kind) -> tuple:
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key))
+    return (str(query.device), query.dtype, query.shape[-1], query.shape[1] // key.shape[1], grad, kind,
+            query.shape[2] <= 128)
+
+
 def _compile_flex(backend="inductor"):
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -226,8 +238,13 @@ def _without_silent_fallback(fn, *args, **kwargs):
     import torch._dynamo
 
     config = torch._dynamo.config
-    saved = config.recompile_limit, config.fail_on_recompile_limit_hit
+    saved = config.recompile_limit, config.fail_on_recompile_limit_hit, config.specialize_float
+    # specialize_float: a second softcap (or scale) value would otherwise make the float a graph input (automatic
+    # dynamic), and then the softcap score_mod captures it: dynamo graph-breaks at the flex_attention HOP and runs
+    # its autograd eagerly, which torch 2.11 refuses (an AssertionError in create_fw_bw_graph; torch 2.13 on CPU:
+    # 13 graph breaks at the second softcap). Specialized, each value is its own static graph: one per model.
     config.recompile_limit, config.fail_on_recompile_limit_hit = max(saved[0], FLEX_RECOMPILE_LIMIT), True
+    config.specialize_float = True
     try:
         return fn(*args, **kwargs)
     except torch._dynamo.exc.FailOnRecompileLimitHit as e:
@@ -235,7 +252,7 @@ def _without_silent_fallback(fn, *args, **kwargs):
             f"tigon training attention: compiled FlexAttention reached torch._dynamo's recompile limit "
             f"({config.recompile_limit}); running it eagerly would materialize the [T, T] scores") from e
     finally:
-        config.recompile_limit, config.fail_on_recompile_limit_hit = saved
+        config.recompile_limit, config.fail_on_recompile_limit_hit, config.specialize_float = saved
 
 
 def _block_mask(docs, window, length, device):
@@ -373,6 +390,8 @@ def training_attention_forward(module, query, key, value, attention_mask, dropou
     max_length = kwargs.get("max_length_q")
     if not _eligible(backend, query, key, dropout, docs, cu, max_length):
         backend = attention_table.hf_pick(kind)
+    if backend == "flex" and _flex_key(query, key, kind) in _FLEX_FAILED:
+        backend = attention_table.hf_pick(kind)
     if backend == "flex":
         try:
             return flex_attention_forward(query, key, value, scaling=scaling, docs=docs, window=window,
@@ -380,6 +399,14 @@ def training_attention_forward(module, query, key, value, attention_mask, dropou
         except FlexRecompileLimitHit as e:  # exact either way; HF's pick costs a [T, T] boolean mask, not scores
             warnings.warn(f"{e}; this call runs Hugging Face's pick ({attention_table.hf_pick(kind)}) instead",
                           RuntimeWarning, stacklevel=2)
+            backend = attention_table.hf_pick(kind)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # InductorError too: no kernel for this shape
+            _FLEX_FAILED.add(_flex_key(query, key, kind))
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            warnings.warn(f"tigon training attention: compiled FlexAttention failed to compile for {kind}, head "
+                          f"{query.shape[-1]}, {query.dtype} ({type(e).__name__}: {first}); these calls run "
+                          f"Hugging Face's pick ({attention_table.hf_pick(kind)}) instead", RuntimeWarning,
+                          stacklevel=2)
             backend = attention_table.hf_pick(kind)
     if backend == "flash_attn":
         return _flash_attn_forward(query, key, value, scaling=scaling, window=window, softcap=softcap,
