@@ -18,6 +18,7 @@ import torch
 
 import tigon
 from tests.hf._tiny import batch, tiny_model
+from tigon.hf import causal_lm
 
 U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
 CPU_BACKEND = "aot_eager"
@@ -105,10 +106,57 @@ def test_compiled_patched_model_trains_and_evaluates_like_eager(model_type):
     compiled = torch.compile(model, backend=CPU_BACKEND, fullgraph=True)
     _check_step(_step(compiled, IDS, LABELS), eager, exact)
     assert calls == ["Linear", "Linear"]
-    assert "forward" not in model.lm_head.__dict__  # the loss forward lived for the call only
+    # The lm_head's forward is Tigon's permanent one, set by patch() and never changed per call (nothing for
+    # dynamo to replay); tigon.unpatch removes it (test_lm_head_forward_survives_copies_and_unpatch).
+    assert model.lm_head.__dict__["forward"].__func__ is causal_lm.lm_head_forward
     model.eval()
     logits_eager = _logits(model, IDS)
     _assert_within("eval logits", _logits(compiled, IDS), logits_eager, logits_exact)
+
+
+def test_lm_head_forward_survives_copies_and_unpatch():
+    """patch() gives the lm_head its loss forward once; a deepcopy and a pickled copy keep it, bound to the copy's
+    own lm_head, and compute the same loss; without the keyword it is the class forward (the logits); unpatch
+    removes it."""
+    import io
+    import pickle
+
+    model = _tiny("llama")
+    tigon.patch(model)
+    model.train()
+    loss = model(input_ids=IDS, labels=LABELS).loss
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for copy_ in (copy.deepcopy(model), torch.load(buf, weights_only=False), pickle.loads(pickle.dumps(model))):
+        forward = copy_.lm_head.__dict__["forward"]
+        assert forward.__func__ is causal_lm.lm_head_forward and forward.__self__ is copy_.lm_head
+        torch.testing.assert_close(copy_(input_ids=IDS, labels=LABELS).loss, loss, rtol=0, atol=0)
+    hidden = torch.randn(2, model.config.hidden_size)
+    assert torch.equal(model.lm_head(hidden), torch.nn.functional.linear(hidden, model.lm_head.weight))
+    tigon.unpatch(model)
+    assert "forward" not in model.lm_head.__dict__
+
+
+def test_compiled_class_patched_model_before_any_eager_step():
+    """A class-level patch compiled before any eager call: the lm_head has no loss forward yet and none may be set
+    inside the trace, so the compiled step computes the loss from the weight directly, with fullgraph; the first
+    eager step then installs the forward."""
+    torch._dynamo.reset()
+    base = _tiny("llama")
+    exact = _exact_step(base, IDS, LABELS)
+    tigon.patch(model_type="llama")
+    try:
+        model = _tiny("llama")
+        model.load_state_dict(base.state_dict())
+        model.train()
+        got = _step(torch.compile(model, backend=CPU_BACKEND, fullgraph=True), IDS, LABELS)
+        assert "forward" not in model.lm_head.__dict__
+        eager = _step(model, IDS, LABELS)
+        assert causal_lm.has_loss_forward(model.lm_head)
+    finally:
+        tigon.unpatch(model_type="llama")
+    _check_step(got, eager, exact)
 
 
 def test_compiled_patched_mlp_is_the_one_node_op():

@@ -48,31 +48,64 @@ def _resolve_linear(lm_head):
     return None
 
 
+LOSS_KEYWORD = "_tigon_loss"  # lm_head(hidden, _tigon_loss=(target, loss_kwargs)) computes the fused loss
+
+
+def lm_head_forward(module, x, *args, _tigon_loss=None, **kwargs):
+    """The forward Tigon gives an lm_head instance once, for good: with `_tigon_loss=(target, loss_kwargs)` it
+    returns tigon.ops.linear_cross_entropy of x and the module's weight and bias; otherwise it is exactly the
+    class forward (logits for generate() and evaluation)."""
+    if _tigon_loss is None:
+        return type(module).forward(module, x, *args, **kwargs)
+    target, loss_kwargs = _tigon_loss
+    return ops.linear_cross_entropy(x, module.weight, target, module.bias, **loss_kwargs)
+
+
+def has_loss_forward(linear) -> bool:
+    return getattr(linear.__dict__.get("forward"), "__func__", None) is lm_head_forward
+
+
+def install_loss_forward(linear) -> bool:
+    """Give `linear` lm_head_forward as its instance forward (a BoundForward: deepcopy and pickle keep it). True
+    when this call installed it; False when it was there already, or when the instance has a forward of another
+    library's (accelerate's device hooks), which stays: the loss is then computed outside the module call."""
+    if "forward" in linear.__dict__:
+        return False
+    from .bound import BoundForward
+
+    linear.forward = BoundForward(lm_head_forward, linear)
+    return True
+
+
 def lm_head_loss(linear: torch.nn.Linear, hidden, target, **loss_kwargs):
     """linear_cross_entropy computed inside the lm_head module's own call.
 
     Running inside `linear(...)` fires the module's hooks, so a sharded weight (FSDP2 all-gathers on the
     pre-forward hook) is whole while it is read; `.weight` is never read outside the call.
 
-    The loss is the instance's forward for the length of the call: nn.Module's call reads `self.forward`, so
-    every hook (module and global, with kwargs or not) runs as for any call. torch.compile traces it, with
-    fullgraph too: the instance attribute is set and removed through the module's `__dict__`, which dynamo
-    (torch 2.13) tracks as a dict mutation. `del linear.forward` is not an option: dynamo replays that delete
-    on the real module after the graph, where the attribute it set while tracing never existed, and the
-    compiled step raised AttributeError ('Linear' object has no attribute 'forward').
+    The module's forward is lm_head_forward, installed by patch() or at the first eager call, never per call:
+    `linear(hidden, _tigon_loss=...)` is a plain module call with a keyword, which every dynamo version traces
+    (fullgraph too). Setting and removing an instance forward around each call did not survive tracing: torch
+    2.11's dynamo cannot trace the `__dict__.pop`, and with fullgraph=False it ran the class forward in the graph,
+    so the "loss" was the [B, T, V] logits. While torch.compile traces a model whose lm_head has no
+    lm_head_forward yet (a class-level patch compiled before any eager step), nothing is installed in the trace;
+    the loss is computed from `.weight` directly, as it is beside another library's instance forward.
     """
-    def loss_forward(h):
-        return ops.linear_cross_entropy(h, linear.weight, target, linear.bias, **loss_kwargs)
+    if not has_loss_forward(linear):
+        return ops.linear_cross_entropy(hidden, linear.weight, target, linear.bias, **loss_kwargs)
+    return linear(hidden, **{LOSS_KEYWORD: (target, loss_kwargs)})
 
-    previous = linear.__dict__.get("forward")  # an instance-level forward someone else installed
-    linear.forward = loss_forward
-    try:
-        return linear(hidden)
-    finally:
-        if previous is None:
-            linear.__dict__.pop("forward")
-        else:
-            linear.forward = previous
+
+def ensure_loss_forward(model, linear=None) -> None:
+    """Install lm_head_forward on `linear` (by default the model's lm_head, resolved as the fused loss resolves
+    it) in eager mode, never inside a trace: there the mutation would land after the graph. On an
+    instance-patched model the install is recorded, so tigon.unpatch removes it."""
+    linear = _resolve_linear(getattr(model, "lm_head", None)) if linear is None else linear
+    if linear is None or torch.compiler.is_compiling() or not install_loss_forward(linear):
+        return
+    undo = model.__dict__.get("_tigon_undo")
+    if undo is not None:
+        undo.append((linear, "forward", None))
 
 
 def _inner_model_kwargs(inner, past_key_values, cache):
@@ -133,6 +166,7 @@ def fused_causal_lm_forward(
     hidden = outputs.last_hidden_state
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     hidden = hidden[:, keep, :]
+    ensure_loss_forward(self, linear)
     if shift_labels is None:
         # tokens < n predict token n, exactly as transformers' ForCausalLMLoss shifts
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]

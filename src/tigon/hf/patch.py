@@ -307,6 +307,7 @@ def _instance_patch(model, family, report, spec):
             undo.append((hf, "forward", None))
             hf.forward = BoundForward(causal_lm.fused_causal_lm_forward, hf)
         if _ours(hf.__dict__["forward"]):
+            causal_lm.ensure_loss_forward(hf)  # lm_head's permanent loss forward, recorded in _tigon_undo
             report.add(f"{cls.__name__}.forward (fused loss)")
         else:  # e.g. TRL's SFTTrainer installed its own fused LM head on the instance: it computes the loss
             report.skip("fused linear cross-entropy", "model.forward is already replaced on the instance")
@@ -455,7 +456,7 @@ def _ours(value) -> bool:
         return True
     return getattr(value, "__func__", value) in (
         causal_lm.fused_causal_lm_forward, causal_lm.fused_prenorm_decoder_forward, causal_lm.causal_lm_loss,
-        training_attention.packed_model_forward)
+        causal_lm.lm_head_forward, training_attention.packed_model_forward)
 
 
 def _restore(owner, name, original):
