@@ -200,7 +200,7 @@ def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, esize: int
     work). smem_limit: bytes of shared memory a block may use (None: the device's)."""
     if device.type != "cuda":
         return DecodeLinearConfig(16, 64, 4, 1, 1)  # the interpreter: a few K steps on small test shapes
-    # From the H200 sweeps (benchmarks/results/decode_ops_sweep.md, 1.5B Llama shapes, bf16, batch 1 and 8): 32
+    # From the H200 sweeps (benchmarks/results/h200_decode_ops_sweep.json, 1.5B Llama shapes, bf16, batch 1 and 8): 32
     # columns a program except for a plain square projection (o_proj: 16, twice the programs), 256-wide K steps,
     # 4 warps; a long K over few column blocks (down_proj, K = 4 N) splits K in 4 over 64-column blocks.
     block_k = 256 if K >= 256 else max(16, triton.next_power_of_2(K))
