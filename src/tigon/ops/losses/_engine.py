@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .. import _library
 from .._workspace import workspace
+from ..linear_cross_entropy import _add_dw as add_dw  # dW += dlogits^T h, fp32 C in one cuBLAS call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,10 +335,7 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
             if need_dh:
                 torch.mm(logits, w, out=dh[s:end])
             if need_dw:
-                if dw.dtype == logits.dtype:
-                    dw.addmm_(logits.t(), h_c)
-                else:
-                    dw.addmm_(logits.t().float(), h_c.float())
+                add_dw(dw, logits.t(), h_c, first=False)
             if need_db:
                 db += logits.sum(0, dtype=torch.float32)
     if dw is not None and dw.dtype != weight.dtype:

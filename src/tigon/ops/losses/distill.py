@@ -183,10 +183,7 @@ def fused_linear_jsd_op(
             if need_dh:
                 torch.mm(zs, ws, out=dh[s:e])
             if need_dw:
-                if dw.dtype == zs.dtype:
-                    dw.addmm_(zs.t(), h_c)
-                else:
-                    dw.addmm_(zs.t().float(), h_c.float())
+                _engine.add_dw(dw, zs.t(), h_c, first=False)
             if db is not None:
                 db += zs.sum(0, dtype=torch.float32)
     soft, hard = soft_rows.sum(), hard_rows.sum()
