@@ -141,19 +141,22 @@ def _profile_step(model, opt, ids):
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-    buckets = {"gemm": 0.0, "attention": 0.0, "tigon kernels": 0.0, "optimizer": 0.0, "other": 0.0}
+    buckets = {"gemm": 0.0, "attention": 0.0, "fused (triton)": 0.0, "torch elementwise/reduce": 0.0,
+               "optimizer": 0.0, "copy/memset": 0.0}
     for ev in prof.key_averages():
         name, us = ev.key.lower(), ev.self_device_time_total
         if any(s in name for s in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul")):
             buckets["gemm"] += us
-        elif any(s in name for s in ("flash", "fmha", "attention", "sdpa", "efficient")):
+        elif any(s in name for s in ("flash", "fmha", "attention", "sdpa", "efficient", "cudnn")):
             buckets["attention"] += us
-        elif any(s in name for s in ("_rms_norm", "_rope", "_glu", "_ce_", "_cross_entropy", "_scale", "_lce")):
-            buckets["tigon kernels"] += us
         elif any(s in name for s in ("adam", "multi_tensor", "foreach")):
             buckets["optimizer"] += us
-        else:
-            buckets["other"] += us
+        elif any(s in name for s in ("memcpy", "memset", "copy_kernel")):
+            buckets["copy/memset"] += us
+        elif any(s in name for s in ("at::native", "elementwise", "reduce_kernel", "void at::")):
+            buckets["torch elementwise/reduce"] += us
+        else:  # Triton kernels (Tigon's, Liger's, inductor's) carry their function's name
+            buckets["fused (triton)"] += us
     top = sorted(((ev.self_device_time_total, ev.key) for ev in prof.key_averages()), reverse=True)[:12]
     return dict(buckets_ms={k: v / 1e3 for k, v in buckets.items()}, top=[(k[:90], us / 1e3) for us, k in top])
 
@@ -241,7 +244,7 @@ def main(argv=None):
     results = []
     for config_name in a.configs.split(","):
         for v in variants:
-            results.append(run_variant(v, config_name, a.batch, a.seq, profile=(v == "tigon" and a.profile)))
+            results.append(run_variant(v, config_name, a.batch, a.seq, profile=a.profile and v in ("tigon", "liger")))
             print(table(results[-1:]), flush=True)
     if a.with_ckpt:
         for v in a.ckpt_variants.split(","):
@@ -255,10 +258,13 @@ def main(argv=None):
         md += "\n".join(f"| {r['variant']} | {r.get('longest_seq', r.get('error'))} | {r.get('first_oom')} | "
                          f"{r.get('tried')} |" for r in longest)
         results += longest
-    prof = next((r["profile"] for r in results if r.get("profile")), None)
-    if prof:
+    for r in results:
+        prof = r.get("profile")
+        if not prof:
+            continue
         total = sum(prof["buckets_ms"].values())
-        md += "\n\nOne Tigon step, GPU kernel time by bucket:\n\n| bucket | ms | share |\n|---|---|---|\n"
+        md += (f"\n\nOne {r['variant']} step ({r.get('config')}), GPU kernel time by bucket (sum {total:.1f} ms; "
+               f"the step's median {r.get('step_ms')} ms):\n\n| bucket | ms | share |\n|---|---|---|\n")
         md += "\n".join(f"| {k} | {v:.1f} | {100 * v / total:.0f}% |" for k, v in prof["buckets_ms"].items())
         md += "\n\nTop kernels:\n\n" + "\n".join(f"- {ms:.1f} ms {name}" for name, ms in prof["top"])
     print(md)
