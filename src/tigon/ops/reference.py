@@ -473,3 +473,28 @@ def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weigh
         per = beta * (t * (lt - lm)).sum(-1) + (1 - beta) * (s * (ls - lm)).sum(-1)
     soft = (per * mask).sum() / n
     return weight_hard_loss * hard + weight_soft_loss * soft, soft, hard
+
+
+# LoRA linear (tigon.ops.lora_linear): PEFT's lora.Linear forward, the base projection plus each adapter's scaled
+# low-rank product; the spec of the fused op and its CPU fallback.
+
+
+def lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p=None, masks=None):
+    """x W^T + bias + sum_i scaling_i * drop_i(x) A_i^T B_i^T (PEFT's lora.Linear), fp32 math, cast to x.dtype.
+    lora_a, lora_b, scaling: one entry per adapter; dropout_p: None (no dropout) or one p per adapter; masks:
+    None (dropout drawn here) or one bool [..., in] mask per adapter (None where p == 0), to replay a mask."""
+    xf = _f(x)
+    out = xf @ _f(weight).T
+    if bias is not None:
+        out = out + _f(bias)
+    for i, (a, b, s) in enumerate(zip(lora_a, lora_b, scaling)):
+        p = 0.0 if dropout_p is None else dropout_p[i]
+        mask = None if masks is None else masks[i]
+        if mask is not None:
+            xin = xf * mask / (1 - p)
+        elif p > 0:
+            xin = F.dropout(xf, p, training=True)
+        else:
+            xin = xf
+        out = out + s * ((xin @ _f(a).T) @ _f(b).T)
+    return out.to(x.dtype)

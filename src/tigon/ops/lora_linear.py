@@ -1,0 +1,300 @@
+"""A linear layer with LoRA adapters as one node: out = x W^T + b + sum_i s_i (drop_i(x) A_i^T) B_i^T.
+
+PEFT's lora.Linear computes the base output, then per adapter a [T, out] product, a [T, out] multiply by the
+scaling and a [T, out] add (with fp32 adapters, PEFT's default, also an fp32 copy of x and a cast of the sum back):
+passes over [T, out] and [T, in] that move more bytes than the adapter GEMMs themselves. Here the base GEMM
+writes `out` once and each adapter adds into it in the epilogue of one cuBLAS call
+(out.addmm_(xa, B^T, alpha=s)). Forward keeps x and the small xa = x A^T [T, r] only. Backward:
+gb = g B [T, r]; dx = g W, then dx.addmm_(gb, A, alpha=s) into the same [T, in] output; dA = s gb^T x and
+dB = s g^T xa (fp32 outputs for fp32 adapters); dW = g^T x only when the base weight wants a gradient.
+
+All GEMMs run in x's dtype (cuBLAS, fp32 accumulation); adapter weights of another dtype (PEFT's fp32 adapters
+on a bf16 base) are cast to it, a [r, in] + [out, r] copy. Dropout p > 0: adapter i's input is
+torch.native_dropout(x, p_i) (drawn in adapter order); the dropped x and its bool mask are kept for backward
+(3 bytes a [T, in] element, x itself is then not kept for a frozen base). Math and byte model: docs/ops/lora.md.
+"""
+
+import math
+import numbers
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import _launch, _library, reference
+
+OP = "tigon.ops.lora_linear"
+_mm_dtype_ok: dict = {}  # device -> whether cuBLAS writes bf16 x bf16 into an fp32 result (aten.mm.dtype)
+
+
+def _mm(a, b, dtype):
+    """a @ b with fp32 accumulation, the result in `dtype` (an fp32 gradient of an fp32 adapter weight)."""
+    if dtype == a.dtype:
+        return a @ b
+    if a.device.type == "cuda" and _mm_dtype_ok.get(a.device, True):
+        try:
+            out = torch.ops.aten.mm.dtype(a, b, dtype)
+            _mm_dtype_ok[a.device] = True
+            return out
+        except RuntimeError:
+            if _mm_dtype_ok.get(a.device):
+                raise
+            _mm_dtype_ok[a.device] = False
+    if a.device.type == "cuda":  # older torch: round once to a's dtype (the [r, in] / [out, r] result only)
+        return (a @ b).to(dtype)
+    return a.to(dtype) @ b.to(dtype)  # CPU: no mixed-dtype GEMM; upcast the operands
+
+
+def _forward(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
+    """x [T, in] -> (out [T, out], xa per adapter [T, r], dropped x per adapter (empty where p == 0),
+    dropout mask per adapter (empty where p == 0))."""
+    dt = x.dtype
+    out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+    xas, dropped, masks = [], [], []
+    for a, b, s, p in zip(lora_a, lora_b, scaling, dropout_p):
+        if p > 0:
+            xin, mask = torch.native_dropout(x, p, True)
+        else:
+            xin, mask = x, None
+        xa = xin @ a.to(dt).t()
+        out.addmm_(xa, b.to(dt).t(), alpha=s)  # the scaled adapter product lands in the base GEMM's output
+        xas.append(xa)
+        dropped.append(x.new_empty(0) if mask is None else xin)
+        masks.append(x.new_empty(0, dtype=torch.bool) if mask is None else mask)
+    return out, xas, dropped, masks
+
+
+def _inference(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
+    return _forward(x, weight, bias, lora_a, lora_b, scaling, dropout_p)[0]
+
+
+def _backward(g, x, weight, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_x, need_w, need_bias,
+              need_ab):
+    """Returns (dx, dW, db, [dA_i], [dB_i]); None where not asked. x may be empty when nothing reads it."""
+    dt = g.dtype
+    dx = g @ weight if need_x else None
+    das, dbs = [], []
+    for a, b, xa, xd, mask, s, p, need in zip(lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_ab):
+        gb = g @ b.to(dt)  # [T, r]
+        if need_x and p > 0:  # d drop(x)/dx = mask / (1 - p)
+            dx.addcmul_(gb @ a.to(dt), mask, value=s / (1 - p))
+        elif need_x:
+            dx.addmm_(gb, a.to(dt), alpha=s)  # the adapter's dx added in the same [T, in] output
+        das.append(_mm(gb.t(), xd if p > 0 else x, a.dtype).mul_(s) if need else None)
+        dbs.append(_mm(g.t(), xa, b.dtype).mul_(s) if need else None)
+    dw = _mm(g.t(), x, weight.dtype) if need_w else None
+    db = g.sum(0, dtype=torch.float32).to(weight.dtype) if need_bias else None
+    return dx, dw, db, das, dbs
+
+
+def _empty_or(t, like):
+    return like.new_empty(0) if t is None else t
+
+
+@torch.library.custom_op("tigon::lora_linear_fwd", mutates_args=())
+def lora_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], lora_a: list[torch.Tensor],
+                    lora_b: list[torch.Tensor], scaling: list[float], dropout_p: list[float]
+                    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """x [T, in] -> (out [T, out], xa_i [T, r_i], dropped x_i ([T, in] or empty), mask_i ([T, in] bool or empty))."""
+    return _forward(x, weight, bias, lora_a, lora_b, scaling, dropout_p)
+
+
+@lora_linear_fwd.register_fake
+def _(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
+    T = x.shape[0]
+    out = x.new_empty((T, weight.shape[0]))
+    xas = [x.new_empty((T, a.shape[0])) for a in lora_a]
+    dropped = [x.new_empty(x.shape if p > 0 else (0,)) for p in dropout_p]
+    masks = [x.new_empty(x.shape if p > 0 else (0,), dtype=torch.bool) for p in dropout_p]
+    return out, xas, dropped, masks
+
+
+@torch.library.custom_op("tigon::lora_linear_bwd", mutates_args=())
+def lora_linear_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_a: list[torch.Tensor],
+                    lora_b: list[torch.Tensor], xas: list[torch.Tensor], dropped: list[torch.Tensor],
+                    masks: list[torch.Tensor], scaling: list[float], dropout_p: list[float], need_x: bool,
+                    need_w: bool, need_bias: bool, need_ab: list[bool]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The gradients (dx, dW, db, dA_i, dB_i), each empty where not asked."""
+    dx, dw, db, das, dbs = _backward(g, x, weight, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_x,
+                                     need_w, need_bias, need_ab)
+    return (_empty_or(dx, g), _empty_or(dw, g), _empty_or(db, g), [_empty_or(d, g) for d in das],
+            [_empty_or(d, g) for d in dbs])
+
+
+@lora_linear_bwd.register_fake
+def _(g, x, weight, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_x, need_w, need_bias, need_ab):
+    T, n_out = g.shape
+    dx = g.new_empty((T, weight.shape[1])) if need_x else g.new_empty(0)
+    dw = weight.new_empty(weight.shape) if need_w else g.new_empty(0)
+    db = weight.new_empty((n_out,)) if need_bias else g.new_empty(0)
+    das = [a.new_empty(a.shape) if n else g.new_empty(0) for a, n in zip(lora_a, need_ab)]
+    dbs = [b.new_empty(b.shape) if n else g.new_empty(0) for b, n in zip(lora_b, need_ab)]
+    return dx, dw, db, das, dbs
+
+
+def _needs(x, weight, bias, lora_a, lora_b):
+    need_ab = [a.requires_grad or b.requires_grad for a, b in zip(lora_a, lora_b)]
+    return x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad, need_ab
+
+
+def _kept_x(need_w, dropout_p):
+    """x itself is read by backward only for dW and for the dA of an adapter without dropout (kept for those
+    even when frozen: double backward recomputes from it). With dropout on every adapter and a frozen base,
+    the dropped inputs are kept instead and x is not."""
+    return need_w or any(p == 0 for p in dropout_p)
+
+
+def _reference_grads(x, weight, bias, lora_a, lora_b, scaling, dropout_p, needs, grads):
+    """create_graph=True: the reference's differentiable ops (no dropout mask to replay: refused for p > 0)."""
+    if any(p > 0 for p in dropout_p):
+        _library.refuse_double_backward(f"{OP} with dropout_p > 0")
+    n = len(lora_a)
+
+    def fn(x, weight, bias, *ab):
+        return reference.lora_linear(x, weight, bias, list(ab[:n]), list(ab[n:]), scaling)
+
+    return _library.reference_grads(fn, (x, weight, bias, *lora_a, *lora_b), needs, grads)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, lora_a, lora_b, scaling, dropout_p = inputs
+    _, xas, dropped, masks = output
+    need_x, need_w, need_bias, need_ab = _needs(x, weight, bias, lora_a, lora_b)
+    ctx.needs = (need_x, need_w, need_bias, need_ab)
+    ctx.n, ctx.scaling, ctx.dropout_p, ctx.has_bias = len(lora_a), scaling, dropout_p, bias is not None
+    kept = x if _kept_x(need_w, dropout_p) else x.new_empty(0)
+    ctx.save_for_backward(kept, weight, bias, *lora_a, *lora_b, *xas, *dropped, *masks)
+
+
+def _setup_op(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[1], *output[2], *output[3])
+    _setup(ctx, inputs, output)
+
+
+def _op_backward(ctx, g, *_):
+    x, weight, bias, *rest = ctx.saved_tensors
+    n = ctx.n
+    lora_a, lora_b, xas, dropped, masks = (rest[i * n:(i + 1) * n] for i in range(5))
+    need_x, need_w, need_bias, need_ab = ctx.needs
+    if g is None:
+        return None, None, None, None, None, None, None
+    if _library.double_backward():
+        flat = [need_x, need_w, need_bias, *need_ab, *need_ab]
+        gr = _reference_grads(x, weight, bias, lora_a, lora_b, ctx.scaling, ctx.dropout_p, flat, (g,))
+        return gr[0], gr[1], gr[2], gr[3:3 + n], gr[3 + n:], None, None
+    dx, dw, db, das, dbs = torch.ops.tigon.lora_linear_bwd(
+        g, x, weight, list(lora_a), list(lora_b), list(xas), list(dropped), list(masks), ctx.scaling, ctx.dropout_p,
+        need_x, need_w, need_bias, need_ab)
+    return (dx if need_x else None, dw if need_w else None, db if need_bias else None,
+            [d if k else None for d, k in zip(das, need_ab)], [d if k else None for d, k in zip(dbs, need_ab)],
+            None, None)
+
+
+lora_linear_fwd.register_autograd(_op_backward, setup_context=_setup_op)
+
+
+class _LoRALinear(torch.autograd.Function):
+    """Eager training: the same launchers as the custom op, without its dispatcher's host time."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scaling, dropout_p, n, *adapters):
+        lora_a, lora_b = list(adapters[:n]), list(adapters[n:])
+        out, xas, dropped, masks = _forward(x, weight, bias, lora_a, lora_b, scaling, dropout_p)
+        _setup(ctx, (x, weight, bias, lora_a, lora_b, scaling, dropout_p), (out, xas, dropped, masks))
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, bias, *rest = ctx.saved_tensors
+        n = ctx.n
+        lora_a, lora_b, xas, dropped, masks = (rest[i * n:(i + 1) * n] for i in range(5))
+        need_x, need_w, need_bias, need_ab = ctx.needs
+        if _library.double_backward():
+            flat = [need_x, need_w, need_bias, *need_ab, *need_ab]
+            gr = _reference_grads(x, weight, bias, lora_a, lora_b, ctx.scaling, ctx.dropout_p, flat, (g,))
+            return (gr[0], gr[1], gr[2], None, None, None, *gr[3:])
+        dx, dw, db, das, dbs = _backward(g, x, weight, lora_a, lora_b, xas, dropped, masks, ctx.scaling,
+                                         ctx.dropout_p, need_x, need_w, need_bias, need_ab)
+        return (dx, dw, db, None, None, None, *das, *dbs)
+
+
+def _traced(x, weight, bias, scaling, dropout_p, n, *adapters):
+    return torch.ops.tigon.lora_linear_fwd(x, weight, bias, list(adapters[:n]), list(adapters[n:]), scaling,
+                                           dropout_p)[0]
+
+
+def _eager(x, weight, bias, scaling, dropout_p, n, *adapters):
+    return _inference(x, weight, bias, list(adapters[:n]), list(adapters[n:]), scaling, dropout_p)
+
+
+def _as_list(name, v, n, what):
+    if isinstance(v, (list, tuple)):
+        if len(v) != n:
+            raise ValueError(f"{OP}: {name} has {len(v)} entries for {n} adapters")
+        return list(v)
+    if n != 1 and not isinstance(v, what):
+        raise TypeError(f"{OP}: {name} must be one value or a sequence of {n}, got {type(v).__name__}")
+    return [v] * n
+
+
+def _validate(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
+    _launch.check_tensor(OP, "x", x)
+    _launch.check_min_dim(OP, "x", x)
+    _launch.check_tensor(OP, "weight", weight)
+    n_in = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != n_in:
+        raise ValueError(f"{OP}: weight must be 2-D [out, {n_in}], got shape {tuple(weight.shape)}")
+    n_out = weight.shape[0]
+    _launch.check_same_dtype(OP, "x", x, weight=weight)
+    _launch.check_same_device(OP, "x", x, weight=weight, bias=bias)
+    if bias is not None:
+        _launch.check_tensor(OP, "bias", bias)
+        _launch.check_shape(OP, "bias", bias, (n_out,))
+        _launch.check_same_dtype(OP, "x", x, bias=bias)
+    as_, bs = (list(v) if isinstance(v, (list, tuple)) else [v] for v in (lora_a, lora_b))
+    if len(as_) != len(bs):
+        raise ValueError(f"{OP}: lora_a has {len(as_)} adapters but lora_b has {len(bs)}")
+    for i, (a, b) in enumerate(zip(as_, bs)):
+        tag = f"[{i}]" if len(as_) > 1 else ""
+        _launch.check_tensor(OP, f"lora_a{tag}", a)
+        _launch.check_tensor(OP, f"lora_b{tag}", b)
+        if a.dim() != 2 or a.shape[1] != n_in or a.shape[0] < 1:
+            raise ValueError(f"{OP}: lora_a{tag} must be 2-D [r, {n_in}] with r >= 1, got {tuple(a.shape)}")
+        if b.dim() != 2 or tuple(b.shape) != (n_out, a.shape[0]):
+            raise ValueError(f"{OP}: lora_b{tag} must be [{n_out}, {a.shape[0]}] (out, r), got {tuple(b.shape)}")
+        _launch.check_same_device(OP, "x", x, **{f"lora_a{tag}": a, f"lora_b{tag}": b})
+    n = len(as_)
+    scales = [_launch.check_number(OP, "scaling", s) for s in _as_list("scaling", scaling, n, numbers.Real)]
+    ps = [_launch.check_number(OP, "dropout_p", p, 0.0, 1.0) for p in _as_list("dropout_p", dropout_p, n,
+                                                                                 numbers.Real)]
+    if any(p >= 1 for p in ps):
+        raise ValueError(f"{OP}: dropout_p must be in [0, 1), got {dropout_p!r}")
+    return as_, bs, scales, ps
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                lora_a: Union[torch.Tensor, Sequence[torch.Tensor]], lora_b: Union[torch.Tensor, Sequence[torch.Tensor]],
+                scaling: Union[float, Sequence[float]], dropout_p: Union[float, Sequence[float]] = 0.0) -> torch.Tensor:
+    """x W^T + bias + sum_i scaling_i * dropout(x, dropout_p_i) lora_a_i^T lora_b_i^T: PEFT's lora.Linear forward.
+
+    x [..., in]; weight [out, in] and bias [out] (or None) in x's dtype; lora_a [r, in] and lora_b [out, r], one
+    pair or a sequence of pairs (several active adapters, each its own rank), any float dtype (cast to x's for the
+    GEMMs; their gradients come back in their own dtype, fp32 accumulated); scaling and dropout_p one number or
+    one per adapter (dropout_p in [0, 1), applied as given: pass 0 in eval). Under autocast the GEMMs run in the
+    autocast dtype (x and weight cast as F.linear would). Returns [..., out] in x's dtype. A frozen weight
+    (requires_grad False) gets no dW GEMM. Double backward only without dropout."""
+    dev = x.device.type if isinstance(x, torch.Tensor) else "cpu"
+    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        x, weight = x.to(dt), weight.to(dt) if isinstance(weight, torch.Tensor) else weight
+        bias = bias.to(dt) if isinstance(bias, torch.Tensor) else bias
+    lora_a, lora_b, scaling, dropout_p = _validate(x, weight, bias, lora_a, lora_b, scaling, dropout_p)
+    lead = x.shape[:-1]
+    if not _library.use_kernels("lora_linear", x):
+        return reference.lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p)
+    x2 = x.reshape(math.prod(lead), x.shape[-1])
+    with torch.autocast(dev, enabled=False):
+        out = _library.dispatch(_traced, _LoRALinear, _eager, x2, weight, bias, scaling, dropout_p, len(lora_a),
+                                *lora_a, *lora_b, grad_from=(x2, weight, bias, *lora_a, *lora_b))
+    return out.view(*lead, weight.shape[0])

@@ -1,0 +1,299 @@
+"""tigon.ops.lora_linear against the fp64 reference and PEFT's own lora.Linear (the torch-in-dtype baseline).
+
+Error bound (DESIGN.md): err(op) <= 2 * err(PEFT in dtype) + eps against fp64, forward and every gradient, where
+eps is one unit of the dtype at the tensor's scale. PEFT's layer in dtype rounds at the same places as the op
+(the base output, each adapter product, the sum), so twice its error is the budget for a different rounding order.
+"""
+
+import pytest
+import torch
+
+from tigon import ops
+from tigon.ops import reference
+
+peft = pytest.importorskip("peft")
+
+IN, OUT, R, T = 37, 53, 3, 11
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _peft_layer(weight, bias, adapters, dropout=0.0):
+    """PEFT's lora.Linear around an nn.Linear holding `weight`/`bias`, one adapter per (A, B, alpha)."""
+    from peft.tuners.lora.layer import Linear
+
+    base = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+    with torch.no_grad():
+        base.weight.copy_(weight)
+        if bias is not None:
+            base.bias.copy_(bias)
+    layer = None
+    for i, (a, b, alpha) in enumerate(adapters):
+        cfg = peft.LoraConfig(r=a.shape[0], lora_alpha=alpha, lora_dropout=dropout)
+        name = f"a{i}"
+        if layer is None:
+            layer = Linear(base, name, config=cfg, r=a.shape[0], lora_alpha=alpha)
+        else:
+            layer.update_layer(name, a.shape[0], alpha, config=cfg)
+        layer.lora_A[name].weight = torch.nn.Parameter(a.detach().clone())
+        layer.lora_B[name].weight = torch.nn.Parameter(b.detach().clone())
+    layer.set_adapter([f"a{i}" for i in range(len(adapters))])
+    return layer
+
+
+def _inputs(dtype, layout, *, bias=True, adapter_dtype=None, ranks=(R,), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    adapter_dtype = adapter_dtype or dtype
+    if layout == "3d":
+        x = torch.randn(2, 5, IN, generator=g)
+    elif layout == "transposed":
+        x = torch.randn(IN, T, generator=g).t()  # a [T, in] view with stride (1, T)
+    elif layout == "strided":
+        x = torch.randn(T, 2 * IN, generator=g)[:, ::2]
+    else:
+        x = torch.randn(T, IN, generator=g)
+    w = torch.randn(OUT, IN, generator=g) / IN**0.5
+    b = torch.randn(OUT, generator=g) if bias else None
+    adapters = [(torch.randn(r, IN, generator=g) / IN**0.5, torch.randn(OUT, r, generator=g) / r**0.5, 2.0 * r)
+                for r in ranks]
+    return (x.to(dtype), w.to(dtype), None if b is None else b.to(dtype),
+            [(a.to(adapter_dtype), bb.to(adapter_dtype), alpha) for a, bb, alpha in adapters])
+
+
+def _leaf(t, grad=True):
+    return None if t is None else t.detach().clone().requires_grad_(grad)
+
+
+def _run(fn, x, w, b, adapters, g, train_w):
+    """fn's output and the gradients of x, weight (if trainable), bias and every A, B for upstream grad g."""
+    xs, ws, bs = _leaf(x), _leaf(w, train_w), _leaf(b)
+    ab = [(_leaf(a), _leaf(bb), alpha) for a, bb, alpha in adapters]
+    y = fn(xs, ws, bs, ab)
+    y.backward(g.to(y.dtype))
+    grads = [xs.grad] + ([ws.grad] if train_w else []) + ([bs.grad] if b is not None else [])
+    grads += [t.grad for a, bb, _ in ab for t in (a, bb)]
+    return [y] + grads
+
+
+def _ours(x, w, b, ab):
+    return ops.lora_linear(x, w, b, [a for a, _, _ in ab], [bb for _, bb, _ in ab],
+                           [alpha / a.shape[0] for a, _, alpha in ab])
+
+
+def _reference64(x, w, b, ab):
+    return reference.lora_linear(x.double(), w.double(), None if b is None else b.double(),
+                                 [a.double() for a, _, _ in ab], [bb.double() for _, bb, _ in ab],
+                                 [alpha / a.shape[0] for a, _, alpha in ab])
+
+
+def _peft_run(x, w, b, adapters, g, train_w):
+    """PEFT's layer on leaf copies: its output and the same gradients as _run (read off its own parameters)."""
+    layer = _peft_layer(w, b, adapters)
+    layer.base_layer.weight.requires_grad_(train_w)
+    xs = _leaf(x)
+    y = layer(xs)
+    y.backward(g.to(y.dtype))
+    grads = [xs.grad] + ([layer.base_layer.weight.grad] if train_w else [])
+    grads += [layer.base_layer.bias.grad] if b is not None else []
+    grads += [t.grad for i in range(len(adapters)) for t in (layer.lora_A[f"a{i}"].weight, layer.lora_B[f"a{i}"].weight)]
+    return [y] + grads
+
+
+def _check(ours, peft_, ref, dtype):
+    names = ["out", "dx", "dW/db/dA/dB..."]
+    for i, (o, p, r) in enumerate(zip(ours, peft_, ref)):
+        r = r.double()
+        assert o.shape == r.shape and o.dtype == p.dtype, (i, o.shape, o.dtype, p.dtype)
+        eps = torch.finfo(dtype).eps * r.abs().max().item()
+        err, budget = (o.double() - r).abs().max().item(), (p.double() - r).abs().max().item()
+        assert err <= 2 * budget + eps, f"{names[min(i, 2)]} #{i}: err {err:.3g} > 2 * {budget:.3g} + {eps:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout,bias,train_w", [("2d", True, False), ("3d", False, False), ("transposed", True, True),
+                                                 ("strided", False, True)])
+def test_matches_reference_and_peft(dtype, layout, bias, train_w):
+    x, w, b, adapters = _inputs(dtype, layout, bias=bias)
+    g = torch.randn(*x.shape[:-1], OUT, generator=torch.Generator().manual_seed(5))
+    ours = _run(_ours, x, w, b, adapters, g, train_w)
+    ref = _run(_reference64, x, w, b, adapters, g.double(), train_w)
+    _check(ours, _peft_run(x, w, b, adapters, g, train_w), ref, dtype)
+    assert ops.dispatch_counts[("lora_linear", "triton")] + ops.dispatch_counts[("lora_linear", "reference")] > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_adapters_of_different_rank(dtype):
+    x, w, b, adapters = _inputs(dtype, "2d", ranks=(3, 5))
+    g = torch.randn(T, OUT, generator=torch.Generator().manual_seed(6))
+    ours = _run(_ours, x, w, b, adapters, g, False)
+    ref = _run(_reference64, x, w, b, adapters, g.double(), False)
+    _check(ours, _peft_run(x, w, b, adapters, g, False), ref, dtype)
+
+
+def test_fp32_adapters_on_bf16_base_match_peft():
+    """PEFT's default for a bf16 model (get_peft_model's autocast_adapter_dtype): fp32 adapters. PEFT then runs the
+    adapter in fp32 (an fp32 copy of x); the op runs it in bf16 with fp32 accumulation and returns fp32 gradients.
+    Bound from bf16 rounding: gb = g B and xa = x A are rounded once each (2^-8 relative), so dA and dB differ from
+    PEFT's by a few 2^-8 of their scale; the output and dx by a few bf16 units of theirs."""
+    x, w, b, adapters = _inputs(torch.bfloat16, "3d", adapter_dtype=torch.float32)
+    g = torch.randn(2, 5, OUT, generator=torch.Generator().manual_seed(7))
+    ours = _run(_ours, x, w, b, adapters, g, False)
+    theirs = _peft_run(x, w, b, adapters, g, False)
+    for o, p in zip(ours, theirs):
+        assert o.dtype == p.dtype and o.shape == p.shape
+        scale = p.float().abs().max().item()
+        assert (o.float() - p.float()).abs().max().item() <= 4 * 2**-8 * scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropout_replays_the_reference_with_the_same_mask(dtype):
+    """Adapter i's input is torch.native_dropout(x, p_i), drawn in adapter order: reseeding and drawing the same
+    masks lets the fp64 reference replay them; forward and every gradient must then agree."""
+    x, w, b, adapters = _inputs(dtype, "2d", ranks=(3, 4))
+    ps = [0.25, 0.0]
+    scal = [alpha / a.shape[0] for a, _, alpha in adapters]
+    g = torch.randn(T, OUT, generator=torch.Generator().manual_seed(8))
+    torch.manual_seed(123)
+    ours = _run(lambda x, w, b, ab: ops.lora_linear(x, w, b, [a for a, _, _ in ab], [bb for _, bb, _ in ab], scal, ps),
+                x, w, b, adapters, g, False)
+    torch.manual_seed(123)
+    mask = torch.native_dropout(x, ps[0], True)[1]
+    assert 0 < mask.sum() < mask.numel()
+
+    def replay(x, w, b, ab, dt=torch.float64):
+        return reference.lora_linear(x.to(dt), w.to(dt), b.to(dt), [a.to(dt) for a, _, _ in ab],
+                                     [bb.to(dt) for _, bb, _ in ab], scal, ps, [mask, None])
+
+    ref = _run(replay, x, w, b, adapters, g.double(), False)
+    in_dtype = _run(lambda *a: replay(*a, dt=dtype), x, w, b, adapters, g, False)  # the same math in dtype
+    _check(ours, in_dtype, ref, dtype)
+
+
+def test_frozen_weight_gets_no_gradient_and_zero_tokens():
+    x, w, b, adapters = _inputs(torch.float32, "2d")
+    a, bb, _ = adapters[0]
+    a, bb = a.requires_grad_(), bb.requires_grad_()
+    x0 = torch.zeros(0, IN, requires_grad=True)
+    y = ops.lora_linear(x0, w, None, a, bb, 1.0)
+    y.sum().backward()
+    assert y.shape == (0, OUT) and w.grad is None and torch.equal(a.grad, torch.zeros_like(a))
+
+
+def test_double_backward_without_dropout():
+    x, w, b, adapters = _inputs(torch.float32, "2d")
+    a, bb, alpha = adapters[0]
+    leaves = [t.clone().requires_grad_() for t in (x, a, bb)]
+
+    def gradnorm(fn):
+        y = fn(*leaves)
+        ga, = torch.autograd.grad((y * y).sum(), leaves[1], create_graph=True)
+        return torch.autograd.grad(ga.square().sum(), leaves)
+
+    ours = gradnorm(lambda x, a, bb: ops.lora_linear(x, w, b, a, bb, 2.0))
+    ref = gradnorm(lambda x, a, bb: reference.lora_linear(x, w, b, [a], [bb], [2.0]))
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5)
+
+
+def test_double_backward_with_dropout_is_refused():
+    x, w, b, adapters = _inputs(torch.float32, "2d")
+    a, bb, _ = adapters[0]
+    a = a.clone().requires_grad_()
+    y = ops.lora_linear(x, w, b, a, bb, 2.0, 0.5)
+    with pytest.raises(NotImplementedError, match="lora_linear"):
+        torch.autograd.grad(y.sum(), a, create_graph=True)
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("weight_shape", ValueError, r"weight must be 2-D \[out, 37\]"),
+    ("weight_dtype", TypeError, "weight has dtype"),
+    ("a_shape", ValueError, r"lora_a must be 2-D \[r, 37\]"),
+    ("b_shape", ValueError, r"lora_b must be \[53, 3\]"),
+    ("count", ValueError, "lora_a has 2 adapters but lora_b has 1"),
+    ("scaling", ValueError, "scaling has 1 entries for 2 adapters"),
+    ("dropout", ValueError, r"dropout_p must be in \[0, 1\)"),
+    ("x_int", TypeError, "x must be float32"),
+])
+def test_bad_input(case, exc, match):
+    x, w, b, adapters = _inputs(torch.float32, "2d")
+    a, bb, _ = adapters[0]
+    args = dict(x=x, weight=w, bias=b, lora_a=a, lora_b=bb, scaling=2.0, dropout_p=0.0)
+    if case == "weight_shape":
+        args["weight"] = w[:, :5]
+    elif case == "weight_dtype":
+        args["weight"] = w.bfloat16()
+    elif case == "a_shape":
+        args["lora_a"] = a[:, :5]
+    elif case == "b_shape":
+        args["lora_b"] = bb[:5]
+    elif case == "count":
+        args["lora_a"] = [a, a]
+    elif case == "scaling":
+        args.update(lora_a=[a, a], lora_b=[bb, bb], scaling=[2.0])
+    elif case == "dropout":
+        args["dropout_p"] = 1.0
+    elif case == "x_int":
+        args["x"] = x.long()
+    with pytest.raises(exc, match=f"tigon.ops.lora_linear: {match}"):
+        ops.lora_linear(**args)
+
+
+def test_opcheck_custom_ops():
+    x, w, b, adapters = _inputs(torch.float32, "2d", ranks=(3, 2))
+    As = [a.clone().requires_grad_() for a, _, _ in adapters]
+    Bs = [bb.clone().requires_grad_() for _, bb, _ in adapters]
+    torch.library.opcheck(torch.ops.tigon.lora_linear_fwd, (x.requires_grad_(), w, b, As, Bs, [2.0, 0.5], [0.0, 0.0]))
+    out, xas, dropped, masks = torch.ops.tigon.lora_linear_fwd(x.detach(), w, b, As, Bs, [2.0, 0.5], [0.0, 0.0])
+    g = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.tigon.lora_linear_bwd,
+                          (g, x.detach(), w, [a.detach() for a in As], [bb.detach() for bb in Bs], xas, dropped, masks,
+                           [2.0, 0.5], [0.0, 0.0], True, False, True, [True, True]))
+
+
+def test_compile_fullgraph_is_one_node():
+    """torch.compile(fullgraph=True) of the op: no graph break, the same output and gradients as eager."""
+    x, w, b, adapters = _inputs(torch.float32, "3d")
+    a, bb, _ = adapters[0]
+
+    def f(x, a, bb):
+        return ops.lora_linear(x, w, b, a, bb, 2.0)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    leaves = [t.clone().requires_grad_() for t in (x, a, bb)]
+    y = compiled(*leaves)
+    y.square().sum().backward()
+    eager = [t.clone().requires_grad_() for t in (x, a, bb)]
+    ye = f(*eager)
+    ye.square().sum().backward()
+    torch.testing.assert_close(y, ye)
+    for c, e in zip(leaves, eager):
+        torch.testing.assert_close(c.grad, e.grad)
+    explanation = torch._dynamo.explain(f)(*leaves)
+    assert explanation.graph_break_count == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_gpu_bf16_inductor_and_bitwise_repeatable(dropout):
+    dev = torch.device("cuda")
+    x, w, b, adapters = _inputs(torch.bfloat16, "3d", adapter_dtype=torch.float32)
+    x, w, b = x.to(dev), w.to(dev), b.to(dev)
+    a, bb, _ = (t.to(dev) if isinstance(t, torch.Tensor) else t for t in adapters[0])
+
+    def step(fn):
+        torch.manual_seed(0)
+        leaves = [t.clone().requires_grad_() for t in (x, a, bb)]
+        y = fn(leaves[0], leaves[1], leaves[2])
+        y.float().square().sum().backward()
+        return [y] + [t.grad for t in leaves]
+
+    def f(x, a, bb):
+        return ops.lora_linear(x, w, b, a, bb, 2.0, dropout)
+
+    first, second = step(f), step(f)
+    for p, q in zip(first, second):
+        assert torch.equal(p, q)
+    assert first[2].dtype == torch.float32
+    if dropout == 0.0:
+        compiled = step(torch.compile(f, fullgraph=True))
+        for p, q in zip(first, compiled):
+            torch.testing.assert_close(p.float(), q.float(), rtol=2e-2, atol=2e-2 * p.float().abs().max().item())
