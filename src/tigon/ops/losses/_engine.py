@@ -38,11 +38,13 @@ class FusedLinearLossConfig:
     """Chunking of the fused-linear losses. chunk_rows 0: rows such that a chunk of logits is about
     chunk_bytes (128 MiB is 512 rows of V = 128256 in bf16: the dW GEMM's K = 512 keeps its dW traffic
     under its math time on an H200, as for linear_cross_entropy); block_v: vocabulary tile of the row kernels
-    (0: 4096 on CUDA, the whole padded row under the interpreter)."""
+    (0: 4096 on CUDA, the whole padded row under the interpreter); num_warps: warps of each row program
+    (0: 4)."""
 
     chunk_rows: int = 0
     chunk_bytes: int = 128 << 20
     block_v: int = 0
+    num_warps: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -50,11 +52,17 @@ class FusedLinearLossConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if f.name == "chunk_bytes" else 0):
                 raise ValueError(f"FusedLinearLossConfig: {f.name} must be an int >= "
                                  f"{1 if f.name == 'chunk_bytes' else 0}, got {v!r}")
-        if self.block_v and self.block_v & (self.block_v - 1):
-            raise ValueError(f"FusedLinearLossConfig: block_v must be a power of two, got {self.block_v}")
+        for name in ("block_v", "num_warps"):
+            v = getattr(self, name)
+            if v and v & (v - 1):
+                raise ValueError(f"FusedLinearLossConfig: {name} must be a power of two, got {v}")
 
     def ints(self) -> list[int]:
-        return [self.chunk_rows, self.chunk_bytes, self.block_v]
+        return [self.chunk_rows, self.chunk_bytes, self.block_v, self.num_warps]
+
+    @property
+    def warps(self) -> int:
+        return self.num_warps or 4
 
 
 DEFAULT = FusedLinearLossConfig()
@@ -272,7 +280,7 @@ def logp_stats(hidden, weight, bias, target, target2=None, *, scale=1.0, cfg=DEF
             _stats_kernel[(e - s,)](
                 logits, target[s:e], target[s:e] if target2 is None else target2[s:e],
                 *(out[k][s:e] for k in names), logits.stride(0), V, float(scale),
-                HAS_T2=target2 is not None, BLOCK_V=block,
+                HAS_T2=target2 is not None, BLOCK_V=block, num_warps=cfg.warps,
             )
     return out
 
@@ -313,7 +321,8 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
                 chunk = {k: v[s:end] for k, v in st.items()}
                 if kernels:
                     _stats_kernel[(end - s,)](logits, target[s:end], target[s:end], *(chunk[k] for k in names),
-                                              logits.stride(0), V, float(scale), HAS_T2=False, BLOCK_V=block)
+                                              logits.stride(0), V, float(scale), HAS_T2=False, BLOCK_V=block,
+                                              num_warps=cfg.warps)
                 else:
                     _stats_rows_torch(logits, target[s:end], None, tuple(chunk[k] for k in names), V, float(scale))
                 a_c, e_c = coef_fn(s, end, chunk)
@@ -327,7 +336,7 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
                 _grad_kernel[(end - s,)](
                     logits, target[s:end], target[s:end] if target2 is None else target2[s:end], lse_c, ent_c, a_c,
                     a_c if a2_c is None else a2_c, a_c if e_c is None else e_c, logits.stride(0), V, float(scale),
-                    HAS_T2=a2_c is not None, HAS_E=e_c is not None, BLOCK_V=block,
+                    HAS_T2=a2_c is not None, HAS_E=e_c is not None, BLOCK_V=block, num_warps=cfg.warps,
                 )
             else:
                 t2_c = (target if target2 is None else target2)[s:end]

@@ -175,7 +175,7 @@ def fused_linear_jsd_op(
             if kernels:
                 _jsd_kernel[(e - s,)](zs, zt, labels[s:e], soft_rows[s:e], hard_rows[s:e], n, zs.stride(0),
                                       zt.stride(0), V, ignore_index, 1.0 / temperature, beta, w_hard, w_soft,
-                                      MODE=mode, BLOCK_V=block)
+                                      MODE=mode, BLOCK_V=block, num_warps=cfg.warps)
             else:
                 _jsd_rows_torch(zs, zt, labels[s:e], soft_rows[s:e], hard_rows[s:e], n[0], V, ignore_index,
                                 1.0 / temperature, beta, w_hard, w_soft, mode)

@@ -135,7 +135,6 @@ def _grpo_one_pass(hidden, weight, bias, t, m, adv, ref, old, floats, loss_type,
     B, T = m.shape
     omega = _token_weights(m, loss_type, max_len, num_items).reshape(-1)
     adv_t = adv.repeat_interleave(T)
-    m_f = m.reshape(-1)
     ref_f = None if ref is None else ref.reshape(-1)
     old_f = None if old is None else old.float().reshape(-1)
     lp_all = torch.empty(B * T, dtype=torch.float32, device=hidden.device)
