@@ -337,6 +337,182 @@ def test_a_flex_compile_failure_runs_hfs_pick_with_a_warning(monkeypatch):
         torch.testing.assert_close(out, ref, rtol=ULPS * 2**-24, atol=ULPS * 2**-24)
 
 
+
+def test_the_ranking_lists_measured_backends_then_hfs_pick(monkeypatch):
+    monkeypatch.setattr(attention_table, "MEASURED", {("G", "packed"): ("varlen", "flex"), ("G", "sliding"): "flex",
+                                                      ("G", "causal"): "sdpa", ("G", "bad"): "fast"})
+    assert attention_table.ranking("G", "packed") == ("varlen", "flex", "sdpa")
+    assert attention_table.ranking("G", "sliding") == ("flex", "sdpa")
+    assert attention_table.ranking("G", "causal") == ("sdpa",)  # HF's pick once, not twice
+    assert attention_table.ranking("G", "packed+softcap") == ("eager",)
+    assert attention_table.ranking(None, "packed") == ("sdpa",) and attention_table.pick("G", "packed") == "varlen"
+    with pytest.raises(ValueError, match="unknown backend"):
+        attention_table.ranking("G", "bad")
+
+
+def test_the_benchmarks_ranking_is_what_the_table_reads(tmp_path, monkeypatch):
+    """bench_training_attention.fastest -> write_table -> ranking: backends faster than HF's pick on every shape
+    both ran, by the geometric mean of the speedups; a backend slower on one shape, or not a table backend
+    (varlen_maxT), stays out."""
+    import importlib.util
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+    monkeypatch.syspath_prepend(bench_dir)
+    sys.modules.pop("bench_training_attention", None)
+    import bench_training_attention as bench
+
+    def row(kind, case, provider, us, backend=None):
+        return dict(op=kind, case=case, provider=provider, fb_us=us, backend_of={provider: backend or provider})
+
+    rows = [row("packed", "a", "sdpa", 100.0), row("packed", "a", "flex", 10.0), row("packed", "a", "varlen", 5.0),
+            row("packed", "b", "sdpa", 100.0), row("packed", "b", "flex", 20.0), row("packed", "b", "varlen", 4.0),
+            row("packed", "a", "varlen_maxT", 1.0, "varlen (max_length = T)"),
+            row("causal", "a", "sdpa", 10.0), row("causal", "a", "cudnn", 5.0, "sdpa"),
+            row("causal", "a", "varlen", 9.0), row("causal", "b", "sdpa", 10.0), row("causal", "b", "varlen", 11.0),
+            row("sliding", "a", "sdpa", 10.0), row("sliding", "a", "flex", 9.0)]
+    best = bench.fastest(SimpleNamespace(rows=rows))
+    assert best == {"packed": ("varlen", "flex"), "sliding": "flex"}
+    path = tmp_path / "attention_table.py"
+    path.write_text(open(bench.TABLE).read())
+    bench.write_table("Test GPU", best, str(path))
+    spec = importlib.util.spec_from_file_location("table_copy", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    assert table.ranking("Test GPU", "packed") == ("varlen", "flex", "sdpa")
+    assert table.ranking("Test GPU", "causal") == ("sdpa",)
+
+
+def _flash_semantics_mask(t, window_size):
+    """What flash / varlen_attn attend for window_size (left, right), -1 unbounded: i - left <= j <= i + right."""
+    left, right = window_size
+    i = torch.arange(t)[:, None]
+    j = torch.arange(t)[None, :]
+    return ((j >= i - left) | (left < 0)) & ((j <= i + right) | (right < 0))
+
+
+@pytest.mark.parametrize("window", [None, 1, 4, 23])
+def test_varlen_window_size_is_hfs_sliding_window(window, monkeypatch):
+    """The window_size (or is_causal) handed to varlen_attn attends exactly HF's own mask: sliding_window_overlay is
+    kv_idx > q_idx - window, so left = window - 1 (a window of 1 is the diagonal)."""
+    from transformers import masking_utils as mu
+
+    monkeypatch.setattr(ta, "varlen_device", lambda device: True)
+    t = 24
+    fn = mu.sliding_window_causal_mask_function(window) if window else mu.causal_mask_function
+    q, k, _ = _qkv(t=t, dtype=torch.bfloat16)
+    plan = ta.varlen_plan(q, k, scaling=0.25, window=window, params=frozenset({"window_size", "scale", "enable_gqa"}))
+    assert plan.kwargs == {"window_size": (window - 1 if window else -1, 0), "scale": 0.25, "enable_gqa": True}
+    assert torch.equal(_flash_semantics_mask(t, plan.kwargs["window_size"]), _hf_mask(fn, t)[0, 0])
+
+
+def _fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                      enable_gqa=False, is_causal=None):
+    """varlen_attn's contract on a CPU, for the glue around it: [T, H, D] tokens, each sequence of cu on its own,
+    flash's window semantics, max_q at least every length, GQA only when enabled."""
+    assert query.dim() == 3 and query.stride(-1) == 1 and cu_seq_q.dtype == torch.int32
+    assert torch.equal(cu_seq_q, cu_seq_k) and isinstance(max_q, int) and max_q == max_k
+    if query.shape[1] != key.shape[1]:
+        assert enable_gqa, "varlen_attn raises for GQA without enable_gqa"
+    if is_causal is not None:  # torch 2.10's signature
+        window_size = (-1, 0) if is_causal else (-1, -1)
+    out = torch.full_like(query, float("nan"))
+    bounds = cu_seq_q.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        assert b - a <= max_q
+        qs, ks, vs = (x[a:b].transpose(0, 1)[None].float() for x in (query, key, value))
+        mask = _flash_semantics_mask(b - a, window_size)[None, None]
+        d = query.shape[-1]
+        got = ta.attention_reference(qs, ks, vs, scaling=scale or d ** -0.5, mask=mask)
+        out[a:b] = got[0].to(query.dtype)
+    return out
+
+
+def _fake_varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    return _fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=is_causal)
+
+
+VARLEN_CASES = {  # name: (lengths or None, window, signature)
+    "packed": ([5, 9, 1, 3, 6], None, _fake_varlen_attn),
+    "packed+sliding": ([5, 9, 1, 3, 6], 4, _fake_varlen_attn),
+    "sliding, 2 rows": (None, 4, _fake_varlen_attn),
+    "packed, torch 2.10": ([5, 9, 1, 3, 6], None, _fake_varlen_2_10),
+}
+
+
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+def test_varlen_glue_matches_the_reference(case, monkeypatch):
+    """training_attention_forward on a GPU whose table names varlen, with varlen_attn's contract in place of its
+    CUDA kernel: the [B, H, T, D] -> [B * T, H, D] flattening, cu_seq_lens, the window and GQA (native, or K/V
+    repeated for torch 2.10's signature), against the bf16 reference."""
+    import inspect
+
+    import torch.nn.attention.varlen as varlen_module
+
+    lengths, window, fake = VARLEN_CASES[case]
+    monkeypatch.setattr(attention_table, "MEASURED", {("Test GPU", k): "varlen" for k in ("packed", "sliding",
+                                                                                           "packed+sliding")})
+    monkeypatch.setattr(ta, "gpu_name", lambda device: "Test GPU")
+    monkeypatch.setattr(ta, "varlen_device", lambda device: True)
+    monkeypatch.setattr(ta, "varlen_parameters", lambda: frozenset(inspect.signature(fake).parameters))
+    calls = []
+    monkeypatch.setattr(varlen_module, "varlen_attn", lambda *a, **kw: calls.append(kw) or fake(*a, **kw))
+    b = 1 if lengths else 2
+    q, k, v = _qkv(b=b, dtype=torch.bfloat16)
+    docs = _docs(lengths) if lengths else None
+    kw = {}
+    if lengths:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+        kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    mask = ta.TrainingMask(docs, window) if window else None
+    got, _ = ta.training_attention_forward(_Module(), q, k, v, mask, scaling=0.25, **kw)
+    assert len(calls) == 1, "varlen_attn did not run"
+    hf = ta.attention_reference(q, k, v, scaling=0.25, docs=docs, window=window)
+    ref = ta.attention_reference(q.double(), k.double(), v.double(), scaling=0.25, docs=docs, window=window)
+    assert_bound(case, got, hf, ref, torch.bfloat16, ulps=2)
+
+
+def test_varlen_steps_aside_for_what_it_cannot_take(monkeypatch):
+    """Position_ids without the collator's cu_seq_lens, softcap, fp32, a window on torch 2.10, a CPU tensor: the next
+    backend of the ranking (HF's pick here) runs, exactly."""
+    import torch.nn.attention.varlen as varlen_module
+
+    monkeypatch.setattr(attention_table, "MEASURED", {("Test GPU", k): "varlen" for k in (
+        "packed", "sliding", "packed+softcap")})
+    monkeypatch.setattr(ta, "gpu_name", lambda device: "Test GPU")
+    monkeypatch.setattr(ta, "varlen_parameters", lambda: frozenset({"window_size", "scale", "enable_gqa"}))
+    calls = []
+    monkeypatch.setattr(varlen_module, "varlen_attn", lambda *a, **kw: calls.append(kw) or _fake_varlen_attn(*a, **kw))
+    docs = _docs([5, 9, 3, 7])
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    cu = torch.tensor([0, 5, 14, 17, 24], dtype=torch.int32)
+    # a CPU tensor with the real check: HF's pick
+    got, _ = ta.training_attention_forward(_Module(), q, k, v, ta.TrainingMask(docs), scaling=0.25, cu_seq_lens_q=cu,
+                                           max_length_q=9)
+    ref = ta.attention_reference(q.double(), k.double(), v.double(), scaling=0.25, docs=docs)
+    assert_bound("cpu", got, ta.attention_reference(q, k, v, scaling=0.25, docs=docs), ref, torch.bfloat16, ulps=2)
+    monkeypatch.setattr(ta, "varlen_device", lambda device: True)
+    assert isinstance(ta.varlen_plan(q, k, scaling=0.25, docs=docs, cu=cu, max_length=9), ta.VarlenPlan)
+    reasons = {
+        "position_ids only": ta.varlen_plan(q, k, scaling=0.25, docs=docs),
+        "max_length a tensor": ta.varlen_plan(q, k, scaling=0.25, docs=docs, cu=cu, max_length=torch.tensor(9)),
+        "softcap": ta.varlen_plan(q, k, scaling=0.25, softcap=50.0),
+        "fp32": ta.varlen_plan(q.float(), k.float(), scaling=0.25),
+        "head 12": ta.varlen_plan(q[..., :12], k[..., :12], scaling=0.25),
+        "window on 2.10": ta.varlen_plan(q, k, scaling=0.25, window=4, params=frozenset({"is_causal"})),
+        "scale on 2.10": ta.varlen_plan(q, k, scaling=0.3, params=frozenset({"is_causal"})),
+        "no varlen_attn": ta.varlen_plan(q, k, scaling=0.25, params=frozenset()),
+    }
+    assert all(isinstance(r, str) and r for r in reasons.values()), reasons
+    with torch.no_grad():
+        for mask, kw in ((ta.TrainingMask(docs), {}), (ta.TrainingMask(docs), {"softcap": 2.0})):
+            got, _ = ta.training_attention_forward(_Module(), q, k, v, mask, scaling=0.25, **kw)
+            want = ta.attention_reference(q, k, v, scaling=0.25, docs=docs, softcap=kw.get("softcap"))
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
+    assert not calls
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs a CUDA GPU")
 
 
@@ -371,3 +547,109 @@ def test_compiled_flex_forward_and_gradients_on_the_gpu(spec, dtype):
     tdt = [td, *torch.autograd.grad(td, (qd, kd, vd), go)]
     for name, a, b, rr in zip(("out", "dq", "dk", "dv"), got, tdt, ref):
         assert_bound(f"{spec} {name}", a, b, rr, dtype, ulps=ULPS)
+
+
+VARLEN_GPU = pytest.mark.skipif(not torch.cuda.is_available() or not ta.varlen_parameters(),
+                                reason="varlen_attn needs a CUDA GPU and a torch that has it")
+ODD_LENGTHS = [1, 77, 130, 3, 255, 61]  # 527 tokens: a one-token example, lengths across 128-blocks
+
+
+def _varlen_on_the_test_gpu(monkeypatch):
+    """The table names varlen for every non-softcap kind on this GPU; returns the list its calls land in."""
+    gpu = torch.cuda.get_device_name()
+    kinds = ("causal", "packed", "sliding", "packed+sliding")
+    monkeypatch.setattr(attention_table, "MEASURED", {(gpu, k): "varlen" for k in kinds})
+    calls = []
+    real = ta.varlen_attention_forward
+    monkeypatch.setattr(ta, "varlen_attention_forward", lambda *a: calls.append(a[3]) or real(*a))
+    return calls
+
+
+@VARLEN_GPU
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 40])
+def test_varlen_on_the_gpu_equals_the_examples_one_by_one(head_dim, window, monkeypatch):
+    """A packed bf16 row (GQA 8/2, the collator's cu_seq_lens) through varlen_attn, forward and every gradient,
+    against the examples run one by one through SDPA in bf16 (the baseline's error) and the fp64 spec."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    calls = _varlen_on_the_test_gpu(monkeypatch)
+    t, scaling = sum(ODD_LENGTHS), head_dim ** -0.5
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, t, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (8, 2, 2))
+    go = torch.randn(1, t, 8, head_dim, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, *np.cumsum(ODD_LENGTHS)], dtype=torch.int32, device="cuda")
+    docs = _docs(ODD_LENGTHS).cuda()
+    out, _ = ta.training_attention_forward(_Module(), q, k, v, ta.TrainingMask(docs, window), scaling=scaling,
+                                           cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(ODD_LENGTHS),
+                                           max_length_k=max(ODD_LENGTHS))
+    assert len(calls) == 1 and calls[0].max_length == 255
+    got = [out, *torch.autograd.grad(out, (q, k, v), go)]
+    qd, kd, vd = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    outs = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        mask = ta.dense_mask(None, window, b - a, "cuda") if window else None
+        outs.append(F.scaled_dot_product_attention(qd[:, :, a:b], kd[:, :, a:b], vd[:, :, a:b], attn_mask=mask,
+                                                   is_causal=mask is None, scale=scaling, enable_gqa=True))
+    one_by_one = torch.cat(outs, 2).transpose(1, 2)
+    base = [one_by_one, *torch.autograd.grad(one_by_one, (qd, kd, vd), go)]
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    r = ta.attention_reference(q64, k64, v64, scaling=scaling, docs=docs, window=window)
+    ref = [r, *torch.autograd.grad(r, (q64, k64, v64), go.double())]
+    for name, a, b, rr in zip(("out", "dq", "dk", "dv"), got, base, ref):
+        assert_bound(f"varlen head {head_dim} window {window} {name}", a, b, rr, torch.bfloat16, ulps=8)
+
+
+@VARLEN_GPU
+def test_varlen_on_the_gpu_for_sliding_rows_without_documents(monkeypatch):
+    """Two unpacked rows with a window: cu from the shapes (no collator kwargs), against SDPA's dense mask."""
+    import torch.nn.functional as F
+
+    calls = _varlen_on_the_test_gpu(monkeypatch)
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, h, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
+    go = torch.randn(2, 300, 8, 64, device="cuda", dtype=torch.bfloat16)
+    out, _ = ta.training_attention_forward(_Module(), q, k, v, ta.TrainingMask(None, 40), scaling=0.125)
+    assert len(calls) == 1 and calls[0].cu.tolist() == [0, 300, 600]
+    got = [out, *torch.autograd.grad(out, (q, k, v), go)]
+    qd, kd, vd = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    sd = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ta.dense_mask(None, 40, 300, "cuda"), scale=0.125,
+                                        enable_gqa=True).transpose(1, 2)
+    base = [sd, *torch.autograd.grad(sd, (qd, kd, vd), go)]
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    r = ta.attention_reference(q64, k64, v64, scaling=0.125, window=40)
+    ref = [r, *torch.autograd.grad(r, (q64, k64, v64), go.double())]
+    for name, a, b, rr in zip(("out", "dq", "dk", "dv"), got, base, ref):
+        assert_bound(f"sliding {name}", a, b, rr, torch.bfloat16, ulps=8)
+
+
+@VARLEN_GPU
+def test_a_packed_bf16_llama_runs_varlen_in_every_layer(monkeypatch):
+    """tigon.patch on a tiny bf16 Llama fed TRL's padding-free batch (position_ids, cu_seq_lens, max_length): every
+    layer runs varlen_attn, and each example's loss is the loss of that example run alone unpatched."""
+    from transformers import DataCollatorWithFlattening
+
+    import tigon
+
+    from ._tiny import tiny_model
+
+    calls = _varlen_on_the_test_gpu(monkeypatch)
+    model = tiny_model("llama").cuda().to(torch.bfloat16).eval()
+    alone = tiny_model("llama").cuda().to(torch.bfloat16).eval()
+    alone32 = tiny_model("llama").cuda().eval()  # the reference: fp32, one example at a time
+    for m in (alone, alone32):
+        m.config._attn_implementation = "sdpa"
+    tigon.patch(model, rms_norm=False, swiglu=False, rope=False, fused_linear_cross_entropy=False, attention=True)
+    g = torch.Generator().manual_seed(0)
+    examples = [torch.randint(0, 131, (n,), generator=g) for n in (5, 17, 3, 9)]
+    batch = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=True)(
+        [{"input_ids": e.tolist()} for e in examples])
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    with torch.no_grad():
+        packed = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0].float()
+        want = torch.cat([alone(input_ids=e[None].cuda()).logits[0] for e in examples]).float()
+        ref = torch.cat([alone32(input_ids=e[None].cuda()).logits[0] for e in examples])
+    assert len(calls) == model.config.num_hidden_layers
+    assert_bound("packed logits", packed, want, ref, torch.bfloat16, ulps=8)

@@ -10,11 +10,12 @@ logits capped as softcap * tanh(s / softcap) (Gemma-2). How it gets here without
   padding mask or a cache offset, returns a `TrainingMask` (the [B, T] document ids and the window) in place of the
   dense boolean tensor; plain causal stays None, as SDPA's is_causal wants. Anything else it does not know returns
   NotImplemented and HF builds its mask as before.
-- `training_attention_forward` (the AttentionInterface function for non-decode calls) picks the backend from
-  `attention_table.pick(gpu, kind)`: FlexAttention (a block mask from the document ids, built once per forward
-  and shared by the layers, score_mod for softcap), flash_attn's varlen kernel when installed, or HF's own pick
-  (SDPA; eager for softcap) with the dense mask built here from the same document ids. Unmeasured GPUs and CPUs
-  run HF's pick, so they compute exactly what HF computes.
+- `training_attention_forward` (the AttentionInterface function for non-decode calls) runs the first backend of
+  `attention_table.ranking(gpu, kind)` that can take the call: PyTorch's varlen_attn (flash kernels per example,
+  no mask; needs the collator's cu_seq_lens / max_length for a packed row), FlexAttention (a block mask from the
+  document ids, built once per forward and shared by the layers, score_mod for softcap), flash_attn's kernels
+  when installed, or HF's own pick (SDPA; eager for softcap) with the dense mask built here from the same
+  document ids. Unmeasured GPUs and CPUs run HF's pick, so they compute exactly what HF computes.
 
 No host sync: the document ids come from HF's packed-sequence detection (a device cumsum) or from `cu_seq_lens`
 by a device searchsorted; nothing here reads a tensor value on the host. (HF's own detection, outside Tigon, does
@@ -23,6 +24,8 @@ one `.all()` per forward in eager mode, skipped under torch.compile.) Dropout > 
 
 import functools
 import importlib.util
+import inspect
+import math
 import sys
 import warnings
 
@@ -304,6 +307,106 @@ def flex_attention_forward(query, key, value, *, scaling, docs=None, window=None
 
 
 @functools.cache
+def varlen_parameters() -> frozenset:
+    """The parameter names of torch.nn.attention.varlen.varlen_attn in this torch (empty: it has none). Read from
+    the signature, never the version: torch 2.10's takes is_causal, later ones window_size, scale, enable_gqa."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_device(device) -> bool:
+    """Whether varlen_attn runs on `device`: CUDA only (its kernels are aten's flash / cuDNN ones)."""
+    return torch.device(device).type == "cuda"
+
+
+def _varlen_runs_cudnn(device) -> bool:
+    """Whether this torch's varlen_attn runs cuDNN on `device` (GQA and windows raise there): its own check."""
+    from torch.nn.attention import varlen
+
+    check = getattr(varlen, "_should_use_cudnn", None)
+    if check is None or device.type != "cuda":
+        return False
+    return bool(check(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+class VarlenPlan:
+    """One varlen_attn call: `cu` int32 [N + 1] sequence starts in the flattened [B * T] tokens, `max_length` (an
+    int: the kernel's grid), `repeat` (K/V heads repeated where the kernel takes no GQA) and the keywords."""
+
+    __slots__ = ("cu", "max_length", "repeat", "kwargs")
+
+    def __init__(self, cu, max_length, repeat, kwargs):
+        self.cu, self.max_length, self.repeat, self.kwargs = cu, max_length, repeat, kwargs
+
+
+def varlen_plan(query, key, *, scaling, docs=None, window=None, softcap=None, dropout=0.0, cu=None,
+                max_length=None, params=None):
+    """The VarlenPlan of a causal layer over query [B, Hq, T, D] / key [B, Hk, T, D], or a str saying why
+    varlen_attn cannot take it. Packed rows (docs given) need the collator's cu_seq_lens_q and max_length_q (an
+    int), one row: from position_ids alone the sequence count and the longest length are device values, and the
+    kernel's grid and scratch are sized by them on the host (a sync; an upper bound such as N = T costs
+    T / 128 x T x H programs and a [T, H, T] fp32 backward scratch). `params`: varlen_parameters() by default."""
+    params = varlen_parameters() if params is None else params
+    b, hq, t, d = query.shape
+    hk = key.shape[1]
+    reason = ("this torch has no torch.nn.attention.varlen.varlen_attn" if not params
+              else "varlen_attn runs on CUDA only" if not varlen_device(query.device)
+              else f"varlen_attn takes fp16 / bf16, not {query.dtype}" if query.dtype not in (torch.float16,
+                                                                                             torch.bfloat16)
+              else f"varlen_attn takes head dims <= 256 that are multiples of 8, not {d}" if d % 8 or d > 256
+              else "varlen_attn has no softcap" if softcap
+              else "varlen_attn has no dropout" if dropout
+              else f"{hq} query heads are not a multiple of {hk} KV heads" if hq % hk
+              else None)
+    if reason:
+        return reason
+    cudnn = _varlen_runs_cudnn(query.device)
+    kwargs = {}
+    if window:
+        if "window_size" not in params or cudnn:
+            return "this torch's varlen_attn takes no sliding window"
+        kwargs["window_size"] = (window - 1, 0)  # flash attends j in [i - left, i]; HF's window is i - j < window
+    elif "window_size" in params:
+        kwargs["window_size"] = (-1, 0)  # causal: varlen_attn reads is_causal as window_size == (-1, 0), a tuple
+    elif "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        return "this torch's varlen_attn takes neither window_size nor is_causal"
+    if "scale" in params:
+        kwargs["scale"] = scaling
+    elif not math.isclose(scaling, d ** -0.5, rel_tol=1e-12):
+        return f"this torch's varlen_attn takes no scale (the layer's is {scaling}, not head_dim ** -0.5)"
+    repeat = 1
+    if hq != hk:
+        if "enable_gqa" in params and not cudnn:
+            kwargs["enable_gqa"] = True
+        else:
+            repeat = hq // hk
+    if docs is None:  # one sequence per row, known from the shapes
+        return VarlenPlan(torch.arange(0, (b + 1) * t, t, device=query.device, dtype=torch.int32), t, repeat, kwargs)
+    if (not isinstance(cu, torch.Tensor) or cu.dim() != 1 or b != 1 or isinstance(max_length, bool)
+            or not isinstance(max_length, (int, torch.SymInt))):
+        return "a packed row needs the collator's cu_seq_lens_q and max_length_q (an int), one row"
+    return VarlenPlan(cu.to(device=query.device, dtype=torch.int32), max_length, repeat, kwargs)
+
+
+def varlen_attention_forward(query, key, value, plan: VarlenPlan):
+    """torch.nn.attention.varlen.varlen_attn over [B, Hq, T, D] / [B, Hk, T, D] (flattened to [B * T, H, D], a
+    view for B = 1), each sequence of plan.cu on its own, causal. Returns [B, T, Hq, D]."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    b, hq, t, d = query.shape
+    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
+    if plan.repeat > 1:
+        k, v = k.repeat_interleave(plan.repeat, 1), v.repeat_interleave(plan.repeat, 1)
+    out = varlen_attn(q, k, v, plan.cu, plan.cu, plan.max_length, plan.max_length, **plan.kwargs)
+    return out.view(b, t, hq, d)
+
+
+@functools.cache
 def _has_flash_attn() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
@@ -386,35 +489,48 @@ def training_attention_forward(module, query, key, value, attention_mask, dropou
     if scaling is None:
         scaling = common["scaling"] = query.shape[-1] ** -0.5
     kind = mask_kind(docs, window, softcap)
-    backend = choose_backend(query.device, kind)
     max_length = kwargs.get("max_length_q")
-    if not _eligible(backend, query, key, dropout, docs, cu, max_length):
-        backend = attention_table.hf_pick(kind)
-    if backend == "flex" and _flex_key(query, key, kind) in _FLEX_FAILED:
-        backend = attention_table.hf_pick(kind)
-    if backend == "flex":
-        try:
-            return flex_attention_forward(query, key, value, scaling=scaling, docs=docs, window=window,
-                                          softcap=softcap, mask=cache), None
-        except FlexRecompileLimitHit as e:  # exact either way; HF's pick costs a [T, T] boolean mask, not scores
-            warnings.warn(f"{e}; this call runs Hugging Face's pick ({attention_table.hf_pick(kind)}) instead",
-                          RuntimeWarning, stacklevel=2)
-            backend = attention_table.hf_pick(kind)
-        except torch._dynamo.exc.BackendCompilerFailed as e:  # InductorError too: no kernel for this shape
-            _FLEX_FAILED.add(_flex_key(query, key, kind))
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            warnings.warn(f"tigon training attention: compiled FlexAttention failed to compile for {kind}, head "
-                          f"{query.shape[-1]}, {query.dtype} ({type(e).__name__}: {first}); these calls run "
-                          f"Hugging Face's pick ({attention_table.hf_pick(kind)}) instead", RuntimeWarning,
-                          stacklevel=2)
-            backend = attention_table.hf_pick(kind)
-    if backend == "flash_attn":
-        return _flash_attn_forward(query, key, value, scaling=scaling, window=window, softcap=softcap,
-                                   cu=cu if docs is not None else None, max_length=max_length), None
-    dense = None if docs is None and window is None else dense_mask(docs, window, length, query.device)
-    if backend == "eager" and softcap and dense is None:
-        dense = dense_mask(None, None, length, query.device)  # eager takes no is_causal
-    return hf_attention(module, query, key, value, dense, **common, **kwargs)
+    for backend in attention_table.ranking(gpu_name(query.device), kind):
+        if backend == "varlen":
+            plan = varlen_plan(query, key, scaling=scaling, docs=docs, window=window, softcap=softcap,
+                               dropout=dropout, cu=cu, max_length=max_length)
+            if isinstance(plan, VarlenPlan):
+                return varlen_attention_forward(query, key, value, plan), None
+        elif backend == "flex" and _eligible("flex", query, key, dropout, docs, cu, max_length):
+            out = _flex_or_none(query, key, value, scaling=scaling, docs=docs, window=window, softcap=softcap,
+                                cache=cache, kind=kind)
+            if out is not None:
+                return out, None
+        elif backend == "flash_attn" and _eligible("flash_attn", query, key, dropout, docs, cu, max_length):
+            return _flash_attn_forward(query, key, value, scaling=scaling, window=window, softcap=softcap,
+                                       cu=cu if docs is not None else None, max_length=max_length), None
+        elif backend in ("sdpa", "eager"):
+            dense = None if docs is None and window is None else dense_mask(docs, window, length, query.device)
+            if backend == "eager" and softcap and dense is None:
+                dense = dense_mask(None, None, length, query.device)  # eager takes no is_causal
+            return hf_attention(module, query, key, value, dense, **common, **kwargs)
+    raise AssertionError(f"attention_table.ranking ends with HF's pick, which takes every call ({kind})")
+
+
+def _flex_or_none(query, key, value, *, scaling, docs, window, softcap, cache, kind):
+    """flex_attention_forward, or None (the next backend of the ranking runs) past the recompile limit or where
+    inductor cannot compile this shape (remembered: that shape is not compiled again)."""
+    if _flex_key(query, key, kind) in _FLEX_FAILED:
+        return None
+    try:
+        return flex_attention_forward(query, key, value, scaling=scaling, docs=docs, window=window, softcap=softcap,
+                                      mask=cache)
+    except FlexRecompileLimitHit as e:  # exact either way; HF's pick costs a [T, T] boolean mask, not scores
+        warnings.warn(f"{e}; this call runs the next backend of the table's ranking (last: Hugging Face's pick, "
+                      f"{attention_table.hf_pick(kind)}) instead", RuntimeWarning, stacklevel=3)
+    except torch._dynamo.exc.BackendCompilerFailed as e:  # InductorError too: no kernel for this shape
+        _FLEX_FAILED.add(_flex_key(query, key, kind))
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        warnings.warn(f"tigon training attention: compiled FlexAttention failed to compile for {kind}, head "
+                      f"{query.shape[-1]}, {query.dtype} ({type(e).__name__}: {first}); these calls run the next "
+                      f"backend of the table's ranking (last: Hugging Face's pick, {attention_table.hf_pick(kind)}) "
+                      "instead", RuntimeWarning, stacklevel=3)
+    return None
 
 
 def layer_plan(config, device) -> dict:
