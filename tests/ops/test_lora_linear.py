@@ -94,7 +94,8 @@ def _peft_run(x, w, b, adapters, g, train_w):
     y.backward(g.to(y.dtype))
     grads = [xs.grad] + ([layer.base_layer.weight.grad] if train_w else [])
     grads += [layer.base_layer.bias.grad] if b is not None else []
-    grads += [t.grad for i in range(len(adapters)) for t in (layer.lora_A[f"a{i}"].weight, layer.lora_B[f"a{i}"].weight)]
+    grads += [t.grad for i in range(len(adapters))
+              for t in (layer.lora_A[f"a{i}"].weight, layer.lora_B[f"a{i}"].weight)]
     return [y] + grads
 
 

@@ -23,6 +23,7 @@ import torch
 from .. import _log
 from . import attention as tigon_attention
 from . import causal_lm, registry, training_attention
+from . import lora as tigon_lora
 from .bound import BoundForward
 from .unwrap import unwrap_model
 
@@ -158,6 +159,9 @@ def _class_patch(family, report, spec):
              f"{layer_cls.__name__}.forward (residual add fused into the norm)")
     if spec["rope"] and family.rope:
         swap(modeling, "apply_rotary_pos_emb", tigon_attention.apply_rotary_pos_emb, "function apply_rotary_pos_emb")
+    if spec["lora"]:
+        report.skip("lora", "PEFT LoRA projections run through tigon.ops.lora_linear on an instance patch "
+                            "(tigon.patch(model)); a class-level patch leaves them to PEFT")
     _patch_causal_lm_class(family, modeling, spec, swap, report)
 
 
@@ -297,6 +301,8 @@ def _instance_patch(model, family, report, spec):
                 if not routed:
                     undo.append((m, tigon_attention.ROPE, None))
                 report.add(piece)
+    if spec["lora"]:
+        _lora_patch(hf, undo, report)
     cls = type(hf)
     quantized = _quantized_lm_head(hf)
     if spec["fused_linear_cross_entropy"] and family.causal_lm and cls.__name__.endswith("ForCausalLM") and quantized:
@@ -318,6 +324,16 @@ def _instance_patch(model, family, report, spec):
             undo.append((hf, "_loss_function", None))
             hf.loss_function = causal_lm.causal_lm_loss
         report.add("loss_function (cross_entropy)")
+
+
+def _lora_patch(hf, undo, report):
+    """PEFT LoRA projections of this model through tigon.ops.lora_linear, also those get_peft_model adds later
+    (tigon.hf.lora)."""
+    found, marked = tigon_lora.arm(hf, undo)
+    if found:
+        report.add("lora: projections (PEFT lora.Linear -> tigon.ops.lora_linear)", found)
+    elif marked:
+        report.add("lora: nn.Linear layers ready for PEFT adapters added later", marked)
 
 
 def _model_device(hf):
@@ -377,6 +393,7 @@ def patch(
     cross_entropy=False,
     fused_linear_cross_entropy=True,
     attention="auto",
+    lora=True,
     verbose=False,
 ) -> PatchReport:
     """Swap Tigon's fused pieces into a model instance (that instance only), or, with model_type= (a string
@@ -389,6 +406,8 @@ def patch(
     default) does so only for a model on a GPU whose table (hf/attention_table.py) names a backend faster than
     HF's for one of the model's mask kinds, and whose attention implementation is HF's sdpa or eager; elsewhere the
     model keeps its own, which computes the same. attention=False never switches.
+    lora=True (instance only) runs the model's PEFT LoRA Linear layers through tigon.ops.lora_linear, also those
+    that get_peft_model adds after the patch (tigon.hf.lora); lora=False leaves them to PEFT.
     Raises TypeError for an argument of the wrong kind, ValueError for an unsupported family."""
     if model is None and model_type is None:
         raise ValueError("tigon.patch: pass a model (tigon.patch(model)) or model_type= (a string such as "
@@ -397,7 +416,7 @@ def patch(
         raise ValueError("tigon.patch: pass a model or model_type=, not both (a model is patched as its "
                          "config.model_type says)")
     spec = dict(rms_norm=rms_norm, rope=rope, swiglu=swiglu, layer_norm=layer_norm, cross_entropy=cross_entropy,
-                fused_linear_cross_entropy=fused_linear_cross_entropy)
+                fused_linear_cross_entropy=fused_linear_cross_entropy, lora=lora)
     for name, value in {**spec, "verbose": verbose}.items():
         if not isinstance(value, bool):
             raise TypeError(f"tigon.patch: {name} must be True or False, got {value!r}")
@@ -442,6 +461,7 @@ def unpatch(model=None, *, model_type=None) -> None:
         for owner, name, original in reversed(hf.__dict__.pop("_tigon_undo", [])):
             _restore(owner, name, original)
         tigon_attention.restore_attention(hf)
+        tigon_lora.release(hf)
         return
     if model_type is not None:
         model_type = _model_type_name(model_type, "tigon.unpatch")
@@ -462,6 +482,9 @@ def _ours(value) -> bool:
 def _restore(owner, name, original):
     if name == tigon_attention.ROPE:
         tigon_attention.unroute_rope(owner)
+    elif name == "__class__":  # an lm_head's causal_lm.LossHeadLinear back to nn.Linear
+        if type(owner) is causal_lm.LossHeadLinear:  # not when another library subclassed it since (FSDP2)
+            owner.__class__ = original
     elif original is None and isinstance(owner, type):  # a class attribute that patch() added over an inherited one
         if _ours(owner.__dict__.get(name)):
             delattr(owner, name)

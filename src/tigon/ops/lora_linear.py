@@ -16,7 +16,8 @@ torch.native_dropout(x, p_i) (drawn in adapter order); the dropped x and its boo
 
 import math
 import numbers
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Optional, Union
 
 import torch
 
@@ -274,7 +275,8 @@ def _validate(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                lora_a: Union[torch.Tensor, Sequence[torch.Tensor]], lora_b: Union[torch.Tensor, Sequence[torch.Tensor]],
+                lora_a: Union[torch.Tensor, Sequence[torch.Tensor]],
+                lora_b: Union[torch.Tensor, Sequence[torch.Tensor]],
                 scaling: Union[float, Sequence[float]], dropout_p: Union[float, Sequence[float]] = 0.0) -> torch.Tensor:
     """x W^T + bias + sum_i scaling_i * dropout(x, dropout_p_i) lora_a_i^T lora_b_i^T: PEFT's lora.Linear forward.
 
