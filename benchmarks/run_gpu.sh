@@ -2,7 +2,7 @@
 # The benchmark runner for a GPU machine: runs the steps named on the command line, in that order, each under its
 # own timeout inside one budget, and leaves at most 8 files in $OUT (a device call returns no more).
 #
-#     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-ops e2e e2e-compile lce losses attention sft
+#     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-ops e2e e2e-compile lce losses attention sft lora
 #
 #   tests       the README's test command, natively: python -m pytest tests -q -n 8 (tests.log)
 #   ops         gpu_check.py without its tests: ceilings and every op benchmark (<gpu>_ops.md, <gpu>_ops.json)
@@ -16,6 +16,7 @@
 #   attention   bench_training_attention --write-table: each backend per mask, and hf/attention_table.py's rows
 #               (<gpu>_attention.md)
 #   sft         bench_sft_packed: padded HF / Liger / Tigon vs packed Tigon on a length mix (<gpu>_sft.md)
+#   lora        bench_lora: the 8B PEFT LoRA job (checkpointing, 2 x 4096), liger / tigon-nolora / tigon (<gpu>_lora.md)
 #
 # <gpu> is the GPU's short name ("h200"), as in benchmarks/results/<gpu>.md, whose tables these files refresh.
 # BUDGET_S bounds the whole run (default 570 s). DECODE_VARIANTS overrides the decode step's variants.
@@ -125,6 +126,8 @@ for s in "$@"; do
             for f in "$T"/attention/*.md; do keep "$f" "${GPU}_attention.md"; done ;;
         sft) step sft 300 python3 benchmarks/bench_sft_packed.py --out "$T/sft" >>"$LOG" 2>&1
             for f in "$T"/sft/*.md; do keep "$f" "${GPU}_sft.md"; done ;;
+        lora) step lora 300 python3 benchmarks/bench_lora.py --out "$T/lora" --steps 4 --timeout 95 >>"$LOG" 2>&1
+            keep "$T/lora/lora.md" "${GPU}_lora.md" ;;
         *) log "unknown step: $s"; failed=$((failed + 1)) ;;
     esac
 done
