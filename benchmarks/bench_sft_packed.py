@@ -1,19 +1,30 @@
-"""SFT on a realistic length mix, 1.5B Llama config: padded HF / padded Liger / padded Tigon / packed Tigon.
+"""SFT on a realistic length mix, 1.5B config: padded HF / padded Liger / padded Tigon / packed Tigon.
 
-Examples get log-normal lengths (median 400, sigma 1, clipped to [16, 4096], numpy seed 0, the lengths of
-bench_training_attention). They are grouped in order into steps of about 16k useful tokens each (whole
-examples, a step closes before it would pass 16384). Each variant trains on the same steps:
-  padded_*       one [n, longest] batch with right padding, attention_mask and -100 labels on pads (HF sdpa)
-  packed_tigon   DataCollatorWithFlattening's layout (one row, position_ids restarting, -100 at each start)
-                 on tigon.patch(model, attention=True)
-Useful tokens/s counts the examples' tokens only: pads are waste. Peak memory is max_memory_allocated over the
-timed steps, with the optimizer state included. Each variant runs in its own subprocess. Timing: median of the
-steps after 3 warm-ups, each step GPU-synchronized (fwd + bwd + AdamW fused + zero_grad).
+Examples get log-normal lengths (median 400, sigma 1, clipped to [16, 4096], numpy seed 0: bench_training_attention's
+lengths_lognormal). They are grouped in order into steps of about 16k useful tokens each (whole examples; a step
+closes before it would pass 16384). Every variant trains on the same steps, one optimizer step each:
+  padded_hf, padded_liger, padded_tigon
+                 micro-batches of --micro-batch examples in order (what a Trainer with per_device_train_batch_size
+                 does), each right-padded to its longest, attention_mask and -100 labels on pads; gradients
+                 accumulated over the step's micro-batches. HF's attention: sdpa (llama), eager (gemma2: its softcap)
+  packed_tigon   TRL's padding_free layout: one row of the step's examples, position_ids restarting, -100 at each
+                 example's start, cu_seq_lens_q/k and max_length_q/k; tigon.patch(model) with attention=True
+  packed_tigon_position_ids
+                 the same row with position_ids alone (DataCollatorWithFlattening's default)
+Useful tokens/s counts the examples' tokens only: pads are waste ("computed / useful" says how much). Peak memory
+is max_memory_allocated over the timed steps, optimizer state included. Each variant runs in its own subprocess
+(a crash or OOM is that row's error); Liger-Kernel not installed skips its row with the reason. Timing: the
+steps after --warmup warm-ups, each GPU-synchronized (fwd + bwd + fused AdamW + zero_grad).
 
-    PYTHONPATH=src python benchmarks/bench_sft_packed.py --out DIR [--variants padded_hf,padded_liger,...]
+Configs: llama (1.5B: hidden 2048, 16 layers, GQA 32/8, vocab 128256) and gemma2 (a Gemma-2-style 1.5B: hidden
+2048, 16 layers, 8 heads of 256, 4 KV heads, window 4096 on alternate layers, softcap 50, final softcap 30,
+vocab 256000, tied embeddings).
+
+    PYTHONPATH=src python benchmarks/bench_sft_packed.py --out DIR [--config gemma2] [--steps 8] [--layers 4]
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -23,29 +34,53 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-VARIANTS = ("padded_hf", "padded_liger", "padded_tigon", "packed_tigon")
-LLAMA_1B5 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256)
+VARIANTS = ("padded_hf", "padded_liger", "padded_tigon", "packed_tigon", "packed_tigon_position_ids")
+CONFIGS = {
+    "llama": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "gemma2": dict(model_type="gemma2", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                   sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   query_pre_attn_scalar=256, tie_word_embeddings=True),
+}
+HF_ATTENTION = {"llama": "sdpa", "gemma2": "eager"}  # HF's exact pick: SDPA drops Gemma-2's softcap
 STEP_TOKENS = 16384
+MICRO_BATCH = 8
 
 
-def steps_of(n_steps, seed=0):
-    """[[example length, ...] per step]: whole examples in order, each step <= STEP_TOKENS useful tokens."""
+def steps_of(n_steps, seed=0, step_tokens=STEP_TOKENS):
+    """[[example length, ...] per step]: whole examples in order, each step <= step_tokens useful tokens."""
     from bench_training_attention import lengths_lognormal
 
-    lengths = lengths_lognormal(STEP_TOKENS * (n_steps + 2), seed=seed)
+    lengths = lengths_lognormal(step_tokens * (n_steps + 2), seed=seed)
     steps, cur = [], []
     for n in lengths:
-        if sum(cur) + n > STEP_TOKENS and cur:
+        if sum(cur) + n > step_tokens and cur:
             steps.append(cur)
             cur = []
+            if len(steps) == n_steps:
+                break
         cur.append(n)
-        if len(steps) == n_steps:
-            break
     return steps[:n_steps]
 
 
+def micro_batches(variant, lengths, micro_batch=MICRO_BATCH):
+    """The step's forward calls as lists of example lengths: one packed row, or micro-batches in order."""
+    if variant.startswith("packed"):
+        return [list(lengths)]
+    return [list(lengths[i:i + micro_batch]) for i in range(0, len(lengths), micro_batch)]
+
+
+def token_counts(variant, lengths, micro_batch=MICRO_BATCH):
+    """(useful tokens, tokens computed) of one step: a padded micro-batch computes n x its longest, a packed row
+    its tokens."""
+    if variant.startswith("packed"):
+        return sum(lengths), sum(lengths)
+    return sum(lengths), sum(len(m) * max(m) for m in micro_batches(variant, lengths, micro_batch))
+
+
 def batch_for(variant, lengths, vocab, gen):
+    """The model inputs of one forward call over examples of these lengths (random token ids from `gen`)."""
     import torch
 
     ids = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
@@ -54,7 +89,11 @@ def batch_for(variant, lengths, vocab, gen):
         pos = torch.cat([torch.arange(n) for n in lengths])[None]
         labels = flat.clone()
         labels[pos == 0] = -100
-        return dict(input_ids=flat, position_ids=pos, labels=labels)
+        batch = dict(input_ids=flat, position_ids=pos, labels=labels)
+        if not variant.endswith("position_ids"):  # TRL's padding_free collator adds these
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+            batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+        return batch
     t = max(lengths)
     out = torch.zeros(len(ids), t, dtype=torch.long)
     mask, labels = torch.zeros_like(out), torch.full_like(out, -100)
@@ -63,71 +102,94 @@ def batch_for(variant, lengths, vocab, gen):
     return dict(input_ids=out, attention_mask=mask, labels=labels)
 
 
-def _child(variant, n_steps, warmup):
+def _targets(batch) -> int:
+    """Tokens the loss averages over (HF shifts the labels by one)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def _child(variant, config_name, n_steps, warmup, layers, micro_batch):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA")
+    fields = dict(CONFIGS[config_name])
+    model_type = fields.pop("model_type")
+    if layers:
+        fields["num_hidden_layers"] = layers
     if variant == "padded_liger":
         import liger_kernel.transformers as lk
 
-        lk.apply_liger_kernel_to_llama()
-    config = AutoConfig.for_model("llama", **LLAMA_1B5, max_position_embeddings=8192, tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
+        getattr(lk, f"apply_liger_kernel_to_{model_type}")()
+    config = AutoConfig.for_model(model_type, **fields, max_position_embeddings=8192)
+    config._attn_implementation = HF_ATTENTION[config_name]
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
     report = None
-    if variant.endswith("tigon"):
+    if "tigon" in variant:
         import tigon
 
         report = str(tigon.patch(model, attention=variant.startswith("packed")))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     steps = steps_of(warmup + n_steps)
     gen = torch.Generator().manual_seed(0)
-    batches = [{k: v.cuda() for k, v in batch_for(variant, s, config.vocab_size, gen).items()} for s in steps]
+    batches = [[{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in
+                 batch_for(variant, m, config.vocab_size, gen).items()} for m in micro_batches(variant, s, micro_batch)]
+               for s in steps]
     times, losses = [], []
-    for i, batch in enumerate(batches):
+    for i, step in enumerate(batches):
+        targets = [_targets(b) for b in step]  # host ints, read before the clock starts
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
+        step_loss = 0.0
+        for batch, n in zip(step, targets):
+            loss = model(**batch).loss * (n / sum(targets))
+            loss.backward()
+            step_loss = step_loss + loss.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+        losses.append(float(step_loss))
         if i == warmup - 1:
             torch.cuda.reset_peak_memory_stats()
-    useful = [sum(s) for s in steps[warmup:]]
-    padded = [len(s) * max(s) for s in steps[warmup:]]
+    counts = [token_counts(variant, s, micro_batch) for s in steps[warmup:]]
     t = times[warmup:]
-    out = dict(variant=variant, steps=n_steps, step_ms=1e3 * statistics.median(t),
-               useful_tokens_per_s=sum(useful) / sum(t), computed_tokens_per_step=statistics.mean(
-                   useful if variant.startswith("packed") else padded),
-               useful_tokens_per_step=statistics.mean(useful), peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-               losses=losses, report=report)
+    out = dict(variant=variant, config=config_name, layers=config.num_hidden_layers, steps=n_steps,
+               step_ms=1e3 * statistics.median(t), useful_tokens_per_s=sum(u for u, _ in counts) / sum(t),
+               computed_tokens_per_step=statistics.mean(c for _, c in counts),
+               useful_tokens_per_step=statistics.mean(u for u, _ in counts),
+               peak_gib=torch.cuda.max_memory_allocated() / 2**30, losses=losses, report=report)
     print("RESULT " + json.dumps(out))
 
 
-def run_variant(variant, n_steps, warmup, timeout=400):
-    cmd = [sys.executable, __file__, "--child", variant, "--steps", str(n_steps), "--warmup", str(warmup)]
+def run_variant(variant, args, timeout):
+    """One variant in its own process: its RESULT row, or the reason it did not run."""
+    if variant == "padded_liger" and importlib.util.find_spec("liger_kernel") is None:
+        return dict(variant=variant, skipped="liger_kernel not installed")
+    if timeout < 30:
+        return dict(variant=variant, skipped="time budget")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--config", args.config, "--steps",
+           str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers or 0), "--micro-batch",
+           str(args.micro_batch)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
     except subprocess.TimeoutExpired:
-        return dict(variant=variant, error=f"timeout after {timeout}s")
+        return dict(variant=variant, error=f"timeout after {timeout:.0f}s")
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    return dict(variant=variant, error=" / ".join(p.stderr.strip().splitlines()[-3:]))
+    return dict(variant=variant, error=" / ".join(p.stderr.strip().splitlines()[-3:]) or f"exit {p.returncode}")
 
 
 def table(results):
-    base = next((r for r in results if r["variant"] == "padded_liger" and "error" not in r), None)
+    base = next((r for r in results if r["variant"] == "padded_liger" and "step_ms" in r), None)
     lines = ["| variant | step ms | useful tokens/s | vs padded Liger | tokens computed / useful | peak GiB |",
              "|---|---|---|---|---|---|"]
     for r in results:
-        if "error" in r:
-            lines.append(f"| {r['variant']} | {r['error'][:100]} | | | | |")
+        if "step_ms" not in r:
+            lines.append(f"| {r['variant']} | {(r.get('error') or r.get('skipped'))[:100]} | | | | |")
             continue
         vs = f"{r['useful_tokens_per_s'] / base['useful_tokens_per_s']:.2f}x" if base else "-"
         lines.append(f"| {r['variant']} | {r['step_ms']:.1f} | {r['useful_tokens_per_s']:,.0f} | {vs} | "
@@ -138,21 +200,33 @@ def table(results):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--config", choices=sorted(CONFIGS), default="llama")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the config's 16)")
+    p.add_argument("--micro-batch", type=int, default=MICRO_BATCH, help="examples per padded forward")
+    p.add_argument("--budget", type=float, default=290.0, help="seconds for all variants")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.steps < 1 or a.warmup < 1 or a.micro_batch < 1 or a.layers < 0:
+        p.error("--steps, --warmup and --micro-batch must be >= 1, --layers >= 0")
     if a.child:
-        _child(a.child, a.steps, a.warmup)
+        _child(a.child, a.config, a.steps, a.warmup, a.layers, a.micro_batch)
         return 0
-    results = [run_variant(v, a.steps, a.warmup) for v in a.variants.split(",")]
-    md = ["SFT, 1.5B Llama, ~16k useful tokens a step (log-normal lengths, median 400)", ""] + table(results)
+    unknown = set(a.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    deadline = time.time() + a.budget
+    results = [run_variant(v, a, deadline - time.time()) for v in a.variants.split(",")]
+    layers = a.layers or CONFIGS[a.config]["num_hidden_layers"]
+    md = [f"SFT, 1.5B {a.config} ({layers} layers), ~{STEP_TOKENS} useful tokens a step (log-normal lengths, median "
+          f"400), padded micro-batches of {a.micro_batch}", ""] + table(results)
     print("\n".join(md))
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "sft_packed.md"), "w") as f:
+    with open(os.path.join(a.out, f"sft_packed_{a.config}.md"), "w") as f:
         f.write("\n".join(md) + "\n")
-    with open(os.path.join(a.out, "sft_packed.json"), "w") as f:
+    with open(os.path.join(a.out, f"sft_packed_{a.config}.json"), "w") as f:
         json.dump(results, f, indent=1)
     return 0
 
