@@ -36,8 +36,15 @@ LIGER_0_8_5 = {
     "paligemma": GEMMA[:3] + [("layer_norm", True)] + GEMMA[3:],
     "granite": [("rope", True), ("cross_entropy", True), ("fused_linear_cross_entropy", False), ("rms_norm", True),
                 ("swiglu", True), ("model", None)],
-    "glm4": [("rope", False)] + LLAMA[1:],
-    "qwen3_5": [("rope", False)] + LLAMA[1:],
+    **{f: [("rope", False)] + LLAMA[1:] for f in ("glm4", "qwen3_5", "qwen3_next", "deepseek_v2", "deepseek_v3",
+                                                   "glm4v_moe")},
+    "deepseek_v4": [("rope", False)] + LLAMA[1:4] + [("swiglu", False), ("model", None)],
+    "qwen3_vl_moe": LLAMA,
+    "falcon_h1": LLAMA,
+    "muse_glimmer": LLAMA[:3] + [("layer_norm", True)] + LLAMA[3:],
+    "pixtral": [("rope", True), ("rms_norm", True), ("swiglu", True), ("model", None)],
+    "nemotron": [("relu_squared", True), ("cross_entropy", False), ("fused_linear_cross_entropy", True),
+                 ("model", None), ("kwargs", "**")],
     "gpt_oss": LLAMA[:4] + [("swiglu", False), ("model", None)],
     "qwen3_vl": LLAMA[:4] + [("swiglu", False), ("model", None)],
     "llama4": LLAMA + [("layer_norm", True)],
@@ -70,7 +77,9 @@ def test_signature_is_liger_0_8_5s(family):
 @needs_liger
 def test_every_shared_model_type_has_liger_kernels_own_signature():
     shared = set(LIGER_FNS) & set(liger.MODEL_TYPE_TO_APPLY_LIGER_FN)
-    assert len(shared) >= 35, sorted(shared)
+    assert len(shared) >= 51, sorted(shared)
+    # every type liger-kernel 0.8.5 maps is Tigon's too, but Gemma-4's (docs/models.md says why)
+    assert set(LIGER_FNS) - shared == {"gemma4", "gemma4_text"}
     for model_type in sorted(shared):
         theirs, ours = LIGER_FNS[model_type], liger.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
         assert ours.__name__ == theirs.__name__, model_type
@@ -95,6 +104,8 @@ def test_module_classes_have_liger_kernels_signatures():
 def test_every_tigon_family_has_a_strict_apply_function():
     for family in registry.FAMILIES:
         fn = liger.MODEL_TYPE_TO_APPLY_LIGER_FN[family]
+        if _params(fn)[-1] == ("kwargs", "**"):  # Nemotron's, as Liger's: it takes and ignores any keyword
+            continue
         assert _params(fn)[-1] in (("model", None), ("layer_norm", True))
         with pytest.raises(TypeError, match=f"{fn.__name__}\\(\\) got an unexpected keyword argument 'bogus'"):
             fn(bogus=True)

@@ -18,8 +18,12 @@ from tigon.compat import liger
 from tigon.hf import registry
 from tigon.modules import RMSNorm, SwiGLUMLP
 
-TEXT = {k: v for k, v in COMMON.items() if k != "attn_implementation"} | dict(num_hidden_layers=1)
-_VISION = dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=2,
+# One layer, hidden 32, two heads: the interpreter's cost is per kernel program (rows x heads)
+SMALL = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=16)
+TEXT = {k: v for k, v in COMMON.items() if k != "attn_implementation"} | SMALL
+IMAGE_TOKEN = 99  # above the text batch's ids
+_VISION = dict(depth=1, hidden_size=32, out_hidden_size=32, intermediate_size=48, num_heads=2, patch_size=2,
                spatial_merge_size=2, temporal_patch_size=1)
 _SIGLIP = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                num_attention_heads=2, image_size=8, patch_size=4)
@@ -27,7 +31,7 @@ _SIGLIP = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_si
 VLMS = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", dict(
         text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=2,
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
                            spatial_merge_size=2, temporal_patch_size=1))),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", dict(
         text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
@@ -36,25 +40,34 @@ VLMS = {
         text_config={**TEXT, "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3],
                                               "mrope_interleaved": True}},
         vision_config={**_VISION, "deepstack_visual_indexes": [0], "num_position_embeddings": 16})),
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", dict(
+        text_config={**TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                     "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
+        vision_config={**_VISION, "deepstack_visual_indexes": [0], "num_position_embeddings": 16})),
+    "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", dict(
+        text_config={**TEXT, "partial_rotary_factor": 0.5, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                     "n_shared_experts": 1, "moe_intermediate_size": 16, "first_k_dense_replace": 0, "n_group": 1,
+                     "topk_group": 1, "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1]}},
+        vision_config=_VISION)),
     "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", dict(
         text_config={**TEXT, "partial_rotary_factor": 0.5,
                      "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1]}},
         vision_config=_VISION)),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config={**TEXT, "model_type": "gemma3_text", "sliding_window": 16}, vision_config=_SIGLIP,
-        mm_tokens_per_image=4, image_token_index=130)),
+        mm_tokens_per_image=4, image_token_index=IMAGE_TOKEN)),
     "llava": ("LlavaConfig", "LlavaForConditionalGeneration", dict(
-        text_config={**TEXT, "model_type": "llama"}, image_token_index=130,
+        text_config={**TEXT, "model_type": "llama"}, image_token_index=IMAGE_TOKEN,
         vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                            num_attention_heads=2, image_size=8, patch_size=4, projection_dim=32))),
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", dict(
         text_config={**TEXT, "model_type": "gemma"}, vision_config={**_SIGLIP, "projection_dim": 64},
-        image_token_index=130)),
+        image_token_index=IMAGE_TOKEN)),
 }
 # the pieces the text tower must come back with (Tigon module class names, >= 1 each); Liger's Qwen3-VL function
 # has swiglu=False by default, so its MLP stays HF's
 TOWER_PIECES = {"gemma3": {"RMSNorm", "GeGLUMLP"}, "paligemma": {"RMSNorm", "GeGLUMLP"},
-                "qwen3_vl": {"RMSNorm", "Qwen3VLTextMLP"}}
+                "qwen3_vl": {"RMSNorm", "Qwen3VLTextMLP"}, "qwen3_vl_moe": {"RMSNorm"}}
 
 
 def _vlm(model_type, seed=0):
@@ -149,7 +162,10 @@ def test_vision_language_text_tower_runs_tigon_and_trains_like_hf(model_type):
     assert TOWER_PIECES.get(model_type, {"RMSNorm", "SwiGLUMLP"}) <= names
     vision = [m for n, m in model.named_modules() if "vision" in n or "visual" in n]
     assert not any(isinstance(m, (RMSNorm, SwiGLUMLP)) for m in vision), "the vision tower is left as it is"
-    ids, labels = batch(TEXT["vocab_size"] - 2, b=1, t=5)  # below the image token id
+    rope = inspect.signature(apply).parameters.get("rope")
+    if not registry.family_for(tower.config.model_type).rope and rope is not None and rope.default:
+        assert [r for p, r in report.skipped if p == "RoPE"], report  # mRoPE, asked for by default: reported
+    ids, labels = batch(IMAGE_TOKEN - 1, b=1, t=5)  # below the image token id
     ops.dispatch_counts.clear()
     _assert_same_training(model, ref, ids, labels)
     assert op_calls("rms_norm", "add_rms_norm") > 0
@@ -176,44 +192,123 @@ def test_vision_language_class_level_call(model_type, caplog):
         tigon.unpatch(model_type=registry.VISION_LANGUAGE[model_type])
 
 
-# qwen3_5_moe_text shares qwen3_5_text's layers and its norm row (checked above); one of the two trains here
-NEW_TEXT_ROWS = ["gpt_oss", "llama4_text", "hunyuan_v1_moe", "qwen3_5_text"]
-# Qwen3.5 alternates gated-DeltaNet and attention layers; one of each (a cache of DeltaNet layers alone has no
-# sequence length for the eval forward)
+# Qwen3.5 and Qwen3-Next alternate gated-DeltaNet and attention layers; one of each (a cache of DeltaNet layers
+# alone has no sequence length for the eval forward)
 _LAYERS = {t: dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-           for t in ("qwen3_5_text", "qwen3_5_moe_text")}
+           for t in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")}
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+_MLA = dict(num_key_value_heads=2, head_dim=8, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, **_MOE)
+# The rows added for liger-kernel 0.8.5's coverage (qwen3_5_moe_text shares qwen3_5_text's layers and its norm
+# row, checked above; one of the two trains here), each on a one-layer (Qwen3.5/Next: two) config of SMALL's size
+NEW_TEXT_ROWS = {
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2), "llama4_text": {}, "hunyuan_v1_moe": {},
+    "qwen3_5_text": _LAYERS["qwen3_5_text"],
+    "qwen3_next": dict(**_LAYERS["qwen3_next"], num_experts=4, shared_expert_intermediate_size=24,
+                       linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=8,
+                       linear_value_head_dim=8, **_MOE),
+    "deepseek_v2": dict(q_lora_rank=None, **_MLA), "deepseek_v3": dict(q_lora_rank=16, n_group=1, topk_group=1, **_MLA),
+    "deepseek_v4": {},
+    "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+                      mamba_chunk_size=4),
+    "nemotron": dict(partial_rotary_factor=0.5),
+}
 
 
-@pytest.mark.parametrize("model_type", NEW_TEXT_ROWS)
+@pytest.mark.parametrize("model_type", sorted(NEW_TEXT_ROWS))
 def test_new_text_rows_instance_patch_trains_like_hf(model_type):
-    ref = tiny_model(model_type, **_LAYERS.get(model_type, dict(num_hidden_layers=1)))
+    ref = tiny_model(model_type, **{**SMALL, **NEW_TEXT_ROWS[model_type]})
     model = copy.deepcopy(ref)
     report = liger.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type](model=model)
     fam = registry.family_for(model_type)
-    assert report.replaced[f"RMSNorm {fam.prefix}{fam.norm_class}"] > 0, report
+    hf_norms = sum(type(m).__name__ in fam.norm_classes for m in ref.modules())
+    assert sum(n for p, n in report.replaced.items() if p.startswith("RMSNorm ")) == hf_norms, report
+    assert not {type(m).__name__ for m in model.modules()} & set(fam.norm_classes)
+    if model_type == "nemotron":  # Liger's relu_squared=True: no Tigon kernel, said so
+        assert ("ReLU^2", "Tigon has no ReLU^2 kernel: the MLP's activation stays HF's") in report.skipped
     ids, labels = batch(model.config.vocab_size, b=1, t=5)
     ops.dispatch_counts.clear()
     logits_ref, loss_ref, grads_ref = _step(ref, ids, labels)
     logits, loss, grads = _step(model, ids, labels)
     _close(logits, logits_ref, "eval logits")
     _close(loss, loss_ref, "loss")
+    assert grads.keys() == grads_ref.keys()
     for name, g in grads.items():
         _close(g, grads_ref[name], f"grad {name}", rtol=1e-3, atol=1e-5)
-    assert op_calls("linear_cross_entropy") == 1  # the fused loss ran, once
-    assert op_calls("rms_norm") > 0
+    # the fused loss ran once, unless the family keeps HF's (Falcon-H1's lm_head_multiplier)
+    assert op_calls("linear_cross_entropy") == (1 if fam.causal_lm else 0)
+    assert (op_calls("rms_norm", "add_rms_norm") > 0) == (hf_norms > 0)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_pixtral_vision_tower_runs_tigon_like_hf():
+    """Pixtral, a vision model (Llava's tower in Pixtral and Mistral-3 checkpoints): its RMSNorms and SwiGLU MLPs."""
+    from transformers import PixtralVisionConfig, PixtralVisionModel
+
+    config = PixtralVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                                 head_dim=16, image_size=8, patch_size=4, hidden_act="silu")
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    ref = PixtralVisionModel(config).float()
+    model = copy.deepcopy(ref)
+    report = liger.apply_liger_kernel_to_pixtral(model=model)
+    assert report.replaced["RMSNorm PixtralRMSNorm"] == 3 and report.replaced["SwiGLUMLP PixtralMLP"] == 1, report
+    pixels = torch.randn(1, 3, 8, 8)
+    ops.dispatch_counts.clear()
+    outs = []
+    for m in (ref, model):
+        out = m(pixel_values=pixels, image_sizes=[(8, 8)]).last_hidden_state
+        out.square().sum().backward()
+        outs.append((out.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    _close(outs[1][0], outs[0][0], "output")
+    for name, g in outs[0][1].items():
+        _close(outs[1][1][name], g, f"grad {name}", rtol=1e-3, atol=1e-5)
+    assert op_calls("rms_norm", "add_rms_norm") == 3 and op_calls("swiglu_mlp") == 1
+
+
+def test_vision_tower_layer_norms_run_tigons_layer_norm(caplog):
+    """layer_norm=True (Liger's default for Gemma-3): the SigLIP tower's torch.nn.LayerNorms become Tigon's
+    LayerNorm on the same Parameters, the tower's outputs and grads are HF's, tigon.unpatch(text tower) restores
+    them; layer_norm=False and the class-level call (which cannot reach a torch.nn.LayerNorm) leave them."""
+    from tigon.modules import LayerNorm
+
+    ref = _vlm("gemma3")
+    count = sum(type(m) is torch.nn.LayerNorm for m in ref.modules())
+    model = copy.deepcopy(ref)
+    report = liger.apply_liger_kernel_to_gemma3(model=model)
+    assert count > 0 and report.replaced["LayerNorm (vision tower, torch.nn.LayerNorm)"] == count, report
+    assert sum(isinstance(m, LayerNorm) for m in model.modules()) == count
+    pixels = torch.randn(1, 3, 8, 8)
+    ops.dispatch_counts.clear()
+    outs = []
+    for m in (ref, model):
+        out = m.model.vision_tower(pixel_values=pixels).last_hidden_state
+        out.square().sum().backward()
+        outs.append((out.detach(), {n: p.grad for n, p in m.model.vision_tower.named_parameters()}))
+    assert op_calls("layer_norm") == count
+    _close(outs[1][0], outs[0][0], "vision output")
+    for name, g in outs[0][1].items():
+        _close(outs[1][1][name], g, f"grad {name}", rtol=1e-3, atol=1e-5)
+    tigon.unpatch(liger._text_tower(model))
+    assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
+    liger.apply_liger_kernel_to_gemma3(model=model, layer_norm=False)
+    assert not any(isinstance(m, LayerNorm) for m in model.modules())
+    tigon.unpatch(liger._text_tower(model))
+    report = liger.apply_liger_kernel_to_gemma3()
+    tigon.unpatch(model_type="gemma3_text")
+    assert [p for p, _ in report.skipped if p == "LayerNorm (vision tower)"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
 def test_qwen3_5_class_level_from_config_initializes_like_hf(model_type):
-    """HF's _init_weights zeroes Qwen3.5's (1 + weight) norm by isinstance, which misses Tigon's: the class-level
-    patch's _init_weights zeroes Tigon's offset norms too, and unpatch restores HF's."""
-    ref = tiny_model(model_type, **_LAYERS[model_type])
-    modeling = importlib.import_module(registry.TOWERS[model_type].modeling)
-    base = getattr(modeling, f"{registry.TOWERS[model_type].prefix}PreTrainedModel")
+    """HF's _init_weights zeroes Qwen3.5's and Qwen3-Next's (1 + weight) norm by isinstance, which misses Tigon's:
+    the class-level patch's _init_weights zeroes Tigon's offset norms too, and unpatch restores HF's."""
+    ref = tiny_model(model_type, **{**SMALL, **_LAYERS[model_type]})
+    modeling = importlib.import_module(registry.family_for(model_type).modeling)
+    base = getattr(modeling, f"{registry.family_for(model_type).prefix}PreTrainedModel")
     hf_init = base.__dict__["_init_weights"]
     tigon.patch(model_type=model_type)
     try:
-        model = tiny_model(model_type, **_LAYERS[model_type])
+        model = tiny_model(model_type, **{**SMALL, **_LAYERS[model_type]})
     finally:
         tigon.unpatch(model_type=model_type)
     assert base.__dict__["_init_weights"] is hf_init
@@ -231,9 +326,9 @@ MOE = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": 
 @pytest.mark.parametrize("model_type", sorted(MOE))
 def test_moe_router_logits_loss_and_aux_loss_equal_hf(model_type):
     """output_router_logits=True: the loss (cross-entropy + router_aux_loss_coef * aux) and the aux loss are HF's."""
-    ref = tiny_model(model_type, num_hidden_layers=1, output_router_logits=True, router_aux_loss_coef=0.05)
+    ref = tiny_model(model_type, **SMALL, output_router_logits=True, router_aux_loss_coef=0.05)
     model = copy.deepcopy(ref)
-    tigon.patch(model)
+    tigon.patch(model, rope=False)  # the loss is under test: the RoPE kernel's interpreter time is not
     ids, labels = batch(model.config.vocab_size, b=2, t=5)
     mask = torch.ones_like(ids)
     mask[0, -1], labels[0, -1] = 0, -100  # a padded token: the aux loss averages over attended tokens only
@@ -252,12 +347,3 @@ def test_moe_router_logits_loss_and_aux_loss_equal_hf(model_type):
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         if p_ref.grad is not None:
             _close(p.grad, p_ref.grad, f"grad {name}")
-
-
-@pytest.mark.parametrize("model_type", sorted(MOE))
-def test_moe_router_logits_loss_stays_fused(model_type):
-    model = tiny_model(model_type, num_hidden_layers=1, output_router_logits=True)
-    tigon.patch(model)
-    ids, labels = batch(model.config.vocab_size, b=1, t=5)
-    model.train()
-    assert model(input_ids=ids, labels=labels).logits is None

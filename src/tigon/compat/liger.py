@@ -14,6 +14,8 @@ was left to Hugging Face and why.
 import difflib
 import inspect
 
+import torch
+
 from .. import _log
 from ..hf import registry
 from ..hf.patch import patch
@@ -25,8 +27,8 @@ from .liger_modules import __all__ as _module_names
 
 _ORDER = ("relu_squared", "rope", "cross_entropy", "fused_linear_cross_entropy", "layer_norm", "rms_norm",
           "swiglu", "geglu", "model")
-_DEFAULTS = dict(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, layer_norm=True, rms_norm=True,
-                 swiglu=True, geglu=True, model=None)
+_DEFAULTS = dict(relu_squared=True, rope=True, cross_entropy=False, fused_linear_cross_entropy=True, layer_norm=True,
+                 rms_norm=True, swiglu=True, geglu=True, model=None)
 
 
 def _params(names, **defaults):
@@ -50,6 +52,11 @@ LIGER_PARAMETERS = {
                        fused_linear_cross_entropy=False),
     **dict.fromkeys(("glm4", "glm4v", "glm4v_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
                      "qwen3_5_moe_text", "deepseek_v2", "deepseek_v3"), _NO_ROPE),
+    "deepseek_v4": _params("rope cross_entropy fused_linear_cross_entropy rms_norm swiglu model", rope=False,
+                           swiglu=False),
+    "nemotron": _params("relu_squared cross_entropy fused_linear_cross_entropy model **"),
+    "pixtral": _params("rope rms_norm swiglu model"),
+    "muse_glimmer": _params("rope cross_entropy fused_linear_cross_entropy layer_norm rms_norm swiglu model"),
     **dict.fromkeys(("gpt_oss", "qwen3_vl", "qwen3_vl_text"),
                     _params("rope cross_entropy fused_linear_cross_entropy rms_norm swiglu model", swiglu=False)),
     **dict.fromkeys(("llama4", "llama4_text"),
@@ -115,35 +122,67 @@ def _text_tower(model):
 
 
 def _apply_text_tower(name, vlm_type, model, extra, flags):
-    """A vision-language model: Tigon's patch on its language model only. Liger's functions with **kwargs
-    (Llava, InternVL, SmolVLM) hand their flags and the extra keywords to the language model's own apply function,
-    dropping (with a warning) those it does not take; the others patch the tower with their own flags."""
+    """A vision-language model: Tigon's patch on its language model, and with layer_norm=True (where Liger's
+    function takes it) on the plain LayerNorms of the rest (vision tower, projector). Liger's functions with
+    **kwargs (Llava, InternVL, SmolVLM) hand their flags and the extra keywords to the language model's own apply
+    function, dropping (with a warning) those it does not take; the others patch the tower with their own flags."""
     logger = _log.get_logger()
     text_type = registry.VISION_LANGUAGE[vlm_type]
+    spec = {**_patch_flags(name, flags), "layer_norm": False}  # the text towers have no LayerNorm
     if model is None:
         if text_type is None:
             logger.warning("%s: a class-level patch needs the language model's family, which a %s config does not "
                            "fix; call it with model= (nothing patched)", name, vlm_type)
             return None
-        spec = _patch_flags(name, flags)
         report = patch(model_type=text_type, **spec)
         if spec["cross_entropy"]:
             report.skip("loss_function (cross_entropy)", f"the {vlm_type} ForConditionalGeneration keeps HF's loss")
+        if flags.get("layer_norm"):
+            report.skip("LayerNorm (vision tower)", "the vision tower builds torch.nn.LayerNorm itself: patched on "
+                        "a model instance (model=...)")
         return report
-    tower = _text_tower(unwrap_model(model, name))
+    hf = unwrap_model(model, name)
+    tower = _text_tower(hf)
     tower_type = getattr(getattr(tower, "config", None), "model_type", None)
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(tower_type)
     if apply is None or tower_type in _TEXT_TOWER_TYPES:
         logger.warning("%s: the language model (%s) is not a family Tigon patches; left as it is", name, tower_type)
         return None
     if not any(n == "**" for n, _ in LIGER_PARAMETERS.get(vlm_type, _LLAMA)):
-        return patch(tower, **_patch_flags(name, flags))
-    kwargs = {**flags, **extra}
-    taken = inspect.signature(apply).parameters
-    dropped = sorted(set(kwargs) - set(taken))
-    if dropped:
-        logger.warning("%s: %s does not take %s; applied without them", name, apply.__name__, ", ".join(dropped))
-    return apply(model=tower, **{k: v for k, v in kwargs.items() if k in taken})
+        report = patch(tower, **spec)
+    else:
+        kwargs = {**{k: v for k, v in flags.items() if k != "layer_norm"}, **extra}
+        taken = inspect.signature(apply).parameters
+        dropped = sorted(set(kwargs) - set(taken))
+        if dropped:
+            logger.warning("%s: %s does not take %s; applied without them", name, apply.__name__, ", ".join(dropped))
+        report = apply(model=tower, **{k: v for k, v in kwargs.items() if k in taken})
+    if flags.get("layer_norm") and report is not None:
+        _patch_layer_norms(hf, tower, report)
+    return report
+
+
+def _patch_layer_norms(hf, tower, report):
+    """Every torch.nn.LayerNorm itself (not a subclass: Nemotron's LayerNorm1P computes another formula) outside
+    the text tower becomes Tigon's LayerNorm on the same Parameters. Recorded in the text tower's undo list, so
+    tigon.unpatch(text tower) restores them with the rest of this call's patch."""
+    from ..modules import LayerNorm
+
+    inside = {id(m) for m in tower.modules()}
+    undo = tower.__dict__.setdefault("_tigon_undo", [])
+    n = 0
+    for parent in list(hf.modules()):
+        if id(parent) in inside:
+            continue
+        for child_name, child in list(parent.named_children()):
+            if type(child) is torch.nn.LayerNorm and len(child.normalized_shape) == 1:
+                undo.append((parent, child_name, child))
+                setattr(parent, child_name, LayerNorm.from_hf(child))
+                n += 1
+    if n:
+        report.add("LayerNorm (vision tower, torch.nn.LayerNorm)", n)
+    else:
+        report.skip("LayerNorm (vision tower)", "no torch.nn.LayerNorm outside the language model")
 
 
 def _apply_for(model_type):
@@ -159,9 +198,11 @@ def _apply_for(model_type):
             _patch_flags(name, flags)  # the same ValueError for contradicting flags
             return _apply_text_tower(name, model_type, model, extra, flags)
         spec = _patch_flags(name, flags)
-        if model is not None:
-            return patch(model, **spec)
-        return patch(model_type=model_type, **spec)  # cross_entropy=True: the ForCausalLM's loss_function too
+        # cross_entropy=True class-level: the ForCausalLM's loss_function too
+        report = patch(model, **spec) if model is not None else patch(model_type=model_type, **spec)
+        if flags.get("relu_squared"):
+            report.skip("ReLU^2", "Tigon has no ReLU^2 kernel: the MLP's activation stays HF's")
+        return report
 
     apply.__name__ = apply.__qualname__ = name
     apply.__signature__ = signature

@@ -44,6 +44,9 @@ class Family:
     # The config attribute of a dropout the HF MLP applies to its own output in training (Seed-OSS): the MLP is
     # fused only where it is 0, as Tigon's MLP has no dropout.
     mlp_dropout: str = ""
+    # A config attribute of multipliers the HF MLP applies inside and after the GLU (Falcon-H1's mlp_multipliers):
+    # the MLP is fused only where they are all 1.
+    mlp_multipliers: str = ""
     # The DecoderLayer forward is Llama's pre-norm block (norm, attention, add, norm, MLP, add), so the
     # first add and the second norm can be one add_rms_norm; tests/hf/test_patch.py checks the source.
     prenorm_layer: bool = False
@@ -107,6 +110,19 @@ _ROWS = [
     Family("llama4_text", "llama4", "Llama4", norm_class="TextRMSNorm", mlp_classes=("TextMLP",), rope=False,
            notes="complex (interleaved) RoPE and the routed experts stay HF; dense and shared MLPs fused"),
     Family("hunyuan_v1_moe", "hunyuan_v1_moe", "HunYuanMoEV1", notes="shared MLP fused; routed experts stay HF"),
+    # Qwen3-Next's norm is (1 + weight) from zeros, found by isinstance in _init_weights as Qwen3.5's (hf/patch.py)
+    Family("qwen3_next", "qwen3_next", "Qwen3Next", norm=GEMMA_NORM, rope=False,
+           notes="partial RoPE, the gated DeltaNet norm and the routed experts stay HF; dense and shared MLPs fused"),
+    Family("deepseek_v2", "deepseek_v2", "DeepseekV2", prenorm_layer=True, rope=False,
+           notes="interleaved (complex) RoPE and the routed experts stay HF; dense and shared MLPs fused"),
+    Family("deepseek_v3", "deepseek_v3", "DeepseekV3", prenorm_layer=True, rope=False,
+           notes="interleaved RoPE and the routed experts stay HF; dense and shared MLPs fused"),
+    Family("deepseek_v4", "deepseek_v4", "DeepseekV4", mlp="", rope=False,
+           notes="the MLPs clamp at swiglu_limit and the RoPE is interleaved: both stay HF"),
+    Family("falcon_h1", "falcon_h1", "FalconH1", causal_lm="", mlp_multipliers="mlp_multipliers",
+           notes="lm_head_multiplier keeps the HF loss; the Mamba mixer and its gated norm stay HF"),
+    Family("nemotron", "nemotron", "Nemotron", mlp="", rope=False,
+           notes="LayerNorm1P, the ReLU^2 MLP (not gated) and the partial RoPE stay HF: the fused loss only"),
 ]
 FAMILIES = {row.model_type: row for row in _ROWS}
 
@@ -128,6 +144,15 @@ _TOWER_ROWS = [
            notes="mRoPE stays HF; the gated DeltaNet norm stays HF"),
     Family("qwen3_5_moe_text", "qwen3_5_moe", "Qwen3_5Moe", norm=GEMMA_NORM, rope=False,
            notes="shared expert's MLP fused; routed experts, mRoPE and the gated DeltaNet norm stay HF"),
+    Family("glm4v_moe_text", "glm4v_moe", "Glm4vMoeText", norm_class="RMSNorm", mlp_classes=("MLP",), rope=False,
+           prenorm_layer=True, causal_lm="", notes="mRoPE and the routed experts stay HF; dense and shared MLPs fused"),
+    Family("qwen3_vl_moe_text", "qwen3_vl_moe", "Qwen3VLMoe", norm_class="TextRMSNorm", mlp_classes=("TextMLP",),
+           rope=False, causal_lm="", notes="interleaved mRoPE and the routed experts stay HF"),
+    # MuseGlimmer's scale-free and final norms (MuseGlimmerRMSNorm, with_scale=False on some) stay HF
+    Family("muse_glimmer_text", "muse_glimmer", "MuseGlimmer", norm=GEMMA_NORM, norm_class="TextCenteredRMSNorm",
+           mlp_classes=("TextMLP",), causal_lm="", notes="the scale-free and final norms stay HF"),
+    # Pixtral is a vision tower (Llava's, in Mistral-3 and Pixtral checkpoints); its 2-D RoPE stays HF's
+    Family("pixtral", "pixtral", "Pixtral", rope=False, causal_lm="", notes="2-D RoPE"),
     Family("mllama_text_model", "mllama", "Mllama", norm_class="TextRMSNorm", mlp_classes=("TextMLP",),
            notes="cross-attention layers' norms fused as well"),
 ]
@@ -135,7 +160,8 @@ TOWERS = {row.model_type: row for row in _TOWER_ROWS}
 VISION_LANGUAGE = {
     "gemma3": "gemma3_text", "llama4": "llama4_text", "mllama": "mllama_text_model", "qwen2_vl": "qwen2_vl_text",
     "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text", "glm4v": "glm4v_text", "qwen3_5": "qwen3_5_text",
-    "qwen3_5_moe": "qwen3_5_moe_text", "llava": None, "paligemma": None, "internvl": None, "smolvlm": None,
+    "qwen3_5_moe": "qwen3_5_moe_text", "glm4v_moe": "glm4v_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text",
+    "muse_glimmer": "muse_glimmer_text", "llava": None, "paligemma": None, "internvl": None, "smolvlm": None,
 }
 
 
@@ -164,6 +190,9 @@ def mlp_kept(family: Family, config) -> str:
     p = getattr(config, family.mlp_dropout, 0.0) if family.mlp_dropout else 0.0
     if p:
         return f"the MLP applies {family.mlp_dropout}={p} to its output in training"
+    scales = getattr(config, family.mlp_multipliers, None) if family.mlp_multipliers else None
+    if scales is not None and any(float(m) != 1.0 for m in scales):
+        return f"the MLP scales by {family.mlp_multipliers}={list(scales)}"
     return ""
 
 
