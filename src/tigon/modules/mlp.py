@@ -6,7 +6,9 @@ product in the gradient pass, a quarter less activation memory than autograd ove
 else (inference, biases, hooks on a projection, PEFT or quantized wrappers, DTensor weights,
 saved-tensor hooks such as activation checkpointing's in eager)
 calls the projections as they are (cuBLAS) around the fused GLU op with inplace_backward=True: dgate and dup
-overwrite the fresh projection outputs, so the MLP's backward needs no memory beyond the projections' own.
+overwrite the fresh projection outputs, so the MLP's backward needs no memory beyond the projections' own. PEFT
+LoRA projections of a patched model are such module calls, each one node of tigon.ops.lora_linear
+(tigon.hf.lora), whose output is fresh as the GLU's in-place backward needs.
 """
 
 from typing import Optional
