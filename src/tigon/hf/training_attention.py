@@ -535,7 +535,8 @@ def _flex_or_none(query, key, value, *, scaling, docs, window, softcap, cache, k
 
 def layer_plan(config, device) -> dict:
     """{layer kind: {mask kind: backend}} for the PatchReport: full layers see causal / packed rows, sliding
-    layers sliding / packed+sliding rows (shorter rows than the window are causal / packed)."""
+    layers sliding / packed+sliding rows (shorter rows than the window are causal / packed). Where the table
+    ranks several, the backend reads "varlen > flex > sdpa": the first that takes a call runs."""
     types = list(getattr(config, "layer_types", None) or [])
     window = getattr(config, "sliding_window", None)
     if not types:
@@ -550,5 +551,5 @@ def layer_plan(config, device) -> dict:
         plan[layer] = {}
         for name, packed in kinds:
             kind = mask_kind(packed, "sliding" in name, softcap)
-            plan[layer][kind] = choose_backend(device, kind)
+            plan[layer][kind] = " > ".join(attention_table.ranking(gpu_name(device), kind))
     return plan
