@@ -50,7 +50,7 @@ class Family:
     # The DecoderLayer forward is Llama's pre-norm block (norm, attention, add, norm, MLP, add), so the
     # first add and the second norm can be one add_rms_norm; tests/hf/test_patch.py checks the source.
     prenorm_layer: bool = False
-    norm_class: str = "RMSNorm"  # suffix of the norm class after the prefix (Llama-4's "TextRMSNorm")
+    norm_class: str = "RMSNorm"  # suffix of the norm class after the prefix (Llama-4's "TextRMSNorm"); "": none
     mlp_prefix: str = ""  # class-name prefix of the MLP where it is not `prefix` (Qwen2-VL's text MLP is Qwen2MLP)
     notes: str = ""
 
@@ -60,6 +60,8 @@ class Family:
 
     @property
     def norm_classes(self) -> dict:
+        if not self.norm_class:
+            return {}
         return {f"{self.prefix}{self.norm_class}": self.norm,
                 **{f"{self.prefix}{s}": self.norm for s in self.extra_norms}}
 
@@ -121,7 +123,7 @@ _ROWS = [
            notes="the MLPs clamp at swiglu_limit and the RoPE is interleaved: both stay HF"),
     Family("falcon_h1", "falcon_h1", "FalconH1", causal_lm="", mlp_multipliers="mlp_multipliers",
            notes="lm_head_multiplier keeps the HF loss; the Mamba mixer and its gated norm stay HF"),
-    Family("nemotron", "nemotron", "Nemotron", mlp="", rope=False,
+    Family("nemotron", "nemotron", "Nemotron", norm_class="", mlp="", rope=False,
            notes="LayerNorm1P, the ReLU^2 MLP (not gated) and the partial RoPE stay HF: the fused loss only"),
 ]
 FAMILIES = {row.model_type: row for row in _ROWS}
