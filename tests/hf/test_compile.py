@@ -86,15 +86,6 @@ def _tiny(model_type, **kw):
 IDS, LABELS = batch(b=1, t=6, ignore_tail=1)
 
 
-# torch 2.11's dynamo (the H200 image) cannot trace `function.__get__` in the lm_head's bound loss forward under
-# fullgraph=True ("Attempted to call function marked as skipped", measured at c04315c); torch 2.13's does.
-_OLD_DYNAMO = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
-_FULLGRAPH_XFAIL = pytest.mark.xfail(_OLD_DYNAMO, reason="torch < 2.13: dynamo cannot trace function.__get__ of the "
-                                     "lm_head's bound loss forward under fullgraph=True (known gap, issue #15)",
-                                     strict=False)
-
-
-@_FULLGRAPH_XFAIL
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_compiled_patched_model_trains_and_evaluates_like_eager(model_type):
     """fullgraph=True: no graph break anywhere in the patched forward, the fused loss and its backward included
@@ -114,19 +105,19 @@ def test_compiled_patched_model_trains_and_evaluates_like_eager(model_type):
     eager = _step(model, IDS, LABELS)
     compiled = torch.compile(model, backend=CPU_BACKEND, fullgraph=True)
     _check_step(_step(compiled, IDS, LABELS), eager, exact)
-    assert calls == ["Linear", "Linear"]
-    # The lm_head's forward is Tigon's permanent one, set by patch() and never changed per call (nothing for
-    # dynamo to replay); tigon.unpatch removes it (test_lm_head_forward_survives_copies_and_unpatch).
-    assert model.lm_head.__dict__["forward"].__func__ is causal_lm.lm_head_forward
+    assert calls == ["LossHeadLinear", "LossHeadLinear"]
+    # The lm_head's loss forward is its class's, set by patch() and never changed per call (nothing for dynamo to
+    # replay); tigon.unpatch sets nn.Linear back (test_lm_head_forward_survives_copies_and_unpatch).
+    assert type(model.lm_head) is causal_lm.LossHeadLinear and "forward" not in model.lm_head.__dict__
     model.eval()
     logits_eager = _logits(model, IDS)
     _assert_within("eval logits", _logits(compiled, IDS), logits_eager, logits_exact)
 
 
 def test_lm_head_forward_survives_copies_and_unpatch():
-    """patch() gives the lm_head its loss forward once; a deepcopy and a pickled copy keep it, bound to the copy's
-    own lm_head, and compute the same loss; without the keyword it is the class forward (the logits); unpatch
-    removes it."""
+    """patch() gives the lm_head its loss forward once (a plain nn.Linear becomes causal_lm.LossHeadLinear); a
+    deepcopy and a pickled copy keep it and compute the same loss; without the keyword it is nn.Linear's forward
+    (the logits); unpatch sets nn.Linear back."""
     import io
     import pickle
 
@@ -138,13 +129,12 @@ def test_lm_head_forward_survives_copies_and_unpatch():
     torch.save(model, buf)
     buf.seek(0)
     for copy_ in (copy.deepcopy(model), torch.load(buf, weights_only=False), pickle.loads(pickle.dumps(model))):
-        forward = copy_.lm_head.__dict__["forward"]
-        assert forward.__func__ is causal_lm.lm_head_forward and forward.__self__ is copy_.lm_head
+        assert type(copy_.lm_head) is causal_lm.LossHeadLinear and causal_lm.has_loss_forward(copy_.lm_head)
         torch.testing.assert_close(copy_(input_ids=IDS, labels=LABELS).loss, loss, rtol=0, atol=0)
     hidden = torch.randn(2, model.config.hidden_size)
     assert torch.equal(model.lm_head(hidden), torch.nn.functional.linear(hidden, model.lm_head.weight))
     tigon.unpatch(model)
-    assert "forward" not in model.lm_head.__dict__
+    assert type(model.lm_head) is torch.nn.Linear and not causal_lm.has_loss_forward(model.lm_head)
 
 
 def test_compiled_class_patched_model_before_any_eager_step():
@@ -160,7 +150,7 @@ def test_compiled_class_patched_model_before_any_eager_step():
         model.load_state_dict(base.state_dict())
         model.train()
         got = _step(torch.compile(model, backend=CPU_BACKEND, fullgraph=True), IDS, LABELS)
-        assert "forward" not in model.lm_head.__dict__
+        assert type(model.lm_head) is torch.nn.Linear  # nothing installed inside the trace
         eager = _step(model, IDS, LABELS)
         assert causal_lm.has_loss_forward(model.lm_head)
     finally:
@@ -168,7 +158,6 @@ def test_compiled_class_patched_model_before_any_eager_step():
     _check_step(got, eager, exact)
 
 
-@_FULLGRAPH_XFAIL
 def test_compiled_patched_mlp_is_the_one_node_op():
     """Under torch.compile the patched MLP is still the one-node op (ops.swiglu_mlp): the forward graph computes the
     GLU product h but does not hand it to the backward (the three-Linear path saves it for down_proj's weight
@@ -251,7 +240,7 @@ def test_trainer_torch_compile_two_steps(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor over the Triton kernels needs a CUDA device")
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-@pytest.mark.parametrize("fullgraph", [pytest.param(True, marks=_FULLGRAPH_XFAIL), False])
+@pytest.mark.parametrize("fullgraph", [True, False])
 def test_inductor_compiled_patched_model_bf16_gpu(model_type, fullgraph):
     """The H200 case: bf16 weights, sdpa attention, inductor, fullgraph on and off; training step and eval."""
     torch._dynamo.reset()

@@ -61,20 +61,46 @@ def lm_head_forward(module, x, *args, _tigon_loss=None, **kwargs):
     return ops.linear_cross_entropy(x, module.weight, target, module.bias, **loss_kwargs)
 
 
+class LossHeadLinear(torch.nn.Linear):
+    """The class a plain nn.Linear lm_head gets from tigon (its instance `__class__`, set once): nn.Linear plus
+    the `_tigon_loss=` keyword of lm_head_forward. A class, not an instance forward, because torch 2.11's dynamo
+    treats torch.nn.Linear's own modules as builtins and cannot call an instance forward on one under
+    fullgraph=True ("Attempted to call function marked as skipped" on `function.__get__`); a subclass defined
+    here is a user module, traced like any other. isinstance(lm_head, nn.Linear) holds; pickle and deepcopy
+    keep the class (importable); unpatch sets nn.Linear back."""
+
+    def forward(self, x, *args, _tigon_loss=None, **kwargs):
+        if _tigon_loss is None:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        target, loss_kwargs = _tigon_loss
+        return ops.linear_cross_entropy(x, self.weight, target, self.bias, **loss_kwargs)
+
+
 def has_loss_forward(linear) -> bool:
+    if isinstance(linear, LossHeadLinear):
+        return "forward" not in linear.__dict__ or has_bound_loss_forward(linear)
+    return has_bound_loss_forward(linear)
+
+
+def has_bound_loss_forward(linear) -> bool:
     return getattr(linear.__dict__.get("forward"), "__func__", None) is lm_head_forward
 
 
-def install_loss_forward(linear) -> bool:
-    """Give `linear` lm_head_forward as its instance forward (a BoundForward: deepcopy and pickle keep it). True
-    when this call installed it; False when it was there already, or when the instance has a forward of another
-    library's (accelerate's device hooks), which stays: the loss is then computed outside the module call."""
-    if "forward" in linear.__dict__:
-        return False
+def install_loss_forward(linear):
+    """Give `linear` the loss forward: a plain nn.Linear becomes a LossHeadLinear; a subclass (another library's
+    Linear) gets lm_head_forward as its instance forward (a BoundForward: deepcopy and pickle keep it). Returns
+    the undo record (owner, attribute, original) when this call installed it; None when it was there already, or
+    when the instance has a forward of another library's (accelerate's device hooks), which stays: the loss is
+    then computed outside the module call."""
+    if "forward" in linear.__dict__ or isinstance(linear, LossHeadLinear):
+        return None
+    if type(linear) is torch.nn.Linear:
+        linear.__class__ = LossHeadLinear
+        return (linear, "__class__", torch.nn.Linear)
     from .bound import BoundForward
 
     linear.forward = BoundForward(lm_head_forward, linear)
-    return True
+    return (linear, "forward", None)
 
 
 def lm_head_loss(linear: torch.nn.Linear, hidden, target, **loss_kwargs):
@@ -101,11 +127,12 @@ def ensure_loss_forward(model, linear=None) -> None:
     it) in eager mode, never inside a trace: there the mutation would land after the graph. On an
     instance-patched model the install is recorded, so tigon.unpatch removes it."""
     linear = _resolve_linear(getattr(model, "lm_head", None)) if linear is None else linear
-    if linear is None or torch.compiler.is_compiling() or not install_loss_forward(linear):
+    if linear is None or torch.compiler.is_compiling():
         return
+    record = install_loss_forward(linear)
     undo = model.__dict__.get("_tigon_undo")
-    if undo is not None:
-        undo.append((linear, "forward", None))
+    if record is not None and undo is not None:
+        undo.append(record)
 
 
 def _inner_model_kwargs(inner, past_key_values, cache):
