@@ -1,7 +1,9 @@
-"""TRL 1.16's fused LM head (what SFT/DPO/KTO/GRPO trainers call) on Tigon's kernels: the same per-token log-probs,
-entropies, loss and gradients as TRL's own path on a tiny patched Llama, and dispatch counts that prove Tigon ran;
-SFTTrainer and DPOTrainer (with a reference model) for two steps each, with the same logged losses and weights as
-on TRL's head; and the softcap fallback."""
+"""TRL 1.16's fused LM head (what its SFT/DPO/KTO/GRPO trainers call) on Tigon's kernels. The head alone: the same
+per-token log-probs, entropies, loss and gradients as TRL's own on a tiny Llama, and dispatch counts that prove Tigon
+ran; the softcap fallback. Each trainer on a tiny patched Llama with `use_tigon_losses()` (one step; GRPO two, as
+its KL term starts at zero), against the same trainer on the unpatched model and TRL's head (same seed and data):
+the same logged losses and metrics, and the same parameter updates (plain SGD: an update is -lr times the summed
+gradients, so equal updates are equal gradients)."""
 
 import copy
 
@@ -14,26 +16,32 @@ from tigon.hf import trl as tigon_trl
 
 trl_utils = pytest.importorskip("trl.trainer.utils", reason="trl is not installed")
 
+# The trainer tests' model: one layer, hidden 32, vocab 64 (the interpreter's time goes by tokens x kernels)
+V = 64
+TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+            vocab_size=V)
 
-def _run(model, ids, labels, temperature=1.0):
+
+def _run(model, ids, labels):
     out = model(input_ids=ids, labels=labels, fused_lm_head=True)
     loss = out.loss + 0.1 * out.entropy[out.label_mask].mean()
     params = [p for p in model.parameters() if p.requires_grad]
     return out, torch.autograd.grad(loss, params)
 
 
-@pytest.mark.parametrize("outputs", [("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs")])
-def test_fused_head_matches_trl(outputs):
+def test_fused_head_matches_trl():
+    outputs = ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs")
     base = tiny_model("llama", num_hidden_layers=1)
     ids, labels = batch()
     theirs, mine = copy.deepcopy(base), copy.deepcopy(base)
-    tigon.patch(theirs)
     tigon.patch(mine)
     trl_utils.add_fused_lm_head(theirs, temperature=0.9, outputs=outputs)
     trl_utils.add_fused_lm_head(mine, temperature=0.9, outputs=outputs)
     ref, ref_grads = _run(theirs, ids, labels)
     restore = tigon_trl.use_tigon_losses()
     try:
+        assert tigon_trl.use_tigon_losses()() is None  # a second call is a no-op and so is its undo
+        assert trl_utils._ChunkedLogProbFunction is tigon_trl.TigonChunkedLogProb
         before = op_calls("fused_linear_logprobs")
         got, grads = _run(mine, ids, labels)
         assert op_calls("fused_linear_logprobs") == before + 1
@@ -49,7 +57,7 @@ def test_fused_head_matches_trl(outputs):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
-def test_softcap_falls_back_to_trl():
+def test_softcap_falls_back_to_trl(monkeypatch):
     calls = []
 
     class Spy:
@@ -58,68 +66,125 @@ def test_softcap_falls_back_to_trl():
             calls.append(args)
             return (torch.zeros(1),) + (None,) * 4
 
-    tigon_trl.TigonChunkedLogProb.fallback = Spy
+    monkeypatch.setattr(tigon_trl.TigonChunkedLogProb, "fallback", Spy)
     out = tigon_trl.TigonChunkedLogProb.apply(torch.zeros(1, 4), torch.zeros(3, 4), None, torch.zeros(1).long(), 1.0,
                                               8, 5.0)
     assert calls and out[0].shape == (1,)
 
 
-def _tokenizer(vocab_size=131):
+def test_bad_outputs_and_old_trl(monkeypatch):
+    with pytest.raises(ValueError, match="unknown outputs"):
+        tigon_trl.TigonChunkedLogProb.apply(torch.zeros(1, 4), torch.zeros(3, 4), None, torch.zeros(1).long(), 1.0,
+                                            8, outputs=("log_probs", "logits"))
+    monkeypatch.delattr(trl_utils, "_ChunkedLogProbFunction")
+    with pytest.raises(ImportError, match="TRL >= 1.16"):
+        tigon_trl.use_tigon_losses()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
     """A whitespace word-level tokenizer built in memory (no download): t0 pad, t1 eos, t2 unk."""
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast
 
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t2"))
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t2"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t2")
 
 
-def _train(trainer_name, tmp_path, out, tigon_head, data, with_ref=False, **config):
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    """The initial policy on disk: every run loads it, and GRPOTrainer builds its reference model from its path."""
+    path = tmp_path_factory.mktemp("policy")
+    tiny_model("llama", **TINY).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def datasets():
+    return pytest.importorskip("datasets")
+
+
+def _text(g, n):
+    return " ".join(f"t{i}" for i in torch.randint(3, V, (n,), generator=g).tolist())
+
+
+def _train(name, policy_dir, tokenizer, out, on_tigon, data, trainer_kwargs=None, **config):
     trl = pytest.importorskip("trl", minversion="1.16")
-    model = tiny_model("llama", num_hidden_layers=1)  # one layer: the interpreter's time is in the layers
-    tigon.patch(model)
-    restore = tigon_trl.use_tigon_losses() if tigon_head else (lambda: None)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, attn_implementation="eager")
+    start = [p.detach().clone() for p in model.parameters()]
+    if on_tigon:
+        tigon.patch(model)
+    restore = tigon_trl.use_tigon_losses() if on_tigon else (lambda: None)
     try:
-        kw = dict(output_dir=str(tmp_path / out), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
-                  logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
-                  dataloader_num_workers=0, bf16=False, disable_tqdm=True, **config)
-        cfg = getattr(trl, f"{trainer_name}Config")(**kw)
-        # a reference policy other than the initial one, so the DPO log-ratios are not zero
-        extra = dict(ref_model=tiny_model("llama", seed=1, num_hidden_layers=1)) if with_ref else {}
-        trainer = getattr(trl, f"{trainer_name}Trainer")(model=model, args=cfg, train_dataset=data,
-                                                         processing_class=_tokenizer(), **extra)
+        kw = dict(output_dir=str(policy_dir.parent / f"{name}-{out}"), max_steps=1, per_device_train_batch_size=2,
+                  optim="sgd", learning_rate=0.1, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                  seed=0, data_seed=0, dataloader_num_workers=0, bf16=False, disable_tqdm=True)
+        cfg = getattr(trl, f"{name}Config")(**{**kw, **config})
+        trainer = getattr(trl, f"{name}Trainer")(model=model, args=cfg, train_dataset=data,
+                                                 processing_class=tokenizer, **(trainer_kwargs or {}))
         trainer.train()
     finally:
         restore()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return losses, [p.detach().clone() for p in model.parameters()]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == cfg.max_steps
+    return logs, [p.detach() - p0 for p, p0 in zip(model.parameters(), start)]
 
 
-def _compare(run):
-    plain, plain_params = run(False, "trl")
+def _compare(run, metrics=("loss",)):
+    plain, plain_updates = run(False, "trl")
     before = op_calls("fused_linear_logprobs")
-    losses, params = run(True, "tigon")
+    logs, updates = run(True, "tigon")
     assert op_calls("fused_linear_logprobs") > before  # Tigon computed the loss
-    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-4, atol=1e-5)
-    for p, q in zip(params, plain_params):  # the same gradients: the same weights after two Adam steps
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    for key in metrics:
+        got, ref = (torch.tensor([h[key] for h in hs]) for hs in (logs, plain))
+        assert torch.isfinite(got).all(), key
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=key)
+    for u, r in zip(updates, plain_updates):  # the same gradients: the same SGD updates
+        assert r.abs().max() > 0
+        torch.testing.assert_close(u, r, rtol=1e-4, atol=1e-4 * r.abs().max().item())
 
 
-def test_sft_trainer_on_tigon_losses(tmp_path):
-    datasets = pytest.importorskip("datasets")
-    ids, _ = batch(b=4, t=9, seed=3)
+def _ref_model():
+    """A reference policy other than the initial one, so DPO's and KTO's log-ratios are not zero."""
+    return dict(ref_model=tiny_model("llama", seed=1, **TINY))
+
+
+def _reward(completion_ids, **kwargs):
+    """A reward with no ties between completions: their mean token id."""
+    return [sum(c) / max(len(c), 1) for c in completion_ids]
+
+
+def test_sft_trainer_on_tigon_losses(policy_dir, tokenizer, datasets):
+    ids, _ = batch(vocab=V, b=2, t=7, seed=3)
     data = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
-    _compare(lambda tigon_head, out: _train("SFT", tmp_path, out, tigon_head, data))
+    _compare(lambda on, out: _train("SFT", policy_dir, tokenizer, out, on, data))
 
 
-def test_dpo_trainer_on_tigon_losses(tmp_path):
-    datasets = pytest.importorskip("datasets")
+def test_dpo_trainer_on_tigon_losses(policy_dir, tokenizer, datasets):
     g = torch.Generator().manual_seed(4)
-
-    def text(n):
-        return " ".join(f"t{i}" for i in torch.randint(3, 131, (n,), generator=g).tolist())
-
-    rows = [{"prompt": text(4) + " ", "chosen": text(3), "rejected": text(5)} for _ in range(4)]
+    rows = [{"prompt": _text(g, 2) + " ", "chosen": _text(g, 2), "rejected": _text(g, 3)} for _ in range(2)]
     data = datasets.Dataset.from_list(rows)
-    _compare(lambda tigon_head, out: _train("DPO", tmp_path, out, tigon_head, data, with_ref=True))
+    _compare(lambda on, out: _train("DPO", policy_dir, tokenizer, out, on, data, _ref_model()),
+             metrics=("loss", "rewards/margins"))
+
+
+def test_kto_trainer_on_tigon_losses(policy_dir, tokenizer, datasets):
+    # one desirable and one undesirable example; the KL estimate from the batch's mismatched pairs
+    g = torch.Generator().manual_seed(5)
+    rows = [{"prompt": _text(g, 2) + " ", "completion": _text(g, 3), "label": i == 0} for i in range(2)]
+    data = datasets.Dataset.from_list(rows)
+    _compare(lambda on, out: _train("KTO", policy_dir, tokenizer, out, on, data, _ref_model()),
+             metrics=("loss", "kl", "logps/chosen", "logps/rejected"))
+
+
+def test_grpo_trainer_on_tigon_losses(policy_dir, tokenizer, datasets):
+    # one prompt per step, two sampled completions of 4 tokens at temperature 0.8; a KL term to the reference model
+    # TRL builds from policy_dir (zero at step 1, not at step 2) and an entropy bonus: both through the head's grads
+    data = datasets.Dataset.from_list([{"prompt": "t5 t9"}, {"prompt": "t17 t3"}])
+    _compare(lambda on, out: _train("GRPO", policy_dir, tokenizer, out, on, data, dict(reward_funcs=_reward),
+                                    max_steps=2, num_generations=2, max_completion_length=4, temperature=0.8,
+                                    beta=0.1, entropy_coef=0.01),
+             metrics=("loss", "kl", "entropy", "reward", "grad_norm"))

@@ -5,8 +5,9 @@ whose forward scores tokens with `trl.trainer.utils._ChunkedLogProbFunction.appl
 temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)` -> (log_probs, entropy, log_sum_sq_probs,
 mean_logits, is_top1), each [N] or None, looked up at call time. `use_tigon_losses()` points that name at
 `TigonChunkedLogProb`, which computes the same five outputs (and the log-prob and entropy gradients) with
-`tigon.ops.fused_linear_logprobs`; every trainer's loss then runs on Tigon's kernels. The one line a TRL user adds,
-before building the trainer:
+`tigon.ops.fused_linear_logprobs`; every trainer's loss then runs on Tigon's kernels. TRL 1.16's trainers have no other
+loss hook: KTOTrainer's and GRPOTrainer's losses (and DPOTrainer's) are elementwise torch on these [B, T] log-probs,
+and no trainer builds Liger's chunked losses any more. The one line a TRL user adds, before `trainer.train()`:
 
     tigon.hf.trl.use_tigon_losses()
 
@@ -29,6 +30,9 @@ class TigonChunkedLogProb:
     @classmethod
     def apply(cls, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=_OPTIONAL):
+        unknown = [k for k in outputs if k not in _OPTIONAL]
+        if unknown:
+            raise ValueError(f"TigonChunkedLogProb: unknown outputs {unknown}; TRL's head computes {list(_OPTIONAL)}")
         if final_logit_softcapping is not None:
             return cls.fallback.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
                                       logit_scale, outputs)
@@ -46,9 +50,16 @@ class TigonChunkedLogProb:
 
 def use_tigon_losses():
     """Route TRL's fused LM head (every trainer's loss) through Tigon; returns a function that undoes it."""
-    from trl.trainer import utils as trl_utils
+    try:
+        from trl.trainer import utils as trl_utils
+    except ImportError as e:
+        raise ImportError("tigon.hf.trl.use_tigon_losses needs TRL >= 1.16 (pip install 'tigon[trl]')") from e
+    original = getattr(trl_utils, "_ChunkedLogProbFunction", None)
+    if original is None:
+        import trl
 
-    original = trl_utils._ChunkedLogProbFunction
+        raise ImportError(f"tigon.hf.trl.use_tigon_losses needs TRL >= 1.16, whose fused LM head scores tokens "
+                          f"through trl.trainer.utils._ChunkedLogProbFunction; trl {trl.__version__} has none")
     if original is TigonChunkedLogProb:
         return lambda: None
     TigonChunkedLogProb.fallback = original
