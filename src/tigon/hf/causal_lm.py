@@ -8,6 +8,7 @@ evaluation), `skip_logits=False` forces the logits. Otherwise the model's own fo
 exactly as Hugging Face does.
 """
 
+import functools
 import inspect
 
 import torch
@@ -25,11 +26,18 @@ def remember_hf_forward(cls) -> None:
         _HF_FORWARD[cls] = cls.forward
 
 
-def hf_forward(model):
+def hf_forward_function(model):
+    """The HF forward function of `model`'s class (unbound), as saved before any patch replaced it."""
     for klass in type(model).__mro__:
         if klass in _HF_FORWARD:
-            return _HF_FORWARD[klass].__get__(model)
-    return type(model).forward.__get__(model)
+            return _HF_FORWARD[klass]
+    return type(model).forward
+
+
+def hf_forward(model):
+    """HF's forward bound to `model`. A functools.partial, not `function.__get__`: torch 2.11's dynamo cannot
+    trace `__get__` ("Attempted to call function marked as skipped" under fullgraph=True); it traces partials."""
+    return functools.partial(hf_forward_function(model), model)
 
 
 def _resolve_linear(lm_head):
@@ -63,11 +71,10 @@ def lm_head_forward(module, x, *args, _tigon_loss=None, **kwargs):
 
 class LossHeadLinear(torch.nn.Linear):
     """The class a plain nn.Linear lm_head gets from tigon (its instance `__class__`, set once): nn.Linear plus
-    the `_tigon_loss=` keyword of lm_head_forward. A class, not an instance forward, because torch 2.11's dynamo
-    treats torch.nn.Linear's own modules as builtins and cannot call an instance forward on one under
-    fullgraph=True ("Attempted to call function marked as skipped" on `function.__get__`); a subclass defined
-    here is a user module, traced like any other. isinstance(lm_head, nn.Linear) holds; pickle and deepcopy
-    keep the class (importable); unpatch sets nn.Linear back."""
+    the `_tigon_loss=` keyword of lm_head_forward. A class rather than an instance forward: the module stays an
+    ordinary module to dynamo (its forward is looked up on the class, as for any module), hooks and FSDP2's class
+    swap work as on nn.Linear, isinstance(lm_head, nn.Linear) holds, pickle and deepcopy keep the class
+    (importable), and unpatch sets nn.Linear back. Linear subclasses of other libraries keep the instance form."""
 
     def forward(self, x, *args, _tigon_loss=None, **kwargs):
         if _tigon_loss is None:
@@ -219,7 +226,7 @@ def _load_balancing(model):
     """The load_balancing_loss_func of the model's own modeling module (Mixtral, Qwen2/3-MoE, OLMoE... each
     define one) when the model has the attributes HF's MoE forwards pass it (num_experts, num_experts_per_tok,
     router_aux_loss_coef), else None."""
-    forward = getattr(hf_forward(model), "__func__", None)
+    forward = hf_forward_function(model)
     module = inspect.getmodule(forward) if forward is not None else None
     fn = getattr(module, "load_balancing_loss_func", None)
     if fn is None or not all(hasattr(model, a) for a in ("num_experts", "num_experts_per_tok",
