@@ -1,7 +1,9 @@
-"""Decode benchmark: Hugging Face `generate` against `tigon.generate` on the anchors' 1.5B Llama config.
+"""Decode benchmark: Hugging Face `generate` against `tigon.generate` on the anchors' 1.5B Llama config, or the
+Llama-3-8B shape (`--model llama3-8b`).
 
-    PYTHONPATH=src python benchmarks/bench_decode.py --out DIR [--variants ...] [--batches 1,8]
-        [--swa-batches 1] [--prompt 512] [--new 256] [--budget S] [--prometheus FILE] [--profile] [--quick]
+    PYTHONPATH=src python benchmarks/bench_decode.py --out DIR [--model llama-1.5b|llama3-8b] [--variants ...]
+        [--batches 1,8] [--swa-batches 1] [--prompts 512,8192 | --prompt 512] [--new 256] [--budget S]
+        [--prometheus FILE] [--profile] [--quick]
     tigon bench decode ...      (the same from a source checkout, then prints the table)
 
 A benchmarks/ tool, not part of the package: it uses tigon's public API (tigon.patch, tigon.generate,
@@ -38,6 +40,15 @@ one timed call with the peak-memory counter reset just before it (weights includ
   profiler sees CPU ops only: the same tables over aten ops by self CPU time (interpreted Triton kernels
   are not ops and do not show).
 - Variants take `@B[+B...]` to run at those batches only: `--variants tigon,hf-static-compile@1`.
+- `--model llama3-8b`: the Llama-3-8B shape (hidden 4096, intermediate 14336, 32 layers, 32 / 8 heads of 128,
+  vocab 128256, rope_theta 500000; bf16, random init on the GPU), default variants tigon,hf-static-compile and
+  prompts 512,8192. `--prompts` runs every Llama variant at each prompt length (TTFT and decode steps per row;
+  32768 works too, at the cost of time).
+- The read bound: after the variants the parent process times a device-to-device copy of 2 GiB
+  (triton.testing.do_bench, median; (read + write) bytes / time: the copy ceiling, in the same run). Each row's
+  bound is the bytes one decode step must read, the weights (every parameter once, the untied input embedding
+  left out: a lookup reads B rows of it) plus the keys and values its attention reads (the mean context of the
+  decode steps: prompt + new / 2 tokens, the window's at most), over that ceiling; `% of bound` = bound / p50.
 
 Writes DIR/decode.json, DIR/decode.md and DIR/decode_latency.png (without matplotlib: no PNG). `--budget`
 skips the variants that no longer fit, with a note in the table. `--quick`: a 2-layer toy on the CPU.
@@ -56,12 +67,18 @@ from decode_profile import BUCKETS, PROFILE_STEPS, profile_tigon, sync
 
 LLAMA_1B5 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+MODELS = {"llama-1.5b": LLAMA_1B5, "llama3-8b": LLAMA3_8B}
+DEFAULT_MODEL = "llama-1.5b"
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=512, max_position_embeddings=256)
 VARIANTS = ("hf-eager", "hf-static-compile", "tigon", "tigon-nograph", "tigon-hf-attn", "swa-hf-static-compile",
             "swa-tigon", "swa-tigon-full", "swa-tigon-hf-attn")
 DEFAULT_VARIANTS = ("tigon,hf-static-compile,tigon-nograph,hf-eager,swa-tigon,swa-tigon-full,swa-hf-static-compile,"
                     "tigon-hf-attn,swa-tigon-hf-attn")
+DEFAULT_VARIANTS_BY_MODEL = {"llama3-8b": "tigon,hf-static-compile"}
+DEFAULT_PROMPTS = {"llama-1.5b": "512", "llama3-8b": "512,8192"}
 WINDOW, SWA_PROMPT = 1024, 4096
 QUICK = dict(prompt=16, new=8, window=8, swa_prompt=24, batches="1,2", profile_steps=2)
 PROFILE_NEED_S = 15  # the three profiled calls and the trace parsing of a 1.5B tigon row on an H200
@@ -70,11 +87,23 @@ PROFILE_NEED_S = 15  # the three profiled calls and the trace parsing of a 1.5B 
 # swa-tigon-hf-attn: two eager 256-step calls (warm-up and timed) at an estimated 20-60 ms per step.
 NEED_S = {"hf-static-compile": 110, "swa-hf-static-compile": 120, "hf-eager": 60, "swa-tigon-hf-attn": 70}
 NEED_DEFAULT_S = 50
+# The 8B rows: a guess, unmeasured until a run times them (6x the weights to build, 2x the layers to compile).
+NEED_SCALE = {"llama3-8b": 1.5}
+COPY_ELEMENTS = 1 << 30  # bf16: a 2 GiB copy (4 GiB read + written), as the ops benchmarks' copy ceiling
 TTFT_REPEATS = 5  # prefill-only calls after the timed one; their median is the TTFT the targets are checked on
 TARGETS = dict(b1_ms=1.0, b8_ms=1.4, p99_over_p50=1.15, ttft_ms=15.0, ring_over_full=1.05)
+# Issue 18's targets at the Llama-3-8B shape: % of the read bound, speedup and TTFT ratio against
+# hf-static-compile at the same batch and prompt.
+TARGETS_8B = dict(pct_of_bound=85.0, over_hf=1.5, p99_over_p50=1.1, ttft_over_hf=0.8, ring_over_full=1.05)
+TARGETS_BY_MODEL = {"llama-1.5b": TARGETS, "llama3-8b": TARGETS_8B}
 ANCHORS = ("Anchors (same method, H200, torch 2.11, transformers 5.17): HF eager DynamicCache p50 64-68 ms/step "
            "(batch 1), 55.6 (batch 8); HF static cache + compile 2.70 ms (batch 1), 3.93 ms (batch 8); Mistral "
            "sliding window 1024, prompt 4096, static + compile 2.87 ms (batch 1).")
+
+
+def model_config(spec):
+    """The config dict of a spec's model: the toy with --quick, else MODELS[spec["model"]]."""
+    return dict(TOY if spec["quick"] else MODELS[spec.get("model", DEFAULT_MODEL)])
 
 
 def build(spec):
@@ -82,7 +111,7 @@ def build(spec):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    cfg = dict(TOY if spec["quick"] else LLAMA_1B5)
+    cfg = model_config(spec)
     cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], spec["prompt"] + spec["new"])
     device = torch.device(spec["device"])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -226,13 +255,17 @@ def child(spec):
     return row
 
 
-def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profile=False):
-    """One spec per (variant, batch); the swa-* variants use the Mistral config, the long prompt and
-    `swa_batches` (default: `batches`). A variant "name@1+8" runs at batches 1 and 8 only. `profile` marks
-    the tigon variants for `profile_tigon`."""
+def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profile=False, model=DEFAULT_MODEL):
+    """One spec per (prompt, variant, batch), prompt outermost; `prompt` is one length or a list. The swa-*
+    variants use the Mistral form of the model's config, the long prompt (once, whatever `prompt` is) and
+    `swa_batches` (default: `batches`). A variant "name@1+8" runs at batches 1 and 8 only. `profile` marks the
+    tigon variants for `profile_tigon`; `model` is a key of MODELS."""
+    if model not in MODELS:
+        raise SystemExit(f"bench_decode: unknown model {model!r}; choose from {', '.join(MODELS)}")
     window = QUICK["window"] if quick else WINDOW
     swa_prompt = QUICK["swa_prompt"] if quick else SWA_PROMPT
-    specs = []
+    prompts = [prompt] if isinstance(prompt, int) else list(prompt)
+    parsed = []
     for item in variants:
         v, _, only = item.partition("@")
         if v not in VARIANTS:
@@ -241,14 +274,21 @@ def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profil
             own = [int(b) for b in only.split("+")] if only else None
         except ValueError:
             raise SystemExit(f"bench_decode: {item!r}: batches after @ are integers joined by +") from None
-        swa = v.startswith("swa-")
-        for b in own or ((swa_batches or batches) if swa else batches):
-            spec = dict(variant=v, family="mistral" if swa else "llama", batch=b,
-                        prompt=swa_prompt if swa else prompt, new=new,
-                        window=None if (not swa or v == "swa-tigon-full") else window, quick=quick, device=device)
-            if profile and "tigon" in v:
-                spec["profile"] = True
-            specs.append(spec)
+        parsed.append((v, own))
+    specs = []
+    for i, length in enumerate(prompts):
+        for v, own in parsed:
+            swa = v.startswith("swa-")
+            if swa and i:
+                continue
+            for b in own or ((swa_batches or batches) if swa else batches):
+                spec = dict(variant=v, family="mistral" if swa else "llama", batch=b,
+                            prompt=swa_prompt if swa else length, new=new,
+                            window=None if (not swa or v == "swa-tigon-full") else window, quick=quick,
+                            device=device, model=model)
+                if profile and "tigon" in v:
+                    spec["profile"] = True
+                specs.append(spec)
     return specs
 
 
@@ -295,9 +335,9 @@ def run_plan(specs, budget_s, timeout_s=300, log=print, inline=False):
     deadline = time.time() + budget_s
     for spec in specs:
         left = deadline - time.time()
-        need = 0 if spec["quick"] else NEED_S.get(spec["variant"], NEED_DEFAULT_S) + (
-            PROFILE_NEED_S if spec.get("profile") else 0)
-        label = f"{spec['variant']} batch {spec['batch']}"
+        need = 0 if spec["quick"] else round(NEED_SCALE.get(spec.get("model"), 1.0) * (
+            NEED_S.get(spec["variant"], NEED_DEFAULT_S) + (PROFILE_NEED_S if spec.get("profile") else 0)))
+        label = f"{spec['variant']} batch {spec['batch']} prompt {spec['prompt']}"
         if left < need:
             row = dict(spec, skipped=f"time budget: {left:.0f} s left, needs ~{need} s")
             log(f"SKIP {label}: {row['skipped']}")
@@ -317,27 +357,121 @@ def run_plan(specs, budget_s, timeout_s=300, log=print, inline=False):
     return rows
 
 
+def weight_read_bytes(cfg, dtype_bytes):
+    """Bytes of the weights one decode step reads for a Llama-style config: every projection, norm and the
+    lm_head once; the untied input embedding left out (a lookup reads B rows of it), as decode_profile's
+    weight_bytes counts a model's parameters."""
+    h, i, n_layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // heads
+    layer = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * i + 2 * h  # q k v, o, gate up down, 2 norms
+    return dtype_bytes * (n_layers * layer + h + cfg["vocab_size"] * h)
+
+
+def kv_read_bytes(cfg, batch, prompt, new, window, dtype_bytes):
+    """Mean bytes of keys and values one decode step's attention reads: decode step j (1 .. new - 1) attends
+    over prompt + j cached tokens (at most the window's), every layer, K and V, every row."""
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * d * dtype_bytes
+    contexts = [min(prompt + j, window) if window else prompt + j for j in range(1, new)]
+    mean = sum(contexts) / len(contexts) if contexts else prompt
+    return batch * per_token * mean
+
+
+def read_bound(row, copy_GBps):
+    """{weight_read_bytes, kv_read_bytes, bound_ms, pct_of_bound} of a finished row at the copy ceiling: the
+    bound is (weights + KV) / ceiling, pct_of_bound = 100 x bound / p50 (100 = every step at the ceiling)."""
+    cfg = model_config(row)
+    dtype_bytes = 2 if row["device"].startswith("cuda") else 4  # bf16 on CUDA, fp32 on a CPU, as build()
+    weights = weight_read_bytes(cfg, dtype_bytes)
+    kv = kv_read_bytes(cfg, row["batch"], row["prompt"], row["new"], row["window"], dtype_bytes)
+    bound_ms = (weights + kv) / (copy_GBps * 1e9) * 1e3
+    return dict(weight_read_bytes=weights, kv_read_bytes=kv, bound_ms=bound_ms,
+                pct_of_bound=100 * bound_ms / row["p50_ms"])
+
+
+def copy_ceiling(device, quick):
+    """The copy ceiling: GB/s of `dst.copy_(src)`, (read + write) bytes / time. On CUDA a 2 GiB bf16 copy timed by
+    triton.testing.do_bench (median); with --quick or on a CPU 32 MiB, median of 5 perf_counter copies (a smoke
+    run of the arithmetic, not a ceiling)."""
+    import torch
+
+    device = torch.device(device)
+    n = COPY_ELEMENTS if device.type == "cuda" and not quick else 1 << 24
+    ms, how = _time_copy(torch, device, n)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the 4 GiB of the copy back to the device
+    moved = 2 * n * 2
+    return dict(GBps=moved / (ms * 1e-3) / 1e9, bytes=moved, ms=ms, how=f"{n * 2 / 2**20:.0f} MiB copy, {how}")
+
+
+def _time_copy(torch, device, n):
+    src = torch.ones(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median"), "do_bench median"
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return 1e3 * sorted(times)[2], "perf_counter median of 5"
+
+
+def bound_lines(rows, ceiling):
+    """The read-bound section: each finished row's weight + KV bytes per step, bound and % of it."""
+    done = [r for r in rows if r.get("bound_ms") is not None]
+    if not done:
+        return []
+    lines = ["", "### Weight + KV read bound", "",
+             f"Copy ceiling {ceiling['GBps']:.0f} GB/s ({ceiling['how']}, (read + write) / time, this run). Bound = "
+             "(weights + mean KV a decode step reads) / ceiling; % of bound = bound / p50.", "",
+             "| model | variant | batch | prompt | weights MB | KV MB/step | bound ms/step | p50 ms/step "
+             "| % of bound |",
+             "|" + "---|" * 9]
+    for r in done:
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | "
+                     f"{r['weight_read_bytes'] / 1e6:.1f} | {r['kv_read_bytes'] / 1e6:.1f} | {r['bound_ms']:.3f} | "
+                     f"{r['p50_ms']:.3f} | {r['pct_of_bound']:.1f}% |")
+    return lines
+
+
 def _num(x, fmt=".2f"):
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
 def _model_name(r):
+    model = r.get("model", DEFAULT_MODEL)
     if r["family"] == "llama":
-        return "llama-1.5b" if not r["quick"] else "llama-toy"
-    return "mistral-" + (f"swa{r['window']}" if r["window"] else "full")
+        return model if not r["quick"] else "llama-toy"
+    size = "" if r["quick"] or model == DEFAULT_MODEL else model.split("-")[-1] + "-"
+    return f"mistral-{size}" + (f"swa{r['window']}" if r["window"] else "full")
 
 
 def _baseline(rows, r):
+    """hf-static-compile's row (swa-hf-static-compile's for swa-*) at r's model, batch and prompt."""
     want = "swa-hf-static-compile" if r["variant"].startswith("swa-") else "hf-static-compile"
-    return next((x for x in rows if x["variant"] == want and x["batch"] == r["batch"] and "p50_ms" in x), None)
+    return next((x for x in rows if x["variant"] == want and x["batch"] == r["batch"] and x["prompt"] == r["prompt"]
+                 and x.get("model") == r.get("model") and "p50_ms" in x), None)
+
+
+def _ttft(r):
+    """The row's TTFT for the targets: the median of the prefill-only calls, else the timed call's."""
+    return r["ttft_median_ms"] if r.get("ttft_median_ms") is not None else r["ttft_ms"]
 
 
 def targets(rows):
-    """(target, value, verdict) for each target with its rows present."""
+    """(target, value, verdict) for each target with its rows present; a row's model picks its targets
+    (TARGETS_BY_MODEL)."""
     out = []
     ok = {r["variant"] + str(r["batch"]): r for r in rows if "p50_ms" in r}
     for r in rows:
         if "p50_ms" not in r or r["variant"] != "tigon":
+            continue
+        if r.get("model", DEFAULT_MODEL) == "llama3-8b":
+            out += _targets_8b(rows, r)
             continue
         limit = TARGETS["b1_ms"] if r["batch"] == 1 else TARGETS["b8_ms"] if r["batch"] == 8 else None
         if limit is not None:
@@ -345,16 +479,17 @@ def targets(rows):
                         r["p50_ms"] <= limit))
         if r["prompt"] == 512:
             median = r.get("ttft_median_ms")
-            ttft = median if median is not None else r["ttft_ms"]
             how = (f" (median of {len(r['ttft_repeats_ms'])} prefill-only calls)" if median is not None
                    else " (the timed call)")
             out.append((f"tigon batch {r['batch']} TTFT <= {TARGETS['ttft_ms']:.0f} ms (prompt 512)",
-                        f"{ttft:.1f} ms{how}", ttft <= TARGETS["ttft_ms"]))
+                        f"{_ttft(r):.1f} ms{how}", _ttft(r) <= TARGETS["ttft_ms"]))
     for r in rows:
         if "p50_ms" in r and r["variant"] in ("tigon", "swa-tigon", "swa-tigon-full"):
+            model = r.get("model", DEFAULT_MODEL)
+            limit = TARGETS_BY_MODEL[model]["p99_over_p50"]
+            at = f" prompt {r['prompt']}" if model != DEFAULT_MODEL else ""  # the 1.5B's labels as before
             ratio = r["p99_ms"] / r["p50_ms"]
-            out.append((f"{r['variant']} batch {r['batch']} p99 <= {TARGETS['p99_over_p50']}x p50", f"{ratio:.3f}x",
-                        ratio <= TARGETS["p99_over_p50"]))
+            out.append((f"{r['variant']} batch {r['batch']}{at} p99 <= {limit}x p50", f"{ratio:.3f}x", ratio <= limit))
     for r in ok.values():
         full = ok.get("swa-tigon-full" + str(r["batch"]))
         if r["variant"] == "swa-tigon" and full:
@@ -362,6 +497,24 @@ def targets(rows):
             out.append((f"batch {r['batch']}: ring past capacity p50 <= {TARGETS['ring_over_full']}x full cache",
                         f"{ratio:.3f}x ({r['p50_ms']:.3f} vs {full['p50_ms']:.3f} ms)",
                         ratio <= TARGETS["ring_over_full"]))
+    return out
+
+
+def _targets_8b(rows, r):
+    """Issue 18's targets of one tigon row at the Llama-3-8B shape."""
+    t, at = TARGETS_8B, f"batch {r['batch']} prompt {r['prompt']}"
+    out = []
+    if r.get("pct_of_bound") is not None:
+        out.append((f"tigon {at} >= {t['pct_of_bound']:.0f}% of the weight + KV read bound",
+                    f"{r['pct_of_bound']:.1f}% ({r['bound_ms']:.3f} of {r['p50_ms']:.3f} ms)",
+                    r["pct_of_bound"] >= t["pct_of_bound"]))
+    base = _baseline(rows, r)
+    if base:
+        speed = base["p50_ms"] / r["p50_ms"]
+        out.append((f"tigon {at} p50 >= {t['over_hf']}x hf-static-compile", f"x{speed:.2f}", speed >= t["over_hf"]))
+        ratio = _ttft(r) / _ttft(base)
+        out.append((f"tigon {at} TTFT <= {t['ttft_over_hf']}x hf-static-compile's",
+                    f"{ratio:.2f}x ({_ttft(r):.1f} vs {_ttft(base):.1f} ms)", ratio <= t["ttft_over_hf"]))
     return out
 
 
@@ -399,6 +552,8 @@ def markdown(rows, meta):
     if skipped:
         names = ", ".join(f"{r['variant']} b{r['batch']}" for r in skipped)
         lines.append(f"Skipped for the time budget: {names}.")
+    if meta.get("copy_ceiling"):
+        lines += bound_lines(rows, meta["copy_ceiling"])
     lines += ttft_phase_lines(rows) + profile_lines(rows)
     return "\n".join(lines) + "\n"
 
@@ -411,13 +566,14 @@ def ttft_phase_lines(rows):
     from tigon.decode import TTFT_PHASES
 
     lines = ["", "### TTFT by phase (timed call; ms, device / host)", "",
-             "| model | variant | batch | TTFT | " + " | ".join(TTFT_PHASES) + " |",
-             "|" + "---|" * (4 + len(TTFT_PHASES))]
+             "| model | variant | batch | prompt | TTFT | " + " | ".join(TTFT_PHASES) + " |",
+             "|" + "---|" * (5 + len(TTFT_PHASES))]
     for r in done:
         dev, host = r["stats"]["ttft_phases_s"], r["stats"].get("ttft_host_phases_s") or {}
         cells = [f"{_num(1e3 * dev[k], '.2f')} / {_num(1e3 * host[k] if k in host else None, '.2f')}"
                  for k in TTFT_PHASES]
-        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {_num(r['ttft_ms'], '.1f')} | "
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | "
+                     f"{_num(r['ttft_ms'], '.1f')} | "
                      + " | ".join(cells) + " |")
     lines.append("device: CUDA-event interval between the phase's boundaries (when the stream reached them; sums "
                  "to TTFT); host: perf_counter wall time of the phase. host ~ device: the GPU waited on the host "
@@ -437,11 +593,11 @@ def profile_lines(rows):
     unit = "kernels" if activity == "cuda kernels" else "ops"
     steps = ok[0]["profile"]["decode"]["steps"] if ok else PROFILE_STEPS
     lines = ["", f"### Decode-step profile (torch.profiler, {activity}; ms per step over {steps} decode steps)", "",
-             f"| model | variant | batch | {unit}/step | {unit} ms | " + " | ".join(names)
+             f"| model | variant | batch | prompt | {unit}/step | {unit} ms | " + " | ".join(names)
              + f" | measured p50 | p50 - {unit} (gaps) | traced span | GEMM GB/s |",
-             "|" + "---|" * (9 + len(names))]
+             "|" + "---|" * (10 + len(names))]
     for r in done:
-        head = f"| {_model_name(r)} | {r['variant']} | {r['batch']} |"
+        head = f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} |"
         prof = r["profile"]
         if "decode" not in prof:
             lines.append(head + f" profile failed: {prof.get('error')} |" + " |" * (5 + len(names)))
@@ -456,17 +612,19 @@ def profile_lines(rows):
         lines += ["", f"No {unit} seen in the decode steps of {', '.join(blind)}: this torch/CUPTI did not trace the "
                   "replayed CUDA graph's kernels (run the *-nograph variant, or Nsight Systems)."]
     lines += ["", "### TTFT profile (one generate call with max_new_tokens=1; ms)", "",
-              f"| model | variant | batch | {unit} | {unit} ms | " + " | ".join(names)
-              + " | traced span | TTFT (timed call) | TTFT (traced call) |", "|" + "---|" * (8 + len(names))]
+              f"| model | variant | batch | prompt | {unit} | {unit} ms | " + " | ".join(names)
+              + " | traced span | TTFT (timed call) | TTFT (traced call) |", "|" + "---|" * (9 + len(names))]
     for r in ok:
         f = r["profile"]["prefill"]
-        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {_num(f['kernels'], '.0f')} | "
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | "
+                     f"{_num(f['kernels'], '.0f')} | "
                      f"{_num(f['kernel_ms'], '.3f')} | " + " | ".join(_num(f["buckets_ms"][k], ".3f") for k in names)
                      + f" | {_num(f['span_ms'], '.3f')} | {_num(f['measured_ttft_ms'], '.2f')} | "
                      f"{_num(f['traced_ttft_ms'], '.2f')} |")
     for r in ok:
         d = r["profile"]["decode"]
-        lines += ["", f"Top {unit} per decode step, {r['variant']} batch {r['batch']} ({d['located']}; GEMM weight "
+        lines += ["", f"Top {unit} per decode step, {r['variant']} batch {r['batch']} prompt {r['prompt']} "
+                  f"({d['located']}; GEMM weight "
                   f"bytes {d['gemm_weight_bytes'] / 1e6:.1f} MB of {d['param_bytes'] / 1e6:.1f} MB of parameters):", ""]
         lines += [f"- {t['ms']:.4f} ms, {t['per_step']:g}x, {t['bucket']}: `{t['name']}`" for t in d["top"]]
     lines += ["", f"Buckets by {unit[:-1]} name: gemm (cuBLAS gemm/gemv/nvjet/cutlass), attention (tigon "
@@ -518,11 +676,15 @@ def prometheus_rows(rows):
 
 def build_parser(prog="bench_decode"):
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=tuple(MODELS),
+                   help=f"the Llama shape (default {DEFAULT_MODEL}; llama3-8b: Llama-3-8B's, random init)")
     p.add_argument("--variants", default=None, help=f"comma-separated, in run order (default {DEFAULT_VARIANTS}; "
-                   f"all: {','.join(VARIANTS)})")
+                   f"with --model llama3-8b {DEFAULT_VARIANTS_BY_MODEL['llama3-8b']}; all: {','.join(VARIANTS)})")
     p.add_argument("--batches", default=None, help="comma-separated (default 1,8)")
     p.add_argument("--swa-batches", default=None, help="batches of the swa-* variants (default 1, as the anchors)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens of the Llama rows (default 512)")
+    p.add_argument("--prompts", default=None, help="comma-separated prompt lengths, each a set of Llama rows "
+                   "(default 512; with --model llama3-8b 512,8192; 32768 also works); not with --prompt")
     p.add_argument("--new", type=int, default=None, help="new tokens, all forced (default 256)")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else ./tigon-bench-out)")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run (default 540)")
@@ -536,6 +698,29 @@ def build_parser(prog="bench_decode"):
     return p
 
 
+def int_list(text, flag):
+    """Positive integers from "1,8"; SystemExit naming the flag otherwise."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = None
+    if values is None or any(v <= 0 for v in values):
+        raise SystemExit(f"bench_decode: {flag} takes positive integers joined by commas, got {text!r}")
+    return values
+
+
+def prompt_lengths(prompt, prompts, model, quick):
+    """The prompt lengths of the Llama rows: --prompts, else --prompt, else the model's DEFAULT_PROMPTS (the
+    toy's with --quick)."""
+    if prompt is not None and prompts is not None:
+        raise SystemExit("bench_decode: give --prompt or --prompts, not both")
+    if prompts is not None:
+        return int_list(prompts, "--prompts")
+    if prompt is not None:
+        return int_list(str(prompt), "--prompt")
+    return [QUICK["prompt"]] if quick else int_list(DEFAULT_PROMPTS[model], "--prompts")
+
+
 def main(argv=None, log=print, prog="bench_decode"):
     a = build_parser(prog).parse_args(argv)
     if a.child:
@@ -547,20 +732,29 @@ def main(argv=None, log=print, prog="bench_decode"):
     if device == "cpu" and not a.quick:
         log("bench_decode: no CUDA device: the 1.5B config on a CPU would take hours; use --quick")
         return 2
-    quick = a.quick
-    variants = [v for v in (a.variants or DEFAULT_VARIANTS).split(",") if v]
-    batches = [int(b) for b in (a.batches or (QUICK["batches"] if quick else "1,8")).split(",") if b]
-    swa_batches = [int(b) for b in (a.swa_batches or ("" if quick else "1")).split(",") if b] or None
-    prompt = a.prompt or (QUICK["prompt"] if quick else 512)
+    quick, model = a.quick, a.model
+    variants = [v for v in (a.variants or DEFAULT_VARIANTS_BY_MODEL.get(model, DEFAULT_VARIANTS)).split(",") if v]
+    batches = int_list(a.batches or (QUICK["batches"] if quick else "1,8"), "--batches")
+    swa_batches = int_list(a.swa_batches or ("" if quick else "1"), "--swa-batches") or None
+    prompts = prompt_lengths(a.prompt, a.prompts, model, quick)
     new = a.new or (QUICK["new"] if quick else 256)
     out = a.out or os.environ.get("OUT") or "tigon-bench-out"
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
-    rows = run_plan(plan(variants, batches, prompt, new, quick, device, swa_batches, profile=a.profile), a.budget,
-                    a.timeout, log=log, inline=quick and device == "cpu")
-    meta = dict(title="tigon.generate vs HF generate" + (" (quick toy on " + device + ")" if quick else ""),
+    specs = plan(variants, batches, prompts, new, quick, device, swa_batches, profile=a.profile, model=model)
+    rows = run_plan(specs, a.budget, a.timeout, log=log, inline=quick and device == "cpu")
+    name = "" if model == DEFAULT_MODEL or quick else f", {model}"
+    meta = dict(title="tigon.generate vs HF generate" + name + (" (quick toy on " + device + ")" if quick else ""),
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
-                wall_s=time.time() - t0, targets=TARGETS, anchors=ANCHORS)
+                model=model, prompts=prompts, wall_s=time.time() - t0, targets=TARGETS_BY_MODEL[model],
+                anchors=ANCHORS)
+    try:  # after the variants: the parent's own CUDA context and 4 GiB are gone before any child starts
+        meta["copy_ceiling"] = copy_ceiling(device, quick)
+    except Exception as e:  # noqa: BLE001 - a failed ceiling leaves the bound columns out, the rows stand
+        meta["copy_ceiling_error"] = f"{type(e).__name__}: {e}"[:300]
+    for r in rows:
+        if "p50_ms" in r and meta.get("copy_ceiling"):
+            r.update(read_bound(r, meta["copy_ceiling"]["GBps"]))
     try:
         import transformers
 

@@ -2,12 +2,15 @@
 # The benchmark runner for a GPU machine: runs the steps named on the command line, in that order, each under its
 # own timeout inside one budget, and leaves at most 8 files in $OUT (a device call returns no more).
 #
-#     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-ops e2e e2e-compile lce losses attention sft lora
+#     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops e2e e2e-compile lce losses
+#                                             attention sft lora
 #
 #   tests       the README's test command, natively: python -m pytest tests -q -n 8 (tests.log)
 #   ops         gpu_check.py without its tests: ceilings and every op benchmark (<gpu>_ops.md, <gpu>_ops.json)
 #   decode      bench_decode: tigon at batch 1 and 8 beside HF static cache + compile at batch 1
 #               (<gpu>_decode.md, <gpu>_decode.json)
+#   decode-8b   bench_decode --model llama3-8b: tigon and HF static cache + compile at batch 1 and 8, prompts
+#               DECODE_8B_PROMPTS (default 512,8192), with the weight + KV read bound (<gpu>_decode_8b.md, .json)
 #   decode-ops  bench_decode_ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
 #   e2e         bench_e2e: the 1.5B training step, tigon beside liger (<gpu>_e2e.md, <gpu>_e2e.json)
 #   e2e-compile bench_e2e --compile: torch.compile over HF, over a patched model, and patched alone (<gpu>_e2e_compile.md)
@@ -97,6 +100,13 @@ for s in "$@"; do
                 keep "$T/decode_base/decode.md" "${GPU}_decode_base.md"
                 extras+=("$T/decode_base/decode.json ${GPU}_decode_base.json")
             fi ;;
+        decode-8b)  # the bench's budget ends 30 s before the step's timeout, so it writes its tables
+            b8=$(( BUDGET - SECONDS - 30 )); (( b8 > 550 )) && b8=550
+            step decode-8b 580 python3 benchmarks/bench_decode.py --model llama3-8b --out "$T/decode_8b" \
+                --variants "${DECODE_8B_VARIANTS:-tigon,hf-static-compile}" --batches 1,8 \
+                --prompts "${DECODE_8B_PROMPTS:-512,8192}" --budget "$(( b8 > 1 ? b8 : 1 ))" >>"$LOG" 2>&1
+            keep "$T/decode_8b/decode.md" "${GPU}_decode_8b.md"; keep "$T/decode_8b/decode.json" "${GPU}_decode_8b.json"
+            extras+=("$T/decode_8b/decode_latency.png ${GPU}_decode_8b_latency.png") ;;
         decode-ops) step decode-ops 100 python3 benchmarks/bench_decode_ops.py --out "$T/decode_ops" --quick >>"$LOG" 2>&1
             keep "$T/decode_ops/decode_ops.md" "${GPU}_decode_ops.md"
             keep "$T/decode_ops/decode_ops.json" "${GPU}_decode_ops.json" ;;

@@ -3,11 +3,12 @@
     tigon env                       versions, the GPU, and which path each op takes here
     tigon bench [--quick] [--out DIR] [--budget S] [--sections A,B] [--device D] [--tests]
                                     the benchmarks of benchmarks/gpu_check.py (a source checkout's folder)
-    tigon bench decode [--quick] [--variants V] [--batches 1,8] [--prompt N] [--new N] [--out DIR] [--budget S]
-                       [--prometheus FILE]
-                                    the decode benchmark (benchmarks/bench_decode.py: HF generate vs tigon.generate);
-                                    prints the table, writes decode.json/md/png and, with --prometheus, the
-                                    tigon rows' stats in the Prometheus text format
+    tigon bench decode [--quick] [--model llama-1.5b|llama3-8b] [--variants V] [--batches 1,8]
+                       [--prompts 512,8192 | --prompt N] [--new N] [--out DIR] [--budget S] [--prometheus FILE]
+                                    the decode benchmark (benchmarks/bench_decode.py: HF generate vs tigon.generate,
+                                    the 1.5B Llama or the Llama-3-8B shape); prints the table, writes
+                                    decode.json/md/png and, with --prometheus, the tigon rows' stats in the
+                                    Prometheus text format
     tigon demo [...]                fine-tune a small model with Tigon off, then on (tigon.demo)
 
 `tigon bench` runs tools of a source checkout's benchmarks/ folder (found beside src/, under the current
@@ -136,7 +137,8 @@ def _check_bench_decode_values(full, rest) -> None:
     check = argparse.ArgumentParser(prog=full.prog, usage=full.format_usage().removeprefix("usage: ").strip(),
                                     add_help=False)
     for flag, kind in (("--batches", positive_int_list), ("--swa-batches", positive_int_list),
-                       ("--prompt", positive_int), ("--new", positive_int), ("--budget", positive_float),
+                       ("--prompt", positive_int), ("--prompts", positive_int_list), ("--new", positive_int),
+                       ("--budget", positive_float),
                        ("--timeout", positive_float), ("--device", device), ("--variants", name_list)):
         check.add_argument(flag, type=kind)
     check.parse_known_args(rest)
