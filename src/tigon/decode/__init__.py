@@ -11,6 +11,7 @@ Modules, in the order a decode call meets them:
     layer_step.py   the fused decoder-layer step (decode: 6 kernels; prefill: the direct op calls) and how a
                     model gets it (install / uninstall / fused_decode)
     rotary_table.py the per-call cos/sin table the rotary module reads
+    hf_graph.py     HF's own model.generate with a CUDA-graph decode step (tigon.patch(model, cuda_graph=True))
     sampling.py     token choice on the device (argmax, temperature / top-k / top-p)
     stats.py        the step clock, the TTFT phases, the one percentile rule, the stats dict
     metrics.py      the stats as Prometheus metrics (StatsCollector, prometheus_text)
@@ -26,6 +27,7 @@ call (`fused_decode`), so a class-level patched model gets it too.
 Layering: this package imports ops, memory, modules and hf; tigon/api.py, cli and demo import it.
 """
 
+from . import hf_graph
 from .layer_step import fused_decode, install, uninstall
 from .loop import generate
 from .metrics import LATENCY_BUCKETS, StatsCollector, prometheus_text
@@ -33,4 +35,4 @@ from .settings import DecodeSettings
 from .stats import TTFT_PHASES, percentile
 
 __all__ = ["DecodeSettings", "LATENCY_BUCKETS", "StatsCollector", "TTFT_PHASES", "fused_decode", "generate",
-           "install", "percentile", "prometheus_text", "uninstall"]
+           "hf_graph", "install", "percentile", "prometheus_text", "uninstall"]

@@ -17,6 +17,8 @@ For the call the loop switches, and puts back at the end (also on an exception):
   instead of HF's mask builder, so nothing in a step depends on a host integer that changes between steps;
 - the fused layer step of a patched model (`settings.fused_layers`, `layer_step.fused_decode`);
 - the rotary tables (`settings.rotary_table`, `rotary_table.cached_rotary`).
+- the CUDA-graph step of HF's generate on a model patched with cuda_graph=True (`hf_graph.paused`): calls go
+  straight to the forward under it, this loop captures its own graph.
 
 CUDA graphs (`cuda_graph=True` on CUDA): the decode forward is captured once per call (the batch is fixed
 within a call) over static `input_ids` / `position_ids` / mask tensors and the cache's static buffers, then
@@ -31,7 +33,7 @@ import contextlib
 
 import torch
 
-from . import inputs, sampling
+from . import hf_graph, inputs, sampling
 from .layer_step import fused_decode
 from .rotary_table import cached_rotary
 from .settings import DEFAULT, DecodeSettings
@@ -181,6 +183,7 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     ran, undo = _switch_attention(model, attention)
     scope = contextlib.ExitStack()  # what the loop switches for the call, undone here
     try:
+        scope.enter_context(hf_graph.paused(model))  # tigon.patch(cuda_graph=True)'s step: this loop graphs its own
         if settings.fused_layers:
             scope.enter_context(fused_decode(model))
         clock.phase("attention_switch")
