@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _library, reference
+from . import _launch, _library, decode_linear_picks, reference
 from . import _workspace as _ws
 from ._config import DecodeLinearConfig
 
@@ -193,25 +193,46 @@ def _smem_limit(device) -> int:
     return getattr(torch.cuda.get_device_properties(device.index or 0), "shared_memory_per_block_optin", SMEM_LIMIT)
 
 
-@functools.lru_cache(maxsize=256)
-def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, esize: int, device,
-                 smem_limit: int | None = None) -> DecodeLinearConfig:
-    """The launch for these shapes and element size when the caller passes no config (cached: no per-call host
-    work). smem_limit: bytes of shared memory a block may use (None: the device's)."""
-    if device.type != "cuda":
-        return DecodeLinearConfig(16, 64, 4, 1, 1)  # the interpreter: a few K steps on small test shapes
+def _gpu_name(index: int) -> str | None:
+    return torch.cuda.get_device_name(index) if torch.cuda.is_available() else None
+
+
+def _rule_config(K: int, n_total: int, glu: bool, norm: bool, sms: int) -> DecodeLinearConfig:
+    """The launch from the shapes where no measured pick applies, before the shared-memory fit."""
     # From the H200 sweeps (benchmarks/results/h200_decode_ops_sweep.json, 1.5B Llama shapes, bf16, batch 1 and 8): 32
     # columns a program except for a plain square projection (o_proj: 16, twice the programs), 256-wide K steps,
     # 4 warps; a long K over few column blocks (down_proj, K = 4 N) splits K in 4 over 64-column blocks.
     block_k = 256 if K >= 256 else max(16, triton.next_power_of_2(K))
-    if not glu and K >= 4 * 2048 and triton.cdiv(n_total, 64) < 2 * _launch.sm_count(device.index or 0):
-        config = DecodeLinearConfig(64, block_k, 4, 4, 4)
-    else:
-        block_n = 32 if glu or norm or n_total >= 4096 else 16
-        config = DecodeLinearConfig(block_n, block_k, 4, 3 if glu else 4, 1)
+    if not glu and K >= 4 * 2048 and triton.cdiv(n_total, 64) < 2 * sms:
+        return DecodeLinearConfig(64, block_k, 4, 4, 4)
+    block_n = 32 if glu or norm or n_total >= 4096 else 16
+    return DecodeLinearConfig(block_n, block_k, 4, 3 if glu else 4, 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, esize: int, device,
+                 smem_limit: int | None = None, residual: bool = False) -> DecodeLinearConfig:
+    """The launch for these shapes and element size when the caller passes no config (cached: no per-call host
+    work): the measured pick of `decode_linear_picks.MEASURED_PICKS` for this GPU and 16-bit shape, else the
+    rule. smem_limit: bytes of shared memory a block may use (None: the device's)."""
+    if device.type != "cuda":
+        return DecodeLinearConfig(16, 64, 4, 1, 1)  # the interpreter: a few K steps on small test shapes
+    index = device.index or 0
+    pick = None
+    if esize == 2:  # measured in bf16; fp16 reads the same bytes
+        pick = decode_linear_picks.lookup(_gpu_name(index), K, n_total, M,
+                                          decode_linear_picks.kind(norm, glu, residual))
+    config = DecodeLinearConfig(*pick) if pick else _rule_config(K, n_total, glu, norm, _launch.sm_count(index))
     # fp32 tiles are twice the bytes: down_proj's 80 KiB stages (Triton 3.6 keeps 3 buffers at 4 stages: 240 KiB,
     # which the H200 refused) and the GLU's fit with 2 stages; the 16-bit picks fit as they are
     return _fit_smem(config, esize, glu, norm, _smem_limit(device) if smem_limit is None else smem_limit)
+
+
+def _split_of(K: int, block_k: int, split: int) -> tuple[int, int]:
+    """(K elements per split, splits) a launch runs for `split` asked: whole BLOCK_K steps per split, so fewer
+    splits than asked where the K steps do not divide evenly (4 steps in 3 splits: 2 splits of 2 steps)."""
+    k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    return k_split, triton.cdiv(K, k_split)
 
 
 def _workspace(device, n_sums: int, n_counters: int):
@@ -234,7 +255,8 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
     if M == 0 or n_out == 0:
         return y
     if config is None:
-        config = _pick_config(M, K, n_out, bool(act), norm_weight is not None, x.element_size(), x.device)
+        config = _pick_config(M, K, n_out, bool(act), norm_weight is not None, x.element_size(), x.device,
+                              residual=residual is not None)
     block_n, block_k, split = config.block_n, config.block_k, config.split_k
     ns_all = ns + [0] * (MAX_WEIGHTS - len(ns))
     nb = [triton.cdiv(n, block_n) for n in ns_all]
@@ -243,8 +265,7 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
     n_blocks = nb[0] if act else sum(nb)
     block_m = 16  # tl.dot's least M: batch 1 to 16 cost the same
     m_blocks = triton.cdiv(M, block_m)
-    k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
-    split = triton.cdiv(K, k_split)
+    k_split, split = _split_of(K, block_k, split)
     if split > 1:
         ws, cnt = _workspace(x.device, split * M * n_out, n_blocks * m_blocks)
     else:

@@ -1,0 +1,36 @@
+"""The `decode_linear` launches measured per shape: a data table `decode_linear._pick_config` reads before its rule.
+
+`MEASURED_PICKS[gpu name][(K, N, batch bucket, kind)]` is the `DecodeLinearConfig.ints()` tuple
+(block_n, block_k, num_warps, num_stages, split_k) that `benchmarks/bench_decode_ops.py` timed fastest for that
+projection in 16-bit weights, where it beat the rule's own launch (`--emit-picks FILE` writes the entries of a
+run as a dict literal to paste under the GPU's name). N is the output width of the launch (q + k + v for the
+fused projection; one of gate / up with a GLU). A launch with no entry, a 4-byte dtype, more than 16 rows or an
+unmeasured GPU runs the rule (`decode_linear._rule_config`), so the shapes the rule was tuned at (the 1.5B Llama
+of benchmarks/bench_decode.py) launch exactly as before this table.
+
+Batch buckets: 1 (one row) and 16 (2 to 16 rows: the kernel pads rows to 16, so these share one tile shape;
+measured at batch 8). Kinds name what the launch fuses: "plain", or "+"-joined "norm", "glu", "residual"
+(`kind`): a Llama layer's q/k/v is "norm", o_proj and down_proj "residual", gate/up "norm+glu".
+"""
+
+BATCH_BUCKETS = (1, 16)
+
+MEASURED_PICKS: dict = {}
+
+
+def batch_bucket(m: int) -> int | None:
+    """The bucket of a launch with m rows: the least bucket >= m, None past the last (no measured picks)."""
+    return next((b for b in BATCH_BUCKETS if m <= b), None)
+
+
+def kind(norm: bool, glu: bool, residual: bool) -> str:
+    """What a launch fuses, as the table's keys spell it: "plain", "norm", "residual", "norm+glu", ..."""
+    return "+".join(p for p, on in (("norm", norm), ("glu", glu), ("residual", residual)) if on) or "plain"
+
+
+def lookup(gpu: str | None, K: int, N: int, m: int, launch_kind: str, table: dict | None = None) -> tuple | None:
+    """The measured (block_n, block_k, num_warps, num_stages, split_k) for this launch on `gpu`
+    (torch.cuda.get_device_name; None: no GPU), or None where nothing was measured. table: MEASURED_PICKS."""
+    rows = (MEASURED_PICKS if table is None else table).get(gpu, {}) if gpu else {}
+    bucket = batch_bucket(m)
+    return None if bucket is None else rows.get((K, N, bucket, launch_kind))
