@@ -336,7 +336,8 @@ def _gpu_model(model_type, dtype):
 
 
 def _gpu_ids(b, t, seed=0):
-    return torch.randint(0, V, (b, t), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    # No id 0: generate would read it as padding (pad_token_id=0) and mask it, tigon.generate would not.
+    return torch.randint(1, V, (b, t), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
 
 
 def _both(model, ids, new, mask=None, seed=None, **kw):
