@@ -184,6 +184,16 @@ def test_a_new_layout_warms_up_and_captures_again(graphed):
     assert (graphs.captures, graphs.replays) == (2, 2)
 
 
+def test_tigon_generate_passes_by_the_graph_step(graphed):
+    # tigon.generate captures its own graph: the HF graph step lets its calls through untouched.
+    ref, model, graphs = graphed
+    ids = _ids(1, 4)
+    got = tigon.generate(model, ids, max_new_tokens=4, cuda_graph=False)
+    assert hf_graph.graph_stats(model) == dict(captures=0, replays=0, eager_steps=0, last_fallback="")
+    assert graphs.captures == 0 and hf_graph.GraphForward(model).state.paused == 0
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=4, do_sample=False))
+
+
 def test_dynamic_cache_runs_eagerly_with_one_log_line(graphed, caplog):
     ref, model, _ = graphed
     ids = _ids(1, 4)
