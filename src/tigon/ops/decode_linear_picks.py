@@ -15,7 +15,18 @@ measured at batch 8). Kinds name what the launch fuses: "plain", or "+"-joined "
 
 BATCH_BUCKETS = (1, 16)
 
-MEASURED_PICKS: dict = {}
+MEASURED_PICKS: dict = {
+    # bench_decode_ops.py --model llama3-8b at f2868a9 (torch 2.11, triton 3.6; benchmarks/results/
+    # h200_decode_ops_llama3-8b.json): the winners >= 2% faster than the rule's launch. Comments: rule -> pick.
+    "NVIDIA H200": {
+        (4096, 6144, 1, "norm"): (64, 256, 4, 4, 1),  # norm+qkv, batch 1: 24.43 -> 21.91 us
+        (4096, 4096, 1, "residual"): (32, 128, 4, 4, 2),  # o+residual, batch 1: 12.48 -> 11.74 us
+        (14336, 4096, 1, "residual"): (64, 256, 4, 4, 2),  # down+residual, batch 1: 34.10 -> 31.75 us
+        (4096, 6144, 16, "norm"): (64, 256, 4, 4, 1),  # norm+qkv, batch 8: 26.38 -> 22.86 us
+        (4096, 4096, 16, "residual"): (32, 128, 4, 4, 2),  # o+residual, batch 8: 12.46 -> 11.90 us
+        (14336, 4096, 16, "residual"): (64, 256, 8, 4, 2),  # down+residual, batch 8: 36.53 -> 32.67 us
+    },
+}
 
 
 def batch_bucket(m: int) -> int | None:
