@@ -311,7 +311,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=560.0, help="seconds (flex compiles ~7 variants)")
     p.add_argument("--write-table", action="store_true", help="rewrite hf/attention_table.py's MEASURED block")
     a = p.parse_args(argv)
-    ctx = H.Context(quick=a.smoke, deadline=time.time() + a.budget)
+    os.makedirs(a.out, exist_ok=True)
+    # every row is printed and kept in a part file as it lands: a run cut off by a timeout keeps what it measured
+    ctx = H.Context(quick=a.smoke, deadline=time.time() + a.budget, verbose=True,
+                    part_path=os.path.join(a.out, "training_attention.part.json"))
     run(ctx, (SMOKE_PLAN_CUDA if ctx.cuda else SMOKE_PLAN) if a.smoke else PLAN)
     gpu = torch.cuda.get_device_name() if ctx.cuda else "cpu"
     best = fastest(ctx)
