@@ -199,7 +199,8 @@ def test_dynamic_cache_runs_eagerly_with_one_log_line(graphed, caplog):
     ids = _ids(1, 4)
     with caplog.at_level(logging.WARNING, logger="tigon"):
         got = model.generate(ids, max_new_tokens=4, do_sample=False)  # HF's DynamicCache
-    lines = [r.getMessage() for r in caplog.records if r.name == "tigon"]
+    # the graph step's lines only: on a CUDA machine these CPU tensors also log that the kernels are off for them
+    lines = [r.getMessage() for r in caplog.records if r.name == "tigon" and "cuda_graph" in r.getMessage()]
     assert lines == ["tigon cuda_graph: decode steps run eagerly: past_key_values is DynamicCache, not a "
                      "tigon.memory.RollingKVCache"]
     stats = hf_graph.graph_stats(model)
