@@ -48,11 +48,13 @@ def _ids(b, t, device, seed=1):
                          ids=[c[0] + ("-hd32" if c[1].get("head_dim") else "") for c in CASES])
 def test_generate_uses_the_fused_layer_and_matches_hf(model_type, overrides, device):
     ref, patched = _pair(model_type, overrides, device)
-    ids = _ids(2, 9, device)  # mistral: window 8 < 9 + 8, the ring wraps
-    want = ref.generate(ids, max_new_tokens=8, do_sample=False)
+    ids = _ids(2, 9, device)  # mistral: window 8 < 9, the prefill overflows the ring and every step wraps it
+    # 2 decode steps: the second reads the K/V the first wrote and the ring position its attention kernel advanced
+    # (on CPU a step of the 2 layers runs ~70 interpreted kernel programs, ~4 s).
+    want = ref.generate(ids, max_new_tokens=3, do_sample=False)
     before, before_rope = _fused_calls(), _calls("rope_kv_append")
-    got = tigon.generate(patched, ids, max_new_tokens=8, cuda_graph=False)
-    layer_steps = patched.config.num_hidden_layers * 7
+    got = tigon.generate(patched, ids, max_new_tokens=3, cuda_graph=False)
+    layer_steps = patched.config.num_hidden_layers * 2
     assert _fused_calls() - before == 4 * layer_steps  # every layer of every decode step
     assert _calls("rope_kv_append") - before_rope >= layer_steps  # RoPE and the cache write after q/k/v
     assert torch.equal(got, want)
@@ -63,15 +65,15 @@ def test_model_generate_with_a_rolling_cache_and_left_padding():
     ids = _ids(3, 7, "cpu")
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     from tigon.hf.attention import restore_attention, use_tigon_attention
 
     use_tigon_attention(patched)
     before = _fused_calls()
     cache = RollingKVCache(patched.config, batch_size=3, capacity=16)
-    got = patched.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=cache)
+    got = patched.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, past_key_values=cache)
     restore_attention(patched)
-    assert _fused_calls() - before == 4 * 2 * 5
+    assert _fused_calls() - before == 4 * 2 * 2
     assert torch.equal(got, want)
 
 
@@ -81,19 +83,19 @@ def test_hook_on_a_projection_falls_back_to_the_module_forward():
     patched.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
     ids = _ids(1, 5, "cpu")
     before = _fused_calls()
-    got = tigon.generate(patched, ids, max_new_tokens=4)
-    assert _fused_calls() - before == 4 * 3  # layer 0 only, the 3 decode steps
-    assert len(seen) == 4  # the prefill and every decode step ran the hooked module
-    assert torch.equal(got, ref.generate(ids, max_new_tokens=4, do_sample=False))
+    got = tigon.generate(patched, ids, max_new_tokens=3)
+    assert _fused_calls() - before == 4 * 2  # layer 0 only, the 2 decode steps
+    assert len(seen) == 3  # the prefill and every decode step ran the hooked module
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=3, do_sample=False))
 
 
 def test_biased_projections_fall_back():
     ref, patched = _pair("qwen2", {}, "cpu")  # Qwen2: q/k/v carry a bias
     ids = _ids(2, 6, "cpu")
     before = _fused_calls()
-    got = tigon.generate(patched, ids, max_new_tokens=5)
+    got = tigon.generate(patched, ids, max_new_tokens=3)
     assert _fused_calls() == before
-    assert torch.equal(got, ref.generate(ids, max_new_tokens=5, do_sample=False))
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=3, do_sample=False))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -130,21 +132,21 @@ def test_direct_prefill_runs_for_a_first_unpadded_chunk(monkeypatch, model_type,
     ref, patched = _pair(model_type, overrides, "cpu")
     ids = _ids(2, 7, "cpu")  # 7 < mistral's window 8: the direct prefill applies to every family here
     ran = _count_prefill(monkeypatch)
-    got = tigon.generate(patched, ids, max_new_tokens=4)
+    got = tigon.generate(patched, ids, max_new_tokens=2)  # the prefill's token, and one decode step that reads it
     assert ran == [True] * patched.config.num_hidden_layers
-    assert torch.equal(got, ref.generate(ids, max_new_tokens=4, do_sample=False))
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=2, do_sample=False))
 
 
 def test_direct_prefill_declines_padding_and_a_prompt_past_the_window(monkeypatch):
     ref, patched = _pair("mistral", dict(sliding_window=8), "cpu")
     ran = _count_prefill(monkeypatch)
     ids = _ids(2, 11, "cpu")  # 11 > window 8
-    assert torch.equal(tigon.generate(patched, ids, max_new_tokens=3), ref.generate(ids, max_new_tokens=3,
+    assert torch.equal(tigon.generate(patched, ids, max_new_tokens=2), ref.generate(ids, max_new_tokens=2,
                                                                                     do_sample=False))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
-    assert torch.equal(tigon.generate(patched, ids[:, :7], max_new_tokens=3, attention_mask=mask[:, :7]),
-                       ref.generate(ids[:, :7], max_new_tokens=3, do_sample=False, attention_mask=mask[:, :7]))
+    assert torch.equal(tigon.generate(patched, ids[:, :7], max_new_tokens=2, attention_mask=mask[:, :7]),
+                       ref.generate(ids[:, :7], max_new_tokens=2, do_sample=False, attention_mask=mask[:, :7]))
     assert not any(ran)
 
 
@@ -168,12 +170,12 @@ def test_the_step_is_installed_by_patch_and_held_by_generate():
         model.load_state_dict(ref.state_dict())
         model.generation_config.eos_token_id = None
         before = _fused_calls()
-        got = tigon.generate(model, ids, max_new_tokens=4)
-        assert _fused_calls() - before == 4 * 2 * 3
+        got = tigon.generate(model, ids, max_new_tokens=3)
+        assert _fused_calls() - before == 4 * 2 * 2
         assert not any(layer_step.LAYER_STEP in m.__dict__ for m in model.modules())
         before = _fused_calls()
-        off = tigon.generate(model, ids, max_new_tokens=4, settings=tigon.DecodeSettings(fused_layers=False))
+        off = tigon.generate(model, ids, max_new_tokens=3, settings=tigon.DecodeSettings(fused_layers=False))
         assert _fused_calls() == before and torch.equal(got, off)
     finally:
         tigon.unpatch(model_type="llama")
-    assert torch.equal(got, ref.generate(ids, max_new_tokens=4, do_sample=False))
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=3, do_sample=False))
