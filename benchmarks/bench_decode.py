@@ -730,7 +730,7 @@ def main(argv=None, log=print, prog="bench_decode"):
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and not a.quick:
-        log("bench_decode: no CUDA device: the 1.5B config on a CPU would take hours; use --quick")
+        log(f"bench_decode: no CUDA device: the {a.model} config on a CPU would take hours; use --quick")
         return 2
     quick, model = a.quick, a.model
     variants = [v for v in (a.variants or DEFAULT_VARIANTS_BY_MODEL.get(model, DEFAULT_VARIANTS)).split(",") if v]
