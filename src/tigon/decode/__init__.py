@@ -14,7 +14,8 @@ Modules, in the order a decode call meets them:
     hf_graph.py     HF's own model.generate with a CUDA-graph decode step (tigon.patch(model, cuda_graph=True))
     sampling.py     token choice on the device (argmax, temperature / top-k / top-p)
     stats.py        the step clock, the TTFT phases, the one percentile rule, the stats dict
-    metrics.py      the stats as Prometheus metrics (StatsCollector, prometheus_text)
+    metrics.py      the stats as Prometheus metrics: StatsCollector (the last call), GenerationMetrics (totals over
+                    calls: TTFT and token-latency histograms, tokens, peak memory), serve (a /metrics endpoint)
 
 How the fused layer step is reached (the one run-time link between hf/ and this package, hf/ never imports
 it): `tigon.patch` gives each Llama-style decoder layer Tigon's forward
@@ -30,9 +31,18 @@ Layering: this package imports ops, memory, modules and hf; tigon/api.py, cli an
 from . import hf_graph
 from .layer_step import fused_decode, install, uninstall
 from .loop import generate
-from .metrics import LATENCY_BUCKETS, StatsCollector, prometheus_text
+from .metrics import (
+           LATENCY_BUCKETS,
+           TTFT_BUCKETS,
+           GenerationMetrics,
+           MetricsServer,
+           StatsCollector,
+           prometheus_text,
+           serve,
+)
 from .settings import DecodeSettings
 from .stats import TTFT_PHASES, percentile
 
-__all__ = ["DecodeSettings", "LATENCY_BUCKETS", "StatsCollector", "TTFT_PHASES", "fused_decode", "generate",
-           "hf_graph", "install", "percentile", "prometheus_text", "uninstall"]
+__all__ = ["DecodeSettings", "GenerationMetrics", "LATENCY_BUCKETS", "MetricsServer", "StatsCollector", "TTFT_BUCKETS",
+           "TTFT_PHASES", "fused_decode", "generate", "hf_graph", "install", "percentile", "prometheus_text", "serve",
+           "uninstall"]
