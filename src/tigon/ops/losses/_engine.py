@@ -6,7 +6,7 @@ engine walks row chunks of C tokens twice, never holding more than a [C, V] chun
 
   stats pass: logits_c = h_c W^T (+ b) by one cuBLAS GEMM into workspace scratch, then `_stats_kernel`, one
               program per row, folds the row into lse, x_t, H, the row's sum of x, log sum p^2 and is-top-1
-              (one read of the chunk, online max);
+              (one read of the chunk; online max per slot of VEC ids, one cross-slot combine per row);
   the loss:   torch on the [N] statistics (tiny): the loss, its metrics, and by autograd the coefficients
               a_i = dL / d log p_i(t), a2_i = dL / d log p_i(t2) (a second target, the NLL of ORPO/CPO), and
               e_i = dL / dH_i;
@@ -35,14 +35,14 @@ from ..linear_cross_entropy import _add_dw as add_dw  # dW += dlogits^T h, fp32 
 
 @dataclasses.dataclass(frozen=True)
 class FusedLinearLossConfig:
-    """Chunking of the fused-linear losses. chunk_rows 0: rows such that a chunk of logits is about
-    chunk_bytes (128 MiB is 512 rows of V = 128256 in bf16: the dW GEMM's K = 512 keeps its dW traffic
-    under its math time on an H200, as for linear_cross_entropy); block_v: vocabulary tile of the row kernels
-    (0: 4096 on CUDA, the whole padded row under the interpreter); num_warps: warps of each row program
-    (0: 4)."""
+    """Chunking and row-kernel launch of the fused-linear losses. chunk_rows 0: rows such that a chunk of logits
+    is about chunk_bytes (192 MiB is 768 rows of V = 128256 in bf16; against 128 MiB it measured faster for DPO,
+    GRPO and JSD on an H200: fewer, larger dW GEMMs, docs/ops/losses.md); block_v: vocabulary tile of the row
+    kernels, num_warps: warps of each row program (0 for either: that kernel's own default on CUDA, `ROW_DEFAULTS`;
+    under the interpreter the whole padded row)."""
 
     chunk_rows: int = 0
-    chunk_bytes: int = 128 << 20
+    chunk_bytes: int = 192 << 20
     block_v: int = 0
     num_warps: int = 0
 
@@ -59,10 +59,6 @@ class FusedLinearLossConfig:
 
     def ints(self) -> list[int]:
         return [self.chunk_rows, self.chunk_bytes, self.block_v, self.num_warps]
-
-    @property
-    def warps(self) -> int:
-        return self.num_warps or 4
 
 
 DEFAULT = FusedLinearLossConfig()
@@ -92,12 +88,54 @@ def chunk_rows(N: int, V: int, itemsize: int, cfg: FusedLinearLossConfig) -> int
     return min(rows, triton.cdiv(per_chunk, step) * step)
 
 
-def _block_v(V: int, device, cfg) -> int:
-    if cfg.block_v:
-        return cfg.block_v
+# (BLOCK_V, num_warps) of each row kernel on CUDA when the config leaves them 0. grad: the best of the H200 sweep
+# (benchmarks/sweep_loss_kernels.py, [512, 128256] bf16: 74 us, 84% of a D2D copy; 4096 x 4 warps was 98 us).
+# stats and jsd were swept before their rewrite to per-slot accumulators (no barrier inside a loop now); their
+# values are chosen from ptxas's register counts (sm_90a, bf16), not timed: stats 4096 x 8 is 48 registers, so 5
+# programs fit an SM and a 512-row chunk is resident at once, ~32 KB of loads in flight per SM as the grad kernel's
+# best has; jsd 8192 x 32 is 47 registers, one program an SM: 32 KB in flight and only ~132 rows (68 MB of
+# student + teacher at V 128256) live, so its second and third walks can find part of each row in L2.
+ROW_DEFAULTS = {"stats": (4096, 8), "grad": (8192, 32), "jsd": (8192, 32)}
+
+
+def row_launch(kernel: str, V: int, itemsize: int, device, cfg) -> tuple[int, int, int]:
+    """(BLOCK_V, VEC, num_warps) of row kernel `kernel` ("stats", "grad", "jsd") over rows of V logits of
+    `itemsize` bytes. VEC: elements of a slot (one 16-byte load), the unit each thread reduces on its own."""
+    vec = max(1, 16 // itemsize)
     if device.type == "cuda":
-        return min(4096, triton.next_power_of_2(V))
-    return triton.next_power_of_2(V)  # interpreter: one numpy step per row is cheaper than a loop
+        block, warps = ROW_DEFAULTS[kernel]
+        block = cfg.block_v or min(block, max(vec, triton.next_power_of_2(V)))
+        warps = cfg.num_warps or max(1, min(warps, block // (32 * vec)))  # >= one slot per thread
+    else:  # interpreter: one numpy step per row is cheaper than a loop
+        block = cfg.block_v or max(vec, triton.next_power_of_2(V))
+        warps = cfg.num_warps or 4
+    return block, min(vec, block), warps
+
+
+@triton.jit
+def _stats_tile(p_x, o_s, V, sc, tt, b_m, b_s, b_w, b_q, b_sum, b_mb, MASKED: tl.constexpr, VEC: tl.constexpr):
+    """Folds the [R, VEC] tile whose slots start at ids o_s [R] into the per-slot accumulators: one thread owns
+    a slot's VEC elements, so the axis-1 reductions are in-thread (no shuffles, no shared memory, no barrier)."""
+    o = o_s[:, None] + tl.arange(0, VEC)[None, :]
+    if MASKED:
+        m_ = o < V
+        b_x = tl.load(p_x + o, mask=m_, other=0.0).to(tl.float32) * sc
+        b_x0 = tl.where(m_, b_x, 0.0)
+        b_xm = tl.where(m_, b_x, float("-inf"))
+    else:
+        b_x = tl.load(p_x + o).to(tl.float32) * sc
+        b_x0 = b_x
+        b_xm = b_x
+    b_mx = tl.max(b_xm, axis=1)
+    m_new = tl.maximum(b_m, b_mx)  # b_m starts finite: exp(b_m - m_new) is never exp(-inf + inf)
+    alpha = tl.exp(b_m - m_new)
+    b_e = tl.exp(b_xm - m_new[:, None])  # 0 at masked ids
+    b_s = b_s * alpha + tl.sum(b_e, axis=1)
+    b_w = b_w * alpha + tl.sum(b_e * b_x0, axis=1)
+    b_q = b_q * (alpha * alpha) + tl.sum(b_e * b_e, axis=1)
+    b_sum += tl.sum(b_x0, axis=1)
+    b_mb = tl.maximum(b_mb, tl.where(o_s + VEC <= tt, b_mx, float("-inf")))  # slots wholly before the target
+    return m_new, b_s, b_w, b_q, b_sum, b_mb
 
 
 @triton.jit
@@ -111,42 +149,50 @@ def _stats_kernel(
     scale,  # x = scale * logits (1 / temperature times a logit scale): runtime float, no recompile
     HAS_T2: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    VEC: tl.constexpr = 8,  # elements of a slot (16 bytes of bf16); BLOCK_V // VEC slots a tile
 ):
+    # Each slot keeps its own online max m and the sums s = sum exp(x - m), w = sum exp(x - m) x,
+    # q = sum exp(2 (x - m)), sum x and the max over ids before t, across the row's tiles; one cross-slot combine
+    # after the loop. Full tiles load unmasked, the ragged tail once with a mask.
     row = tl.program_id(0).to(tl.int64)
     p_x = X + row * stride_x
     t = tl.load(T + row).to(tl.int64)
     has_t = (t >= 0) & (t < V)
+    tt = tl.where(has_t, t, 0)
     sc = tl.cast(scale, tl.float32)
-    o_v = tl.arange(0, BLOCK_V)
-    b_m = tl.full([], float("-inf"), tl.float32)
-    b_s = tl.zeros([], dtype=tl.float32)  # sum exp(x - m)
-    b_w = tl.zeros([], dtype=tl.float32)  # sum exp(x - m) x (the entropy's mean term)
-    b_q = tl.zeros([], dtype=tl.float32)  # sum exp(2 (x - m))
-    b_sum = tl.zeros([], dtype=tl.float32)
-    b_mb = tl.full([], float("-inf"), tl.float32)  # max over ids before t (first-argmax tie rule)
-    for v0 in range(0, V, BLOCK_V):
-        o = v0 + o_v
-        m_ = o < V
-        b_x = tl.load(p_x + o, mask=m_, other=0.0).to(tl.float32) * sc
-        b_sum += tl.sum(tl.where(m_, b_x, 0.0))
-        b_xm = tl.where(m_, b_x, float("-inf"))
-        b_mb = tl.maximum(b_mb, tl.max(tl.where(o < t, b_xm, float("-inf"))))
-        m_new = tl.maximum(b_m, tl.max(b_xm))
-        alpha = tl.exp(b_m - m_new)
-        b_e = tl.where(m_, tl.exp(b_xm - m_new), 0.0)
-        b_s = b_s * alpha + tl.sum(b_e)
-        b_w = b_w * alpha + tl.sum(b_e * tl.where(m_, b_x, 0.0))
-        b_q = b_q * alpha * alpha + tl.sum(b_e * b_e)
-        b_m = m_new
-    lse = b_m + tl.log(b_s)
-    xt = tl.load(p_x + tl.where(has_t, t, 0)).to(tl.float32) * sc
+    R: tl.constexpr = BLOCK_V // VEC
+    o_r = tl.arange(0, R) * VEC
+    b_m = tl.full([R], -1e30, tl.float32)
+    b_s = tl.zeros([R], dtype=tl.float32)
+    b_w = tl.zeros([R], dtype=tl.float32)
+    b_q = tl.zeros([R], dtype=tl.float32)
+    b_sum = tl.zeros([R], dtype=tl.float32)
+    b_mb = tl.full([R], float("-inf"), tl.float32)
+    n_full = V // BLOCK_V
+    for i in range(0, n_full):
+        b_m, b_s, b_w, b_q, b_sum, b_mb = _stats_tile(p_x, i * BLOCK_V + o_r, V, sc, tt, b_m, b_s, b_w, b_q, b_sum,
+                                                      b_mb, MASKED=False, VEC=VEC)
+    if n_full * BLOCK_V < V:
+        b_m, b_s, b_w, b_q, b_sum, b_mb = _stats_tile(p_x, n_full * BLOCK_V + o_r, V, sc, tt, b_m, b_s, b_w, b_q,
+                                                      b_sum, b_mb, MASKED=True, VEC=VEC)
+    mx = tl.max(b_m, axis=0)
+    c = tl.exp(b_m - mx)  # 0 for a slot that saw no id (m -1e30)
+    s = tl.sum(b_s * c, axis=0)
+    w = tl.sum(b_w * c, axis=0)
+    q = tl.sum(b_q * (c * c), axis=0)
+    # the slot holding t: its ids before t, which the in-loop slot test left out
+    o_c = tt - tt % VEC + tl.arange(0, VEC)
+    b_xb = tl.load(p_x + o_c, mask=o_c < tt, other=0.0).to(tl.float32) * sc
+    mb = tl.maximum(tl.max(b_mb, axis=0), tl.max(tl.where(o_c < tt, b_xb, float("-inf")), axis=0))
+    lse = mx + tl.log(s)
+    xt = tl.load(p_x + tt).to(tl.float32) * sc
     xt = tl.where(has_t, xt, 0.0)
     tl.store(LSE + row, lse)
     tl.store(XT + row, xt)
-    tl.store(ENT + row, lse - b_w / b_s)
-    tl.store(XSUM + row, b_sum)
-    tl.store(LSQ + row, tl.log(b_q) - 2.0 * tl.log(b_s))
-    tl.store(TOP1 + row, tl.where(has_t & (xt >= b_m) & (xt > b_mb), 1.0, 0.0))
+    tl.store(ENT + row, lse - w / s)
+    tl.store(XSUM + row, tl.sum(b_sum, axis=0))
+    tl.store(LSQ + row, tl.log(q) - 2.0 * tl.log(s))
+    tl.store(TOP1 + row, tl.where(has_t & (xt >= mx) & (xt > mb), 1.0, 0.0))
     if HAS_T2:
         t2 = tl.load(T2 + row).to(tl.int64)
         has_t2 = (t2 >= 0) & (t2 < V)
@@ -266,7 +312,7 @@ def logp_stats(hidden, weight, bias, target, target2=None, *, scale=1.0, cfg=DEF
     w, b = _lowp(weight, bias, hidden.dtype)
     w_t = w.t()
     rows = chunk_rows(N, V, hidden.element_size(), cfg)
-    block = _block_v(V, dev, cfg)
+    block, vec, warps = row_launch("stats", V, hidden.element_size(), dev, cfg)
     kernels = kernels_on(dev)
     with workspace(dev).borrow(((rows, V), hidden.dtype)) as (buf,):
         for s in range(0, N, rows):
@@ -280,7 +326,7 @@ def logp_stats(hidden, weight, bias, target, target2=None, *, scale=1.0, cfg=DEF
             _stats_kernel[(e - s,)](
                 logits, target[s:e], target[s:e] if target2 is None else target2[s:e],
                 *(out[k][s:e] for k in names), logits.stride(0), V, float(scale),
-                HAS_T2=target2 is not None, BLOCK_V=block, num_warps=cfg.warps,
+                HAS_T2=target2 is not None, BLOCK_V=block, VEC=vec, num_warps=warps,
             )
     return out
 
@@ -308,7 +354,8 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
                      device=dev) if need_dw else None
     db = torch.zeros(V, dtype=torch.float32, device=dev) if need_db else None
     rows = chunk_rows(N, V, hidden.element_size(), cfg)
-    block = _block_v(V, dev, cfg)
+    s_block, s_vec, s_warps = row_launch("stats", V, hidden.element_size(), dev, cfg)
+    g_block, _, g_warps = row_launch("grad", V, hidden.element_size(), dev, cfg)
     names = ("lse", "xt", "xt2", "ent", "xsum", "lsq", "top1")
     st = {k: torch.empty(N, dtype=torch.float32, device=dev) for k in names} if coef_fn is not None else None
     kernels = kernels_on(dev)
@@ -321,8 +368,8 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
                 chunk = {k: v[s:end] for k, v in st.items()}
                 if kernels:
                     _stats_kernel[(end - s,)](logits, target[s:end], target[s:end], *(chunk[k] for k in names),
-                                              logits.stride(0), V, float(scale), HAS_T2=False, BLOCK_V=block,
-                                              num_warps=cfg.warps)
+                                              logits.stride(0), V, float(scale), HAS_T2=False, BLOCK_V=s_block,
+                                              VEC=s_vec, num_warps=s_warps)
                 else:
                     _stats_rows_torch(logits, target[s:end], None, tuple(chunk[k] for k in names), V, float(scale))
                 a_c, e_c = coef_fn(s, end, chunk)
@@ -336,7 +383,7 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
                 _grad_kernel[(end - s,)](
                     logits, target[s:end], target[s:end] if target2 is None else target2[s:end], lse_c, ent_c, a_c,
                     a_c if a2_c is None else a2_c, a_c if e_c is None else e_c, logits.stride(0), V, float(scale),
-                    HAS_T2=a2_c is not None, HAS_E=e_c is not None, BLOCK_V=block, num_warps=cfg.warps,
+                    HAS_T2=a2_c is not None, HAS_E=e_c is not None, BLOCK_V=g_block, num_warps=g_warps,
                 )
             else:
                 t2_c = (target if target2 is None else target2)[s:end]

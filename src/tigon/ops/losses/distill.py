@@ -21,6 +21,124 @@ from . import _common, _engine
 
 
 @triton.jit
+def _log(x, FAST_LOG: tl.constexpr):
+    """ln x. FAST_LOG (compiled CUDA only; the interpreter has no inline asm): PTX lg2.approx, one MUFU op, where
+    tl.log is libdevice's logf, ~30 instructions; the JSD's walks 2 and 3 take one log an id each, which was
+    about half of their instructions (sm_90 PTX of the MODE 2 kernel)."""
+    if FAST_LOG:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1) * 0.6931471805599453
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _jsd_lse_tile(p_s, p_t, o_s, V, it, ms, ss, mt, st, mr, sr, MASKED: tl.constexpr, VEC: tl.constexpr,
+                  UNTEMPERED: tl.constexpr):
+    """Pass 1 on the [R, VEC] tile at slot starts o_s: the per-slot online logsumexps of z_s / T, z_t / T and z_s
+    (one thread a slot: in-thread reductions only)."""
+    o = o_s[:, None] + tl.arange(0, VEC)[None, :]
+    if MASKED:
+        m_ = o < V
+        zr = tl.load(p_s + o, mask=m_, other=float("-inf")).to(tl.float32)
+        zt = tl.load(p_t + o, mask=m_, other=float("-inf")).to(tl.float32)
+    else:
+        zr = tl.load(p_s + o).to(tl.float32)
+        zt = tl.load(p_t + o).to(tl.float32)
+    mxr = tl.max(zr, axis=1)
+    if UNTEMPERED:
+        xs, xt = zr, zt
+        n_ms, n_mt = tl.maximum(ms, mxr), tl.maximum(mt, tl.max(zt, axis=1))
+    else:
+        xs, xt = zr * it, zt * it
+        # max(z) / T == max(z / T) exactly (rounding is monotone and 1 / T > 0): one multiply a slot
+        n_ms, n_mt = tl.maximum(ms, mxr * it), tl.maximum(mt, tl.max(zt, axis=1) * it)
+        n_mr = tl.maximum(mr, mxr)
+        sr = sr * tl.exp(mr - n_mr) + tl.sum(tl.exp(zr - n_mr[:, None]), axis=1)
+        mr = n_mr
+    ss = ss * tl.exp(ms - n_ms) + tl.sum(tl.exp(xs - n_ms[:, None]), axis=1)
+    st = st * tl.exp(mt - n_mt) + tl.sum(tl.exp(xt - n_mt[:, None]), axis=1)
+    return n_ms, ss, n_mt, st, mr, sr
+
+
+@triton.jit
+def _lse_combine(m, s):
+    """logsumexp of a row from per-slot (max, sum exp(x - max)); a slot that saw no id (m -1e30) adds 0."""
+    mx = tl.max(m, axis=0)
+    return mx + tl.log(tl.sum(s * tl.exp(m - mx), axis=0))
+
+
+@triton.jit
+def _jsd_div_tile(p_s, p_t, o_s, V, it, lse_s, lse_t, bt, soft, big_s, MASKED: tl.constexpr, VEC: tl.constexpr,
+                  MODE: tl.constexpr, FAST_LOG: tl.constexpr):
+    """Pass 2 on a tile: per-slot sums of the divergence term and of p_s g (g = d soft / d p_s)."""
+    o = o_s[:, None] + tl.arange(0, VEC)[None, :]
+    if MASKED:
+        m_ = o < V
+        zs = tl.load(p_s + o, mask=m_, other=0.0).to(tl.float32)
+        zt = tl.load(p_t + o, mask=m_, other=0.0).to(tl.float32)
+    else:
+        zs = tl.load(p_s + o).to(tl.float32)
+        zt = tl.load(p_t + o).to(tl.float32)
+    ls = zs * it - lse_s
+    lt = zt * it - lse_t
+    if MODE == 0:
+        term = tl.exp(lt) * (lt - ls)
+        u = tl.zeros_like(term)
+    elif MODE == 1:
+        term = tl.exp(ls) * (ls - lt)  # and p_s g = term: S = soft
+        u = tl.zeros_like(term)
+    else:
+        ps, pt = tl.exp(ls), tl.exp(lt)
+        # log m = log((1 - beta) p_s + beta p_t): 2 exps and a log an id where logaddexp of the log-probs takes
+        # 4 and a log; m below 1e-37 only where both p underflow, whose terms (< m |log m|) vanish in fp32
+        lm = _log(tl.maximum((1.0 - bt) * ps + bt * pt, 1e-37), FAST_LOG)
+        u = (1.0 - bt) * ps * (ls - lm)  # p_s g
+        term = bt * pt * (lt - lm) + u
+    if MASKED:
+        term = tl.where(m_, term, 0.0)
+        u = tl.where(m_, u, 0.0)
+    soft += tl.sum(term, axis=1)
+    if MODE == 2:
+        big_s += tl.sum(u, axis=1)
+    return soft, big_s
+
+
+@triton.jit
+def _jsd_grad_tile(p_s, p_t, o_s, V, t, it, lse_s, lse_t, lse_r, bt, big_s, c_soft, c_hard, MASKED: tl.constexpr,
+                   VEC: tl.constexpr, MODE: tl.constexpr, UNTEMPERED: tl.constexpr, FAST_LOG: tl.constexpr):
+    """Pass 3 on a tile: d loss / d z_s over the student logits (the last read of both rows: evict first)."""
+    o = o_s[:, None] + tl.arange(0, VEC)[None, :]
+    if MASKED:
+        m_ = o < V
+        zr = tl.load(p_s + o, mask=m_, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        zt = tl.load(p_t + o, mask=m_, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        zr = tl.load(p_s + o, eviction_policy="evict_first").to(tl.float32)
+        zt = tl.load(p_t + o, eviction_policy="evict_first").to(tl.float32)
+    ls = zr * it - lse_s
+    lt = zt * it - lse_t
+    ps = tl.exp(ls)
+    if MODE == 0:
+        d_soft = ps - tl.exp(lt)
+    elif MODE == 1:
+        d_soft = ps * ((ls - lt) - big_s)
+    else:
+        lm = _log(tl.maximum((1.0 - bt) * ps + bt * tl.exp(lt), 1e-37), FAST_LOG)
+        d_soft = ps * ((1.0 - bt) * (ls - lm) - big_s)
+    if UNTEMPERED:
+        pr = ps  # z_s / 1 == z_s and lse_r == lse_s: the same bits
+    else:
+        pr = tl.exp(zr - lse_r)
+    d = c_soft * d_soft + c_hard * (pr - tl.where(o == t, 1.0, 0.0))
+    d = d.to(p_s.dtype.element_ty)
+    if MASKED:
+        tl.store(p_s + o, d, mask=m_, eviction_policy="evict_first")
+    else:
+        tl.store(p_s + o, d, eviction_policy="evict_first")
+
+
+@triton.jit
 def _jsd_kernel(
     ZS, ZT,  # [C, V] student / teacher chunk logits; ZS is overwritten by d loss / d student logits (its dtype)
     T,  # [C] labels
@@ -30,7 +148,13 @@ def _jsd_kernel(
     inv_t, beta, w_hard, w_soft,  # runtime floats
     MODE: tl.constexpr,  # 0: beta 0 (KL(T || S)), 1: beta 1 (KL(S || T)), 2: the generalized JSD
     BLOCK_V: tl.constexpr,
+    VEC: tl.constexpr = 8,  # ids of a slot (16 bytes of bf16), each thread's unit of in-thread reduction
+    UNTEMPERED: tl.constexpr = False,  # inv_t == 1: the CE's logsumexp is the student's, skip the third
+    FAST_LOG: tl.constexpr = False,  # compiled for CUDA (not the interpreter): lg2.approx for the per-id logs
 ):
+    # Three walks over the row, each with per-slot accumulators and one cross-slot combine after it (no
+    # block-wide reduction inside a loop). Full tiles load unmasked, the ragged tail once with a mask. Walk order
+    # zig-zags (1: up, 2: down, 3: up) so each walk starts on the tiles the previous one read last, still in L2.
     row = tl.program_id(0).to(tl.int64)
     p_s = ZS + row * stride_s
     p_t = ZT + row * stride_t
@@ -38,77 +162,56 @@ def _jsd_kernel(
     valid = t != ignore_index
     it = tl.cast(inv_t, tl.float32)
     bt = tl.cast(beta, tl.float32)
-    o_v = tl.arange(0, BLOCK_V)
+    R: tl.constexpr = BLOCK_V // VEC
+    o_r = tl.arange(0, R) * VEC
+    n_full = V // BLOCK_V
+    v_tail = n_full * BLOCK_V
     # pass 1: three online logsumexps (tempered student, tempered teacher, raw student for the CE)
-    ms = tl.full([], float("-inf"), tl.float32)
-    mt = tl.full([], float("-inf"), tl.float32)
-    mr = tl.full([], float("-inf"), tl.float32)
-    ss = tl.zeros([], dtype=tl.float32)
-    st = tl.zeros([], dtype=tl.float32)
-    sr = tl.zeros([], dtype=tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        o = v0 + o_v
-        m_ = o < V
-        zr = tl.load(p_s + o, mask=m_, other=float("-inf")).to(tl.float32)
-        zt = tl.load(p_t + o, mask=m_, other=float("-inf")).to(tl.float32)
-        xs, xt = zr * it, zt * it
-        n_ms, n_mt, n_mr = tl.maximum(ms, tl.max(xs)), tl.maximum(mt, tl.max(xt)), tl.maximum(mr, tl.max(zr))
-        ss = ss * tl.exp(ms - n_ms) + tl.sum(tl.where(m_, tl.exp(xs - n_ms), 0.0))
-        st = st * tl.exp(mt - n_mt) + tl.sum(tl.where(m_, tl.exp(xt - n_mt), 0.0))
-        sr = sr * tl.exp(mr - n_mr) + tl.sum(tl.where(m_, tl.exp(zr - n_mr), 0.0))
-        ms, mt, mr = n_ms, n_mt, n_mr
-    lse_s, lse_t, lse_r = ms + tl.log(ss), mt + tl.log(st), mr + tl.log(sr)
-    log_b = tl.log(tl.maximum(bt, 1e-30))
-    log_1b = tl.log(tl.maximum(1.0 - bt, 1e-30))
+    ms = tl.full([R], -1e30, tl.float32)  # finite: exp(m_old - m_new) is never exp(-inf + inf)
+    mt = tl.full([R], -1e30, tl.float32)
+    mr = tl.full([R], -1e30, tl.float32)
+    ss = tl.zeros([R], dtype=tl.float32)
+    st = tl.zeros([R], dtype=tl.float32)
+    sr = tl.zeros([R], dtype=tl.float32)
+    for i in range(0, n_full):
+        ms, ss, mt, st, mr, sr = _jsd_lse_tile(p_s, p_t, i * BLOCK_V + o_r, V, it, ms, ss, mt, st, mr, sr,
+                                               MASKED=False, VEC=VEC, UNTEMPERED=UNTEMPERED)
+    if v_tail < V:
+        ms, ss, mt, st, mr, sr = _jsd_lse_tile(p_s, p_t, v_tail + o_r, V, it, ms, ss, mt, st, mr, sr,
+                                               MASKED=True, VEC=VEC, UNTEMPERED=UNTEMPERED)
+    lse_s, lse_t = _lse_combine(ms, ss), _lse_combine(mt, st)
+    if UNTEMPERED:
+        lse_r = lse_s
+    else:
+        lse_r = _lse_combine(mr, sr)
     # pass 2: the divergence and, for the JSD and reverse KL, S = sum_v p_s g_v with g = d soft / d p_s
-    soft = tl.zeros([], dtype=tl.float32)
-    big_s = tl.zeros([], dtype=tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        o = v0 + o_v
-        m_ = o < V
-        ls = tl.load(p_s + o, mask=m_, other=0.0).to(tl.float32) * it - lse_s
-        lt = tl.load(p_t + o, mask=m_, other=0.0).to(tl.float32) * it - lse_t
-        ps, pt = tl.exp(ls), tl.exp(lt)
-        if MODE == 0:
-            term = pt * (lt - ls)
-            g = tl.zeros_like(ls)
-        elif MODE == 1:
-            term = ps * (ls - lt)
-            g = ls - lt
-        else:
-            a, b = ls + log_1b, lt + log_b
-            mx = tl.maximum(a, b)
-            lm = mx + tl.log(tl.exp(a - mx) + tl.exp(b - mx))
-            term = bt * pt * (lt - lm) + (1.0 - bt) * ps * (ls - lm)
-            g = (1.0 - bt) * (ls - lm)
-        soft += tl.sum(tl.where(m_, term, 0.0))
-        big_s += tl.sum(tl.where(m_, ps * g, 0.0))
+    soft = tl.zeros([R], dtype=tl.float32)
+    big_s = tl.zeros([R], dtype=tl.float32)
+    if v_tail < V:
+        soft, big_s = _jsd_div_tile(p_s, p_t, v_tail + o_r, V, it, lse_s, lse_t, bt, soft, big_s, MASKED=True,
+                                    VEC=VEC, MODE=MODE, FAST_LOG=FAST_LOG)
+    for i in range(0, n_full):
+        soft, big_s = _jsd_div_tile(p_s, p_t, (n_full - 1 - i) * BLOCK_V + o_r, V, it, lse_s, lse_t, bt, soft,
+                                    big_s, MASKED=False, VEC=VEC, MODE=MODE, FAST_LOG=FAST_LOG)
+    soft_r = tl.sum(soft, axis=0)
+    if MODE == 1:
+        s_r = soft_r
+    else:
+        s_r = tl.sum(big_s, axis=0)
     zt_t = tl.load(p_s + tl.where(valid & (t >= 0) & (t < V), t, 0)).to(tl.float32)
     hard = lse_r - zt_t
-    tl.store(SOFT + row, tl.where(valid, soft, 0.0))
+    tl.store(SOFT + row, tl.where(valid, soft_r, 0.0))
     tl.store(HARD + row, tl.where(valid, hard, 0.0))
     n = tl.load(NVALID)
     c_soft = tl.where(valid, w_soft / n, 0.0) * it
     c_hard = tl.where(valid, w_hard / n, 0.0)
     # pass 3: d loss / d z_s = c_soft (p_s (g - S) | p_s - p_t) + c_hard (softmax(z_s) - onehot)
-    for v0 in range(0, V, BLOCK_V):
-        o = v0 + o_v
-        m_ = o < V
-        zr = tl.load(p_s + o, mask=m_, other=0.0).to(tl.float32)
-        ls = zr * it - lse_s
-        lt = tl.load(p_t + o, mask=m_, other=0.0).to(tl.float32) * it - lse_t
-        ps, pt = tl.exp(ls), tl.exp(lt)
-        if MODE == 0:
-            d_soft = ps - pt
-        elif MODE == 1:
-            d_soft = ps * ((ls - lt) - big_s)
-        else:
-            a, b = ls + log_1b, lt + log_b
-            mx = tl.maximum(a, b)
-            lm = mx + tl.log(tl.exp(a - mx) + tl.exp(b - mx))
-            d_soft = ps * ((1.0 - bt) * (ls - lm) - big_s)
-        d = c_soft * d_soft + c_hard * (tl.exp(zr - lse_r) - tl.where(o == t, 1.0, 0.0))
-        tl.store(p_s + o, d.to(ZS.dtype.element_ty), mask=m_)
+    for i in range(0, n_full):
+        _jsd_grad_tile(p_s, p_t, i * BLOCK_V + o_r, V, t, it, lse_s, lse_t, lse_r, bt, s_r, c_soft, c_hard,
+                       MASKED=False, VEC=VEC, MODE=MODE, UNTEMPERED=UNTEMPERED, FAST_LOG=FAST_LOG)
+    if v_tail < V:
+        _jsd_grad_tile(p_s, p_t, v_tail + o_r, V, t, it, lse_s, lse_t, lse_r, bt, s_r, c_soft, c_hard,
+                       MASKED=True, VEC=VEC, MODE=MODE, UNTEMPERED=UNTEMPERED, FAST_LOG=FAST_LOG)
 
 
 def _jsd_rows_torch(zs, zt, t, soft_out, hard_out, n, V, ignore_index, inv_t, beta, w_hard, w_soft, mode):
@@ -161,11 +264,12 @@ def fused_linear_jsd_op(
                      device=dev) if need_dw else None
     db = torch.zeros(V, dtype=torch.float32, device=dev) if need_db and student_bias is not None else None
     rows = _engine.chunk_rows(N, V, student.element_size(), cfg)
-    block = _engine._block_v(V, dev, cfg)
+    block, vec, warps = _engine.row_launch("jsd", V, student.element_size(), dev, cfg)
     soft_rows = torch.empty(N, dtype=torch.float32, device=dev)
     hard_rows = torch.empty(N, dtype=torch.float32, device=dev)
     mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
     kernels = _engine.kernels_on(dev)
+    fast_log = dev.type == "cuda" and not _library.interpreter_on()
     with workspace(dev).borrow(((rows, V), student.dtype), ((rows, V), teacher.dtype)) as (bufs, buft):
         for s in range(0, N, rows):
             e = min(N, s + rows)
@@ -175,7 +279,8 @@ def fused_linear_jsd_op(
             if kernels:
                 _jsd_kernel[(e - s,)](zs, zt, labels[s:e], soft_rows[s:e], hard_rows[s:e], n, zs.stride(0),
                                       zt.stride(0), V, ignore_index, 1.0 / temperature, beta, w_hard, w_soft,
-                                      MODE=mode, BLOCK_V=block, num_warps=cfg.warps)
+                                      MODE=mode, BLOCK_V=block, VEC=vec, UNTEMPERED=temperature == 1.0,
+                                      FAST_LOG=fast_log, num_warps=warps)
             else:
                 _jsd_rows_torch(zs, zt, labels[s:e], soft_rows[s:e], hard_rows[s:e], n[0], V, ignore_index,
                                 1.0 / temperature, beta, w_hard, w_soft, mode)
