@@ -24,6 +24,19 @@ EXTRA = {
     "hunyuan_v1_dense": dict(),
     "smollm3": dict(pad_token_id=0),
     "seed_oss": dict(residual_dropout=0.0, attention_dropout=0.0),  # 0.1 by default: random in training
+    # the rows added for liger-kernel 0.8.5's coverage (their HF checks: tests/hf/test_registry_families.py)
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=24, linear_num_value_heads=2,
+                       linear_num_key_heads=1, linear_key_head_dim=8, linear_value_head_dim=8),
+    "deepseek_v2": dict(q_lora_rank=None, num_key_value_heads=4, head_dim=8, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
+                        first_k_dense_replace=0, num_experts_per_tok=2, moe_intermediate_size=16),
+    "deepseek_v3": dict(q_lora_rank=16, n_group=1, topk_group=1, num_key_value_heads=4, head_dim=8, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                        n_shared_experts=1, first_k_dense_replace=0, num_experts_per_tok=2, moe_intermediate_size=16),
+    "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+                      mamba_chunk_size=4),
+    "nemotron": dict(partial_rotary_factor=0.5),
 }
 
 

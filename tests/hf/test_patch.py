@@ -236,7 +236,11 @@ def _two_steps(m, ids, labels):
 
 
 # qwen3_moe's dense-MLP layer is layer 1 in the two-layer tiny model; with one layer, make it layer 0.
-_ONE_LAYER = {"qwen3_moe": dict(mlp_only_layers=[0])}
+# qwen3_next alternates a gated-DeltaNet and an attention layer: it keeps its two.
+_ONE_LAYER = {"qwen3_moe": dict(mlp_only_layers=[0]), "qwen3_next": dict(num_hidden_layers=2)}
+# deepseek_v4's hyper-connection weights (attn_hc.fn) get gradients at fp32 rounding level (~1e-6), which Adam
+# turns into steps of up to a fifth of lr that differ between two summation orders: a fifth of lr, not a tenth
+_PARAM_ATOL = {"deepseek_v4": 2e-4}
 
 
 @pytest.mark.parametrize("model_type", [pytest.param(m, id=m) for m in FAMILIES])
@@ -249,13 +253,13 @@ def test_class_level_patch_builds_and_trains_every_family(model_type):
     before = dict(vars(modeling))
     classes = [getattr(modeling, n, None) for n in (fam.decoder_layer_class, fam.causal_lm_class)]
     forwards = [c.__dict__.get("forward") for c in classes if c is not None]
-    overrides = dict(num_hidden_layers=1, **_ONE_LAYER.get(model_type, {}))
+    overrides = {"num_hidden_layers": 1, **_ONE_LAYER.get(model_type, {})}
     ref = tiny_model(model_type, **overrides)
     tigon.patch(model_type=model_type)
     try:
         model = tiny_model(model_type, **overrides)
         names = {type(m).__name__ for m in model.modules()}
-        assert "RMSNorm" in names and not names & set(fam.norm_classes)
+        assert ("RMSNorm" in names or not fam.norm_classes) and not names & set(fam.norm_classes)  # Nemotron: none
         if fam.mlp and not registry.mlp_kept(fam, model.config):
             assert not names & set(fam.mlp_class_names)
         state, state_ref = model.state_dict(), ref.state_dict()
@@ -274,7 +278,7 @@ def test_class_level_patch_builds_and_trains_every_family(model_type):
         if g_ref is not None:
             _close(g, g_ref, f"grad {name}", rtol=1e-3, atol=1e-5)
     for (name, _), p, p_ref in zip(model.named_parameters(), params, params_ref):
-        _close(p, p_ref, f"param {name} after 2 AdamW steps", rtol=1e-4, atol=1e-4)
+        _close(p, p_ref, f"param {name} after 2 AdamW steps", rtol=1e-4, atol=_PARAM_ATOL.get(model_type, 1e-4))
     assert all(vars(modeling)[k] is v for k, v in before.items())
     assert [c.__dict__.get("forward") for c in classes if c is not None] == forwards
     rebuilt = tiny_model(model_type, **overrides)

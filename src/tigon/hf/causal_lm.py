@@ -93,15 +93,16 @@ def has_bound_loss_forward(linear) -> bool:
     return getattr(linear.__dict__.get("forward"), "__func__", None) is lm_head_forward
 
 
-def install_loss_forward(linear):
-    """Give `linear` the loss forward: a plain nn.Linear becomes a LossHeadLinear; a subclass (another library's
-    Linear) gets lm_head_forward as its instance forward (a BoundForward: deepcopy and pickle keep it). Returns
-    the undo record (owner, attribute, original) when this call installed it; None when it was there already, or
-    when the instance has a forward of another library's (accelerate's device hooks), which stays: the loss is
-    then computed outside the module call."""
+def install_loss_forward(linear, as_class=True):
+    """Give `linear` the loss forward: a plain nn.Linear becomes a LossHeadLinear (as_class; an instance patch,
+    whose unpatch sets the class back); otherwise, and for a subclass (another library's Linear), lm_head_forward
+    becomes its instance forward (a BoundForward: deepcopy and pickle keep it; the module's type stays, as a
+    class-level unpatch, which records nothing per instance, needs). Returns the undo record (owner, attribute,
+    original) when this call installed it; None when it was there already, or when the instance has a forward of
+    another library's (accelerate's device hooks), which stays: the loss is then computed outside the call."""
     if "forward" in linear.__dict__ or isinstance(linear, LossHeadLinear):
         return None
-    if type(linear) is torch.nn.Linear:
+    if as_class and type(linear) is torch.nn.Linear:
         linear.__class__ = LossHeadLinear
         return (linear, "__class__", torch.nn.Linear)
     from .bound import BoundForward
@@ -136,8 +137,8 @@ def ensure_loss_forward(model, linear=None) -> None:
     linear = _resolve_linear(getattr(model, "lm_head", None)) if linear is None else linear
     if linear is None or torch.compiler.is_compiling():
         return
-    record = install_loss_forward(linear)
     undo = model.__dict__.get("_tigon_undo")
+    record = install_loss_forward(linear, as_class=undo is not None)
     if record is not None and undo is not None:
         undo.append(record)
 
