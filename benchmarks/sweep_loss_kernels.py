@@ -56,7 +56,8 @@ def _kernels(C, V):
 
     def jsd(bv, nw):
         return lambda: distill._jsd_kernel[(C,)](work, zt, t, f32[0], f32[1], n, work.stride(0), zt.stride(0), V,
-                                                 -100, 1.0, 0.5, 0.5, 0.5, MODE=2, BLOCK_V=bv, num_warps=nw)
+                                                 -100, 1.0, 0.5, 0.5, 0.5, MODE=2, BLOCK_V=bv, UNTEMPERED=True,
+                                                 FAST_LOG=True, num_warps=nw)  # the op's path at temperature 1
 
     return {"stats": (stats, C * V * 2), "grad": (grad, 2 * C * V * 2), "jsd": (jsd, 3 * C * V * 2)}
 
@@ -131,10 +132,10 @@ def main(argv=None):
     lines += ["", "Best per kernel: " + ", ".join(f"{k} BLOCK_V {v[1]} warps {v[2]} ({v[0] * 1e3:.0f} us)"
                                                  for k, v in best.items())]
     if not a.no_whole:
+        # the default: each kernel's own launch defaults (block_v / num_warps 0); a set value applies to all three
         cfgs = {"default": FusedLinearLossConfig()}
         for k, (_, bv, nw) in best.items():
             cfgs[f"best of {k}"] = FusedLinearLossConfig(block_v=bv, num_warps=nw)
-        cfgs["default, chunk 192 MiB"] = FusedLinearLossConfig(chunk_bytes=192 << 20)
         lines += ["", "Whole losses, fwd+bwd ms (bench_losses.py shapes):", "",
                   "| config | dpo | grpo | jsd |", "|---|---|---|---|"]
         for label, cfg in cfgs.items():
