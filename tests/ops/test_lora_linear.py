@@ -198,7 +198,10 @@ def test_double_backward_without_dropout():
 def test_double_backward_with_dropout_is_refused():
     x, w, b, adapters = _inputs(torch.float32, "2d")
     a, bb, _ = adapters[0]
-    a = a.clone().requires_grad_()
+    # the op's own path (its autograd.Function): CPU tensors on a CUDA machine would take the reference ops
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w, b, bb = (t.detach().to(dev).requires_grad_(t.requires_grad) for t in (x, w, b, bb))
+    a = a.detach().to(dev).requires_grad_()
     y = ops.lora_linear(x, w, b, a, bb, 2.0, 0.5)
     with pytest.raises(NotImplementedError, match="lora_linear"):
         torch.autograd.grad(y.sum(), a, create_graph=True)
