@@ -4,6 +4,8 @@ fp32 models, so patched and unpatched differ only by the fused kernels' rounding
 agree to 1e-4 of their scale. tigon.ops.dispatch_counts proves the op ran on every projection.
 """
 
+import gc
+
 import pytest
 import torch
 
@@ -124,8 +126,12 @@ def test_merged_and_disabled_adapters_take_peft_path_unpatch_restores():
         with model.disable_adapter():
             model(input_ids=ids)
         assert op_calls("lora_linear") == before
+    gc.collect()  # models of earlier tests in this process (garbage, not yet collected) still hold marks
     tigon.unpatch(model)
-    assert Linear.forward is peft_forward and not getattr(Linear.forward, "__tigon__", False)
+    if tigon_lora._LIVE:  # a model another test keeps alive still holds marks: PEFT's layers keep Tigon's forward
+        assert getattr(Linear.forward, "__tigon__", False)
+    else:
+        assert Linear.forward is peft_forward and not getattr(Linear.forward, "__tigon__", False)
     assert not any(tigon_lora.MARK in m.__dict__ for m in model.modules())
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
