@@ -37,6 +37,9 @@ EXTRA = {
     "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
                       mamba_chunk_size=4),
     "nemotron": dict(partial_rotary_factor=0.5),
+    # Gemma-4's per-layer inputs default to a 262144 x 256 table per layer, its full-attention heads to 512 wide
+    "gemma4_text": dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=131, global_head_dim=16,
+                        sliding_window=16, final_logit_softcapping=5.0),
 }
 
 

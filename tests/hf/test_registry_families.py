@@ -16,7 +16,7 @@ from tests.hf._tiny import COMMON, batch, op_calls, tiny_model
 from tigon import ops
 from tigon.compat import liger
 from tigon.hf import registry
-from tigon.modules import RMSNorm, SwiGLUMLP
+from tigon.modules import GeGLUMLP, RMSNorm, SwiGLUMLP
 
 # One layer, hidden 32, two heads: the interpreter's cost is per kernel program (rows x heads)
 SMALL = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
@@ -27,6 +27,9 @@ _VISION = dict(depth=1, hidden_size=32, out_hidden_size=32, intermediate_size=48
                spatial_merge_size=2, temporal_patch_size=1)
 _SIGLIP = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                num_attention_heads=2, image_size=8, patch_size=4)
+# Gemma-4's per-layer inputs (a small table) and its full-attention heads (512 wide by default) at SMALL's size
+_GEMMA4_TEXT = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=100, global_head_dim=16,
+                    sliding_window=16)
 # model_type -> (config class, model class, config kwargs): a one-layer text tower, a one-block vision tower
 VLMS = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", dict(
@@ -63,11 +66,17 @@ VLMS = {
     "paligemma": ("PaliGemmaConfig", "PaliGemmaForConditionalGeneration", dict(
         text_config={**TEXT, "model_type": "gemma"}, vision_config={**_SIGLIP, "projection_dim": 64},
         image_token_index=IMAGE_TOKEN)),
+    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", dict(
+        text_config={**TEXT, **_GEMMA4_TEXT, "model_type": "gemma4_text", "layer_types": ["full_attention"]},
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64),
+        audio_config=None, image_token_id=IMAGE_TOKEN)),
 }
 # the pieces the text tower must come back with (Tigon module class names, >= 1 each); Liger's Qwen3-VL function
 # has swiglu=False by default, so its MLP stays HF's
 TOWER_PIECES = {"gemma3": {"RMSNorm", "GeGLUMLP"}, "paligemma": {"RMSNorm", "GeGLUMLP"},
-                "qwen3_vl": {"RMSNorm", "Qwen3VLTextMLP"}, "qwen3_vl_moe": {"RMSNorm"}}
+                "gemma4": {"RMSNorm", "GeGLUMLP"}, "qwen3_vl": {"RMSNorm", "Qwen3VLTextMLP"},
+                "qwen3_vl_moe": {"RMSNorm"}}
 
 
 def _vlm(model_type, seed=0):
@@ -212,6 +221,7 @@ NEW_TEXT_ROWS = {
     "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
                       mamba_chunk_size=4),
     "nemotron": dict(partial_rotary_factor=0.5),
+    "gemma4_text": dict(vocab_size_per_layer_input=100),  # with_scale=False v_norm: a weightless Tigon norm
 }
 
 
@@ -238,6 +248,81 @@ def test_new_text_rows_instance_patch_trains_like_hf(model_type):
     # the fused loss ran once, unless the family keeps HF's (Falcon-H1's lm_head_multiplier)
     assert op_calls("linear_cross_entropy") == (1 if fam.causal_lm else 0)
     assert (op_calls("rms_norm", "add_rms_norm") > 0) == (hf_norms > 0)
+
+
+def test_gemma4_text_class_level_builds_double_wide_mlps_and_scale_free_norms():
+    """Gemma-4's KV-shared layers build a double-width MLP from their layer_idx, and its v_norm has no weight
+    (with_scale=False): the class-level patch builds both as HF does (the same state_dict and initialization), the
+    scale-free norms as weightless Tigon norms, and gives HF's eval logits and (fused) training loss."""
+    kw = {**SMALL, **_GEMMA4_TEXT, "num_hidden_layers": 2, "layer_types": ["full_attention"] * 2,
+          "num_kv_shared_layers": 1, "use_double_wide_mlp": True}
+    def outputs(m):  # eval logits, and the training loss (fused where patched) without a backward
+        with torch.no_grad():
+            return m.eval()(input_ids=ids).logits, m.train()(input_ids=ids, labels=labels).loss
+
+    ref = tiny_model("gemma4_text", **kw)
+    ids, labels = batch(ref.config.vocab_size, b=1, t=5)
+    logits_ref, loss_ref = outputs(ref)  # before the patch, which reaches ref's class forward too
+    tigon.patch(model_type="gemma4_text")
+    try:
+        model = tiny_model("gemma4_text", **kw)
+        assert [(type(layer.mlp), layer.mlp.intermediate_size) for layer in model.model.layers] == [
+            (GeGLUMLP, 48), (GeGLUMLP, 96)]
+        v_norm = model.model.layers[0].self_attn.v_norm  # layer 1 shares layer 0's keys and values: no v_norm
+        assert type(v_norm) is RMSNorm and v_norm.weight is None and v_norm.hidden_size == 16
+        state, state_ref = model.state_dict(), ref.state_dict()
+        assert state.keys() == state_ref.keys()
+        for k in state:
+            assert torch.equal(state[k], state_ref[k]), f"{k} is initialized differently"
+        ops.dispatch_counts.clear()
+        logits, loss = outputs(model)
+    finally:
+        tigon.unpatch(model_type="gemma4_text")
+    _close(logits, logits_ref, "eval logits")
+    _close(loss, loss_ref, "loss")
+    # two passes of two layers: GeGLU on its own (no grad: the projections stay cuBLAS), one fused loss
+    assert op_calls("linear_cross_entropy") == 1 and op_calls("geglu") == 4
+
+
+def test_gemma4_scale_free_norm_becomes_a_weightless_tigon_norm():
+    """Gemma4RMSNorm(with_scale=False) keeps no weight and no size: RMSNorm.from_hf gives a weightless norm that
+    normalizes in fp32 to x.dtype whatever the row's offset and casting say; its output and dx are HF's."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    hf = Gemma4RMSNorm(16, eps=1e-6, with_scale=False)
+    ours = RMSNorm.from_hf(hf, offset=1.0, casting_mode="llama")
+    assert ours.weight is None and not ours.state_dict() and ours.hidden_size is None
+    x = torch.randn(5, 16, requires_grad=True)
+    outs = []
+    for m in (hf, ours):
+        y = m(x * 3.0)
+        (dx,) = torch.autograd.grad(y.square().sum(), x)
+        outs.append((y, dx))
+    _close(outs[1][0], outs[0][0], "output")
+    _close(outs[1][1], outs[0][1], "dx", rtol=1e-3, atol=1e-5)
+    assert ours(x.detach().bfloat16()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="offset"):
+        RMSNorm(16, offset=1.0, elementwise_affine=False)
+    with pytest.raises(ValueError, match="hidden_size"):
+        RMSNorm(None)
+    with pytest.raises(TypeError, match="with_scale=False"):
+        RMSNorm.from_hf(torch.nn.Identity())
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma4"])
+def test_unpatch_of_a_vision_language_model_restores_its_towers(model_type):
+    """apply_liger_kernel_to_<vlm>(model=vlm) records its undo on the text tower (its own row's patch, with the
+    vision tower's torch.nn.LayerNorms where layer_norm=True): tigon.unpatch(vlm) walks to it and restores both."""
+    ref = _vlm(model_type)
+    model = copy.deepcopy(ref)
+    report = liger.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type](model=model, layer_norm=True)
+    replaced = [type(m).__name__ for m in model.modules() if type(m).__module__.startswith("tigon.")]
+    assert "RMSNorm" in replaced and "GeGLUMLP" in replaced, report
+    assert ("LayerNorm" in replaced) == (model_type == "gemma3")  # Gemma-4's vision tower has RMSNorms only
+    tigon.unpatch(model)
+    assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
+    assert not [k for m in model.modules() for k in m.__dict__ if k == "forward" or k.startswith("_tigon")]
+    tigon.unpatch(model)  # nothing left to restore: a no-op
 
 
 def test_pixtral_vision_tower_runs_tigon_like_hf():

@@ -80,31 +80,37 @@ def _stand_in(hf_cls, build):
 
 def _norm_class(hf_cls, casting_mode, offset):
     """Tigon's RMSNorm from the HF norm's arguments: the size is its first parameter (Llama's `hidden_size`,
-    Gemma's `dim`), the eps its `eps` (with that class's default)."""
+    Gemma's `dim`), the eps its `eps` (with that class's default). with_scale=False (Gemma-4's v_norm): a
+    weightless one, normalized in fp32 to x.dtype as HF's (RMSNorm.from_hf)."""
     from ..modules import RMSNorm
 
     size = next(iter(inspect.signature(hf_cls).parameters))
 
     def build(arguments, args, kwargs):
+        with_scale = arguments.get("with_scale", True)
+        if not isinstance(with_scale, bool):
+            raise TypeError(f"{hf_cls.__name__}: with_scale must be True or False, got {with_scale!r}")
+        if not with_scale:
+            return RMSNorm(arguments[size], arguments["eps"], casting_mode="gemma", elementwise_affine=False)
         return RMSNorm(arguments[size], arguments["eps"], offset=offset, casting_mode=casting_mode)
 
     return _stand_in(hf_cls, build)
 
 
 def _mlp_class(hf_cls, family):
-    """Tigon's gated MLP from the HF MLP's arguments (its `config` first, an `intermediate_size` where it takes
-    one), or the HF MLP itself where Tigon's would not compute the same (registry.mlp_kept)."""
+    """Tigon's gated MLP on the projections of the HF MLP built with the same arguments, so every size is the HF
+    constructor's (DeepseekV2MLP's hidden_size; Gemma-4's KV-shared layers, double width from their layer_idx);
+    or the HF MLP itself where Tigon's would not compute the same (registry.mlp_kept)."""
     from ..modules import GeGLUMLP, SwiGLUMLP
 
     config_name = next(iter(inspect.signature(hf_cls).parameters))
 
     def build(arguments, args, kwargs):
         config = arguments[config_name]
+        hf = hf_cls(*args, **kwargs)
         if registry.mlp_kept(family, config):
-            return hf_cls(*args, **kwargs)
-        target = SwiGLUMLP if registry.mlp_activation(config) == "swiglu" else GeGLUMLP
-        extra = {"fused_gate_up": True} if family.mlp == "fused_glu" else {}
-        return target(config, intermediate_size=arguments.get("intermediate_size"), **extra)
+            return hf
+        return (SwiGLUMLP if registry.mlp_activation(config) == "swiglu" else GeGLUMLP).from_hf(hf)
 
     return _stand_in(hf_cls, build)
 
@@ -451,17 +457,20 @@ def patch(
 
 
 def unpatch(model=None, *, model_type=None) -> None:
-    """Restore exactly what patch() replaced: on `model` (that instance only; a model never patched is left as
-    it is), or the class-level patch of `model_type` (a string or a config), or with neither, every class-level
-    patch."""
+    """Restore exactly what patch() replaced: on `model` (that instance only, and every module inside it patched
+    on its own, as a vision-language model's text tower is; a model never patched is left as it is), or the
+    class-level patch of `model_type` (a string or a config), or with neither, every class-level patch."""
     if model is not None and model_type is not None:
         raise ValueError("tigon.unpatch: pass a model or model_type=, not both")
     if model is not None:
         hf = unwrap_model(model, "tigon.unpatch")
-        for owner, name, original in reversed(hf.__dict__.pop("_tigon_undo", [])):
-            _restore(owner, name, original)
-        tigon_attention.restore_attention(hf)
-        tigon_lora.release(hf)
+        # the model's own patch last: a vision-language model's text tower (patched as its own row by the
+        # compat apply functions, with the vision tower's LayerNorms) holds its undo list itself
+        for m in [*(m for m in hf.modules() if m is not hf and "_tigon_undo" in m.__dict__), hf]:
+            for owner, name, original in reversed(m.__dict__.pop("_tigon_undo", [])):
+                _restore(owner, name, original)
+            tigon_attention.restore_attention(m)
+            tigon_lora.release(m)
         return
     if model_type is not None:
         model_type = _model_type_name(model_type, "tigon.unpatch")

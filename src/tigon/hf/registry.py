@@ -91,6 +91,11 @@ _ROWS = [
     Family("gemma", "gemma", "Gemma", prenorm_layer=True, norm=GEMMA_NORM),
     Family("gemma2", "gemma2", "Gemma2", norm=GEMMA_NORM),
     Family("gemma3_text", "gemma3", "Gemma3", norm=GEMMA_NORM),
+    # Gemma-4's norm is ones-initialised, no offset, all fp32 (unlike Gemma-3's 1 + w); its scale-free norms
+    # (with_scale=False: v_norm, the MoE router's) become weightless Tigon norms (RMSNorm.from_hf)
+    Family("gemma4_text", "gemma4", "Gemma4", norm=FP32_WEIGHT_NORM, mlp_classes=("TextMLP",), rope=False,
+           notes="RoPE is applied one tensor at a time (and proportional on full attention): stays HF; "
+                 "the MoE block's routed experts stay HF"),
     Family("phi3", "phi3", "Phi3", mlp="fused_glu", rope=True),
     Family("granite", "granite", "Granite", causal_lm="", notes="logits_scaling keeps the HF loss"),
     Family("smollm3", "smollm3", "SmolLM3", prenorm_layer=True),
@@ -160,7 +165,8 @@ _TOWER_ROWS = [
 ]
 TOWERS = {row.model_type: row for row in _TOWER_ROWS}
 VISION_LANGUAGE = {
-    "gemma3": "gemma3_text", "llama4": "llama4_text", "mllama": "mllama_text_model", "qwen2_vl": "qwen2_vl_text",
+    "gemma3": "gemma3_text", "gemma4": "gemma4_text", "llama4": "llama4_text", "mllama": "mllama_text_model",
+    "qwen2_vl": "qwen2_vl_text",
     "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text", "glm4v": "glm4v_text", "qwen3_5": "qwen3_5_text",
     "qwen3_5_moe": "qwen3_5_moe_text", "glm4v_moe": "glm4v_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text",
     "muse_glimmer": "muse_glimmer_text", "llava": None, "paligemma": None, "internvl": None, "smolvlm": None,

@@ -18,16 +18,26 @@ class RMSNorm(nn.Module):
 
     casting_mode "llama": weight * normed.to(x.dtype) (LlamaRMSNorm; output dtype promote(x, weight)),
     "gemma": (normed * (offset + weight)).to(x.dtype) in fp32, "none": fp32 math, output x.dtype. Gemma
-    uses offset=1.0 with the weight initialised to zeros. forward(x, residual) returns
-    (rms_norm(x + residual), x + residual) from one kernel.
+    uses offset=1.0 with the weight initialised to zeros. elementwise_affine=False: no weight, the normed x
+    in x.dtype (Gemma-4's `with_scale=False` norms; hidden_size may then be None: any size).
+    forward(x, residual) returns (rms_norm(x + residual), x + residual) from one kernel.
     """
 
-    def __init__(self, hidden_size, eps=1e-6, *, offset=0.0, casting_mode="llama", device=None, dtype=None):
+    def __init__(self, hidden_size, eps=1e-6, *, offset=0.0, casting_mode="llama", elementwise_affine=True,
+                 device=None, dtype=None):
         super().__init__()
         if casting_mode not in reference.CASTING_MODES:
             raise ValueError(f"RMSNorm: casting_mode must be one of {reference.CASTING_MODES}, got {casting_mode!r}")
-        init = torch.zeros if offset else torch.ones
-        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        if not elementwise_affine and offset:
+            raise ValueError(f"RMSNorm: offset={offset} scales a weight; elementwise_affine=False has none")
+        if hidden_size is None and elementwise_affine:
+            raise ValueError("RMSNorm: hidden_size is needed for the weight (None only with elementwise_affine=False)")
+        self._hidden_size = None if hidden_size is None else int(hidden_size)
+        if elementwise_affine:
+            init = torch.zeros if offset else torch.ones
+            self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
         self.eps = eps
         self.offset = float(offset)
         self.casting_mode = casting_mode
@@ -43,7 +53,7 @@ class RMSNorm(nn.Module):
 
     @property
     def hidden_size(self):
-        return self.weight.shape[0]
+        return self._hidden_size if self.weight is None else self.weight.shape[0]
 
     def forward(self, x, residual=None):
         kw = dict(offset=self.offset, casting_mode=self.casting_mode)
@@ -57,14 +67,19 @@ class RMSNorm(nn.Module):
 
         The eps comes from `variance_epsilon` or `eps`; offset and casting_mode default to Gemma's (1.0,
         "gemma") for GemmaRMSNorm/Gemma2RMSNorm/Gemma3RMSNorm and Llama's (0.0, "llama") otherwise, and any
-        keyword given overrides them (the patcher passes its table's row).
+        keyword given overrides them (the patcher passes its table's row). A scale-free norm
+        (`with_scale=False`, Gemma-4's v_norm, which keeps no size) becomes a weightless one of any size that
+        normalizes in fp32 to x.dtype, as HF's does (casting_mode "gemma", no offset, whatever the row says).
         """
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         weight = getattr(module, "weight", None)
+        if eps is not None and weight is None and not getattr(module, "with_scale", True):
+            kwargs.update(offset=0.0, casting_mode="gemma")
+            return cls(None, eps, elementwise_affine=False, **kwargs)
         if eps is None or not isinstance(weight, nn.Parameter) or weight.dim() != 1:
             raise TypeError(
-                f"RMSNorm.from_hf: {type(module).__name__} needs a 1-D `weight` Parameter and an "
-                "`eps` or `variance_epsilon` attribute"
+                f"RMSNorm.from_hf: {type(module).__name__} needs a 1-D `weight` Parameter (or with_scale=False) "
+                "and an `eps` or `variance_epsilon` attribute"
             )
         gemma = type(module).__name__ in _GEMMA_STYLE
         kwargs.setdefault("offset", 1.0 if gemma else 0.0)
@@ -74,7 +89,7 @@ class RMSNorm(nn.Module):
         return new
 
     def extra_repr(self):
-        s = f"{tuple(self.weight.shape)}, eps={self.eps}"
+        s = f"{self.hidden_size}, eps={self.eps}" + ("" if self.weight is not None else ", elementwise_affine=False")
         if self.offset:
             s += f", offset={self.offset}"
         return s + f", casting_mode={self.casting_mode!r}"
