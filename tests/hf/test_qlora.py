@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import tigon
-from tests.hf._tiny import batch, tiny_model
+from tests.hf._tiny import batch, op_calls, tiny_model
+from tigon.hf import lora as tigon_lora
 from tigon.ops import dispatch_counts
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -38,8 +39,9 @@ def _require_nf4(device):
     assert (back.float() - w.float()).abs().max() <= 0.3 * w.abs().max()
 
 
-def _qlora_model(tmp_path, device, *, checkpointing=False, **quant):
-    """The QLoRA recipe: a 4-bit NF4 base, prepare_model_for_kbit_training, LoRA on every projection."""
+def _qlora_model(tmp_path, device, *, checkpointing=False, patch_first=False, **quant):
+    """The QLoRA recipe: a 4-bit NF4 base, prepare_model_for_kbit_training, LoRA on every projection (patch_first:
+    tigon.patch before get_peft_model, the anchor's order)."""
     _require_nf4(device)
     dtype = _compute_dtype(device)
     path = tmp_path / "base"
@@ -53,6 +55,8 @@ def _qlora_model(tmp_path, device, *, checkpointing=False, **quant):
                                                               device_map=device_map, dtype=dtype)
     model = peft.prepare_model_for_kbit_training(
         model, use_gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False})
+    if patch_first:
+        tigon.patch(model)
     torch.manual_seed(0)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS,
                                                        lora_dropout=0.0))
@@ -122,8 +126,11 @@ def test_qlora_patched_matches_unpatched(tmp_path, device, checkpointing):
         assert type(hf.model.layers[0].mlp.gate_proj).__name__ == "Linear4bit"  # PEFT's, around bnb's
         before = dispatch_counts[("linear_cross_entropy", "triton")]
         swiglu_before = dispatch_counts[("swiglu", "triton")]
+        adds = op_calls("lora_add")
         losses, grads, final, out = _train(model, ids, labels, start)
         assert out.logits is None  # the loss came from the fused lm_head, not from full logits
+        # every 4-bit LoRA projection ran tigon.ops.lora_add, twice a step under checkpointing (the recompute)
+        assert op_calls("lora_add") - adds == len(four_bit) * STEPS * (2 if checkpointing else 1)
         assert dispatch_counts[("linear_cross_entropy", "triton")] == before + STEPS
         assert dispatch_counts[("swiglu", "triton")] >= swiglu_before + 2 * STEPS
     finally:
@@ -141,8 +148,10 @@ def test_qlora_patched_matches_unpatched(tmp_path, device, checkpointing):
     assert type(hf.model.layers[0].mlp).__name__ == "LlamaMLP"
     assert type(hf.model.norm).__name__ == "LlamaRMSNorm"
     assert "forward" not in hf.__dict__
+    assert not any(tigon_lora.MARK in m.__dict__ for m in model.modules())
+    adds = op_calls("lora_add")
     losses_again, grads_again, _, out_again = _train(model, ids, labels, start)
-    assert out_again.logits is not None
+    assert out_again.logits is not None and op_calls("lora_add") == adds
     _check_close(losses_again, losses_ref, "losses after unpatch", device)
     for n, g in grads_again.items():
         _check_close(g, grads_ref[n], f"grad after unpatch {n}", device)
@@ -208,3 +217,79 @@ def test_qlora_quantized_lm_head_on_a_class_level_patch(tmp_path, device):
     assert out.logits is not None
     ref = _qlora_model(tmp_path, device, llm_int8_skip_modules=["none"])
     _check_close(out.loss.detach(), ref(input_ids=ids, labels=labels).loss.detach(), "loss", device)
+
+
+def test_qlora_patch_before_peft_runs_lora_add_and_unpatch_restores_peft(tmp_path, device):
+    """tigon.patch on the 4-bit model before get_peft_model: the bitsandbytes layers carry the marks PEFT's
+    Linear4bit finds (its module is imported by get_peft_model, after the patch: installed at the first forward).
+    Loss and LoRA grads equal PEFT's; unpatch puts PEFT's forward back on its class once no marked model is left."""
+    import gc
+
+    from peft.tuners.lora import bnb as peft_bnb
+
+    ids, labels = (t.to(device) for t in batch())
+    ref = _qlora_model(tmp_path, device)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters() if p.requires_grad}
+    out_ref, grads_ref = _loss_and_lora_grads(ref, ids, labels)
+    peft_forward = tigon_lora._PEFT_FORWARD.get(peft_bnb.Linear4bit, peft_bnb.Linear4bit.forward)
+    model = _qlora_model(tmp_path, device, patch_first=True)
+    with torch.no_grad():  # the adapters are drawn in module order, which Tigon's MLP changes: copy them by name
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(start[n])
+    try:
+        adds = op_calls("lora_add")
+        out, grads = _loss_and_lora_grads(model, ids, labels)
+        assert op_calls("lora_add") - adds == len(_four_bit_layers(model))
+        assert getattr(peft_bnb.Linear4bit.forward, "__tigon__", False)
+    finally:
+        gc.collect()  # models of earlier tests in this process (garbage, not yet collected) may still hold marks
+        tigon.unpatch(model)
+    _check_close(out.loss.detach(), out_ref.loss.detach(), "loss", device)
+    assert grads.keys() == grads_ref.keys()
+    for n, g in grads.items():
+        _check_close(g, grads_ref[n], f"grad {n}", device)
+    if tigon_lora._LIVE:  # a model another test keeps alive still holds marks: PEFT's layers keep Tigon's forward
+        assert getattr(peft_bnb.Linear4bit.forward, "__tigon__", False)
+    else:
+        assert peft_bnb.Linear4bit.forward is peft_forward
+    adds = op_calls("lora_add")
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids, labels=labels).loss)
+    assert op_calls("lora_add") == adds  # the attention's 4-bit LoRA layers are PEFT's again
+
+
+def test_lora_8bit_layer_runs_lora_add(device):
+    """PEFT's Linear8bitLt shares Linear4bit's forward (without the clone): one layer around bitsandbytes'
+    int8 Linear8bitLt, armed as patch() arms a model, against PEFT's own forward on the same layer."""
+    from peft.tuners.lora import bnb as peft_bnb
+
+    torch.manual_seed(0)
+    base = bnb.nn.Linear8bitLt(128, 64, bias=True, has_fp16_weights=False).to(device)
+    layer = peft_bnb.Linear8bitLt(base, "default", config=peft.LoraConfig(r=4, lora_alpha=8), r=4, lora_alpha=8)
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(0.0, 0.1)
+    x = torch.randn(2, 3, 128, device=device)
+
+    def run():
+        xs = x.clone().requires_grad_()
+        y = layer(xs)
+        y.square().sum().backward()
+        ab = [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+        grads = [xs.grad] + [p.grad.clone() for p in ab]
+        layer.zero_grad(set_to_none=True)
+        return [y.detach()] + grads
+
+    want = run()
+    holder, undo = torch.nn.ModuleDict({"layer": layer}), []
+    tigon_lora.arm(holder, undo)
+    try:
+        adds = op_calls("lora_add")
+        got = run()
+        assert op_calls("lora_add") == adds + 1
+    finally:
+        for m, name, _ in undo:
+            del m.__dict__[name]
+        tigon_lora.release(holder)
+    for name, g, w in zip(["out", "dx", "dA", "dB"], got, want):
+        _check_close(g, w, name, device)

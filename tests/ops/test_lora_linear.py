@@ -301,3 +301,162 @@ def test_gpu_bf16_inductor_and_bitwise_repeatable(dropout):
         compiled = step(torch.compile(f, fullgraph=True))
         for p, q in zip(first, compiled):
             torch.testing.assert_close(p.float(), q.float(), rtol=2e-2, atol=2e-2 * p.float().abs().max().item())
+
+
+# lora_add: the adapters over a base output the caller computed (PEFT's bitsandbytes layers). The base here is
+# F.linear in dtype, so x's gradient is the base's plus the op's and every check above applies unchanged.
+
+
+def _ours_add(x, w, b, ab):
+    return ops.lora_add(torch.nn.functional.linear(x, w, b), x, [a for a, _, _ in ab], [bb for _, bb, _ in ab],
+                        [alpha / a.shape[0] for a, _, alpha in ab])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout,bias,train_w,ranks", [("3d", True, False, (R,)), ("strided", False, True, (3, 5))])
+def test_lora_add_matches_reference_and_peft(dtype, layout, bias, train_w, ranks):
+    x, w, b, adapters = _inputs(dtype, layout, bias=bias, ranks=ranks)
+    g = torch.randn(*x.shape[:-1], OUT, generator=torch.Generator().manual_seed(5))
+    before = ops.dispatch_counts[("lora_add", "triton")] + ops.dispatch_counts[("lora_add", "reference")]
+    ours = _run(_ours_add, x, w, b, adapters, g, train_w)
+    ref = _run(_reference64, x, w, b, adapters, g.double(), train_w)
+    _check(ours, _peft_run(x, w, b, adapters, g, train_w), ref, dtype)
+    assert ops.dispatch_counts[("lora_add", "triton")] + ops.dispatch_counts[("lora_add", "reference")] == before + 1
+
+
+def test_lora_add_fp32_adapters_on_bf16_match_peft():
+    """PEFT's fp32 adapters on a bf16 base: the bound of test_fp32_adapters_on_bf16_base_match_peft (the same
+    roundings: xa and gb once each in bf16)."""
+    x, w, b, adapters = _inputs(torch.bfloat16, "3d", adapter_dtype=torch.float32, ranks=(3, 2))
+    g = torch.randn(2, 5, OUT, generator=torch.Generator().manual_seed(7))
+    ours = _run(_ours_add, x, w, b, adapters, g, False)
+    theirs = _peft_run(x, w, b, adapters, g, False)
+    for o, p in zip(ours, theirs):
+        assert o.dtype == p.dtype and o.shape == p.shape
+        scale = p.float().abs().max().item()
+        assert (o.float() - p.float()).abs().max().item() <= 4 * 2**-8 * scale
+
+
+def test_lora_add_passes_base_gradient_and_leaves_base_out_alone():
+    """d base_out is the upstream gradient bit for bit; base_out is read, never written (the result is new)."""
+    x, _, _, adapters = _inputs(torch.float32, "3d")
+    a, bb, _ = adapters[0]
+    base = torch.randn(2, 5, OUT, generator=torch.Generator().manual_seed(9)).requires_grad_()
+    kept = base.detach().clone()
+    y = ops.lora_add(base, x, a.requires_grad_(), bb.requires_grad_(), 2.0)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(10))
+    y.backward(g)
+    assert torch.equal(base.grad, g) and torch.equal(base.detach(), kept)
+    assert y.data_ptr() != base.data_ptr() and x.grad is None  # x needs no gradient: no dx GEMM
+    with torch.no_grad():  # the bare launcher (inference) allocates too
+        y2 = ops.lora_add(base, x, a, bb, 2.0)
+    assert torch.equal(base.detach(), kept) and y2.data_ptr() != base.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_add_dropout_replays_the_reference_with_the_same_mask(dtype):
+    x, w, b, adapters = _inputs(dtype, "2d", ranks=(3, 4))
+    ps = [0.25, 0.0]
+    scal = [alpha / a.shape[0] for a, _, alpha in adapters]
+    g = torch.randn(T, OUT, generator=torch.Generator().manual_seed(8))
+
+    def ours_fn(x, w, b, ab):
+        return ops.lora_add(torch.nn.functional.linear(x, w, b), x, [a for a, _, _ in ab], [bb for _, bb, _ in ab],
+                            scal, ps)
+
+    torch.manual_seed(123)
+    ours = _run(ours_fn, x, w, b, adapters, g, False)
+    torch.manual_seed(123)
+    mask = torch.native_dropout(x, ps[0], True)[1]
+    assert 0 < mask.sum() < mask.numel()
+
+    def replay(x, w, b, ab, dt=torch.float64):
+        base = torch.nn.functional.linear(x.to(dt), w.to(dt), b.to(dt))
+        return reference.lora_add(base, x.to(dt), [a.to(dt) for a, _, _ in ab], [bb.to(dt) for _, bb, _ in ab], scal,
+                                  ps, [mask, None])
+
+    ref = _run(replay, x, w, b, adapters, g.double(), False)
+    _check(ours, _run(lambda *a: replay(*a, dt=dtype), x, w, b, adapters, g, False), ref, dtype)
+
+
+def test_lora_add_double_backward_without_dropout_and_refused_with_dropout():
+    x, _, _, adapters = _inputs(torch.float32, "2d")
+    a, bb, _ = adapters[0]
+    base = torch.randn(T, OUT, generator=torch.Generator().manual_seed(9))
+    leaves = [t.clone().requires_grad_() for t in (x, a, bb)]
+
+    def gradnorm(fn):
+        y = fn(*leaves)
+        ga, = torch.autograd.grad((y * y).sum(), leaves[1], create_graph=True)
+        return torch.autograd.grad(ga.square().sum(), leaves)
+
+    ours = gradnorm(lambda x, a, bb: ops.lora_add(base, x, a, bb, 2.0))
+    ref = gradnorm(lambda x, a, bb: reference.lora_add(base, x, [a], [bb], [2.0]))
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the op's own path, as in the lora_linear test
+    a_dev = a.detach().to(dev).requires_grad_()
+    y = ops.lora_add(base.to(dev), x.to(dev), a_dev, bb.to(dev), 2.0, 0.5)
+    with pytest.raises(NotImplementedError, match="lora_add"):
+        torch.autograd.grad(y.sum(), a_dev, create_graph=True)
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("base_shape", ValueError, r"base_out must be \[11, out\]"),
+    ("base_dtype", TypeError, "base_out has dtype torch.bfloat16 but x has dtype torch.float32"),
+    ("b_shape", ValueError, r"lora_b must be \[53, 3\]"),
+    ("none", ValueError, "needs at least one adapter"),
+    ("scaling", ValueError, "scaling must be a finite number"),
+    ("dropout", ValueError, r"dropout_p must be in \[0, 1\)"),
+    ("base_int", TypeError, "base_out must be float32"),
+])
+@pytest.mark.parametrize("kernels", ["1", "0"], ids=["kernel_path", "reference_path"])
+def test_lora_add_bad_input(monkeypatch, case, exc, match, kernels):
+    """The same error on both paths (TRITON_INTERPRET=0 on a CPU runs the reference): the checks come first."""
+    monkeypatch.setenv("TRITON_INTERPRET", kernels)
+    x, _, _, adapters = _inputs(torch.float32, "2d")
+    a, bb, _ = adapters[0]
+    args = dict(base_out=torch.zeros(T, OUT), x=x, lora_a=a, lora_b=bb, scaling=2.0, dropout_p=0.0)
+    if case == "base_shape":
+        args["base_out"] = torch.zeros(T + 1, OUT)
+    elif case == "base_dtype":
+        args["base_out"] = torch.zeros(T, OUT, dtype=torch.bfloat16)
+    elif case == "b_shape":
+        args["lora_b"] = bb[:5]
+    elif case == "none":
+        args.update(lora_a=[], lora_b=[])
+    elif case == "scaling":
+        args["scaling"] = float("nan")
+    elif case == "dropout":
+        args["dropout_p"] = 1.0
+    elif case == "base_int":
+        args["base_out"] = torch.zeros(T, OUT, dtype=torch.long)
+    with pytest.raises(exc, match=f"tigon.ops.lora_add: {match}"):
+        ops.lora_add(**args)
+
+
+def test_lora_add_opcheck_and_compile_fullgraph():
+    x, _, _, adapters = _inputs(torch.float32, "3d", ranks=(3, 2))
+    As = [a.clone().requires_grad_() for a, _, _ in adapters]
+    Bs = [bb.clone().requires_grad_() for _, bb, _ in adapters]
+    base = torch.randn(2, 5, OUT, generator=torch.Generator().manual_seed(9))
+    x2, base2 = x.reshape(-1, IN), base.reshape(-1, OUT)
+    torch.library.opcheck(torch.ops.tigon.lora_add_fwd, (base2.requires_grad_(), x2, As, Bs, [2.0, 0.5], [0.0, 0.0]))
+    out, xas, dropped, masks = torch.ops.tigon.lora_add_fwd(base2.detach(), x2, As, Bs, [2.0, 0.5], [0.0, 0.0])
+    torch.library.opcheck(torch.ops.tigon.lora_add_bwd,
+                          (torch.randn_like(out), x2, [a.detach() for a in As], [bb.detach() for bb in Bs], xas,
+                           dropped, masks, [2.0, 0.5], [0.0, 0.0], True, [True, True]))
+
+    def f(base, x, a, bb):
+        return ops.lora_add(base, x, a, bb, 2.0)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    leaves = [t.detach().clone().requires_grad_() for t in (base, x, As[0], Bs[0])]
+    eager = [t.detach().clone().requires_grad_() for t in (base, x, As[0], Bs[0])]
+    y, ye = compiled(*leaves), f(*eager)
+    y.square().sum().backward()
+    ye.square().sum().backward()
+    torch.testing.assert_close(y, ye)
+    for c, e in zip(leaves, eager):
+        torch.testing.assert_close(c.grad, e.grad)
+    assert torch._dynamo.explain(f)(*leaves).graph_break_count == 0

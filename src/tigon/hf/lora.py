@@ -10,11 +10,17 @@ the last marked model is unpatched. Why not an instance-level forward on each Lo
 yet when patch() runs first, and finding them later needs a hook in modules Tigon does not own or a module walk.
 
 The op runs where it computes what PEFT's forward computes: adapters not disabled and not merged, no mixed-batch
-`adapter_names`, vanilla LoRA (no DoRA or other variant, no lora_bias), a plain nn.Linear base (bitsandbytes'
-4-bit base has no dense weight for the base GEMM: QLoRA keeps PEFT's forward), nn.Dropout or nn.Identity dropout,
-no hooks that the op would skip. use_rslora is only a different scaling. Design and byte model: docs/ops/lora.md.
+`adapter_names`, vanilla LoRA (no DoRA or other variant, no lora_bias), a plain nn.Linear base, nn.Dropout or
+nn.Identity dropout, no hooks that the op would skip. use_rslora is only a different scaling.
+
+QLoRA: PEFT's bitsandbytes layers (`lora.bnb.Linear4bit`, `lora.bnb.Linear8bitLt`) get `qlora_forward` the same
+way (their bitsandbytes base layers are marked too): the base layer runs as a module (bitsandbytes dequantizes,
+unchanged), then tigon.ops.lora_add adds the adapters into a new output, under the same conditions, and not under
+an autocast dtype other than x's (PEFT would run the adapters in that dtype). Design and byte model:
+docs/ops/lora.md.
 """
 
+import functools
 import sys
 import weakref
 
@@ -25,6 +31,8 @@ from .. import ops
 
 MARK = "_tigon_lora"
 _LAYER_MODULE = "peft.tuners.lora.layer"
+_BNB_LAYER_MODULE = "peft.tuners.lora.bnb"  # imported by get_peft_model for a quantized model, not by `import peft`
+_BNB_NAMES = ("Linear4bit", "Linear8bitLt")  # bitsandbytes.nn's layers and PEFT's LoRA layers around them
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()  # models holding marks
 _PEFT_FORWARD: dict = {}  # PEFT's class -> its own forward, while ours is installed
 
@@ -46,18 +54,9 @@ def _plain_weight(lin) -> bool:
     return type(lin) is nn.Linear and _no_hooks(lin) and type(lin.weight) in (nn.Parameter, torch.Tensor)
 
 
-def plan(layer, x, args, kwargs):
-    """(weight, bias, [A], [B], [scaling], [dropout p]) when lora_linear computes exactly what PEFT's forward of
-    `layer` would for this call, else None."""
-    base = layer.base_layer
-    if args or kwargs or getattr(base, MARK, None) is None or not isinstance(x, torch.Tensor):
-        return None
-    if layer.disable_adapters or layer.merged or not _plain_weight(base) or not base.weight.is_floating_point():
-        return None
-    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-        return None
-    if x.dtype != base.weight.dtype and not torch.is_autocast_enabled(x.device.type):
-        return None  # F.linear would refuse: let PEFT's forward raise its own error
+def _adapters(layer, x):
+    """([A], [B], [scaling], [dropout p]) of `layer`'s active adapters when each is vanilla LoRA the op computes
+    exactly, else None."""
     as_, bs, scales, ps = [], [], [], []
     for name in layer.active_adapters:
         if name not in layer.lora_A:
@@ -80,7 +79,42 @@ def plan(layer, x, args, kwargs):
         scales.append(float(layer.scaling[name]))
     if not as_ or any(p >= 1 for p in ps):
         return None
-    return base.weight, base.bias, as_, bs, scales, ps
+    return as_, bs, scales, ps
+
+
+def _global_hooks() -> bool:
+    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+
+def plan(layer, x, args, kwargs):
+    """(weight, bias, [A], [B], [scaling], [dropout p]) when lora_linear computes exactly what PEFT's forward of
+    `layer` would for this call, else None."""
+    base = layer.base_layer
+    if args or kwargs or getattr(base, MARK, None) is None or not isinstance(x, torch.Tensor):
+        return None
+    if layer.disable_adapters or layer.merged or not _plain_weight(base) or not base.weight.is_floating_point():
+        return None
+    if _global_hooks():
+        return None
+    if x.dtype != base.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        return None  # F.linear would refuse: let PEFT's forward raise its own error
+    adapters = _adapters(layer, x)
+    return None if adapters is None else (base.weight, base.bias, *adapters)
+
+
+def plan_qlora(layer, x, args, kwargs):
+    """([A], [B], [scaling], [dropout p]) when base_layer(x) followed by lora_add computes what PEFT's forward of
+    the bitsandbytes LoRA `layer` would for this call, else None. The base layer runs as a module, so hooks on it
+    run as they would under PEFT's forward; the adapter modules are not called, so they must have none."""
+    base = layer.base_layer
+    if args or kwargs or getattr(base, MARK, None) is None or not isinstance(x, torch.Tensor):
+        return None
+    if layer.disable_adapters or layer.merged or type(base) not in _classes("bitsandbytes.nn") or _global_hooks():
+        return None
+    dev = x.device.type
+    if not x.is_floating_point() or (torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != x.dtype):
+        return None  # under autocast PEFT runs the adapters in the autocast dtype, the op in x's
+    return _adapters(layer, x)
 
 
 def lora_forward(self, x, *args, **kwargs):
@@ -94,23 +128,61 @@ def lora_forward(self, x, *args, **kwargs):
 lora_forward.__tigon__ = True
 
 
+def qlora_forward(self, x, *args, **kwargs):
+    """PEFT's bitsandbytes LoRA layer's forward: bitsandbytes' base layer, then tigon.ops.lora_add, for a layer of a
+    patched model, else PEFT's."""
+    p = plan_qlora(self, x, args, kwargs)
+    if p is not None:
+        base_out = self.base_layer(x)
+        # bitsandbytes returns x's dtype and leading shape (Linear4bit casts back to it); anything else: PEFT's
+        # forward, which runs the base layer again (no randomness in it) and casts as it does
+        if isinstance(base_out, torch.Tensor) and base_out.dtype == x.dtype and base_out.shape[:-1] == x.shape[:-1]:
+            return ops.lora_add(base_out, x, *p)
+    return _peft_forward(type(self))(self, x, *args, **kwargs)
+
+
+qlora_forward.__tigon__ = True
+
+
+def _peft_forward(cls):
+    for c in cls.__mro__:
+        if c in _PEFT_FORWARD:
+            return _PEFT_FORWARD[c]
+    return cls.forward
+
+
 def _layer_class():
     return sys.modules[_LAYER_MODULE].Linear
 
 
-def _install() -> bool:
-    """Our forward on PEFT's lora.Linear, when PEFT is imported (importing it here would cost seconds)."""
-    if _LAYER_MODULE not in sys.modules:
-        return False
-    cls = _layer_class()
+def _classes(module) -> tuple:
+    """`module`'s Linear4bit and Linear8bitLt classes, those it defines, when it is imported (else none)."""
+    m = sys.modules.get(module)
+    return tuple(getattr(m, n) for n in _BNB_NAMES if hasattr(m, n)) if m is not None else ()
+
+
+def _put(cls, forward):
     if cls not in _PEFT_FORWARD:
         _PEFT_FORWARD[cls] = cls.__dict__["forward"]
-        cls.forward = lora_forward
-    return True
+        cls.forward = forward
 
 
-def _install_at_first_forward(module, args, kwargs):
-    if not torch.compiler.is_compiling() and _install():
+def _install(qlora=False) -> bool:
+    """Our forward on PEFT's lora.Linear (and, for a model with bitsandbytes layers, on PEFT's bnb LoRA layers),
+    those of them imported (importing PEFT here would cost seconds). True when nothing is left to install."""
+    done = _LAYER_MODULE in sys.modules
+    if done:
+        _put(_layer_class(), lora_forward)
+    if qlora:
+        classes = _classes(_BNB_LAYER_MODULE)
+        for cls in classes:
+            _put(cls, qlora_forward)
+        done = done and bool(classes)
+    return done
+
+
+def _install_at_first_forward(module, args, kwargs, qlora=False):
+    if not torch.compiler.is_compiling() and _install(qlora):
         _PENDING.pop(module, None).remove()
 
 
@@ -118,30 +190,32 @@ _PENDING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # decoder -
 
 
 def lora_layers(model) -> list:
-    """The PEFT LoRA Linear layers (exactly that class) inside `model`."""
-    if _LAYER_MODULE not in sys.modules:
-        return []
-    cls = _layer_class()
-    return [m for m in model.modules() if type(m) is cls]
+    """The PEFT LoRA Linear layers inside `model`: exactly lora.Linear, or PEFT's bitsandbytes LoRA layers."""
+    classes = _classes(_BNB_LAYER_MODULE) + ((_layer_class(),) if _LAYER_MODULE in sys.modules else ())
+    return [m for m in model.modules() if type(m) in classes] if classes else []
 
 
 def arm(hf, undo) -> tuple:
-    """Mark hf's nn.Linear layers (recorded in `undo`) and put lora_forward on PEFT's class (now if PEFT is imported,
-    else at the model's first forward). Returns (LoRA layers found now, Linear layers marked)."""
+    """Mark hf's nn.Linear and bitsandbytes Linear4bit / Linear8bitLt layers (recorded in `undo`) and put
+    lora_forward / qlora_forward on PEFT's classes (now if PEFT has them imported, else at the model's first
+    forward). Returns (LoRA layers found now, layers marked)."""
     layers = lora_layers(hf)
     adapters = {id(m) for layer in layers for d in (layer.lora_A, layer.lora_B) for m in d.values()}
-    marked = 0
+    bnb = _classes("bitsandbytes.nn")  # a model holding bitsandbytes layers has imported bitsandbytes
+    marked = qlora = 0
     for m in hf.modules():
-        if type(m) is nn.Linear and id(m) not in adapters:
+        if (type(m) is nn.Linear or type(m) in bnb) and id(m) not in adapters:
             if MARK not in m.__dict__:
                 undo.append((m, MARK, None))
                 m.__dict__[MARK] = LoraMark()
             marked += 1
+            qlora += type(m) in bnb
     _LIVE.add(hf)
-    if not _install():
+    if not _install(bool(qlora)):
         inner = getattr(hf, "base_model", hf)
         if inner not in _PENDING:
-            _PENDING[inner] = inner.register_forward_pre_hook(_install_at_first_forward, with_kwargs=True)
+            hook = functools.partial(_install_at_first_forward, qlora=bool(qlora))
+            _PENDING[inner] = inner.register_forward_pre_hook(hook, with_kwargs=True)
     return len(layers), marked
 
 

@@ -9,7 +9,7 @@ from .glu_mlp import geglu_mlp, swiglu_mlp
 from .kv_write import rope_kv_append, rope_kv_write
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
-from .lora_linear import lora_linear
+from .lora_linear import lora_add, lora_linear
 from .losses import *  # noqa: F403  (fused-linear preference / RL / distillation losses)
 from .losses import __all__ as _losses_all
 from .rms_norm import add_rms_norm, rms_norm
@@ -28,6 +28,7 @@ __all__ = [
     "geglu_mlp",
     "layer_norm",
     "linear_cross_entropy",
+    "lora_add",
     "lora_linear",
     "rms_norm",
     "rope_kv_append",

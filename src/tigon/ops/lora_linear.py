@@ -11,7 +11,11 @@ dB = s g^T xa (fp32 outputs for fp32 adapters); dW = g^T x only when the base we
 All GEMMs run in x's dtype (cuBLAS, fp32 accumulation); adapter weights of another dtype (PEFT's fp32 adapters
 on a bf16 base) are cast to it, a [r, in] + [out, r] copy. Dropout p > 0: adapter i's input is
 torch.native_dropout(x, p_i) (drawn in adapter order); the dropped x and its bool mask are kept for backward
-(3 bytes a [T, in] element, x itself is then not kept for a frozen base). Math and byte model: docs/ops/lora.md.
+(3 bytes a [T, in] element, x itself is then not kept for a frozen base).
+
+lora_add (the second half of this file) is the adapter part alone, over a base output the caller computed (PEFT's
+bitsandbytes layers): the same forward and backward helpers; it allocates its result rather than writing base_out
+(why: docs/ops/lora.md, "lora_add"). Math and byte model: docs/ops/lora.md.
 """
 
 import math
@@ -45,11 +49,12 @@ def _mm(a, b, dtype):
     return a.to(dtype) @ b.to(dtype)  # CPU: no mixed-dtype GEMM; upcast the operands
 
 
-def _forward(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
-    """x [T, in] -> (out [T, out], xa per adapter [T, r], dropped x per adapter (empty where p == 0),
-    dropout mask per adapter (empty where p == 0))."""
+def _add_adapters(out, x, lora_a, lora_b, scaling, dropout_p, fresh):
+    """Adds sum_i s_i drop_i(x) A_i^T B_i^T into out [T, out]: in place when `fresh` (out is the op's own base GEMM
+    output), else the first adapter's torch.addmm allocates the result (out is the caller's tensor, left as it was).
+    Returns (result, xa per adapter [T, r], dropped x per adapter (empty where p == 0), mask per adapter (empty
+    where p == 0))."""
     dt = x.dtype
-    out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
     xas, dropped, masks = [], [], []
     for a, b, s, p in zip(lora_a, lora_b, scaling, dropout_p):
         if p > 0:
@@ -57,31 +62,54 @@ def _forward(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
         else:
             xin, mask = x, None
         xa = xin @ a.to(dt).t()
-        out.addmm_(xa, b.to(dt).t(), alpha=s)  # the scaled adapter product lands in the base GEMM's output
+        if fresh:
+            out.addmm_(xa, b.to(dt).t(), alpha=s)  # the scaled adapter product lands in the base GEMM's output
+        else:
+            out, fresh = torch.addmm(out, xa, b.to(dt).t(), alpha=s), True
         xas.append(xa)
         dropped.append(x.new_empty(0) if mask is None else xin)
         masks.append(x.new_empty(0, dtype=torch.bool) if mask is None else mask)
-    return out, xas, dropped, masks
+    return (out if fresh else out.clone()), xas, dropped, masks
+
+
+def _forward(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
+    """x [T, in] -> (out [T, out], xas, dropped, masks) as _add_adapters."""
+    out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+    return _add_adapters(out, x, lora_a, lora_b, scaling, dropout_p, True)
 
 
 def _inference(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
     return _forward(x, weight, bias, lora_a, lora_b, scaling, dropout_p)[0]
 
 
-def _backward(g, x, weight, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_x, need_w, need_bias,
-              need_ab):
-    """Returns (dx, dW, db, [dA_i], [dB_i]); None where not asked. x may be empty when nothing reads it."""
+def _adapter_backward(g, x, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, dx, need_x, need_ab):
+    """The adapters' part of backward: their dx added into `dx` (or a new [T, in] tensor when dx is None and
+    need_x), and [dA_i], [dB_i] (None where not asked). Returns (dx, das, dbs)."""
     dt = g.dtype
-    dx = g @ weight if need_x else None
     das, dbs = [], []
     for a, b, xa, xd, mask, s, p, need in zip(lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_ab):
         gb = g @ b.to(dt)  # [T, r]
-        if need_x and p > 0:  # d drop(x)/dx = mask / (1 - p)
-            dx.addcmul_(gb @ a.to(dt), mask, value=s / (1 - p))
-        elif need_x:
-            dx.addmm_(gb, a.to(dt), alpha=s)  # the adapter's dx added in the same [T, in] output
+        if need_x:
+            c = s / (1 - p) if p > 0 else s  # d drop(x)/dx = mask / (1 - p)
+            if dx is None:  # beta=0: the 0-dim input is ignored; the scale lands in the GEMM's fp32 epilogue
+                dx = torch.addmm(g.new_zeros(()), gb, a.to(dt), beta=0, alpha=c)
+                if p > 0:
+                    dx.mul_(mask)
+            elif p > 0:
+                dx.addcmul_(gb @ a.to(dt), mask, value=c)
+            else:
+                dx.addmm_(gb, a.to(dt), alpha=s)  # the adapter's dx added in the same [T, in] output
         das.append(_mm(gb.t(), xd if p > 0 else x, a.dtype).mul_(s) if need else None)
         dbs.append(_mm(g.t(), xa, b.dtype).mul_(s) if need else None)
+    return dx, das, dbs
+
+
+def _backward(g, x, weight, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_x, need_w, need_bias,
+              need_ab):
+    """Returns (dx, dW, db, [dA_i], [dB_i]); None where not asked. x may be empty when nothing reads it."""
+    dx = g @ weight if need_x else None
+    dx, das, dbs = _adapter_backward(g, x, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, dx, need_x,
+                                     need_ab)
     dw = _mm(g.t(), x, weight.dtype) if need_w else None
     db = g.sum(0, dtype=torch.float32).to(weight.dtype) if need_bias else None
     return dx, dw, db, das, dbs
@@ -229,14 +257,38 @@ def _eager(x, weight, bias, scaling, dropout_p, n, *adapters):
     return _inference(x, weight, bias, list(adapters[:n]), list(adapters[n:]), scaling, dropout_p)
 
 
-def _as_list(name, v, n, what):
+def _as_list(op, name, v, n, what):
     if isinstance(v, (list, tuple)):
         if len(v) != n:
-            raise ValueError(f"{OP}: {name} has {len(v)} entries for {n} adapters")
+            raise ValueError(f"{op}: {name} has {len(v)} entries for {n} adapters")
         return list(v)
     if n != 1 and not isinstance(v, what):
-        raise TypeError(f"{OP}: {name} must be one value or a sequence of {n}, got {type(v).__name__}")
+        raise TypeError(f"{op}: {name} must be one value or a sequence of {n}, got {type(v).__name__}")
     return [v] * n
+
+
+def _validate_adapters(op, x, n_out, lora_a, lora_b, scaling, dropout_p):
+    """The adapter arguments of lora_linear and lora_add: ([A], [B], [scaling], [dropout p]), or a clear error."""
+    n_in = x.shape[-1]
+    as_, bs = (list(v) if isinstance(v, (list, tuple)) else [v] for v in (lora_a, lora_b))
+    if len(as_) != len(bs):
+        raise ValueError(f"{op}: lora_a has {len(as_)} adapters but lora_b has {len(bs)}")
+    for i, (a, b) in enumerate(zip(as_, bs)):
+        tag = f"[{i}]" if len(as_) > 1 else ""
+        _launch.check_tensor(op, f"lora_a{tag}", a)
+        _launch.check_tensor(op, f"lora_b{tag}", b)
+        if a.dim() != 2 or a.shape[1] != n_in or a.shape[0] < 1:
+            raise ValueError(f"{op}: lora_a{tag} must be 2-D [r, {n_in}] with r >= 1, got {tuple(a.shape)}")
+        if b.dim() != 2 or tuple(b.shape) != (n_out, a.shape[0]):
+            raise ValueError(f"{op}: lora_b{tag} must be [{n_out}, {a.shape[0]}] (out, r), got {tuple(b.shape)}")
+        _launch.check_same_device(op, "x", x, **{f"lora_a{tag}": a, f"lora_b{tag}": b})
+    n = len(as_)
+    scales = [_launch.check_number(op, "scaling", s) for s in _as_list(op, "scaling", scaling, n, numbers.Real)]
+    ps = [_launch.check_number(op, "dropout_p", p, 0.0, 1.0)
+          for p in _as_list(op, "dropout_p", dropout_p, n, numbers.Real)]
+    if any(p >= 1 for p in ps):
+        raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p!r}")
+    return as_, bs, scales, ps
 
 
 def _validate(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
@@ -253,25 +305,7 @@ def _validate(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
         _launch.check_tensor(OP, "bias", bias)
         _launch.check_shape(OP, "bias", bias, (n_out,))
         _launch.check_same_dtype(OP, "x", x, bias=bias)
-    as_, bs = (list(v) if isinstance(v, (list, tuple)) else [v] for v in (lora_a, lora_b))
-    if len(as_) != len(bs):
-        raise ValueError(f"{OP}: lora_a has {len(as_)} adapters but lora_b has {len(bs)}")
-    for i, (a, b) in enumerate(zip(as_, bs)):
-        tag = f"[{i}]" if len(as_) > 1 else ""
-        _launch.check_tensor(OP, f"lora_a{tag}", a)
-        _launch.check_tensor(OP, f"lora_b{tag}", b)
-        if a.dim() != 2 or a.shape[1] != n_in or a.shape[0] < 1:
-            raise ValueError(f"{OP}: lora_a{tag} must be 2-D [r, {n_in}] with r >= 1, got {tuple(a.shape)}")
-        if b.dim() != 2 or tuple(b.shape) != (n_out, a.shape[0]):
-            raise ValueError(f"{OP}: lora_b{tag} must be [{n_out}, {a.shape[0]}] (out, r), got {tuple(b.shape)}")
-        _launch.check_same_device(OP, "x", x, **{f"lora_a{tag}": a, f"lora_b{tag}": b})
-    n = len(as_)
-    scales = [_launch.check_number(OP, "scaling", s) for s in _as_list("scaling", scaling, n, numbers.Real)]
-    ps = [_launch.check_number(OP, "dropout_p", p, 0.0, 1.0) for p in _as_list("dropout_p", dropout_p, n,
-                                                                                 numbers.Real)]
-    if any(p >= 1 for p in ps):
-        raise ValueError(f"{OP}: dropout_p must be in [0, 1), got {dropout_p!r}")
-    return as_, bs, scales, ps
+    return _validate_adapters(OP, x, n_out, lora_a, lora_b, scaling, dropout_p)
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -300,3 +334,167 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         out = _library.dispatch(_traced, _LoRALinear, _eager, x2, weight, bias, scaling, dropout_p, len(lora_a),
                                 *lora_a, *lora_b, grad_from=(x2, weight, bias, *lora_a, *lora_b))
     return out.view(*lead, weight.shape[0])
+
+
+# lora_add: the adapters alone, added into a base output the caller computed (PEFT's bitsandbytes layers: the base
+# GEMM dequantizes a 4-bit or 8-bit weight, so there is no dense weight for lora_linear's base GEMM).
+
+ADD_OP = "tigon.ops.lora_add"
+
+
+def _add_forward(base_out, x, lora_a, lora_b, scaling, dropout_p):
+    return _add_adapters(base_out, x, lora_a, lora_b, scaling, dropout_p, False)
+
+
+def _saved_fakes(x, lora_a, dropout_p):
+    T = x.shape[0]
+    xas = [x.new_empty((T, a.shape[0])) for a in lora_a]
+    dropped = [x.new_empty(x.shape if p > 0 else (0,)) for p in dropout_p]
+    masks = [x.new_empty(x.shape if p > 0 else (0,), dtype=torch.bool) for p in dropout_p]
+    return xas, dropped, masks
+
+
+@torch.library.custom_op("tigon::lora_add_fwd", mutates_args=())
+def lora_add_fwd(base_out: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+                 scaling: list[float], dropout_p: list[float]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """base_out [T, out], x [T, in] -> (a new out [T, out], xa_i, dropped x_i, mask_i) as lora_linear_fwd."""
+    return _add_forward(base_out, x, lora_a, lora_b, scaling, dropout_p)
+
+
+@lora_add_fwd.register_fake
+def _(base_out, x, lora_a, lora_b, scaling, dropout_p):
+    return (base_out.new_empty(base_out.shape), *_saved_fakes(x, lora_a, dropout_p))
+
+
+@torch.library.custom_op("tigon::lora_add_bwd", mutates_args=())
+def lora_add_bwd(g: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+                 xas: list[torch.Tensor], dropped: list[torch.Tensor], masks: list[torch.Tensor], scaling: list[float],
+                 dropout_p: list[float], need_x: bool, need_ab: list[bool]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The adapters' gradients (dx, dA_i, dB_i), each empty where not asked; base_out's is g itself."""
+    dx, das, dbs = _adapter_backward(g, x, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, None, need_x,
+                                     need_ab)
+    return _empty_or(dx, g), [_empty_or(d, g) for d in das], [_empty_or(d, g) for d in dbs]
+
+
+@lora_add_bwd.register_fake
+def _(g, x, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_x, need_ab):
+    dx = g.new_empty((g.shape[0], lora_a[0].shape[1])) if need_x and lora_a else g.new_empty(0)
+    das = [a.new_empty(a.shape) if n else g.new_empty(0) for a, n in zip(lora_a, need_ab)]
+    dbs = [b.new_empty(b.shape) if n else g.new_empty(0) for b, n in zip(lora_b, need_ab)]
+    return dx, das, dbs
+
+
+def _add_setup(ctx, inputs, output):
+    base_out, x, lora_a, lora_b, scaling, dropout_p = inputs
+    _, xas, dropped, masks = output
+    need_ab = [a.requires_grad or b.requires_grad for a, b in zip(lora_a, lora_b)]
+    ctx.needs = (base_out.requires_grad, x.requires_grad, need_ab)
+    ctx.n, ctx.scaling, ctx.dropout_p = len(lora_a), scaling, dropout_p
+    kept = x if _kept_x(False, dropout_p) else x.new_empty(0)  # x: for dA without dropout (and double backward)
+    ctx.save_for_backward(kept, *lora_a, *lora_b, *xas, *dropped, *masks)
+
+
+def _add_saved(ctx):
+    x, *rest = ctx.saved_tensors
+    n = ctx.n
+    return (x, *(list(rest[i * n:(i + 1) * n]) for i in range(5)))
+
+
+def _add_grads(ctx, g, op_path):
+    """(d base_out, dx, [dA], [dB]) for upstream g; op_path: through the lora_add_bwd custom op."""
+    x, lora_a, lora_b, xas, dropped, masks = _add_saved(ctx)
+    need_base, need_x, need_ab = ctx.needs
+    if _library.double_backward():
+        if any(p > 0 for p in ctx.dropout_p):
+            _library.refuse_double_backward(f"{ADD_OP} with dropout_p > 0")
+        n = ctx.n
+
+        def delta(x, *ab):  # the adapters' sum alone: base_out's gradient is g, whatever its value
+            return reference.lora_add(torch.zeros((), dtype=x.dtype, device=x.device), x, list(ab[:n]),
+                                      list(ab[n:]), ctx.scaling)
+
+        gr = _library.reference_grads(delta, (x, *lora_a, *lora_b), [need_x, *need_ab, *need_ab], (g,))
+        return g if need_base else None, gr[0], gr[1:1 + n], gr[1 + n:]
+    if op_path:
+        dx, das, dbs = torch.ops.tigon.lora_add_bwd(g, x, lora_a, lora_b, xas, dropped, masks, ctx.scaling,
+                                                    ctx.dropout_p, need_x, need_ab)
+    else:
+        dx, das, dbs = _adapter_backward(g, x, lora_a, lora_b, xas, dropped, masks, ctx.scaling, ctx.dropout_p,
+                                         None, need_x, need_ab)
+    return (g if need_base else None, dx if need_x else None, [d if k else None for d, k in zip(das, need_ab)],
+            [d if k else None for d, k in zip(dbs, need_ab)])
+
+
+def _add_setup_op(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[1], *output[2], *output[3])
+    _add_setup(ctx, inputs, output)
+
+
+def _add_op_backward(ctx, g, *_):
+    if g is None:
+        return None, None, None, None, None, None
+    return (*_add_grads(ctx, g, True), None, None)
+
+
+lora_add_fwd.register_autograd(_add_op_backward, setup_context=_add_setup_op)
+
+
+class _LoRAAdd(torch.autograd.Function):
+    """Eager training: the same launchers as the custom op, without its dispatcher's host time."""
+
+    @staticmethod
+    def forward(ctx, base_out, x, scaling, dropout_p, n, *adapters):
+        lora_a, lora_b = list(adapters[:n]), list(adapters[n:])
+        out, xas, dropped, masks = _add_forward(base_out, x, lora_a, lora_b, scaling, dropout_p)
+        _add_setup(ctx, (base_out, x, lora_a, lora_b, scaling, dropout_p), (out, xas, dropped, masks))
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        d_base, dx, das, dbs = _add_grads(ctx, g, False)
+        return (d_base, dx, None, None, None, *das, *dbs)
+
+
+def _add_traced(base_out, x, scaling, dropout_p, n, *adapters):
+    return torch.ops.tigon.lora_add_fwd(base_out, x, list(adapters[:n]), list(adapters[n:]), scaling, dropout_p)[0]
+
+
+def _add_eager(base_out, x, scaling, dropout_p, n, *adapters):
+    return _add_forward(base_out, x, list(adapters[:n]), list(adapters[n:]), scaling, dropout_p)[0]
+
+
+def lora_add(base_out: torch.Tensor, x: torch.Tensor, lora_a: Union[torch.Tensor, Sequence[torch.Tensor]],
+             lora_b: Union[torch.Tensor, Sequence[torch.Tensor]], scaling: Union[float, Sequence[float]],
+             dropout_p: Union[float, Sequence[float]] = 0.0) -> torch.Tensor:
+    """base_out + sum_i scaling_i * dropout(x, dropout_p_i) lora_a_i^T lora_b_i^T: the adapter half of PEFT's LoRA
+    forward, for a base layer whose output the caller computed (bitsandbytes' 4-bit and 8-bit layers).
+
+    base_out [..., out] and x [..., in], the same leading shape and float dtype; lora_a, lora_b, scaling and
+    dropout_p as lora_linear's (one or more adapters; at least one). Returns a new [..., out] tensor in x's dtype;
+    base_out is not written. The adapter GEMMs run in x's dtype with fp32 accumulation, autocast or not (the sum
+    keeps base_out's dtype). Gradients: base_out's is the upstream gradient itself; x gets the adapters' part only
+    (the base layer's autograd adds its own). Double backward only without dropout."""
+    _launch.check_tensor(ADD_OP, "base_out", base_out)
+    _launch.check_tensor(ADD_OP, "x", x)
+    _launch.check_min_dim(ADD_OP, "x", x)
+    if base_out.dim() != x.dim() or base_out.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"{ADD_OP}: base_out must be [{', '.join(map(str, x.shape[:-1]))}, out] (x's leading "
+                         f"shape), got {tuple(base_out.shape)}")
+    _launch.check_same_dtype(ADD_OP, "x", x, base_out=base_out)
+    _launch.check_same_device(ADD_OP, "x", x, base_out=base_out)
+    n_out = base_out.shape[-1]
+    lora_a, lora_b, scaling, dropout_p = _validate_adapters(ADD_OP, x, n_out, lora_a, lora_b, scaling, dropout_p)
+    if not lora_a:
+        raise ValueError(f"{ADD_OP}: needs at least one adapter (lora_a and lora_b are empty)")
+    lead, dev = x.shape[:-1], x.device.type
+    with torch.autocast(dev, enabled=False):
+        if not _library.use_kernels("lora_add", x):
+            return reference.lora_add(base_out, x, lora_a, lora_b, scaling, dropout_p)
+        T = math.prod(lead)
+        x2, b2 = x.reshape(T, x.shape[-1]), base_out.reshape(T, n_out)
+        out = _library.dispatch(_add_traced, _LoRAAdd, _add_eager, b2, x2, scaling, dropout_p, len(lora_a),
+                                *lora_a, *lora_b, grad_from=(b2, x2, *lora_a, *lora_b))
+    return out.view(*lead, n_out)

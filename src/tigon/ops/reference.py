@@ -476,17 +476,11 @@ def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weigh
 
 
 # LoRA linear (tigon.ops.lora_linear): PEFT's lora.Linear forward, the base projection plus each adapter's scaled
-# low-rank product; the spec of the fused op and its CPU fallback.
+# low-rank product; the spec of the fused op and its CPU fallback. lora_add: the adapters alone, over a base output.
 
 
-def lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p=None, masks=None):
-    """x W^T + bias + sum_i scaling_i * drop_i(x) A_i^T B_i^T (PEFT's lora.Linear), fp32 math, cast to x.dtype.
-    lora_a, lora_b, scaling: one entry per adapter; dropout_p: None (no dropout) or one p per adapter; masks:
-    None (dropout drawn here) or one bool [..., in] mask per adapter (None where p == 0), to replay a mask."""
-    xf = _f(x)
-    out = xf @ _f(weight).T
-    if bias is not None:
-        out = out + _f(bias)
+def _add_lora(out, xf, lora_a, lora_b, scaling, dropout_p, masks):
+    """out + sum_i scaling_i * drop_i(xf) A_i^T B_i^T in fp32, the adapters added in order."""
     for i, (a, b, s) in enumerate(zip(lora_a, lora_b, scaling)):
         p = 0.0 if dropout_p is None else dropout_p[i]
         mask = None if masks is None else masks[i]
@@ -497,4 +491,21 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p=None, masks=
         else:
             xin = xf
         out = out + s * ((xin @ _f(a).T) @ _f(b).T)
-    return out.to(x.dtype)
+    return out
+
+
+def lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p=None, masks=None):
+    """x W^T + bias + sum_i scaling_i * drop_i(x) A_i^T B_i^T (PEFT's lora.Linear), fp32 math, cast to x.dtype.
+    lora_a, lora_b, scaling: one entry per adapter; dropout_p: None (no dropout) or one p per adapter; masks:
+    None (dropout drawn here) or one bool [..., in] mask per adapter (None where p == 0), to replay a mask."""
+    xf = _f(x)
+    out = xf @ _f(weight).T
+    if bias is not None:
+        out = out + _f(bias)
+    return _add_lora(out, xf, lora_a, lora_b, scaling, dropout_p, masks).to(x.dtype)
+
+
+def lora_add(base_out, x, lora_a, lora_b, scaling, dropout_p=None, masks=None):
+    """base_out + sum_i scaling_i * drop_i(x) A_i^T B_i^T (tigon.ops.lora_add: the adapters of PEFT's bitsandbytes
+    LoRA layers over their base output), fp32 math, cast to x.dtype; arguments as lora_linear's."""
+    return _add_lora(_f(base_out), _f(x), lora_a, lora_b, scaling, dropout_p, masks).to(x.dtype)
