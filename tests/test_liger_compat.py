@@ -78,8 +78,8 @@ def test_signature_is_liger_0_8_5s(family):
 def test_every_shared_model_type_has_liger_kernels_own_signature():
     shared = set(LIGER_FNS) & set(liger.MODEL_TYPE_TO_APPLY_LIGER_FN)
     assert len(shared) >= 51, sorted(shared)
-    # every type liger-kernel 0.8.5 maps is Tigon's too, but Gemma-4's (docs/models.md says why)
-    assert set(LIGER_FNS) - shared == {"gemma4", "gemma4_text"}
+    # every type liger-kernel 0.8.5 maps is Tigon's too
+    assert set(LIGER_FNS) - shared == set()
     for model_type in sorted(shared):
         theirs, ours = LIGER_FNS[model_type], liger.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
         assert ours.__name__ == theirs.__name__, model_type

@@ -87,6 +87,12 @@ def test_patched_matches_peft_either_order(peft_ref, patch_first):
     assert op_calls("swiglu") > calls[1] and op_calls("linear_cross_entropy") > calls[2]  # fused GLU and loss stay on
     _assert_close(got, peft_ref)
     tigon.unpatch(model)
+    # unpatch keeps the adapters: every projection is still PEFT's LoRA layer, and the model computes PEFT's step
+    lora_layers = [n for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.layer.Linear)]
+    assert len(lora_layers) == 7, lora_layers
+    before = op_calls("lora_linear")
+    _assert_close(_step(model), peft_ref)
+    assert op_calls("lora_linear") == before
 
 
 def test_unpatched_peft_model_beside_a_patched_one_keeps_peft(peft_ref):

@@ -503,4 +503,17 @@ def _restore(owner, name, original):
         if _ours(owner.__dict__.get(name)):
             owner.__dict__.pop(name)
     else:
+        current = getattr(owner, "_modules", {}).get(name)
+        if isinstance(current, torch.nn.Module) and isinstance(original, torch.nn.Module) and current is not original:
+            _carry_wrappers(current, original)
         setattr(owner, name, original)
+
+
+def _carry_wrappers(current, original) -> None:
+    """Before a module swapped by patch() goes back: a child of Tigon's module that another library wrapped since
+    (PEFT's get_peft_model after patch: its LoRA layer around the projection both modules shared) replaces the
+    wrapped child in the original module, so unpatch keeps the adapters."""
+    for child_name, child in current._modules.items():
+        old = original._modules.get(child_name)
+        if old is not None and child is not old and any(m is old for m in child.modules()):
+            original._modules[child_name] = child
