@@ -79,7 +79,7 @@ def test_patched_matches_peft_either_order(peft_ref, patch_first):
         model.enable_input_require_grads()
         model.train()
     piece = "lora: nn.Linear layers ready for PEFT adapters added later" if patch_first else \
-        "lora: projections (PEFT lora.Linear -> tigon.ops.lora_linear)"
+        "lora: projections (PEFT lora.Linear -> ops.lora_linear; its bitsandbytes layers -> ops.lora_add)"
     assert report.replaced[piece] == (8 if patch_first else 7)  # 7 projections (+ lm_head when marked before PEFT)
     calls = op_calls("lora_linear"), op_calls("swiglu"), op_calls("linear_cross_entropy")
     got = _step(model)

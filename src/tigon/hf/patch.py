@@ -337,7 +337,8 @@ def _lora_patch(hf, undo, report):
     (tigon.hf.lora)."""
     found, marked = tigon_lora.arm(hf, undo)
     if found:
-        report.add("lora: projections (PEFT lora.Linear -> tigon.ops.lora_linear)", found)
+        report.add("lora: projections (PEFT lora.Linear -> ops.lora_linear; its bitsandbytes layers -> "
+                   "ops.lora_add)", found)
     elif marked:
         report.add("lora: nn.Linear layers ready for PEFT adapters added later", marked)
 
