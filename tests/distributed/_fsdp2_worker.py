@@ -34,7 +34,7 @@ def run(out_dir, rank, world):
     from tigon.ops import _library
 
     torch.set_num_threads(1)  # two ranks on two cores
-    model = tiny_model("llama")
+    model = tiny_model("llama", num_hidden_layers=1)  # one layer: FSDP2 still wraps a decoder layer apart
     tigon.patch(model)
     model.train()
     mesh = init_device_mesh("cpu", (world,))

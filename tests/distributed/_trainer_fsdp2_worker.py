@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-STEPS = 3
+STEPS = 2
 WORLD = 2
 PER_DEVICE = 2
 T = 7
@@ -51,9 +51,9 @@ def train(out_dir, world, fsdp):
     from tests.hf._tiny import tiny_model
     from tigon.ops import _library
 
-    model = tiny_model("llama")
+    model = tiny_model("llama", num_hidden_layers=1)  # one layer: FSDP2 still wraps a decoder layer apart
     report = tigon.patch(model)
-    assert report.replaced["SwiGLUMLP LlamaMLP"] == 2, report
+    assert report.replaced["SwiGLUMLP LlamaMLP"] == 1, report
     args = transformers.TrainingArguments(
         output_dir=str(out_dir), max_steps=STEPS, per_device_train_batch_size=PER_DEVICE * WORLD // world,
         learning_rate=1e-3, adam_epsilon=1e-6, weight_decay=0.0, lr_scheduler_type="constant",

@@ -2,7 +2,7 @@
 
 Each rank patches the tiny Llama (fused linear cross-entropy on) and hands it to a Trainer configured the way
 users turn FSDP2 on: `TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2, ...})` (`fsdp="full_shard"`,
-deprecated in transformers 5.17, translates to the same plugin). Three steps in data order (sequential
+deprecated in transformers 5.17, translates to the same plugin). Two steps in data order (sequential
 sampler) with gradient clipping active; the per-step logged losses and grad norms and the gathered parameters
 must equal a single-process Trainer on the same global batch (per-device batch x 2), and every rank must have
 run the fused kernels.
