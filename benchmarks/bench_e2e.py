@@ -21,6 +21,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _profile import profile_step  # noqa: E402
+
 LLAMA_1B5 = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
 QWEN3 = dict(LLAMA_1B5, model_type="qwen3", vocab_size=151936, head_dim=64)
@@ -88,7 +91,7 @@ def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
                losses=losses, report=report,
                mfu_tflops=MODEL_FLOPS_PER_TOKEN * batch * seq / med / 1e12 if config_name == "llama" else None)
     if profile:
-        out["profile"] = _profile_step(model, opt, ids)
+        out["profile"] = profile_step(model, opt, ids)
     print("RESULT " + json.dumps(out))
 
 
@@ -129,36 +132,6 @@ def _longest(variant, config_name, start, cap, grain):
         tried.append((mid, good, None))
         ok, bad = (mid, bad) if good else (ok, mid)
     return dict(variant=variant, config=config_name, longest_seq=ok, first_oom=bad, cap=cap, tried=tried)
-
-
-def _profile_step(model, opt, ids):
-    """GPU kernel time of one step, bucketed by kernel name."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-    buckets = {"gemm": 0.0, "attention": 0.0, "fused (triton)": 0.0, "torch elementwise/reduce": 0.0,
-               "optimizer": 0.0, "copy/memset": 0.0}
-    for ev in prof.key_averages():
-        name, us = ev.key.lower(), ev.self_device_time_total
-        if any(s in name for s in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul")):
-            buckets["gemm"] += us
-        elif any(s in name for s in ("flash", "fmha", "attention", "sdpa", "efficient", "cudnn")):
-            buckets["attention"] += us
-        elif any(s in name for s in ("adam", "multi_tensor", "foreach")):
-            buckets["optimizer"] += us
-        elif any(s in name for s in ("memcpy", "memset", "copy_kernel")):
-            buckets["copy/memset"] += us
-        elif any(s in name for s in ("at::native", "elementwise", "reduce_kernel", "void at::")):
-            buckets["torch elementwise/reduce"] += us
-        else:  # Triton kernels (Tigon's, Liger's, inductor's) carry their function's name
-            buckets["fused (triton)"] += us
-    top = sorted(((ev.self_device_time_total, ev.key) for ev in prof.key_averages()), reverse=True)[:12]
-    return dict(buckets_ms={k: v / 1e3 for k, v in buckets.items()}, top=[(k[:90], us / 1e3) for us, k in top])
 
 
 def run_variant(variant, config_name="llama", batch=8, seq=2048, ckpt=False, steps=10, warmup=3, profile=False,

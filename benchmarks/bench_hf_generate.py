@@ -39,6 +39,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import _peak_gib, _peak_reset  # noqa: E402  (one peak-memory rule for both decode benches)
+
 LLAMA_1B5 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -111,20 +114,6 @@ def _hf_call(model, ids, new, variant):
     t0 = time.perf_counter()
     seqs = model.generate(ids, **kw)
     return seqs, stamps, t0
-
-
-def _peak_reset(device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak_gib(device):
-    import torch
-
-    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
 def _switch(model, variant, patched):

@@ -19,44 +19,11 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _profile import BUCKETS, profile_step  # noqa: E402
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VARIANTS = ("eager", "liger", "tigon-nolora", "tigon")
-BUCKETS = ("gemm", "attention", "triton kernels", "elementwise", "optimizer", "copy/memset", "other")
-
-
-def _bucket(name: str) -> str:
-    n = name.lower()
-    if any(s in n for s in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul", "splitk")):
-        return "gemm"
-    if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "cudnn")):
-        return "attention"
-    if any(s in n for s in ("adam", "multi_tensor", "foreach")):
-        return "optimizer"
-    if any(s in n for s in ("memcpy", "memset", "copy_kernel")):
-        return "copy/memset"
-    if any(s in n for s in ("at::native", "elementwise", "reduce_kernel", "void at::")):
-        return "elementwise"
-    if n.startswith("_") or "kernel" in n or n.startswith("triton"):
-        return "triton kernels"  # Tigon's and Liger's Triton kernels carry their function's name
-    return "other"
-
-
-def _profile_step(model, opt, ids):
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-    buckets = dict.fromkeys(BUCKETS, 0.0)
-    events = prof.key_averages()
-    for ev in events:
-        buckets[_bucket(ev.key)] += ev.self_device_time_total / 1e3
-    top = sorted(((ev.self_device_time_total / 1e3, ev.key) for ev in events), reverse=True)[:15]
-    return dict(buckets_ms={k: round(v, 2) for k, v in buckets.items()},
-                top=[(k[:90], round(ms, 2)) for ms, k in top])
 
 
 def child(variant, a):
@@ -115,7 +82,7 @@ def child(variant, a):
     if report is not None:
         out["patch_report"] = report
     if a.profile:
-        out["profile"] = _profile_step(model, opt, ids)
+        out["profile"] = profile_step(model, opt, ids)
     return out
 
 

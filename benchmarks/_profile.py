@@ -1,0 +1,44 @@
+"""GPU kernel time of one training step by bucket, the one rule bench_e2e.py and bench_lora.py share.
+
+No torch at import (the benchmarks' parent processes stay light); `profile_step` imports it.
+"""
+
+BUCKETS = ("gemm", "attention", "triton kernels", "elementwise", "optimizer", "copy/memset", "other")
+
+
+def kernel_bucket(name: str) -> str:
+    """The bucket of a CUDA kernel, from its name."""
+    n = name.lower()
+    if any(s in n for s in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul", "splitk")):
+        return "gemm"
+    if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "cudnn")):
+        return "attention"
+    if any(s in n for s in ("adam", "multi_tensor", "foreach")):
+        return "optimizer"
+    if any(s in n for s in ("memcpy", "memset", "copy_kernel")):
+        return "copy/memset"
+    if any(s in n for s in ("at::native", "elementwise", "reduce_kernel", "void at::")):
+        return "elementwise"
+    if n.startswith("_") or "kernel" in n or n.startswith("triton"):
+        return "triton kernels"  # Tigon's and Liger's Triton kernels carry their function's name
+    return "other"
+
+
+def profile_step(model, opt, ids):
+    """One step (forward with labels = ids, backward, optimizer step) under torch.profiler: kernel ms by bucket and
+    the top 15 kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    buckets = dict.fromkeys(BUCKETS, 0.0)
+    events = prof.key_averages()
+    for ev in events:
+        buckets[kernel_bucket(ev.key)] += ev.self_device_time_total / 1e3
+    top = sorted(((ev.self_device_time_total / 1e3, ev.key) for ev in events), reverse=True)[:15]
+    return dict(buckets_ms={k: round(v, 2) for k, v in buckets.items()},
+                top=[(k[:90], round(ms, 2)) for ms, k in top])
