@@ -28,7 +28,7 @@ class _Ctx:
     quick = False
 
 
-def _tigon_call(name):
+def tigon_call(name):
     """The tigon provider's Call of bench_losses' section `name`, captured from its H.measure call."""
     got = {}
 
@@ -44,7 +44,7 @@ def _tigon_call(name):
     return got["tigon"]()
 
 
-def _run(call):
+def run_call(call):
     out = call.fn()
     loss = out[0] if isinstance(out, tuple) else out
     torch.autograd.grad(loss, list(call.inputs))
@@ -69,11 +69,11 @@ def _busy_us(events):
 def profile_one(name):
     from torch.profiler import ProfilerActivity, profile
 
-    call = _tigon_call(name)
-    _run(call)
+    call = tigon_call(name)
+    run_call(call)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    _run(call)
+    run_call(call)
     enqueue = time.perf_counter() - t0
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -81,13 +81,13 @@ def profile_one(name):
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            _run(call)
+            run_call(call)
             torch.cuda.synchronize()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _run(call)
+        run_call(call)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     first = min(e.time_range.start for e in kernels)

@@ -66,37 +66,20 @@ def _whole(cfg):
     """ms of bench_losses' tigon fwd+bwd calls (dpo, grpo, jsd) with `cfg` as their config."""
     import functools
 
-    import bench_losses as B
+    from profile_losses import run_call, tigon_call
 
     from tigon import ops
 
-    class Ctx:
-        device, cuda, quick = torch.device("cuda"), True, False
-
     out = {}
-
-    def grab(ctx, op, case, providers, **kw):
-        call = dict(providers)["tigon"]()
-
-        def f():
-            o = call.fn()
-            torch.autograd.grad(o[0] if isinstance(o, tuple) else o, list(call.inputs))
-        out[op] = triton.testing.do_bench(f, warmup=2, rep=300)
-
-    keep = B.H.measure
-    B.H.measure = grab
-    try:
-        for k in ("dpo", "grpo", "jsd"):
-            name = f"fused_linear_{k}"
-            real = getattr(ops, name)
-            setattr(ops, name, functools.partial(real, config=cfg))  # bench_losses reads ops.<name> at call time
-            try:
-                B.SECTIONS[k](Ctx())
-            finally:
-                setattr(ops, name, real)
-            torch.cuda.empty_cache()
-    finally:
-        B.H.measure = keep
+    for k in ("dpo", "grpo", "jsd"):
+        name = f"fused_linear_{k}"
+        real = getattr(ops, name)
+        setattr(ops, name, functools.partial(real, config=cfg))  # bench_losses reads ops.<name> at call time
+        try:
+            out[k] = triton.testing.do_bench(functools.partial(run_call, tigon_call(k)), warmup=2, rep=300)
+        finally:
+            setattr(ops, name, real)
+        torch.cuda.empty_cache()
     return out
 
 
