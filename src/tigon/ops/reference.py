@@ -509,3 +509,30 @@ def lora_add(base_out, x, lora_a, lora_b, scaling, dropout_p=None, masks=None):
     """base_out + sum_i scaling_i * drop_i(x) A_i^T B_i^T (tigon.ops.lora_add: the adapters of PEFT's bitsandbytes
     LoRA layers over their base output), fp32 math, cast to x.dtype; arguments as lora_linear's."""
     return _add_lora(_f(base_out), _f(x), lora_a, lora_b, scaling, dropout_p, masks).to(x.dtype)
+
+
+def _moe_valid(pos, n_rows):
+    """[T * K] bool: the pairs whose row of the expert-sorted buffer is below n_rows (all of them for None)."""
+    flat = pos.reshape(-1)
+    return torch.ones_like(flat, dtype=torch.bool) if n_rows is None else flat < n_rows.reshape(())
+
+
+def moe_combine(y, weights, pos, n_rows=None):
+    """out[t] = sum_k weights[t, k] * y[pos[t, k]] in fp32, cast to y.dtype (the routed experts' weighted sum).
+    y [S, H] rows in expert order; weights [T, K] or None (all ones); pos [T, K] ints, a permutation of
+    range(S = T * K); n_rows None or a 1-element int tensor: rows of y at or past it read as zero."""
+    T, K = pos.shape
+    rows = _f(y)[pos.reshape(-1).long()]
+    rows = torch.where(_moe_valid(pos, n_rows)[:, None], rows, 0.0)
+    if weights is not None:
+        rows = rows * _f(weights).reshape(-1, 1)
+    return rows.view(T, K, -1).sum(1).to(y.dtype)
+
+
+def moe_permute(x, pos, n_rows=None):
+    """out[pos[t, k]] = x[t]: the [S = T * K, H] expert-sorted copy of the tokens x [T, H], rows at or past n_rows
+    zero. pos, n_rows as in moe_combine."""
+    T, K = pos.shape
+    src = torch.where(_moe_valid(pos, n_rows)[:, None], _f(x).repeat_interleave(K, 0), 0.0)
+    out = src.new_zeros(T * K, x.shape[-1]).index_copy(0, pos.reshape(-1).long(), src)
+    return out.to(x.dtype)
