@@ -10,7 +10,13 @@ from tigon import ops
 from tigon.ops import FusedLinearLossConfig, reference
 
 CFG = FusedLinearLossConfig(chunk_rows=7)  # 20 rows in 3 chunks, one ragged: sequences straddle chunks
+TWO_PASS = FusedLinearLossConfig(chunk_rows=7, one_pass_bytes=0)  # the same chunks, the pairwise two-pass walk
 B, T, H, V = 4, 5, 24, 67
+
+
+def one_pair_a_chunk(dtype):
+    """The pairwise one-pass walk with one pair per chunk (2 chunks): each chunk's coefficients alone."""
+    return FusedLinearLossConfig(one_pass_bytes=2 * T * V * torch.empty((), dtype=dtype).element_size())
 
 CASES = [
     dict(kind="dpo"),
@@ -50,11 +56,19 @@ PAIRS = [(c, torch.float32) for c in CASES] + [(c, torch.bfloat16) for c in CASE
                                                                                                         "hinge")]
 
 
-@pytest.mark.parametrize("case,dtype", PAIRS, ids=lambda v: str(v).split(".")[-1] if isinstance(v, torch.dtype)
-                         else f"{v['kind']}-{v.get('loss_type', '')}")
-def test_preference_vs_fp64(case, dtype):
+# The two-pass walk shares _pref_loss with the one-pass one: its cases cover what differs in the walk (the second
+# target of the NLL, a reference head, averaging, bf16).
+TWO_PASS_CASES = [(CASES[1], torch.float32), (CASES[10], torch.float32), (CASES[12], torch.float32),
+                  (CASES[0], torch.bfloat16)]  # hinge + NLL + ref head, ORPO's nll_target, SimPO's means, bf16
+WALKS = [(c, d, "one-pass") for c, d in PAIRS] + [(c, d, "two-pass") for c, d in TWO_PASS_CASES]
+
+
+@pytest.mark.parametrize("case,dtype,walk", WALKS, ids=lambda v: str(v).split(".")[-1] if isinstance(v, torch.dtype)
+                         else v if isinstance(v, str) else f"{v['kind']}-{v.get('loss_type', '')}")
+def test_preference_vs_fp64(case, dtype, walk):
     h, w, b, t = head(B, T, H, V, dtype)
-    loss, aux = ops.fused_linear_preference(h, w, t, b, config=CFG, **_kw(case, dtype))
+    cfg = TWO_PASS if walk == "two-pass" else one_pair_a_chunk(dtype)
+    loss, aux = ops.fused_linear_preference(h, w, t, b, config=cfg, **_kw(case, dtype))
     got = grads_of(loss, [h, w, b])
     h64, w64, b64 = as64([h, w, b])
     kw64 = _kw(case, dtype, ins64=True)

@@ -39,12 +39,16 @@ class FusedLinearLossConfig:
     is about chunk_bytes (192 MiB is 768 rows of V = 128256 in bf16; against 128 MiB it measured faster for DPO,
     GRPO and JSD on an H200: fewer, larger dW GEMMs, docs/ops/losses.md); block_v: vocabulary tile of the row
     kernels, num_warps: warps of each row program (0 for either: that kernel's own default on CUDA, `ROW_DEFAULTS`;
-    under the interpreter the whole padded row)."""
+    under the interpreter the whole padded row). one_pass_bytes: the pairwise preference losses (DPO, ORPO, CPO,
+    SimPO) run one pass of 3 policy GEMMs instead of two passes of 4 when the [2 T, V] logits of one chosen +
+    rejected pair fit in it (chunks then hold whole pairs, so a pair's coefficients are known before its gradient;
+    1 GiB holds a pair of 2 x 2048 tokens at V 128256 in bf16); 0: always two passes."""
 
     chunk_rows: int = 0
     chunk_bytes: int = 192 << 20
     block_v: int = 0
     num_warps: int = 0
+    one_pass_bytes: int = 1 << 30
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -58,7 +62,7 @@ class FusedLinearLossConfig:
                 raise ValueError(f"FusedLinearLossConfig: {name} must be a power of two, got {v}")
 
     def ints(self) -> list[int]:
-        return [self.chunk_rows, self.chunk_bytes, self.block_v, self.num_warps]
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
 
 DEFAULT = FusedLinearLossConfig()
@@ -338,9 +342,10 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
     when the weight is an fp32 master copy of lower-precision hidden states, else in the weight's dtype
     (cuBLAS addmm, like linear_cross_entropy).
 
-    One pass (coef_fn given; lse, ent, a, e None): for losses whose coefficients for a token depend only on that
-    token's statistics, each chunk runs the stats kernel, then coef_fn(start, end, chunk stats dict) -> (a, e or
-    None) for its rows, then the grad kernel on the same chunk: 3 GEMMs instead of 4. want_e: coef_fn returns e."""
+    One pass (coef_fn given; lse, ent, a, e None): for losses whose coefficients for a chunk's tokens depend only on
+    that chunk's statistics, each chunk runs the stats kernel, then coef_fn(start, end, chunk stats dict) -> (a, e
+    or None[, a2]) for its rows, then the grad kernel on the same chunk: 3 GEMMs instead of 4. want_e: coef_fn
+    returns e; a2 (the coefficient of target2's log-prob) when target2 is given."""
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
@@ -366,15 +371,17 @@ def logp_grads(hidden, weight, bias, target, lse, ent, a, a2=None, e=None, targe
             _gemm_logits(h_c, w_t, b, logits)
             if coef_fn is not None:
                 chunk = {k: v[s:end] for k, v in st.items()}
+                t2_s = None if target2 is None else target2[s:end]
                 if kernels:
-                    _stats_kernel[(end - s,)](logits, target[s:end], target[s:end], *(chunk[k] for k in names),
-                                              logits.stride(0), V, float(scale), HAS_T2=False, BLOCK_V=s_block,
-                                              VEC=s_vec, num_warps=s_warps)
+                    _stats_kernel[(end - s,)](logits, target[s:end], target[s:end] if t2_s is None else t2_s,
+                                              *(chunk[k] for k in names), logits.stride(0), V, float(scale),
+                                              HAS_T2=t2_s is not None, BLOCK_V=s_block, VEC=s_vec, num_warps=s_warps)
                 else:
-                    _stats_rows_torch(logits, target[s:end], None, tuple(chunk[k] for k in names), V, float(scale))
-                a_c, e_c = coef_fn(s, end, chunk)
-                lse_c, ent_c, a2_c = chunk["lse"], chunk["ent"], None
-                e_c = e_c if want_e else None
+                    _stats_rows_torch(logits, target[s:end], t2_s, tuple(chunk[k] for k in names), V, float(scale))
+                got = coef_fn(s, end, chunk)
+                a_c, e_c = got[0], got[1] if want_e else None
+                a2_c = got[2] if target2 is not None else None
+                lse_c, ent_c = chunk["lse"], chunk["ent"]
             else:
                 lse_c, ent_c, a_c = lse[s:end], ent[s:end], a[s:end]
                 a2_c = None if a2 is None else a2[s:end]

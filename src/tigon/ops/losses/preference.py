@@ -7,6 +7,7 @@ passed in (`ref_logps` [B]) or computed in the stats pass from reference hidden 
 gradient). Formulas and the VJP: docs/ops/losses.md.
 """
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -74,6 +75,41 @@ def _ref_seq(ref_hidden, ref_weight, ref_bias, target, mask, average, cfg):
     return _seq((st["xt"] - st["lse"]).view(B, T), mask, average)
 
 
+def _halves(x, P, T, paired):
+    """(chosen [k, T], rejected [k, T]) views of per-token values: chosen-first [2P T] or pair-ordered [k, 2, T]."""
+    if paired:
+        x = x.view(-1, 2, T)
+        return x[:, 0], x[:, 1]
+    x = x.view(2 * P, T)
+    return x[:P], x[P:]
+
+
+def _pair_order(x, P, T):
+    """Rows of the chosen-first layout [2 P T, ...] reordered pair by pair (c_0, r_0, c_1, r_1, ...): one copy."""
+    return x.reshape(2, P, T, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+
+def _chosen_first(x, P, T):
+    """Inverse of _pair_order."""
+    return x.reshape(P, 2, T, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+
+def _pref_loss(lp, lp2, masks, ref, P, T, paired, kind, loss_type, floats, compute_nll, average, n_nll):
+    """(loss, c, r, nll, chosen_rewards, rejected_rewards, extra1, extra2) of the k pairs whose token log-probs lp
+    (and lp2: of the NLL target) are given, chosen-first (k = P) or pair-ordered. The loss of all pairs is the
+    sum of the losses of any split of them into such groups (pair_loss divides by the batch's P, the NLL by the
+    batch's n_nll), which is what lets the one-pass walk get each pair's coefficients alone."""
+    beta, alpha, ls, gamma, tau = floats
+    m_c, m_r, m2_c = masks
+    lp_c, lp_r = _halves(lp, P, T, paired)
+    c, r = _seq(lp_c, m_c, average), _seq(lp_r, m_r, average)
+    nll = lp.new_zeros(())
+    if compute_nll:
+        nll = -((lp_c * m_c).sum() if lp2 is None else (_halves(lp2, P, T, paired)[0] * m2_c).sum()) / n_nll
+    pref, cw, rw, e1, e2 = pair_loss(kind, loss_type, c, r, ref[0], ref[1], P, beta, ls, gamma, tau)
+    return alpha * nll + pref, c, r, nll, cw, rw, e1, e2
+
+
 @torch.library.custom_op("tigon::fused_linear_preference", mutates_args=())
 def fused_linear_preference_op(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
@@ -85,49 +121,78 @@ def fused_linear_preference_op(
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [B*T, H] (B = 2P, chosen first), target [B, T]. Returns (loss, chosen_logps [P], rejected_logps
     [P], chosen_logits_mean, rejected_logits_mean, nll_loss, chosen_rewards [P], rejected_rewards [P], extra1,
-    extra2, dh, dW, db): gradients for grad_output 1, empty when not asked."""
+    extra2, dh, dW, db): gradients for grad_output 1, empty when not asked.
+
+    Two walks: the two-pass one (stats of every token, then the coefficients, then the grad pass: 4 policy
+    GEMMs), or, when a pair's logits fit cfg.one_pass_bytes, one walk over chunks of whole pairs in pair order
+    (stats, that chunk's coefficients, gradient: 3 policy GEMMs, one copy of hidden and dh to reorder rows)."""
     cfg = _engine.config_from(cfg_ints)
-    beta, alpha, ls, gamma, tau = floats
     B, T = target.shape
     P, V = B // 2, weight.shape[0]
     t = target.reshape(-1)
     mask = (target != ignore_index).float()
-    t2 = None
+    t2 = m2 = None
     if compute_nll and nll_target is not None:
         t2 = torch.cat([nll_target[:P].reshape(-1), torch.full_like(t[P * T:], ignore_index)])
-    st = _engine.logp_stats(hidden, weight, bias, t, t2, cfg=cfg)
+        m2 = (nll_target[:P] != ignore_index).float()
+    n_nll = (mask[:P] if m2 is None else m2).sum()
     if ref_logps is not None:
-        rc, rr = ref_logps[:P].float(), ref_logps[P:].float()
+        ref = ref_logps[:P].float(), ref_logps[P:].float()
     elif ref_hidden is not None:
-        ref = _ref_seq(ref_hidden, ref_weight, ref_bias, target, mask, average_log_prob, cfg)
-        rc, rr = ref[:P], ref[P:]
+        seqs = _ref_seq(ref_hidden, ref_weight, ref_bias, target, mask, average_log_prob, cfg)
+        ref = seqs[:P], seqs[P:]
     else:
-        rc = rr = hidden.new_zeros((), dtype=torch.float32)
-    with _engine.autograd_inside():
-        lp = (st["xt"] - st["lse"]).requires_grad_()
-        lp2 = (st["xt2"] - st["lse"]).requires_grad_() if t2 is not None else None
-        seq = _seq(lp.view(B, T), mask, average_log_prob)
-        c, r = seq[:P], seq[P:]
-        nll = lp.new_zeros(())
-        if compute_nll:
-            if t2 is None:
-                nll = -(lp.view(B, T)[:P] * mask[:P]).sum() / mask[:P].sum()
-            else:
-                m2 = (nll_target[:P] != ignore_index).float()
-                nll = -(lp2.view(B, T)[:P] * m2).sum() / m2.sum()
-        pref, cw, rw, e1, e2 = pair_loss(kind, loss_type, c, r, rc, rr, P, beta, ls, gamma, tau)
-        loss = alpha * nll + pref
-        stats = [lp] + ([lp2] if lp2 is not None else [])
-        coef = _engine.coefficients(loss, stats) if (need_dh or need_dw or need_db) else None
-    xs = st["xsum"].view(B, T)
-    denom = float(P * T * V)
-    outs = [loss.detach(), c.detach(), r.detach(), xs[:P].sum() / denom, xs[P:].sum() / denom, nll.detach(),
-            cw.detach(), rw.detach(), e1.detach(), e2.detach()]
+        ref = (hidden.new_zeros((), dtype=torch.float32),) * 2
+    args = (kind, loss_type, floats, compute_nll, average_log_prob, n_nll)
+    grads = need_dh or need_dw or need_db
+    pair_bytes = 2 * T * V * hidden.element_size()
+    per_chunk = min(P, cfg.one_pass_bytes // pair_bytes) if cfg.one_pass_bytes else 0
     dh = dw = db = None
-    if coef is not None:
+    if grads and per_chunk > 0:
+        lp_all = torch.empty(B * T, dtype=torch.float32, device=hidden.device)
+        lp2_all = torch.empty_like(lp_all) if t2 is not None else None
+        xs_all = torch.empty_like(lp_all)
+        mask_p, m2_p = _pair_order(mask.reshape(-1), P, T), None if m2 is None else m2.reshape(-1)
+
+        def coef_fn(s, e, st):
+            j0, j1 = s // (2 * T), e // (2 * T)
+            xs_all[s:e].copy_(st["xsum"])
+            with _engine.autograd_inside():
+                lp = torch.sub(st["xt"], st["lse"], out=lp_all[s:e]).requires_grad_()
+                lp2 = None if t2 is None else torch.sub(st["xt2"], st["lse"], out=lp2_all[s:e]).requires_grad_()
+                m_c, m_r = _halves(mask_p[s:e], P, T, True)
+                masks = m_c, m_r, None if m2_p is None else m2_p.view(P, T)[j0:j1]
+                part = tuple(x if x.dim() == 0 else x[j0:j1] for x in ref)
+                loss = _pref_loss(lp, lp2, masks, part, P, T, True, *args)[0]
+                coef = _engine.coefficients(loss, [lp] + ([lp2] if lp2 is not None else []))
+            return coef[0], None, coef[1] if lp2 is not None else None
+
         dh, dw, db = _engine.logp_grads(
-            hidden, weight, bias, t, st["lse"], st["ent"], coef[0], coef[1] if t2 is not None else None,
-            target2=t2, need_dh=need_dh, need_dw=need_dw, need_db=need_db and bias is not None, cfg=cfg)
+            _pair_order(hidden, P, T), weight, bias, _pair_order(t, P, T), None, None, None,
+            target2=None if t2 is None else _pair_order(t2, P, T), need_dh=need_dh, need_dw=need_dw,
+            need_db=need_db and bias is not None, cfg=dataclasses.replace(cfg, chunk_rows=per_chunk * 2 * T),
+            coef_fn=coef_fn)
+        dh = None if dh is None else _chosen_first(dh, P, T)
+        lp = _chosen_first(lp_all, P, T)
+        lp2 = None if lp2_all is None else _chosen_first(lp2_all, P, T)
+        xsum = _chosen_first(xs_all, P, T)
+        res = _pref_loss(lp, lp2, (mask[:P], mask[P:], m2), ref, P, T, False, *args)
+    else:
+        st = _engine.logp_stats(hidden, weight, bias, t, t2, cfg=cfg)
+        xsum = st["xsum"]
+        with _engine.autograd_inside():
+            lp = (st["xt"] - st["lse"]).requires_grad_()
+            lp2 = (st["xt2"] - st["lse"]).requires_grad_() if t2 is not None else None
+            res = _pref_loss(lp, lp2, (mask[:P], mask[P:], m2), ref, P, T, False, *args)
+            coef = _engine.coefficients(res[0], [lp] + ([lp2] if lp2 is not None else [])) if grads else None
+        if coef is not None:
+            dh, dw, db = _engine.logp_grads(
+                hidden, weight, bias, t, st["lse"], st["ent"], coef[0], coef[1] if t2 is not None else None,
+                target2=t2, need_dh=need_dh, need_dw=need_dw, need_db=need_db and bias is not None, cfg=cfg)
+    loss, c, r, nll, cw, rw, e1, e2 = (x.detach() for x in res)
+    xs = xsum.view(B, T)
+    denom = float(P * T * V)
+    outs = [loss, c, r, xs[:P].sum() / denom, xs[P:].sum() / denom, nll, cw, rw, e1, e2]
     return tuple(o.clone() for o in outs) + _engine.grads_out(hidden, weight, dh, dw, db)
 
 
