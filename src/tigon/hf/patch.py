@@ -24,10 +24,14 @@ from .. import _log
 from . import attention as tigon_attention
 from . import causal_lm, registry, training_attention
 from . import lora as tigon_lora
+from . import moe as tigon_moe
 from .bound import BoundForward
 from .unwrap import unwrap_model
 
 _CLASS_UNDO: dict = {}  # model_type -> [(owner, attribute, original)]
+# The undo record's attribute name for the experts implementation: original is get_experts_implementation()'s dict
+_EXPERTS = "experts_implementation"
+
 _PATCHED_CLASSES: dict = {}  # (model_type, HF class name) -> Tigon class built for it
 
 
@@ -379,6 +383,28 @@ def _attention_patch(model, report, attention) -> None:
         report.add(f"{type(inner).__name__}.forward (packed rows: documents from position_ids)")
 
 
+def _experts_patch(model, report) -> None:
+    """moe_experts=True: the model's routed experts (and its sub-models') run the "tigon" experts implementation
+    (tigon.hf.moe), set through transformers' set_experts_implementation; unpatch restores the one before."""
+    hf = unwrap_model(model)
+    experts = tigon_moe.experts_modules(hf)
+    if not experts:
+        report.skip("moe experts", f"{type(hf).__name__} has no routed experts with an experts implementation")
+        return
+    if not hasattr(hf, "set_experts_implementation") or not hf._can_set_experts_implementation():
+        report.skip("moe experts", f"{type(hf).__name__} cannot switch its experts implementation")
+        return
+    tigon_moe.register()
+    before = hf.get_experts_implementation()
+    if any(v != tigon_moe.NAME for v in before.values() if v is not None):
+        hf.set_experts_implementation(tigon_moe.NAME)
+        if not any(name == _EXPERTS for owner, name, _ in hf.__dict__.get("_tigon_undo", []) if owner is hf):
+            hf.__dict__.setdefault("_tigon_undo", []).append((hf, _EXPERTS, before))
+    names = sorted({type(m).__name__ for m in experts})
+    report.add(f"routed experts {', '.join(names)}: experts_implementation 'tigon' (grouped_mm, fused SwiGLU, "
+               "permute and combine)", len(experts))
+
+
 def _quantized_lm_head(hf) -> str:
     """Why the fused loss cannot read the lm_head's weight, or "": bitsandbytes' Linear4bit and Linear8bitLt
     subclass nn.Linear but hold packed integers (a 4-bit [V, H] weight is a uint8 [V*H/2, 1])."""
@@ -401,6 +427,7 @@ def patch(
     fused_linear_cross_entropy=True,
     attention="auto",
     lora=True,
+    moe_experts=False,
     verbose=False,
 ) -> PatchReport:
     """Swap Tigon's fused pieces into a model instance (that instance only), or, with model_type= (a string
@@ -415,6 +442,10 @@ def patch(
     model keeps its own, which computes the same. attention=False never switches.
     lora=True (instance only) runs the model's PEFT LoRA Linear layers through tigon.ops.lora_linear, also those
     that get_peft_model adds after the patch (tigon.hf.lora); lora=False leaves them to PEFT.
+    moe_experts=True (instance only; off by default until measured) switches the model's routed experts
+    (transformers' `@use_experts_implementation` classes) to the "tigon" experts implementation: HF's grouped
+    GEMMs with the permute, SwiGLU and weighted combine around them fused (tigon.hf.moe); unpatch restores the
+    implementation the model had.
     Raises TypeError for an argument of the wrong kind, ValueError for an unsupported family."""
     if model is None and model_type is None:
         raise ValueError("tigon.patch: pass a model (tigon.patch(model)) or model_type= (a string such as "
@@ -424,7 +455,7 @@ def patch(
                          "config.model_type says)")
     spec = dict(rms_norm=rms_norm, rope=rope, swiglu=swiglu, layer_norm=layer_norm, cross_entropy=cross_entropy,
                 fused_linear_cross_entropy=fused_linear_cross_entropy, lora=lora)
-    for name, value in {**spec, "verbose": verbose}.items():
+    for name, value in {**spec, "moe_experts": moe_experts, "verbose": verbose}.items():
         if not isinstance(value, bool):
             raise TypeError(f"tigon.patch: {name} must be True or False, got {value!r}")
     if not isinstance(attention, bool) and attention != "auto":
@@ -444,6 +475,10 @@ def patch(
         report.skip("attention", "the 'tigon' attention implementation is set on a model instance")
     elif attention and model is not None:
         _attention_patch(model, report, attention)
+    if moe_experts and model is None:
+        report.skip("moe experts", "the 'tigon' experts implementation is set on a model instance")
+    elif moe_experts:
+        _experts_patch(model, report)
     if layer_norm:
         report.skip("LayerNorm", f"{model_type} has no LayerNorm")
     if not family.mlp and swiglu:
@@ -490,7 +525,9 @@ def _ours(value) -> bool:
 
 
 def _restore(owner, name, original):
-    if name == tigon_attention.ROPE:
+    if name == _EXPERTS:
+        owner.set_experts_implementation(original)
+    elif name == tigon_attention.ROPE:
         tigon_attention.unroute_rope(owner)
     elif name == "__class__":  # an lm_head's causal_lm.LossHeadLinear back to nn.Linear
         if type(owner) is causal_lm.LossHeadLinear:  # not when another library subclassed it since (FSDP2)
