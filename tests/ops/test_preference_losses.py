@@ -87,14 +87,16 @@ def test_preference_vs_fp64(case, dtype, walk):
         check(n, g, r, dtype, k=k)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kto_vs_fp64(dtype):
+@pytest.mark.parametrize("dtype,walk", [(torch.float32, "one-pass"), (torch.bfloat16, "one-pass"),
+                                        (torch.float32, "two-pass")])
+def test_kto_vs_fp64(dtype, walk):
     h, w, b, t = head(B, T, H, V, dtype)
     lab = torch.tensor([True, False, False, True])
     g = torch.Generator().manual_seed(2)
     rh, rw = torch.randn(B, T, 16, generator=g).to(dtype), (torch.randn(V, 16, generator=g) * 0.5).to(dtype)
-    kl = torch.tensor(0.2)
-    loss, aux = ops.fused_linear_kto(h, w, t, lab, b, ref_hidden=rh, ref_weight=rw, kl=kl, beta=0.3, config=CFG)
+    kl = torch.tensor(0.2) if dtype == torch.float32 else torch.tensor([0.2, -0.1, 0.3, 0.0])  # [] and [B]
+    cfg = TWO_PASS if walk == "two-pass" else one_pair_a_chunk(dtype)  # one-pass: 2 sequences a chunk
+    loss, aux = ops.fused_linear_kto(h, w, t, lab, b, ref_hidden=rh, ref_weight=rw, kl=kl, beta=0.3, config=cfg)
     got = grads_of(loss, [h, w, b])
     h64, w64, b64 = as64([h, w, b])
     ref, ref_aux = reference.fused_linear_kto(h64, w64, t, lab, b64, ref_hidden=rh.double(), ref_weight=rw.double(),

@@ -42,7 +42,8 @@ class FusedLinearLossConfig:
     under the interpreter the whole padded row). one_pass_bytes: the pairwise preference losses (DPO, ORPO, CPO,
     SimPO) run one pass of 3 policy GEMMs instead of two passes of 4 when the [2 T, V] logits of one chosen +
     rejected pair fit in it (chunks then hold whole pairs, so a pair's coefficients are known before its gradient;
-    1 GiB holds a pair of 2 x 2048 tokens at V 128256 in bf16); 0: always two passes."""
+    1 GiB holds a pair of 2 x 2048 tokens at V 128256 in bf16), and KTO when one sequence's do; 0: always two
+    passes."""
 
     chunk_rows: int = 0
     chunk_bytes: int = 192 << 20

@@ -336,22 +336,48 @@ def fused_linear_kto_op(
     else:
         ref = None
     lab = preference_labels.bool()
-    with _engine.autograd_inside():
-        lp = (st["xt"] - st["lse"]).requires_grad_()
-        seq = _seq(lp.view(B, T), mask, average_log_prob)
-        ratio = seq if ref is None else seq - ref
-        sign = torch.where(lab, 1.0, -1.0)
-        z = ratio if kl is None else ratio - kl.float()
-        loss = (1 - torch.sigmoid(beta * z * sign)).sum() / B
-        coef = _engine.coefficients(loss, [lp]) if (need_dh or need_dw or need_db) else None
-    rewards = (beta * ratio).detach()
-    xs = st["xsum"].view(B, T).sum(-1)
-    outs = [loss.detach(), (seq.detach() * lab).sum(), (seq.detach() * ~lab).sum(), (xs * lab).sum(),
-            (xs * ~lab).sum(), (rewards * lab).sum(), (rewards * ~lab).sum()]
+    sign = torch.where(lab, 1.0, -1.0)
+    kl_f = None if kl is None else kl.float()
+
+    def kto(lp, rows):  # (loss summed over the sequences `rows` of lp [k T], their log-probs, log-ratios)
+        seq = _seq(lp.view(-1, T), mask[rows], average_log_prob)
+        ratio = seq if ref is None else seq - ref[rows]
+        z = ratio if kl_f is None else ratio - (kl_f if kl_f.dim() == 0 else kl_f[rows])
+        return (1 - torch.sigmoid(beta * z * sign[rows])).sum() / B, seq, ratio
+
+    grads = need_dh or need_dw or need_db
+    per_chunk = min(B, cfg.one_pass_bytes // (T * weight.shape[0] * hidden.element_size())) if cfg.one_pass_bytes else 0
     dh = dw = db = None
-    if coef is not None:
-        dh, dw, db = _engine.logp_grads(hidden, weight, bias, t, st["lse"], st["ent"], coef[0], need_dh=need_dh,
-                                        need_dw=need_dw, need_db=need_db and bias is not None, cfg=cfg)
+    if grads and per_chunk > 0:  # chunks of whole sequences: each one's coefficients from its own statistics
+        lp_all = torch.empty(B * T, dtype=torch.float32, device=hidden.device)
+        xs_all = torch.empty_like(lp_all)
+
+        def coef_fn(s, e, st):
+            xs_all[s:e].copy_(st["xsum"])
+            with _engine.autograd_inside():
+                lp = torch.sub(st["xt"], st["lse"], out=lp_all[s:e]).requires_grad_()
+                return _engine.coefficients(kto(lp, slice(s // T, e // T))[0], [lp])[0], None
+
+        dh, dw, db = _engine.logp_grads(hidden, weight, bias, t, None, None, None, need_dh=need_dh, need_dw=need_dw,
+                                        need_db=need_db and bias is not None,
+                                        cfg=dataclasses.replace(cfg, chunk_rows=per_chunk * T), coef_fn=coef_fn)
+        loss, seq, ratio = kto(lp_all, slice(None))
+        xsum = xs_all
+    else:
+        st = _engine.logp_stats(hidden, weight, bias, t, cfg=cfg)
+        xsum = st["xsum"]
+        with _engine.autograd_inside():
+            lp = (st["xt"] - st["lse"]).requires_grad_()
+            loss, seq, ratio = kto(lp, slice(None))
+            coef = _engine.coefficients(loss, [lp]) if grads else None
+        if coef is not None:
+            dh, dw, db = _engine.logp_grads(hidden, weight, bias, t, st["lse"], st["ent"], coef[0], need_dh=need_dh,
+                                            need_dw=need_dw, need_db=need_db and bias is not None, cfg=cfg)
+    rewards = (beta * ratio).detach()
+    seq = seq.detach()
+    xs = xsum.view(B, T).sum(-1)
+    outs = [loss.detach(), (seq * lab).sum(), (seq * ~lab).sum(), (xs * lab).sum(), (xs * ~lab).sum(),
+            (rewards * lab).sum(), (rewards * ~lab).sum()]
     return tuple(o.clone() for o in outs) + _engine.grads_out(hidden, weight, dh, dw, db)
 
 
