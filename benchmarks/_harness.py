@@ -418,9 +418,9 @@ def _measure_one(ctx, row, factory, *, bytes_fwd, bytes_fb, flops_fb, floor_us, 
 
 
 def record_floor(ctx: Context, op: str, case: str, gemms: dict, flops_fb: float, group=None, x=None,
-                 min_rep=10) -> float | None:
-    """Time named GEMM callables (the matmul floor of an op) and add a 'floor' row; returns the floor in us."""
-    row = {"op": op, "case": case, "provider": "3-GEMM floor"}
+                 min_rep=10, label="3-GEMM floor") -> float | None:
+    """Time named GEMM callables (the matmul floor of an op) and add a `label` row; returns the floor in us."""
+    row = {"op": op, "case": case, "provider": label}
     if group is not None:
         row.update(group=group, x=x)
     try:
@@ -602,7 +602,7 @@ def op_table(rows: list[dict], ceilings: dict, unit: str = "us") -> list[str]:
             (f"host-incl {unit}", t("fb_host_us")), (f"host enqueue {unit}", t("fb_enqueue_us"))]
     if flops:
         cols += [("fwd+bwd TFLOP/s", lambda r: num(r.get("fb_TFLOPs"))),
-                 ("% of 3-GEMM floor", lambda r: f"{num(r['fb_pct_floor'])}%" if r.get("fb_pct_floor") else "-")]
+                 ("% of GEMM floor", lambda r: f"{num(r['fb_pct_floor'])}%" if r.get("fb_pct_floor") else "-")]
     else:
         cols += [("fwd GB/s", lambda r: num(r.get("fwd_GBps"))), ("fwd+bwd GB/s", lambda r: num(r.get("fb_GBps"))),
                  ("% of copy ceiling", lambda r: f"{num(r['fb_pct_ceiling'])}%" if r.get("fb_pct_ceiling") else "-")]

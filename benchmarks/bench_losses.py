@@ -17,6 +17,7 @@ pass), docs/ops/losses.md.
 """
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -106,12 +107,14 @@ def run_dpo(ctx):
         loss = cls(use_ref_model=True, compiled=ctx.cuda)
         return Call(lambda: loss(w, h, t, ref_input=rh, ref_weight=rw)[0], (h, w))
 
-    def tigon():
-        return Call(lambda: ops.fused_linear_dpo(h, w, t, ref_hidden=rh, ref_weight=rw)[0], (h, w))
+    def tigon(cfg=None):
+        return Call(lambda: ops.fused_linear_dpo(h, w, t, ref_hidden=rh, ref_weight=rw, config=cfg)[0], (h, w))
 
     N = 2 * P * T
-    H.measure(ctx, "dpo", f"{P} pairs x {T}, H {Hd}, V {V}, ref head", [("eager", eager), ("trl", trl),
-              ("liger", liger), ("tigon", tigon)], flops_fb=4 * 2 * N * Hd * V, do_fwd=False)
+    case = f"{P} pairs x {T}, H {Hd}, V {V}, ref head"
+    floor = _floor(ctx, "dpo", case, [(h, w), (rh, rw)], 4 * 2 * N * Hd * V)
+    H.measure(ctx, "dpo", case, _peers(eager, trl, liger) + [("tigon", tigon)] + _variants(ctx, tigon),
+              flops_fb=4 * 2 * N * Hd * V, floor_us=floor, do_fwd=False)
 
 
 def run_grpo(ctx):
@@ -147,13 +150,15 @@ def run_grpo(ctx):
         loss = cls(compiled=ctx.cuda, **kw)
         return Call(lambda: loss(h, w, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)[0], (h, w))
 
-    def tigon():
+    def tigon(cfg=None):
         return Call(lambda: ops.fused_linear_grpo(h, w, ids, mask, adv, ref_per_token_logps=ref,
-                                                  old_per_token_logps=old, **kw)[0], (h, w))
+                                                  old_per_token_logps=old, config=cfg, **kw)[0], (h, w))
 
     N = B * T
-    H.measure(ctx, "grpo", f"{B} x {T}, H {Hd}, V {V}", [("eager", eager), ("trl", trl), ("liger", liger),
-              ("tigon", tigon)], flops_fb=3 * 2 * N * Hd * V, do_fwd=False)
+    case = f"{B} x {T}, H {Hd}, V {V}"
+    floor = _floor(ctx, "grpo", case, [(h, w)], 3 * 2 * N * Hd * V)
+    H.measure(ctx, "grpo", case, _peers(eager, trl, liger) + [("tigon", tigon)] + _variants(ctx, tigon),
+              flops_fb=3 * 2 * N * Hd * V, floor_us=floor, do_fwd=False)
 
 
 def run_jsd(ctx):
@@ -188,11 +193,40 @@ def run_jsd(ctx):
         loss = cls(compiled=ctx.cuda)
         return Call(lambda: loss(hs, ws, ht, wt, lab), (hs, ws))
 
-    def tigon():
-        return Call(lambda: ops.fused_linear_jsd(hs, ws, ht, wt, lab)[0], (hs, ws))
+    def tigon(cfg=None):
+        return Call(lambda: ops.fused_linear_jsd(hs, ws, ht, wt, lab, config=cfg)[0], (hs, ws))
 
-    H.measure(ctx, "jsd", f"{N} tokens, student H {HS}, teacher H {HT}, V {V}", [("eager", eager), ("trl", trl),
-              ("liger", liger), ("tigon", tigon)], flops_fb=2 * N * V * (3 * HS + HT), do_fwd=False)
+    case = f"{N} tokens, student H {HS}, teacher H {HT}, V {V}"
+    floor = _floor(ctx, "jsd", case, [(hs, ws), (ht, wt)], 2 * N * V * (3 * HS + HT))
+    H.measure(ctx, "jsd", case, _peers(eager, trl, liger) + [("tigon", tigon)] + _variants(ctx, tigon),
+              flops_fb=2 * N * V * (3 * HS + HT), floor_us=floor, do_fwd=False)
+
+
+def _peers(eager, trl, liger):
+    return [("eager", eager), ("trl", trl), ("liger", liger)]
+
+
+def _variants(ctx, tigon):
+    """Extra tigon providers, one per FusedLinearLossConfig of --chunk-mib (ctx.tigon_configs)."""
+    return [(label, functools.partial(tigon, cfg)) for label, cfg in getattr(ctx, "tigon_configs", ())]
+
+
+def _floor(ctx, op, case, heads, flops):
+    """The GEMMs any fused head must run, timed alone at full size (cuBLAS, bf16): the trained head's logits,
+    dh and dW GEMMs, plus the logits GEMM of each frozen head after it (reference model, teacher). CUDA only."""
+    if not ctx.cuda:
+        return None
+    (h, w), frozen = heads[0], heads[1:]
+    hd, wd = h.detach().reshape(-1, h.shape[-1]), w.detach()
+    lg = H.randn((hd.shape[0], wd.shape[0]), ctx)
+    gemms = {"logits_gemm": lambda: hd @ wd.t(), "dh_gemm": lambda: lg @ wd, "dW_gemm": lambda: lg.t() @ hd}
+    for i, (fh, fw) in enumerate(frozen):
+        fhd, fwd = fh.detach().reshape(-1, fh.shape[-1]), fw.detach()
+        gemms[f"frozen{i}_logits_gemm"] = lambda a=fhd, b=fwd: a @ b.t()
+    floor = H.record_floor(ctx, op, case, gemms, flops, label=f"{len(gemms)}-GEMM floor")
+    gemms.clear()
+    H.free(ctx)
+    return floor
 
 
 SECTIONS = {"dpo": run_dpo, "grpo": run_grpo, "jsd": run_jsd}
@@ -204,9 +238,14 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, runs on a CPU")
     p.add_argument("--budget", type=float, default=540.0, help="seconds")
     p.add_argument("--only", default=None, help="comma-separated: dpo,grpo,jsd")
+    p.add_argument("--chunk-mib", default="", help="comma-separated chunk sizes: one more tigon row each")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     ctx = H.Context(quick=a.smoke, deadline=time.time() + a.budget)
+    from tigon.ops import FusedLinearLossConfig
+
+    ctx.tigon_configs = [(f"tigon {m} MiB", FusedLinearLossConfig(chunk_bytes=int(m) << 20))
+                         for m in a.chunk_mib.split(",") if m.strip()]
     if ctx.cuda:
         H.run_ceilings(ctx)
     for name, fn in SECTIONS.items():
