@@ -208,3 +208,23 @@ def test_rope_on_write_is_read_from_the_forward():
         assert forms[kept] is None, kept  # softcap, fused qkv, NoPE layers, whole-projection norms, interleaved RoPE
     replaced = type("LlamaAttention", (), {"forward": lambda self, *a, **k: None})  # not transformers' forward
     assert rope_on_write_form(replaced) is None
+
+
+def test_rope_on_write_reads_through_the_kernels_function_module():
+    # With `kernels` installed, transformers 5.17 holds apply_rotary_pos_emb as an instance of a class kernels
+    # makes for it; Tigon reads it as the function it wraps, so the Llama-form families keep RoPE on write.
+    from transformers.models.glm import modeling_glm
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from tigon.hf.attention import rope_on_write_form
+
+    if not isinstance(modeling_llama.apply_rotary_pos_emb, torch.nn.Module):
+        pytest.skip("without the `kernels` package transformers' apply_rotary_pos_emb is a plain function")
+    assert rope_on_write_form(modeling_llama.LlamaAttention) == (None, False)
+    assert rope_on_write_form(modeling_qwen3.Qwen3Attention) == ("module", True)
+    assert rope_on_write_form(modeling_glm.GlmAttention) is None  # interleaved RoPE (a plain function there)
+    model = tiny_model("llama", num_hidden_layers=1)
+    use_tigon_attention(model)
+    assert model.model.layers[0].self_attn._tigon_rope_on_write
+    restore_attention(model)

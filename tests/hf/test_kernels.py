@@ -94,3 +94,20 @@ def test_from_pretrained_use_kernels_runs_tigon_on_gpu(tmp_path):
     model.train()
     model(input_ids=ids.cuda(), labels=labels.cuda()).loss.backward()
     assert ops.dispatch_counts[("rms_norm", "triton")] == 3
+
+
+def test_hub_function_is_the_function_a_kernels_function_module_wraps():
+    from tigon.hf.unwrap import hub_function
+
+    kernels = _kernels()
+
+    def double(x):
+        return 2 * x
+
+    wrapped = kernels.use_kernel_forward_from_hub("TigonTestDouble")(double)
+    assert isinstance(wrapped, torch.nn.Module) and hub_function(wrapped) is double
+    assert hub_function(double) is double and hub_function(None) is None
+    norm = torch.nn.RMSNorm(4)
+    assert hub_function(norm) is norm
+    wrapped.forward = lambda x: 3 * x  # what kernelize does with a hub layer: no longer the function
+    assert hub_function(wrapped) is wrapped

@@ -43,7 +43,7 @@ import torch
 from ..memory.kv_cache import RollingKVCache
 from ..ops import apply_rope, decode_attention
 from .bound import BoundForward
-from .unwrap import unwrap_model
+from .unwrap import hub_function, unwrap_model
 
 NAME = "tigon"
 _STATE = "_tigon_attention"  # hf.__dict__ key: the implementation to restore and the wrapped modules
@@ -192,7 +192,9 @@ def _forward_body(fn):
 
 
 def _code(fn):
-    body = _forward_body(fn) if fn is not None else None
+    """The source of `fn` (a kernels function module read as the function it wraps) as normalized code, or
+    None."""
+    body = _forward_body(hub_function(fn)) if fn is not None else None
     return ast.unparse(body) if body is not None else None
 
 
@@ -231,10 +233,11 @@ def _llama_code(name):
 def _rotate_half_rope(fn) -> bool:
     """The forward's module-level apply_rotary_pos_emb is Llama's rotate-half (or Tigon's), not an interleaved
     one under the same name (GLM, Helium)."""
-    rope = fn.__globals__.get(_ROPE_NAME)
+    rope = hub_function(fn.__globals__.get(_ROPE_NAME))
     if getattr(rope, "__tigon__", False):
         return True
-    return (rope is not None and _code(rope) == _llama_code(_ROPE_NAME)
+    code = _code(rope)
+    return (code is not None and code == _llama_code(_ROPE_NAME)
             and _code(getattr(rope, "__globals__", {}).get("rotate_half")) == _llama_code("rotate_half"))
 
 

@@ -1,5 +1,7 @@
 """The transformers model inside a wrapper (PEFT, accelerate, a user's nn.Module), for patch and the attention
-implementation alike."""
+implementation alike; and the plain function inside a `kernels` function module (`hub_function`)."""
+
+import types
 
 import torch
 
@@ -30,3 +32,20 @@ def unwrap_model(model, caller="tigon.patch"):
             return m
     raise TypeError(f"{caller}: `model` ({type(top).__name__}) holds no transformers model (no module with a "
                     "config.model_type); Tigon patches transformers models and PEFT/other wrappers of one")
+
+
+def hub_function(obj):
+    """The plain function behind a `kernels` function module, else `obj` itself.
+
+    With the `kernels` package installed, transformers' `use_kernel_forward_from_hub` turns a decorated function
+    (5.17: `apply_rotary_pos_emb` of Llama and most rotate-half families) into an instance of a class made for it
+    (`kernels.layer._create_func_module`) whose forward calls the function. That instance is the function
+    unless `kernels.kernelize` gave it a hub layer's forward (set on the instance): then it is returned as is."""
+    cls = type(obj)
+    forward = getattr(cls, "forward", None)
+    if (not isinstance(obj, torch.nn.Module) or not hasattr(cls, "kernel_layer_name") or "forward" in obj.__dict__
+            or not hasattr(forward, "__code__")):
+        return obj
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+    func = cells["func"].cell_contents if "func" in cells else None
+    return func if isinstance(func, types.FunctionType) else obj
