@@ -204,3 +204,25 @@ def test_bad_input():
         ops.fused_linear_kto(h, w, bad, torch.ones(B, dtype=torch.bool))
     with pytest.raises(ValueError, match="FusedLinearLossConfig: chunk_rows must be an int >= 0"):
         FusedLinearLossConfig(chunk_rows=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled row kernels)")
+@pytest.mark.parametrize("kind", ["dpo", "orpo"])
+def test_both_walks_on_cuda_vs_fp64(kind):
+    """The one-pass (a pair a chunk) and two-pass walks on CUDA tensors, bf16, against the fp64 formula."""
+    Bc, Tc, Hc, Vc = 4, 257, 64, 4099
+    h, w, b, t = (x.cuda().detach().requires_grad_(x.requires_grad) if x.is_floating_point() else x.cuda()
+                  for x in head(Bc, Tc, Hc, Vc, torch.bfloat16))
+    kw = dict(kind=kind, compute_nll_loss=kind == "orpo", average_log_prob=kind == "orpo")
+    h64, w64, b64 = as64([h, w, b])
+    ref, ref_aux = reference.fused_linear_preference(h64, w64, t, b64, **kw)
+    want = grads_of(ref, [h64, w64, b64])
+    k = lengths(Hc, Vc, Bc * Tc) * Tc
+    one = FusedLinearLossConfig(one_pass_bytes=2 * Tc * Vc * 2)
+    for cfg in (one, FusedLinearLossConfig(one_pass_bytes=0)):
+        loss, aux = ops.fused_linear_preference(h, w, t, b, config=cfg, **kw)
+        check("loss", loss, ref, torch.bfloat16, k=k, mag=10.0)
+        for i, (a, r) in enumerate(zip(aux, ref_aux)):
+            check(f"aux{i}", a, r, torch.bfloat16, k=k, mag=10.0)
+        for n, g, r in zip(("dh", "dW", "db"), grads_of(loss, [h, w, b]), want):
+            check(n, g, r, torch.bfloat16, k=k)
