@@ -126,9 +126,13 @@ def test_experts_forward_with_empty_experts_and_sentinels():
     assert (got[2][1, 0] == 0) and (got[2][4, 1] == 0)  # a sentinel's weight gets no gradient
 
 
-def test_default_off_class_patch_skips_and_idempotent():
+def test_default_auto_class_patch_skips_and_idempotent():
     model = tiny_model("qwen3_moe")
-    tigon.patch(model, attention=False)
+    tigon.patch(model, attention=False)  # moe_experts="auto": on for a model with routed experts
+    assert model.get_experts_implementation()[""] == moe.NAME
+    tigon.unpatch(model)
+    assert model.get_experts_implementation()[""] == "grouped_mm"
+    tigon.patch(model, attention=False, moe_experts=False)
     assert model.get_experts_implementation()[""] == "grouped_mm"
     tigon.unpatch(model)
     report = tigon.patch(model_type="qwen3_moe", moe_experts=True, rms_norm=False, swiglu=False, rope=False,
@@ -152,3 +156,5 @@ def test_default_off_class_patch_skips_and_idempotent():
 def test_dense_model_skips():
     report = tigon.patch(tiny_model("llama"), **ONLY_EXPERTS)
     assert any(piece == "moe experts" and "no routed experts" in why for piece, why in report.skipped)
+    quiet = tigon.patch(tiny_model("llama"), **{**ONLY_EXPERTS, "moe_experts": "auto"})
+    assert not any(piece == "moe experts" for piece, _ in quiet.skipped)  # "auto" says nothing about a dense model

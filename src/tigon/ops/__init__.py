@@ -10,9 +10,9 @@ from .kv_write import rope_kv_append, rope_kv_write
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
 from .lora_linear import lora_add, lora_linear
-from .moe import moe_combine, moe_permute
 from .losses import *  # noqa: F403  (fused-linear preference / RL / distillation losses)
 from .losses import __all__ as _losses_all
+from .moe import moe_combine, moe_permute
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope
 from .swiglu import geglu, swiglu
