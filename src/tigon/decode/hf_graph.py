@@ -36,6 +36,7 @@ The capture is injectable (`install(model, graphs=...)`, an object with `availab
 """
 
 import contextlib
+import functools
 import inspect
 import weakref
 
@@ -158,9 +159,10 @@ def _not_graphable(model, kwargs, graphs) -> str:
 
 
 def _foreign(hooks) -> bool:
-    # Tigon's own hooks are host-side one-shots (hf.lora arms PEFT's class forward at the first forward): that
-    # a replay skips them changes no tensor.
-    return any(not getattr(h, "__module__", "").startswith("tigon.") for h in hooks.values())
+    # Tigon's own hooks are host-side one-shots (hf.lora arms PEFT's class forward at the first forward, a
+    # functools.partial of its function): that a replay skips them changes no tensor.
+    fns = (h.func if isinstance(h, functools.partial) else h for h in hooks.values())
+    return any(not getattr(fn, "__module__", "").startswith("tigon.") for fn in fns)
 
 
 def _hooked(model) -> str:
