@@ -1,5 +1,6 @@
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -192,10 +193,14 @@ def test_bound_rejects_a_wrong_gradient(device, monkeypatch, bug, N, H, V, chunk
 def _sequential_mm(a, b, block=1, reverse=False):
     """a @ b in fp32, summed over K one block of `block` terms at a time (block 1: a multiply and an add per
     term, no FMA), the blocks in order or reversed: the orders a BLAS could take, sequential the worst."""
+    if block == 1:  # numpy's accumulate is that running sum in fp32 (bit for bit the loop; 20x faster at K=32000)
+        p = (a[:, :, None] * b[None]).cpu().numpy()  # each product rounded to fp32
+        p = p[:, ::-1] if reverse else p
+        return torch.from_numpy(np.add.accumulate(p, axis=1)[:, -1].copy()).to(a.device)
     starts = range(0, a.shape[1], block)
     acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
     for k in reversed(starts) if reverse else starts:
-        acc = acc + a[:, k:k + block] @ b[k:k + block] if block > 1 else acc + a[:, k:k + 1] * b[k:k + 1]
+        acc = acc + a[:, k:k + block] @ b[k:k + block]
     return acc
 
 
