@@ -1,5 +1,7 @@
 """Tiny random-init models of each family, small enough for the Triton interpreter."""
 
+import contextlib
+
 import torch
 
 from tigon import ops
@@ -92,3 +94,17 @@ def op_calls(*op_names):
     tests/conftest.py leaves the interpreter off). For tests that prove a patched model routes through Tigon's op;
     that the kernel equals the reference is tests/ops' job."""
     return sum(ops.dispatch_counts[(op, path)] for op in op_names for path in ("triton", "reference"))
+
+
+@contextlib.contextmanager
+def kernel_funcs_set_aside(model):
+    """`model` without kernels' `_kernel_funcs` for the block (a pickle of it), then with them again. With the
+    `kernels` package installed, transformers 5.17's attention modules hold apply_rotary_pos_emb there as an
+    instance of a class local to kernels (`_create_func_module`), which pickle cannot name: Hugging Face's own
+    model does not torch.save, patched or not. A copy made in the block has none (only kernelize reads them)."""
+    held = [(m, m.__dict__.pop("_kernel_funcs")) for m in model.modules() if "_kernel_funcs" in m.__dict__]
+    try:
+        yield model
+    finally:
+        for m, funcs in held:
+            m.__dict__["_kernel_funcs"] = funcs

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tigon
-from tests.hf._tiny import batch, tiny_model
+from tests.hf._tiny import batch, kernel_funcs_set_aside, tiny_model
 from tigon.hf import causal_lm
 
 U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
@@ -126,9 +126,11 @@ def test_lm_head_forward_survives_copies_and_unpatch():
     model.train()
     loss = model(input_ids=IDS, labels=LABELS).loss
     buf = io.BytesIO()
-    torch.save(model, buf)
+    with kernel_funcs_set_aside(model):
+        torch.save(model, buf)
+        pickled = pickle.dumps(model)
     buf.seek(0)
-    for copy_ in (copy.deepcopy(model), torch.load(buf, weights_only=False), pickle.loads(pickle.dumps(model))):
+    for copy_ in (copy.deepcopy(model), torch.load(buf, weights_only=False), pickle.loads(pickled)):
         assert type(copy_.lm_head) is causal_lm.LossHeadLinear and causal_lm.has_loss_forward(copy_.lm_head)
         torch.testing.assert_close(copy_(input_ids=IDS, labels=LABELS).loss, loss, rtol=0, atol=0)
     hidden = torch.randn(2, model.config.hidden_size)
