@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tigon
-from tests.hf._tiny import batch, op_calls, tiny_model
+from tests.hf._tiny import batch, kernel_funcs_set_aside, op_calls, tiny_model
 from tigon import ops
 from tigon.hf import registry
 from tigon.modules import RMSNorm, SwiGLUMLP
@@ -399,7 +399,8 @@ def test_class_level_patch_is_module_wide_and_unpatches_per_family():
 
 def _save_and_load(model):
     f = io.BytesIO()
-    torch.save(model, f)
+    with kernel_funcs_set_aside(model):
+        torch.save(model, f)
     f.seek(0)
     return torch.load(f, weights_only=False)
 
