@@ -18,15 +18,18 @@ lm_head stay bf16 (transformers skips lm_head). transformers 5.17's from_config 
 from_pretrained runs the quantizer), hence the swap here. prepare_model_for_kbit_training is not called: it would
 cast embeddings, norms and lm_head to fp32, and the rows are meant to differ from the bf16 ones only in the 4-bit
 base projections; what it does otherwise (frozen base, input grads, checkpointing) the job does anyway. With the
-patch, PEFT's bnb.Linear4bit layers run bitsandbytes' base matmul, then tigon.ops.lora_add.
+patch, PEFT's bnb.Linear4bit layers run bitsandbytes' base matmul, then tigon.ops.lora_add. bitsandbytes 0.50.2's
+base matmul at 8192 rows on CUDA is dequantize-to-bf16 + F.linear (its fused 4-bit GEMM stops at 1536 rows), and
+its backward dequantizes again: three dequantizations per projection a step under checkpointing.
 
     PYTHONPATH=src python benchmarks/bench_lora.py --out DIR [--variants liger,tigon-nolora,tigon] [--layers 32]
         [--bs 2 --seq 4096 --steps 6] [--profile] [--no-double-quant]
     PYTHONPATH=src python benchmarks/bench_lora.py --smoke [--variants ...]   # CPU, 2 tiny layers, one step each
 
 --smoke: every chosen variant (each in its own subprocess, as on the GPU) builds a 2-layer tiny Llama on the CPU
-(bf16, Tigon's kernels through Triton's interpreter: the children get TRITON_INTERPRET=1) and runs one step; a
-check that the code paths import and build, not a timing.
+(bf16, Tigon's kernels through Triton's interpreter: the children get TRITON_INTERPRET=1 unless it is set) and
+runs one step; the liger variants build only (Liger's kernels do not run on a CPU). A check that the code paths
+import and build, not a timing.
 """
 
 import argparse
