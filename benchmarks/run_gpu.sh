@@ -3,7 +3,7 @@
 # own timeout inside one budget, and leaves at most 8 files in $OUT (a device call returns no more).
 #
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops e2e e2e-compile lce losses
-#                                             attention sft lora moe
+#                                             attention sft lora qlora moe
 #
 #   tests       the README's test command, natively: python -m pytest tests -q -n 8 (tests.log)
 #   ops         gpu_check.py without its tests: ceilings and every op benchmark (<gpu>_ops.md, <gpu>_ops.json)
@@ -19,6 +19,7 @@
 #   attention   bench_training_attention --write-table: each backend per mask, and hf/attention_table.py's rows
 #               (<gpu>_attention.md)
 #   sft         bench_sft_packed: padded HF / Liger / Tigon vs packed Tigon on a length mix (<gpu>_sft.md)
+#   qlora       bench_lora's QLoRA rows (NF4 decoder projections; needs bitsandbytes in .whl/): liger / tigon (<gpu>_qlora.md)
 #   moe         bench_moe: one Qwen3-30B-A3B experts block, HF eager / grouped_mm / tigon (<gpu>_moe.md)
 #   lora        bench_lora: the 8B PEFT LoRA job (checkpointing, 2 x 4096), liger / tigon-nolora / tigon (<gpu>_lora.md)
 #
@@ -139,6 +140,9 @@ for s in "$@"; do
             for f in "$T"/sft/*.md; do keep "$f" "${GPU}_sft.md"; done ;;
         moe) step moe 200 python3 benchmarks/bench_moe.py --out "$T/moe" >>"$LOG" 2>&1
             keep "$T/moe/moe.md" "${GPU}_moe.md" ;;
+        qlora) step qlora 200 python3 benchmarks/bench_lora.py --variants liger-qlora,tigon-qlora --out "$T/qlora" --steps 3 \
+                   --timeout 90 >>"$LOG" 2>&1
+            keep "$T/qlora/lora.md" "${GPU}_qlora.md" ;;
         lora) step lora 300 python3 benchmarks/bench_lora.py --out "$T/lora" --steps 4 --timeout 95 >>"$LOG" 2>&1
             keep "$T/lora/lora.md" "${GPU}_lora.md" ;;
         *) log "unknown step: $s"; failed=$((failed + 1)) ;;
