@@ -15,6 +15,10 @@ import torch
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+if not torch.cuda.is_available() and os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n N` on N cores: one intra-op thread a worker, not N (oversubscribed: the registry rows ran 46 s
+    # with torch's default of 2 threads a worker on 2 cores, 32 s with 1)
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
