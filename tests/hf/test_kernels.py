@@ -111,3 +111,29 @@ def test_hub_function_is_the_function_a_kernels_function_module_wraps():
     assert hub_function(norm) is norm
     wrapped.forward = lambda x: 3 * x  # what kernelize does with a hub layer: no longer the function
     assert hub_function(wrapped) is wrapped
+
+
+def test_from_pretrained_use_kernels_runs_tigon_on_cpu(tmp_path):
+    """from_pretrained(use_kernels=True, kernel_config=tigon.hf.kernel_config("cpu")): HF's whole path (the
+    mapping's registration at load, its validation against the model, create_compatible_mapping, kernelize), whose
+    local-repository step transformers 5.17 breaks (it splits a (repo, metadata) pair as a string) and limits to
+    accelerators: Tigon's KernelConfig maps it itself. The norms then run Tigon's op, in eval and in training."""
+    from transformers import AutoModelForCausalLM, KernelConfig
+
+    _kernels()
+    ref = tiny_model("llama", num_hidden_layers=1)
+    ref.save_pretrained(tmp_path)
+    config = tigon_kernels.kernel_config("cpu")
+    assert isinstance(config, KernelConfig)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True, kernel_config=config)
+    assert model.use_kernels
+    ids, labels = batch(model.config.vocab_size, b=1, t=5)
+    for train in (False, True):
+        model.train(train)
+        ref.train(train)
+        ops.dispatch_counts.clear()
+        loss = model(input_ids=ids, labels=labels).loss
+        assert op_calls("rms_norm") == 3  # input, post-attention and final norms: Tigon's op, through kernelize
+        torch.testing.assert_close(loss, ref(input_ids=ids, labels=labels).loss, rtol=2e-4, atol=2e-5)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

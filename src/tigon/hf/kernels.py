@@ -42,11 +42,46 @@ def kernel_mapping(device="cuda") -> dict:
 
 
 def kernel_config(device="cuda"):
-    """The transformers.KernelConfig that maps transformers' registered layers to Tigon's local repository.
-    transformers 5.17 accepts local repositories for cuda, rocm, xpu, npu, neuron and tpu devices."""
-    from transformers import KernelConfig
+    """The transformers.KernelConfig that maps transformers' registered layers to Tigon's local repository, for
+    `from_pretrained(..., use_kernels=True, kernel_config=...)` on `device` ("cuda", "cpu", ...)."""
+    return _config_class()(kernel_mapping(device), use_local_kernel=True)
 
-    return KernelConfig(kernel_mapping(device), use_local_kernel=True)
+
+_CONFIG_CLASS = []
+
+
+def _config_class():
+    """KernelConfig with its own create_compatible_mapping. transformers 5.17's from_pretrained first rewrites each
+    mapping entry into a (repo, metadata) pair (register_kernel_replacements_and_fusions), which its
+    add_to_mapping_local then splits as a string (an AttributeError for every local repository), and it accepts
+    local kernels for accelerator devices only. This one maps each layer to Tigon's LocalLayerRepository for the
+    model's device, in both modes (a model loaded for inference may be trained next)."""
+    if not _CONFIG_CLASS:
+        from transformers import KernelConfig
+        from transformers.utils.kernel_config import infer_device
+
+        class TigonKernelConfig(KernelConfig):
+            def create_compatible_mapping(self, model, compile=False):
+                from kernels import LocalLayerRepository, Mode
+
+                device = infer_device(model)
+                modes = [Mode.INFERENCE, Mode.TRAINING]
+                if compile:
+                    modes = [m | Mode.TORCH_COMPILE for m in modes]
+                mapping = {}
+                for layer, kernel in self.kernel_mapping.items():
+                    repo = kernel.get(device) if isinstance(kernel, dict) else kernel  # per device, or HF's pair
+                    if isinstance(repo, tuple):
+                        repo = repo[0]
+                    if not isinstance(repo, str):
+                        continue
+                    path, _, name = repo.rpartition(":")
+                    local = LocalLayerRepository(repo_path=Path(path), layer_name=name)
+                    mapping[layer] = {device: {m: local for m in modes}}
+                self.kernel_mapping = mapping
+
+        _CONFIG_CLASS.append(TigonKernelConfig)
+    return _CONFIG_CLASS[0]
 
 
 def local_layer_repository(name="RMSNorm"):
