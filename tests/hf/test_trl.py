@@ -188,3 +188,33 @@ def test_grpo_trainer_on_tigon_losses(policy_dir, tokenizer, datasets):
                                     max_steps=2, num_generations=2, max_completion_length=4, temperature=0.8,
                                     beta=0.1, entropy_coef=0.01),
              metrics=("loss", "kl", "entropy", "reward", "grad_norm"))
+
+
+def test_sft_trainer_use_kernels_runs_tigons_norms(policy_dir, tokenizer, datasets):
+    """TRL's use_kernels (model_init_kwargs, when the trainer loads the model from a path) with Tigon's kernel
+    config: the norms run Tigon's op through transformers' kernelize, and the step equals TRL's without kernels."""
+    trl = pytest.importorskip("trl", minversion="1.16")
+    from transformers.utils import is_kernels_available
+
+    if not is_kernels_available():
+        pytest.skip("the `kernels` package in transformers' supported range is not installed")
+    from tigon.hf import kernels as tigon_kernels
+
+    ids, _ = batch(vocab=V, b=2, t=7, seed=3)
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
+
+    def run(init_kwargs, out):
+        cfg = trl.SFTConfig(output_dir=str(policy_dir.parent / f"SFT-kernels-{out}"), max_steps=1,
+                            per_device_train_batch_size=2, optim="sgd", learning_rate=0.1, logging_steps=1,
+                            report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
+                            dataloader_num_workers=0, bf16=False, disable_tqdm=True,
+                            model_init_kwargs={"attn_implementation": "eager", **init_kwargs})
+        trainer = trl.SFTTrainer(model=str(policy_dir), args=cfg, train_dataset=data, processing_class=tokenizer)
+        before = op_calls("rms_norm")
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], op_calls("rms_norm") - before
+
+    plain, plain_norms = run({}, "plain")
+    got, norms = run({"use_kernels": True, "kernel_config": tigon_kernels.kernel_config("cpu")}, "tigon")
+    assert plain_norms == 0 and norms >= 3  # one layer's two norms and the final one, forward (and recompute)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(plain), rtol=1e-5, atol=1e-6)
