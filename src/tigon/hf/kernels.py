@@ -10,6 +10,7 @@ build/torch-universal/: metadata.json, layers.RMSNorm), so no hub download is ne
 package (pip install tigon[kernels]).
 """
 
+import functools
 from pathlib import Path
 
 from . import registry
@@ -47,41 +48,37 @@ def kernel_config(device="cuda"):
     return _config_class()(kernel_mapping(device), use_local_kernel=True)
 
 
-_CONFIG_CLASS = []
-
-
+@functools.cache
 def _config_class():
     """KernelConfig with its own create_compatible_mapping. transformers 5.17's from_pretrained first rewrites each
     mapping entry into a (repo, metadata) pair (register_kernel_replacements_and_fusions), which its
     add_to_mapping_local then splits as a string (an AttributeError for every local repository), and it accepts
     local kernels for accelerator devices only. This one maps each layer to Tigon's LocalLayerRepository for the
     model's device, in both modes (a model loaded for inference may be trained next)."""
-    if not _CONFIG_CLASS:
-        from transformers import KernelConfig
-        from transformers.utils.kernel_config import infer_device
+    from transformers import KernelConfig
+    from transformers.utils.kernel_config import infer_device
 
-        class TigonKernelConfig(KernelConfig):
-            def create_compatible_mapping(self, model, compile=False):
-                from kernels import LocalLayerRepository, Mode
+    class TigonKernelConfig(KernelConfig):
+        def create_compatible_mapping(self, model, compile=False):
+            from kernels import LocalLayerRepository, Mode
 
-                device = infer_device(model)
-                modes = [Mode.INFERENCE, Mode.TRAINING]
-                if compile:
-                    modes = [m | Mode.TORCH_COMPILE for m in modes]
-                mapping = {}
-                for layer, kernel in self.kernel_mapping.items():
-                    repo = kernel.get(device) if isinstance(kernel, dict) else kernel  # per device, or HF's pair
-                    if isinstance(repo, tuple):
-                        repo = repo[0]
-                    if not isinstance(repo, str):
-                        continue
-                    path, _, name = repo.rpartition(":")
-                    local = LocalLayerRepository(repo_path=Path(path), layer_name=name)
-                    mapping[layer] = {device: {m: local for m in modes}}
-                self.kernel_mapping = mapping
+            device = infer_device(model)
+            modes = [Mode.INFERENCE, Mode.TRAINING]
+            if compile:
+                modes = [m | Mode.TORCH_COMPILE for m in modes]
+            mapping = {}
+            for layer, kernel in self.kernel_mapping.items():
+                repo = kernel.get(device) if isinstance(kernel, dict) else kernel  # per device, or HF's pair
+                if isinstance(repo, tuple):
+                    repo = repo[0]
+                if not isinstance(repo, str):
+                    continue
+                path, _, name = repo.rpartition(":")
+                local = LocalLayerRepository(repo_path=Path(path), layer_name=name)
+                mapping[layer] = {device: {m: local for m in modes}}
+            self.kernel_mapping = mapping
 
-        _CONFIG_CLASS.append(TigonKernelConfig)
-    return _CONFIG_CLASS[0]
+    return TigonKernelConfig
 
 
 def local_layer_repository(name="RMSNorm"):

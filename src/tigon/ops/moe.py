@@ -203,6 +203,13 @@ def _(dout, weights, pos, n_rows):
     return dout.new_empty((pos.numel(), dout.shape[1]))
 
 
+def _reference_grads(dout, y, weights, pos, n_rows, need_y, need_w):
+    """Combine's backward under create_graph=True (both dispatch paths): the reference's differentiable ops."""
+    dy, dw = _library.reference_grads(lambda a, b: reference.moe_combine(a, b, pos, n_rows), (y, weights),
+                                      (need_y, need_w), (dout,))
+    return dy, dw, None, None
+
+
 def _combine_setup(ctx, inputs, output):
     y, weights, pos, n_rows = inputs
     ctx.save_for_backward(y, weights, pos, n_rows)
@@ -212,9 +219,7 @@ def _combine_backward(ctx, dout):
     y, weights, pos, n_rows = ctx.saved_tensors
     need_y, need_w = ctx.needs_input_grad[0], weights is not None and ctx.needs_input_grad[1]
     if _library.double_backward():
-        dy, dw = _library.reference_grads(lambda a, b: reference.moe_combine(a, b, pos, n_rows), (y, weights),
-                                          (need_y, need_w), (dout,))
-        return dy, dw, None, None
+        return _reference_grads(dout, y, weights, pos, n_rows, need_y, need_w)
     if need_w:
         dy, dw = torch.ops.tigon.moe_combine_bwd(dout, y, weights, pos, n_rows)
         return (dy if need_y else None), dw, None, None
@@ -273,9 +278,7 @@ class _Combine(torch.autograd.Function):
         y, weights, pos, n_rows = ctx.saved_tensors
         need_y, need_w = ctx.needs_input_grad[0], weights is not None and ctx.needs_input_grad[1]
         if _library.double_backward():
-            dy, dw = _library.reference_grads(lambda a, b: reference.moe_combine(a, b, pos, n_rows), (y, weights),
-                                              (need_y, need_w), (dout,))
-            return dy, dw, None, None
+            return _reference_grads(dout, y, weights, pos, n_rows, need_y, need_w)
         dy, dw = scatter_launch(dout, y, weights, pos, n_rows, need_w, y.dtype)
         return (dy if need_y else None), dw, None, None
 
