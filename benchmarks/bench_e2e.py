@@ -5,9 +5,9 @@ torch.compile: Tigon's kernels as graph nodes, inductor fusing the glue between 
 last two to the variants.
 
 Each variant runs in its own subprocess (clean memory stats, no cross-talk between patches): build the
-model from config in bf16 with sdpa attention, AdamW(fused=True), batch 8 x 2048 with labels=input_ids;
-median of 10 steps (fwd + bwd + step + zero_grad) after 3 warm-ups, GPU-synchronized per step. On OOM a
-variant halves its batch and says so. `--profile` adds a kernel-time breakdown of one Tigon step.
+model from config in bf16 with sdpa attention (eager for gemma2: its softcap), AdamW(fused=True), batch 8 x 2048
+with labels=input_ids; median of 10 steps (fwd + bwd + step + zero_grad) after 3 warm-ups, GPU-synchronized per
+step. On OOM a variant halves its batch and says so. `--profile` adds a kernel-time breakdown of one Tigon step.
 
     PYTHONPATH=src python benchmarks/bench_e2e.py --out DIR [--variants eager,tigon,liger] [--configs llama,qwen3]
         [--with-ckpt --ckpt-variants tigon,liger] [--longest eager,tigon,liger] [--profile] [--compile]
@@ -27,9 +27,14 @@ from _profile import profile_step  # noqa: E402
 LLAMA_1B5 = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
 QWEN3 = dict(LLAMA_1B5, model_type="qwen3", vocab_size=151936, head_dim=64)
-GEMMA2 = dict(LLAMA_1B5, model_type="gemma2", vocab_size=256000, head_dim=64, final_logit_softcapping=30.0,
-              attn_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh")
+# Gemma-2-style 1.5B (#14): 8 heads of 256, 4 KV heads, window 4096 on alternate layers, attention softcap 50, final
+# softcap 30, vocab 256000, tied embeddings. HF's exact attention for it is eager (SDPA drops the softcap).
+GEMMA2 = dict(model_type="gemma2", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+              num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000, sliding_window=4096,
+              attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+              hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
 CONFIGS = {"llama": LLAMA_1B5, "qwen3": QWEN3, "gemma2": GEMMA2}
+HF_ATTENTION = {"gemma2": "eager"}  # the configs' HF attention where it is not sdpa
 MODEL_FLOPS_PER_TOKEN = 7.82e9  # anchors: 6 * N_non-emb (incl. lm_head) + 6 * L * s * h, for the llama config
 
 
@@ -44,9 +49,9 @@ def _build(variant, config_name, max_positions, ckpt=False):
         import liger_kernel.transformers as lk
 
         getattr(lk, f"apply_liger_kernel_to_{model_type}")()
-    config = AutoConfig.for_model(model_type, **cfg, max_position_embeddings=max_positions,
-                                  tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
+    cfg.setdefault("tie_word_embeddings", False)
+    config = AutoConfig.for_model(model_type, **cfg, max_position_embeddings=max_positions)
+    config._attn_implementation = HF_ATTENTION.get(config_name, "sdpa")
     torch.manual_seed(0)
     with torch.device("cuda"):  # random init on the GPU: seconds, where 1.5B parameters on the CPU take ~30 s
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()

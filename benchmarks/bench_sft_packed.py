@@ -33,15 +33,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_e2e import GEMMA2  # noqa: E402
 
 VARIANTS = ("padded_hf", "padded_liger", "padded_tigon", "packed_tigon", "packed_tigon_position_ids")
 CONFIGS = {
     "llama": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-    "gemma2": dict(model_type="gemma2", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
-                   sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                   query_pre_attn_scalar=256, tie_word_embeddings=True),
+    "gemma2": GEMMA2,
 }
 HF_ATTENTION = {"llama": "sdpa", "gemma2": "eager"}  # HF's exact pick: SDPA drops Gemma-2's softcap
 STEP_TOKENS = 16384

@@ -5,14 +5,16 @@
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops e2e e2e-compile lce losses
 #                                             attention sft lora qlora moe
 #
-#   tests       the README's test command, natively: python -m pytest tests -q -n 8 (tests.log)
+#   tests       the README's test command, natively: python -m pytest tests -q -n TEST_WORKERS (12), failures named
+#               (tests.log)
 #   ops         gpu_check.py without its tests: ceilings and every op benchmark (<gpu>_ops.md, <gpu>_ops.json)
 #   decode      bench_decode: tigon at batch 1 and 8 beside HF static cache + compile at batch 1
 #               (<gpu>_decode.md, <gpu>_decode.json)
 #   decode-8b   bench_decode --model llama3-8b: tigon and HF static cache + compile at batch 1 and 8, prompts
 #               DECODE_8B_PROMPTS (default 512,8192), with the weight + KV read bound (<gpu>_decode_8b.md, .json)
 #   decode-ops  bench_decode_ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
-#   e2e         bench_e2e: the 1.5B training step, tigon beside liger (<gpu>_e2e.md, <gpu>_e2e.json)
+#   e2e         bench_e2e: the 1.5B training step, E2E_VARIANTS (tigon,liger) of E2E_CONFIGS (llama; also qwen3,
+#               gemma2) (<gpu>_e2e.md, <gpu>_e2e.json)
 #   e2e-compile bench_e2e --compile: torch.compile over HF, over a patched model, and patched alone (<gpu>_e2e_compile.md)
 #   lce         bench_cross_entropy --only linear_cross_entropy: the fused linear CE beside its peers (<gpu>_lce.md)
 #   losses      bench_losses: DPO, GRPO, JSD fused-linear losses beside eager, TRL's head and Liger (<gpu>_losses.md)
@@ -84,8 +86,8 @@ rm -rf "$T" && mkdir -p "$T"
 
 for s in "$@"; do
     case "$s" in
-        tests) step tests 300 python3 -m pytest tests -q -n 8 -o cache_dir=/tmp/pytest_cache -p no:randomly \
-                   >"$T/tests.log" 2>&1; tail -n 5 "$T/tests.log" | tee -a "$LOG"; keep "$T/tests.log" tests.log ;;
+        tests) step tests 420 python3 -m pytest tests -q -n "${TEST_WORKERS:-12}" -rfE -o cache_dir=/tmp/pytest_cache -p no:randomly \
+                   >"$T/tests.log" 2>&1; grep -E "^(FAILED|ERROR)| (passed|failed)" "$T/tests.log" | tail -n 25 | tee -a "$LOG"; keep "$T/tests.log" tests.log ;;
         ops) step ops 300 python3 benchmarks/gpu_check.py --no-tests --out "$T/ops" --tag "${GPU}_ops" --budget 280 \
                  >>"$LOG" 2>&1
              keep "$T/ops/${GPU}_ops.md" "${GPU}_ops.md"; keep "$T/ops/${GPU}_ops.json" "${GPU}_ops.json"
@@ -113,7 +115,8 @@ for s in "$@"; do
             keep "$T/decode_ops/decode_ops.md" "${GPU}_decode_ops.md"
             keep "$T/decode_ops/decode_ops.json" "${GPU}_decode_ops.json" ;;
         e2e)
-            step e2e 300 python3 benchmarks/bench_e2e.py --out "$T/e2e" --variants tigon,liger >>"$LOG" 2>&1
+            step e2e 420 python3 benchmarks/bench_e2e.py --out "$T/e2e" --variants "${E2E_VARIANTS:-tigon,liger}" \
+                --configs "${E2E_CONFIGS:-llama}" >>"$LOG" 2>&1
             keep "$T/e2e/e2e.md" "${GPU}_e2e.md"; keep "$T/e2e/e2e.json" "${GPU}_e2e.json"
             if [[ -n "${BASELINE:-}" ]]; then
                 step e2e-base 150 "${base[@]}" python3 "$BASELINE/benchmarks/bench_e2e.py" \
