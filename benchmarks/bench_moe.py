@@ -3,7 +3,7 @@
 grouped GEMMs; ops.moe_permute, swiglu_packed, ops.moe_combine as the glue).
 
     PYTHONPATH=src:benchmarks python benchmarks/bench_moe.py --out DIR        # H200: DIR/moe.md, DIR/moe.json
-    PYTHONPATH=src:benchmarks python benchmarks/bench_moe.py --smoke          # CPU, tiny shapes, interpreter
+    PYTHONPATH=src:benchmarks python benchmarks/bench_moe.py --smoke          # tiny shapes (CPU: interpreter)
 
 Shape: H 2048, I 768, E 128, top-k 8, 8192 tokens, bf16; the router's top-k of a softmax of random logits
 (normalized, as Qwen3-MoE's norm_topk_prob). Times are the harness's medians (CUDA events, L2 flushed before each
@@ -205,7 +205,7 @@ def _versions():
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton's interpreter)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (without a GPU: Triton's interpreter)")
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--out", default=None, help="directory for moe.md and moe.json")
     a = p.parse_args(argv)
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     shape = dict(SMOKE if a.smoke else FULL)
     if a.tokens:
         shape["tokens"] = a.tokens
-    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a smoke run on a GPU runs the tiny shapes there
     ctx = H.Context(device=device, quick=a.smoke, deadline=time.time() + 1e9)
     ctx.extras["glue_passes"] = glue_passes(shape["top_k"])
     run_block(ctx, shape, torch.bfloat16)
