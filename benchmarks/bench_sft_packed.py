@@ -150,6 +150,7 @@ def _child(variant, config_name, n_steps, warmup, layers, micro_batch):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(step_loss))
+        print(f"step {i}: {1e3 * times[-1]:.1f} ms, {sum(steps[i])} tokens", file=sys.stderr, flush=True)
         if i == warmup - 1:
             torch.cuda.reset_peak_memory_stats()
     counts = [token_counts(variant, s, micro_batch) for s in steps[warmup:]]
@@ -173,8 +174,9 @@ def run_variant(variant, args, timeout):
            str(args.micro_batch)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
-    except subprocess.TimeoutExpired:
-        return dict(variant=variant, error=f"timeout after {timeout:.0f}s")
+    except subprocess.TimeoutExpired as e:  # the child's last progress lines say where the time went
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return dict(variant=variant, error=f"timeout after {timeout:.0f}s", log=err.strip().splitlines()[-12:])
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
