@@ -106,7 +106,11 @@ def _targets(batch) -> int:
 
 
 def _child(variant, config_name, n_steps, warmup, layers, micro_batch):
+    import faulthandler
+
     import torch
+
+    faulthandler.dump_traceback_later(45, repeat=True)  # a stuck or slow step leaves its stack in the row's log
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not torch.cuda.is_available():
@@ -176,7 +180,7 @@ def run_variant(variant, args, timeout):
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
     except subprocess.TimeoutExpired as e:  # the child's last progress lines say where the time went
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        return dict(variant=variant, error=f"timeout after {timeout:.0f}s", log=err.strip().splitlines()[-12:])
+        return dict(variant=variant, error=f"timeout after {timeout:.0f}s", log=err.strip().splitlines()[-40:])
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])

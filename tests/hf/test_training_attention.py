@@ -118,6 +118,29 @@ def test_flex_forward_matches_the_reference(spec):
     assert list(mask.block_masks) == [(window, 24, "cpu")]  # built once, kept for the next layer
 
 
+def test_flex_takes_the_tables_tiles_for_its_gpu_and_head_dim(monkeypatch):
+    """FLEX_KERNEL_OPTIONS reaches flex_attention as kernel_options on its GPU and head dim, 2-byte dtypes only;
+    every entry names only flex's tile options, in sizes that divide its 128-token mask blocks."""
+    import torch.nn.attention.flex_attention as fa
+
+    names = {"BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_stages", "num_warps"}
+    for opts in attention_table.FLEX_KERNEL_OPTIONS.values():
+        for key, value in opts.items():
+            assert key[:4] in ("fwd_", "bwd_") and key[4:] in names, key
+            assert key[4:].startswith("num_") or 128 % value == 0, (key, value)
+    gpu, head = next(iter(attention_table.FLEX_KERNEL_OPTIONS))
+    seen, flex = [], fa.flex_attention
+    monkeypatch.setattr(fa, "flex_attention", lambda *a, **k: seen.append(k.get("kernel_options")) or flex(*a, **{
+        n: v for n, v in k.items() if n != "kernel_options"}))
+    monkeypatch.setattr(ta, "gpu_name", lambda device: gpu)
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = (torch.randn(1, h, 20, head, dtype=dtype) for h in (2, 1, 1))
+        with torch.no_grad():
+            ta.flex_attention_forward(q, k, v, scaling=head ** -0.5, softcap=5.0, compiled=False)
+    assert seen == [attention_table.FLEX_KERNEL_OPTIONS[(gpu, head)], None]
+    assert attention_table.flex_kernel_options("Other GPU", head, 2) == {}
+
+
 class _Module(torch.nn.Module):
     is_causal = True
     num_key_value_groups = 2  # HF repeats K/V by it (4 query heads, 2 KV heads)
@@ -520,9 +543,10 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAt
 
 @CUDA
 @pytest.mark.parametrize("spec", list(SPECS))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compiled_flex_forward_and_gradients_on_the_gpu(spec, dtype):
-    """The kernel the table picks on a GPU, forward and backward, at a length past two 128-blocks."""
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float32, 64), (torch.bfloat16, 256)])
+def test_compiled_flex_forward_and_gradients_on_the_gpu(spec, dtype, head_dim):
+    """The kernel the table picks on a GPU, forward and backward, at a length past two 128-blocks; head 256 runs
+    FLEX_KERNEL_OPTIONS' tiles where the GPU has them."""
     lengths, window, softcap = SPECS[spec]
     t = 300
     if lengths:
@@ -530,10 +554,10 @@ def test_compiled_flex_forward_and_gradients_on_the_gpu(spec, dtype):
     docs = _docs(lengths).cuda() if lengths else None
     window = 40 if window else None
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2 if docs is None else 1, h, t, 64, device="cuda", dtype=dtype, requires_grad=True)
+    q, k, v = (torch.randn(2 if docs is None else 1, h, t, head_dim, device="cuda", dtype=dtype, requires_grad=True)
                for h in (8, 2, 2))
-    go = torch.randn(q.shape[0], t, 8, 64, device="cuda", dtype=dtype)
-    scaling = 64 ** -0.5
+    go = torch.randn(q.shape[0], t, 8, head_dim, device="cuda", dtype=dtype)
+    scaling = head_dim ** -0.5
     out = ta.flex_attention_forward(q, k, v, scaling=scaling, docs=docs, window=window, softcap=softcap)
     got = [out, *torch.autograd.grad(out, (q, k, v), go)]
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))

@@ -50,3 +50,22 @@ def ranking(gpu: str | None, kind: str) -> tuple:
 def pick(gpu: str | None, kind: str) -> str:
     """The first backend of ranking(gpu, kind): the measured fastest, else HF's pick."""
     return ranking(gpu, kind)[0]
+
+
+# FlexAttention's tiles per (GPU, head dim), for 2-byte dtypes, where benchmarks/sweep_flex.py measured a config
+# faster than inductor's default (Gemma-2 shape: 8 x 2048 tokens, 8 / 4 heads, causal, softcap 50; fwd+bwd). The
+# keys are flex_attention's kernel_options. NVIDIA H200, head 256: inductor's default forward (64 x 32 tiles,
+# 4 warps) 0.942 ms, this one 0.609; its default backward (64 x 64, 4 warps, 2 stages) 4.15 ms, this one 3.27 (8
+# warps). Tiles past these overflow the 227 KiB of shared memory.
+FLEX_KERNEL_OPTIONS: dict = {
+    ('NVIDIA H200', 256): dict(fwd_BLOCK_M=128, fwd_BLOCK_N=64, fwd_num_stages=2, fwd_num_warps=8,
+                               bwd_BLOCK_M1=64, bwd_BLOCK_N1=64, bwd_BLOCK_M2=64, bwd_BLOCK_N2=64,
+                               bwd_num_stages=2, bwd_num_warps=8),
+}
+
+
+def flex_kernel_options(gpu: str | None, head_dim: int, element_size: int) -> dict:
+    """FlexAttention's kernel_options for this GPU and head dim (empty: inductor's defaults)."""
+    if element_size != 2:
+        return {}
+    return dict(FLEX_KERNEL_OPTIONS.get((gpu, head_dim), {}))

@@ -299,6 +299,9 @@ def flex_attention_forward(query, key, value, *, scaling, docs=None, window=None
     # Inside a compiled model the outer compile fuses flex_attention itself; calling the compiled one nests.
     args = (query, key, value)
     kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    options = attention_table.flex_kernel_options(gpu_name(query.device), query.shape[-1], query.element_size())
+    if options:
+        kwargs["kernel_options"] = options
     if compiled and not torch.compiler.is_compiling():
         out = _without_silent_fallback(_compiled_flex(), *args, **kwargs)
     else:
