@@ -80,7 +80,9 @@ DEFAULT_VARIANTS = ("tigon,hf-static-compile,tigon-nograph,hf-eager,swa-tigon,sw
 DEFAULT_VARIANTS_BY_MODEL = {"llama3-8b": "tigon,hf-static-compile"}
 DEFAULT_PROMPTS = {"llama-1.5b": "512", "llama3-8b": "512,8192"}
 WINDOW, SWA_PROMPT = 1024, 4096
-QUICK = dict(prompt=16, new=8, window=8, swa_prompt=24, batches="1,2", profile_steps=2)
+# --quick (a smoke run under Triton's interpreter): one prefill-only repeat and a 2-token warm-up, which runs every
+# kernel once (there is no CUDA graph to capture on a CPU).
+QUICK = dict(prompt=16, new=8, window=8, swa_prompt=24, batches="1,2", profile_steps=2, ttft_repeats=1, warmup_new=2)
 PROFILE_NEED_S = 15  # the three profiled calls and the trace parsing of a 1.5B tigon row on an H200
 # Seconds a variant needs on an H200 (process start, model build, warm-up, timed call); the budget check
 # skips a variant with less than this left. Measured compile of the static decode step: ~40-60 s.
@@ -147,6 +149,10 @@ def _peak_gib(device):
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
+def ttft_repeats(spec) -> int:
+    return QUICK["ttft_repeats"] if spec["quick"] else TTFT_REPEATS
+
+
 def _child_hf(spec, model, ids):
     import torch
     from transformers import StoppingCriteria
@@ -170,7 +176,8 @@ def _child_hf(spec, model, ids):
     if kw.get("cache_implementation"):
         model.generate(ids, **kw)  # the full length: the auto-compile's recompiles happen here, not below
     else:
-        model.generate(ids, **dict(kw, max_new_tokens=8, min_new_tokens=8))
+        warm = QUICK["warmup_new"] if spec["quick"] else 8
+        model.generate(ids, **dict(kw, max_new_tokens=warm, min_new_tokens=warm))
     sync(device)
     warmup_s = time.perf_counter() - t
     _peak_reset(device)
@@ -182,7 +189,7 @@ def _child_hf(spec, model, ids):
     ts = stamp.t
     steps = [b - a for a, b in zip(ts, ts[1:])]
     repeats = []
-    for _ in range(TTFT_REPEATS):  # the first token alone, again: one call's TTFT is host-noise sensitive
+    for _ in range(ttft_repeats(spec)):  # the first token alone, again: one call's TTFT is host-noise sensitive
         stamp = Stamp()
         t_r = time.perf_counter()
         model.generate(ids, stopping_criteria=[stamp], **dict(kw, max_new_tokens=1, min_new_tokens=1))
@@ -202,7 +209,8 @@ def _child_tigon(spec, model, ids):
               attention="hf" if variant.endswith("hf-attn") else "auto")
     device = ids.device
     t = time.perf_counter()
-    tigon.generate(model, ids, **kw)  # Triton JIT and autotuning
+    warm = dict(kw, max_new_tokens=QUICK["warmup_new"]) if spec["quick"] and ids.device.type == "cpu" else kw
+    tigon.generate(model, ids, **warm)  # Triton JIT and autotuning (and the CUDA graph's capture)
     sync(device)
     warmup_s = time.perf_counter() - t
     _peak_reset(device)
@@ -212,7 +220,7 @@ def _child_tigon(spec, model, ids):
     t1 = time.perf_counter()
     assert seqs.shape == (ids.shape[0], ids.shape[1] + spec["new"]), seqs.shape
     peak = stats["peak_memory_bytes"]
-    repeats = [tigon.generate(model, ids, **dict(kw, max_new_tokens=1))[1]["ttft_s"] for _ in range(TTFT_REPEATS)]
+    repeats = [tigon.generate(model, ids, **dict(kw, max_new_tokens=1))[1]["ttft_s"] for _ in range(ttft_repeats(spec))]
     out = dict(ttft_s=stats["ttft_s"], ttft_repeats_s=repeats, step_s=list(stats["step_s"]), total_s=t1 - t0,
                peak_gib=peak / 2**30 if peak is not None else None, warmup_s=warmup_s,
                cuda_graph=stats["cuda_graph"], attention=stats["attention"], stats=stats,
@@ -545,10 +553,10 @@ def markdown(rows, meta):
     lines += ["", ANCHORS,
               "tokens/s = batch / mean decode step (the anchors' definition). TTFT: prefill + first token "
               "(tigon: from the call, cache allocation included), in the timed call; TTFT median: of "
-              f"{TTFT_REPEATS} prefill-only calls after it (max_new_tokens=1; one call's TTFT moves with the "
-              "host's noise). wall ms/step: host clock around the timed call "
-              "minus TTFT, over the decode steps (a cross-check of the per-step timer). The graph path's first "
-              "decode step includes the CUDA-graph capture."]
+              f"{TTFT_REPEATS} prefill-only calls after it ({QUICK['ttft_repeats']} with --quick; "
+              "max_new_tokens=1; one call's TTFT moves with the host's noise). wall ms/step: host clock around "
+              "the timed call minus TTFT, over the decode steps (a cross-check of the per-step timer). The graph "
+              "path's first decode step includes the CUDA-graph capture."]
     if skipped:
         names = ", ".join(f"{r['variant']} b{r['batch']}" for r in skipped)
         lines.append(f"Skipped for the time budget: {names}.")

@@ -44,11 +44,31 @@ def device(request):
     return torch.device(request.param)
 
 
+# Tests that take 10-80 s on a CI core (pytest --durations on the 2-core CI machine), longest first. They run
+# before the rest, so that xdist's workers are not left waiting on one of them at the end of the run.
+LONG_FIRST = (
+    "tests/test_benchmarks_smoke.py::test_decode_bench_quick",
+    "tests/distributed/",
+    "tests/test_cli.py::test_bench_decode_quick",
+    "tests/test_bench_attention_smoke.py",
+    "tests/memory/test_kv_cache.py::test_lazy_cache_under_the_fused_decode_layer",
+    "tests/decode/test_hf_generate_graph.py",
+    "tests/test_benchmarks_smoke.py::test_quick_bench",
+    "tests/hf/test_training_extras.py::test_trl_sft_trainer",
+    "tests/test_bench_lora_smoke.py",
+)
+
+
+def _long_first_rank(item) -> int:
+    return next((i for i, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)), len(LONG_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+    items.sort(key=_long_first_rank)  # stable: the same order on every xdist worker
 
 
 # What a test module must never change at import: Triton's and Tigon's switches and the visible devices (libraries

@@ -70,36 +70,63 @@ def test_a_failing_provider_is_a_cell_note(harness):
     assert "| oom | RuntimeError: CUDA out of memory" in table
 
 
-def test_decode_bench_quick_runs_every_variant(tmp_path, harness):
+# bench_decode --quick's variants in groups xdist runs side by side (each tigon row takes ~20-40 s a batch size
+# under the interpreter, a compiled HF row a CPU compile), with the batch sizes each group's checks need.
+DECODE_GROUPS = {
+    "hf": (("hf-eager",), "1,2"),
+    "compiled": (("hf-static-compile", "swa-hf-static-compile"), "1"),
+    "tigon": (("tigon",), "1,2"),
+    "nograph": (("tigon-nograph",), "2"),
+    "hf-attn": (("tigon-hf-attn", "swa-tigon-hf-attn"), "1"),
+    "swa": (("swa-tigon", "swa-tigon-full"), "1"),
+}
+
+
+def test_decode_groups_cover_every_variant(harness):
+    import bench_decode as core
+
+    grouped = [v for variants, _ in DECODE_GROUPS.values() for v in variants]
+    assert sorted(grouped) == sorted(core.VARIANTS)
+
+
+@pytest.mark.parametrize("group", list(DECODE_GROUPS))
+def test_decode_bench_quick_runs_every_variant(tmp_path, harness, group):
     import bench_decode as core  # benchmarks/bench_decode.py (on sys.path through the harness fixture)
 
+    variants, batches = DECODE_GROUPS[group]
     out = tmp_path / "decode"
     lines = []
     # The swa-* rows at batch 1 only (--swa-batches): the interpreter runs their tigon decode kernels slowly.
-    argv = ["--quick", "--device", "cpu", "--out", str(out), "--variants", ",".join(core.VARIANTS),
-            "--batches", "1,2", "--swa-batches", "1"]
+    argv = ["--quick", "--device", "cpu", "--out", str(out), "--variants", ",".join(variants),
+            "--batches", batches, "--swa-batches", "1"]
     assert core.main(argv, log=lines.append) == 0
     files = set(os.listdir(out))
     assert {"decode.json", "decode.md"} <= files
-    result = json.loads((out / "decode.json").read_text())
-    rows = result["rows"]
+    rows = json.loads((out / "decode.json").read_text())["rows"]
     assert [(r["variant"], r["batch"]) for r in rows if "error" in r] == []
-    n_swa = sum(v.startswith("swa-") for v in core.VARIANTS)
-    assert len(rows) == 2 * (len(core.VARIANTS) - n_swa) + n_swa
+    expect = {(v, int(b)) for v in variants for b in ("1" if v.startswith("swa-") else batches).split(",")}
+    assert {(r["variant"], r["batch"]) for r in rows} == expect and len(rows) == len(expect)
+    md = (out / "decode.md").read_text()
     for r in rows:
         assert r["ttft_ms"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] and r["tokens_per_s"] > 0
         assert len(r["step_ms"]) == r["new"] - 1  # one latency per decode step after the first token
         assert ("stats" in r) == ("tigon" in r["variant"])
         if "tigon" in r["variant"]:  # generate's default runs the tigon attention; *-hf-attn asks for HF's
             assert r["attention"] == ("hf" if r["variant"].endswith("hf-attn") else "tigon")
-    swa = {r["variant"]: r for r in rows if r["batch"] == 1 and r["variant"].startswith("swa-")}
-    assert swa["swa-tigon"]["window"] == core.QUICK["window"] and swa["swa-tigon-full"]["window"] is None
-    assert swa["swa-tigon"]["prompt"] == core.QUICK["swa_prompt"] > core.QUICK["window"]  # the ring wraps
-    md = (out / "decode.md").read_text()
-    assert "| llama-toy | tigon | 1 |" in md and "| mistral-swa8 | swa-tigon | 1 |" in md
-    assert "ring past capacity" in md and "| target | measured | met |" in md
-    assert "### TTFT by phase" in md and "| llama-toy | tigon-nograph | 2 |" in md.split("### TTFT by phase")[1]
+            assert len(r["ttft_repeats_ms"]) == core.QUICK["ttft_repeats"]
+        model = ("llama-toy" if not r["variant"].startswith("swa-") else
+                 "mistral-full" if r["variant"] == "swa-tigon-full" else f"mistral-swa{core.QUICK['window']}")
+        assert f"| {model} | {r['variant']} | {r['batch']} |" in md
     assert "### Decode-step profile" not in md  # only with --profile
+    if group == "tigon":
+        assert "| target | measured | met |" in md and "tigon batch 1 p50 <=" in md
+    if group == "nograph":
+        assert "### TTFT by phase" in md and "| llama-toy | tigon-nograph | 2 |" in md.split("### TTFT by phase")[1]
+    if group == "swa":
+        swa = {r["variant"]: r for r in rows}
+        assert swa["swa-tigon"]["window"] == core.QUICK["window"] and swa["swa-tigon-full"]["window"] is None
+        assert swa["swa-tigon"]["prompt"] == core.QUICK["swa_prompt"] > core.QUICK["window"]  # the ring wraps
+        assert "ring past capacity" in md
     try:
         import matplotlib  # noqa: F401
 
