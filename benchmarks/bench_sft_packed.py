@@ -167,6 +167,17 @@ def _child(variant, config_name, n_steps, warmup, layers, micro_batch):
     print("RESULT " + json.dumps(out))
 
 
+def last_stack(stderr: str, lines: int = 60) -> list:
+    """The child's last faulthandler dump (innermost frame first) with the progress lines before it, or the last
+    `lines` lines of stderr when it dumped none."""
+    text = stderr.strip().splitlines()
+    starts = [i for i, line in enumerate(text) if line.startswith(("Thread 0x", "Current thread 0x"))]
+    if not starts:
+        return text[-lines:]
+    progress = [line for line in text[:starts[-1]] if line.startswith("step ")]
+    return progress[-5:] + text[starts[-1]:starts[-1] + lines]
+
+
 def run_variant(variant, args, timeout):
     """One variant in its own process: its RESULT row, or the reason it did not run."""
     if variant == "padded_liger" and importlib.util.find_spec("liger_kernel") is None:
@@ -180,7 +191,7 @@ def run_variant(variant, args, timeout):
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
     except subprocess.TimeoutExpired as e:  # the child's last progress lines say where the time went
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        return dict(variant=variant, error=f"timeout after {timeout:.0f}s", log=err.strip().splitlines()[-40:])
+        return dict(variant=variant, error=f"timeout after {timeout:.0f}s", log=last_stack(err))
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])

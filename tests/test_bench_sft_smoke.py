@@ -77,3 +77,13 @@ def test_a_missing_liger_skips_its_row_with_the_reason(bench, monkeypatch):
     assert "liger_kernel not installed" in "\n".join(bench.table([row]))
     with pytest.raises(SystemExit):
         bench.main(["--variants", "padded_hf,bogus"])
+
+
+def test_a_timed_out_childs_row_keeps_its_last_stack(bench):
+    stderr = "\n".join(["step 0: 900.0 ms, 16000 tokens", "Thread 0x1 (most recent call first):", '  File "old"',
+                        "step 1: 800.0 ms, 16100 tokens", "Thread 0x1 (most recent call first):",
+                        '  File "a.py", line 3 in inner', '  File "b.py", line 9 in outer'])
+    assert bench.last_stack(stderr) == ["step 0: 900.0 ms, 16000 tokens", "step 1: 800.0 ms, 16100 tokens",
+                                        "Thread 0x1 (most recent call first):", '  File "a.py", line 3 in inner',
+                                        '  File "b.py", line 9 in outer']
+    assert bench.last_stack("a\nb\nc", lines=2) == ["b", "c"]
