@@ -21,8 +21,14 @@ if not torch.cuda.is_available() and os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 import pytest  # noqa: E402
+from torch.utils._device import _device_constructors  # noqa: E402
 
 _empty, _empty_like = torch.empty, torch.empty_like
+# `with torch.device(...)` redirects the factories it lists at its first use, and caches that list: listed while
+# the fixture below has torch.empty patched, the list would hold the patch, and every later device context would
+# leave torch.empty's tensors on the CPU (a meta-device model build in one test after another's device context).
+# Listed now, it holds torch's own factories, which the patch calls.
+_device_constructors()
 
 
 def _nan_fill(t):

@@ -141,6 +141,60 @@ def test_flex_takes_the_tables_tiles_for_its_gpu_and_head_dim(monkeypatch):
     assert attention_table.flex_kernel_options("Other GPU", head, 2) == {}
 
 
+def _tiles(allowed, tile=ta.FLEX_BLOCK):
+    """Per-tile any / all of a [B, T, T] boolean mask, padded with False past T (the ground truth of a block mask)."""
+    b, t, _ = allowed.shape
+    n = -(-t // tile)
+    pad = torch.zeros(b, n * tile, n * tile, dtype=torch.bool)
+    pad[:, :t, :t] = allowed
+    valid = torch.zeros_like(pad)
+    valid[:, :t, :t] = True
+    blocks = pad.view(b, n, tile, n, tile).transpose(2, 3)
+    return blocks.any((-1, -2)), (blocks | ~valid.view(b, n, tile, n, tile).transpose(2, 3)).all((-1, -2))
+
+
+BLOCK_CASES = [  # (length, window, per-row document lengths or None)
+    (1, None, None), (127, None, None), (128, None, None), (300, None, None), (517, 130, None), (517, 1, None),
+    (300, 40, [[90, 17, 130, 63]]), (517, None, [[1, 77, 130, 3, 255, 51]]), (640, 200, [[128, 128, 256, 128]]),
+    (400, None, [[150, 0, 0, 250], [10, 390, 0, 0]]),  # empty documents (cu_seq_lens repeats): ids skip values
+]
+
+
+@pytest.mark.parametrize("length,window,docs", BLOCK_CASES)
+def test_block_sets_from_tile_bounds_are_the_masks_tiles(length, window, docs):
+    """Every tile holding an allowed pair is in the block mask, a full tile holds only allowed pairs, and full is
+    exact but for a ragged last row of tiles (kept partial: its mask_mod runs)."""
+    ids = None
+    if docs is not None:
+        ids = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in docs])
+    partial, full = ta.block_sets(ids, window, length, "cpu")
+    allowed = ta.dense_mask(ids, window, length, "cpu")[:, 0].expand(len(docs or [0]), -1, -1)
+    some, every = _tiles(allowed)
+    assert torch.equal((partial | full)[:, 0], some) and not (partial & full).any()
+    ragged = length % ta.FLEX_BLOCK != 0
+    exact = every.clone()
+    if ragged:
+        exact[:, -1, :] = False
+    assert torch.equal(full[:, 0], exact & some)
+
+
+def test_flex_runs_the_tile_bounds_block_mask_like_create_block_mask():
+    """The BlockMask built from tile bounds gives FlexAttention the same attention as create_block_mask's."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    lengths, window, t = [90, 17, 130, 63], 40, 300
+    docs = _docs(lengths)
+    q, k, v = (torch.randn(1, h, t, 16) for h in (4, 2, 2))
+    ours = ta._block_mask(docs, window, t, torch.device("cpu"))
+    ref = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < window) & (docs[b, qi] == docs[b, ki]),
+                            1, None, t, t, device="cpu")
+    assert ours.seq_lengths == ref.seq_lengths == (t, t)
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    with torch.no_grad():
+        got, want = (flex_attention(q, k, v, block_mask=m, enable_gqa=True) for m in (ours, ref))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 class _Module(torch.nn.Module):
     is_causal = True
     num_key_value_groups = 2  # HF repeats K/V by it (4 query heads, 2 KV heads)
