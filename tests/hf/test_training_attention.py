@@ -178,6 +178,23 @@ def test_block_sets_from_tile_bounds_are_the_masks_tiles(length, window, docs):
     assert torch.equal(full[:, 0], exact & some)
 
 
+def test_rows_without_documents_share_one_block_mask(monkeypatch):
+    """A causal or windowed row's block mask holds no data: built once per (window, length, device) for every
+    layer and step; one with documents is never kept past its forward."""
+    monkeypatch.setattr(ta, "_DOCUMENTLESS_BLOCK_MASKS", {})
+    built = []
+    block_mask = ta._block_mask
+    monkeypatch.setattr(ta, "_block_mask", lambda *a: built.append(a[1:3]) or block_mask(*a))
+    q, k, v = (torch.randn(1, h, 150, 16) for h in (2, 1, 1))
+    with torch.no_grad():
+        for window in (None, None, 40, 40):
+            ta.flex_attention_forward(q, k, v, scaling=0.25, window=window, compiled=False)
+        for _ in range(2):
+            ta.flex_attention_forward(q, k, v, scaling=0.25, docs=_docs([100, 50]), compiled=False)
+    assert built == [(None, 150), (40, 150), (None, 150), (None, 150)]
+    assert set(ta._DOCUMENTLESS_BLOCK_MASKS) == {(None, 150, "cpu"), (40, 150, "cpu")}
+
+
 def test_flex_runs_the_tile_bounds_block_mask_like_create_block_mask():
     """The BlockMask built from tile bounds gives FlexAttention the same attention as create_block_mask's."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention

@@ -259,6 +259,9 @@ def _without_silent_fallback(fn, *args, **kwargs):
 
 
 FLEX_BLOCK = 128  # FlexAttention's default sparse block: the tiles of its block masks
+# Block masks of rows without documents (plain causal or windowed: a Gemma-2 row shorter than its window), which
+# depend on the window, the length and the device alone: every layer of every step shares one.
+_DOCUMENTLESS_BLOCK_MASKS: dict = {}
 
 
 def _ordered(blocks):
@@ -339,7 +342,14 @@ def flex_attention_forward(query, key, value, *, scaling, docs=None, window=None
     from torch.nn.attention.flex_attention import flex_attention
 
     length = query.shape[2]
-    cache = mask.block_masks if mask is not None else {}
+    if mask is not None:
+        cache = mask.block_masks
+    elif docs is None and not torch.compiler.is_compiling():  # no data in it: one per (window, length, device)
+        cache = _DOCUMENTLESS_BLOCK_MASKS
+        if len(cache) >= 32:
+            cache.clear()
+    else:
+        cache = {}
     key_ = (window, length, str(query.device))
     block_mask = cache.get(key_)
     if block_mask is None:
