@@ -291,6 +291,7 @@ def block_sets(docs, window, length, device):
         every = every & (first[:, None] + FLEX_BLOCK - 1 - first[None, :] < window)
     some, every = some[None], every[None]
     if docs is not None:
+        docs = docs.to(device)
         head, tail = docs[:, first], docs[:, last]  # [B, n]: the ids of each tile's first and last token
         same = tail[:, None, :] == head[:, :, None]  # key tile's last token in the query tile's first's document
         one = head == tail
