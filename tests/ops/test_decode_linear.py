@@ -303,7 +303,7 @@ def test_rounding_points_bit_for_bit(device, dtype, case):
 
 
 def test_default_config_on_cpu():
-    assert dl._pick_config(1, 130, 33, False, True, 4, torch.device("cpu")) == DecodeLinearConfig(16, 64, 4, 1, 1)
+    assert dl._pick_config(1, 130, 33, False, True, 4, torch.device("cpu")) == DecodeLinearConfig(64, 64, 4, 1, 1)
 
 
 # hidden -> (q width, k / v width, intermediate): Qwen2-1.5B (12 q heads, 2 KV heads of 128), the 1.5B Llama of

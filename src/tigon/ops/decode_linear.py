@@ -216,7 +216,9 @@ def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, esize: int
     work): the measured pick of `decode_linear_picks.MEASURED_PICKS` for this GPU and 16-bit shape, else the
     rule. smem_limit: bytes of shared memory a block may use (None: the device's)."""
     if device.type != "cuda":
-        return DecodeLinearConfig(16, 64, 4, 1, 1)  # the interpreter: a few K steps on small test shapes
+        # the interpreter: a few K steps on small test shapes, 64 columns a program (it costs per program: 16
+        # columns took 2.4 s of a tiny model's 4-token generate, 64 take 0.9)
+        return DecodeLinearConfig(64, 64, 4, 1, 1)
     index = device.index or 0
     pick = None
     if esize == 2:  # measured in bf16; fp16 reads the same bytes
