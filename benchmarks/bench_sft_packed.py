@@ -33,15 +33,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import GEMMA2  # noqa: E402
+from bench_e2e import GEMMA2, HF_ATTENTION, LLAMA_1B5  # noqa: E402  (the configs and HF's attention of the e2e step)
 
 VARIANTS = ("padded_hf", "padded_liger", "padded_tigon", "packed_tigon", "packed_tigon_position_ids")
-CONFIGS = {
-    "llama": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-    "gemma2": GEMMA2,
-}
-HF_ATTENTION = {"llama": "sdpa", "gemma2": "eager"}  # HF's exact pick: SDPA drops Gemma-2's softcap
+CONFIGS = {"llama": dict(LLAMA_1B5, tie_word_embeddings=False), "gemma2": GEMMA2}
 STEP_TOKENS = 16384
 MICRO_BATCH = 8
 
@@ -124,7 +119,7 @@ def _child(variant, config_name, n_steps, warmup, layers, micro_batch):
 
         getattr(lk, f"apply_liger_kernel_to_{model_type}")()
     config = AutoConfig.for_model(model_type, **fields, max_position_embeddings=8192)
-    config._attn_implementation = HF_ATTENTION[config_name]
+    config._attn_implementation = HF_ATTENTION.get(config_name, "sdpa")  # eager for gemma2: SDPA drops its softcap
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
