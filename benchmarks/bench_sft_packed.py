@@ -158,6 +158,7 @@ def _child(variant, config_name, n_steps, warmup, layers, micro_batch):
                step_ms=1e3 * statistics.median(t), useful_tokens_per_s=sum(u for u, _ in counts) / sum(t),
                computed_tokens_per_step=statistics.mean(c for _, c in counts),
                useful_tokens_per_step=statistics.mean(u for u, _ in counts),
+               step_times_ms=[round(1e3 * x, 2) for x in times],  # warm-up steps first
                peak_gib=torch.cuda.max_memory_allocated() / 2**30, losses=losses, report=report)
     print("RESULT " + json.dumps(out))
 
@@ -195,14 +196,16 @@ def run_variant(variant, args, timeout):
 
 def table(results):
     base = next((r for r in results if r["variant"] == "padded_liger" and "step_ms" in r), None)
-    lines = ["| variant | step ms | useful tokens/s | vs padded Liger | tokens computed / useful | peak GiB |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| variant | median step ms | slowest timed step ms | useful tokens/s (all timed steps) | vs padded Liger "
+             "| tokens computed / useful | peak GiB |", "|---|---|---|---|---|---|---|"]
     for r in results:
         if "step_ms" not in r:
-            lines.append(f"| {r['variant']} | {(r.get('error') or r.get('skipped'))[:100]} | | | | |")
+            lines.append(f"| {r['variant']} | {(r.get('error') or r.get('skipped'))[:100]} | | | | | |")
             continue
         vs = f"{r['useful_tokens_per_s'] / base['useful_tokens_per_s']:.2f}x" if base else "-"
-        lines.append(f"| {r['variant']} | {r['step_ms']:.1f} | {r['useful_tokens_per_s']:,.0f} | {vs} | "
+        timed = r.get("step_times_ms", [])[-r["steps"]:]
+        slowest = f"{max(timed):.1f}" if timed else "-"
+        lines.append(f"| {r['variant']} | {r['step_ms']:.1f} | {slowest} | {r['useful_tokens_per_s']:,.0f} | {vs} | "
                      f"{r['computed_tokens_per_step'] / r['useful_tokens_per_step']:.2f} | {r['peak_gib']:.1f} |")
     return lines
 
