@@ -3,7 +3,9 @@
 No torch at import (the benchmarks' parent processes stay light); `profile_step` imports it.
 """
 
-BUCKETS = ("gemm", "attention", "triton kernels", "elementwise", "optimizer", "copy/memset", "other")
+BUCKETS = ("gemm", "attention", "triton kernels", "inductor kernels", "elementwise", "optimizer", "copy/memset",
+           "other")
+_INDUCTOR = ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_")  # inductor's generated kernels
 
 
 def kernel_bucket(name: str) -> str:
@@ -13,6 +15,8 @@ def kernel_bucket(name: str) -> str:
         return "gemm"
     if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "cudnn")):
         return "attention"
+    if n.startswith(_INDUCTOR):
+        return "inductor kernels"
     if any(s in n for s in ("adam", "multi_tensor", "foreach")):
         return "optimizer"
     if any(s in n for s in ("memcpy", "memset", "copy_kernel")):

@@ -7,7 +7,8 @@ last two to the variants.
 Each variant runs in its own subprocess (clean memory stats, no cross-talk between patches): build the
 model from config in bf16 with sdpa attention (eager for gemma2: its softcap), AdamW(fused=True), batch 8 x 2048
 with labels=input_ids; median of 10 steps (fwd + bwd + step + zero_grad) after 3 warm-ups, GPU-synchronized per
-step. On OOM a variant halves its batch and says so. `--profile` adds a kernel-time breakdown of one Tigon step.
+step. On OOM a variant halves its batch and says so. `--profile` adds a kernel-time breakdown of one step of every
+variant but eager.
 
     PYTHONPATH=src python benchmarks/bench_e2e.py --out DIR [--variants eager,tigon,liger] [--configs llama,qwen3]
         [--with-ckpt --ckpt-variants tigon,liger] [--longest eager,tigon,liger] [--profile] [--compile]
@@ -222,7 +223,7 @@ def main(argv=None):
     results = []
     for config_name in a.configs.split(","):
         for v in variants:
-            results.append(run_variant(v, config_name, a.batch, a.seq, profile=a.profile and v in ("tigon", "liger")))
+            results.append(run_variant(v, config_name, a.batch, a.seq, profile=a.profile and v != "eager"))
             print(table(results[-1:]), flush=True)
     if a.with_ckpt:
         for v in a.ckpt_variants.split(","):
