@@ -193,6 +193,28 @@ def test_compiled_patched_mlp_is_the_one_node_op():
     assert len(glu_nodes(backward)) == 1  # the backward recomputes it
 
 
+def test_compiled_patched_model_attends_causally_without_a_mask():
+    """Compiled, HF's own mask builder materializes the causal [B, 1, T, T] mask (transformers skips it only when
+    not tracing), which takes SDPA's causal tile skipping away: on the H200 the 1.5B step's attention took 67 ms
+    compiled against 27 ms eager. Under "tigon" attention the compiled layers call SDPA with is_causal and no
+    mask, as the eager ones do."""
+    torch._dynamo.reset()
+    calls = []
+
+    def keep(gm, _inputs):
+        calls.extend(n for n in gm.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention)
+        return gm.forward
+
+    model = _tiny("llama")
+    model.config._attn_implementation = "sdpa"
+    tigon.patch(model, attention=True)
+    model.train()
+    torch.compile(model, backend=keep, fullgraph=True)(input_ids=IDS, labels=LABELS).loss.backward()
+    assert len(calls) == model.config.num_hidden_layers
+    assert all(n.kwargs.get("attn_mask") is None and n.kwargs.get("is_causal") is True for n in calls), \
+        [n.kwargs for n in calls]
+
+
 def test_compiled_peft_lora_on_patched_model():
     """PEFT LoRA adapters on the patched model, compiled without fullgraph (as PEFT users compile): the adapters'
     gradients match eager and the fp64 run within the bound."""

@@ -54,6 +54,35 @@ def test_training_mask_reads_hfs_causal_window_and_packed_functions():
     assert ta.training_mask(mask_function=mu.sliding_window_causal_mask_function(t), q_length=t, kv_length=t) is None
 
 
+@pytest.mark.parametrize("case", ["causal", "packed", "sliding", "packed+sliding"])
+def test_training_mask_reads_the_same_while_dynamo_traces(case):
+    """A compiled forward builds its masks inside the trace: there it must read HF's mask functions as in eager
+    (else every compiled layer runs HF's dense [T, T] mask, without SDPA's causal tile skipping)."""
+    from transformers import masking_utils as mu
+
+    lengths, t = [5, 9, 3, 7], 24
+    docs = mu.find_packed_sequence_indices(_positions(lengths))
+    fn = {"causal": mu.causal_mask_function,
+          "packed": mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(docs)),
+          "sliding": mu.sliding_window_causal_mask_function(4),
+          "packed+sliding": mu.and_masks(mu.sliding_window_causal_mask_function(4),
+                                         mu.packed_sequence_mask_function(docs))}[case]
+
+    def read(x):
+        got = ta.training_mask(mask_function=fn, q_length=t, kv_length=t)
+        if got is None or got is NotImplemented:
+            return x, got is None, None, None
+        return x, True, got.window, got.docs
+
+    eager = read(torch.ones(1))
+    torch._dynamo.reset()
+    traced = torch.compile(read, backend="eager", fullgraph=True)(torch.ones(1))
+    assert traced[1] is True and eager[1] is True, case
+    assert traced[2] == eager[2] and (traced[3] is None) == (eager[3] is None), case
+    if eager[3] is not None:
+        assert torch.equal(traced[3], eager[3]), case
+
+
 @pytest.mark.parametrize("case", ["padding", "offset", "cache", "unknown", "or", "decode"])
 def test_training_mask_leaves_the_rest_to_hf(case):
     from transformers import masking_utils as mu

@@ -60,9 +60,17 @@ def _cells(fn) -> dict:
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in closure)))
 
 
+def _qualname(fn) -> str:
+    """The function's qualified name, read from its code object where it has one. While dynamo traces (torch
+    2.13), a function's `__qualname__` compares unequal to the same string; `__code__.co_qualname` does not.
+    Without this a compiled forward read no mask function and fell back to HF's dense [T, T] mask."""
+    name = getattr(getattr(fn, "__code__", None), "co_qualname", None)  # Python >= 3.11
+    return name if isinstance(name, str) else getattr(fn, "__qualname__", "")
+
+
 def _read_mask_function(fn, found: dict) -> bool:
     """Fill `found` (causal, window, docs) from HF's mask function; False for any function this does not know."""
-    name = getattr(fn, "__qualname__", "")
+    name = _qualname(fn)
     if name == _CAUSAL:
         found["causal"] = True
         return True
