@@ -160,12 +160,15 @@ def test_compiled_class_patched_model_before_any_eager_step():
     _check_step(got, eager, exact)
 
 
-def test_compiled_patched_mlp_is_the_one_node_op():
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_compiled_patched_mlp_is_the_one_node_op(partition):
     """Under torch.compile the patched MLP is still the one-node op (ops.swiglu_mlp): the forward graph computes the
     GLU product h but does not hand it to the backward (the three-Linear path saves it for down_proj's weight
     gradient: one [tokens, I] activation a layer, ~4 GiB at the 1.5B e2e shape), and the backward graph
-    recomputes it (its own tigon.glu_fwd) beside the gradient pass."""
-    from functorch.compile import make_boxed_func
+    recomputes it in its gradient pass (tigon.glu_bwd_and_y). min_cut is inductor's partitioner: it does not
+    recompute custom ops, so a backward glu_fwd equal to the forward's (merged as a common subexpression) made it
+    keep h, 16 x 256 MiB at that shape."""
+    from functorch.compile import default_partition, make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
     torch._dynamo.reset()
@@ -175,22 +178,26 @@ def test_compiled_patched_mlp_is_the_one_node_op():
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
+    partition_fn = {"default": default_partition, "min_cut": min_cut_rematerialization_partition}[partition]
     # On a CUDA machine CPU tensors take the reference ops (no kernels, no custom-op nodes): run there on the GPU.
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = _tiny("llama").to(dev)
     tigon.patch(model)
     model.train()
-    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=partition_fn)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     compiled(input_ids=IDS.to(dev), labels=LABELS.to(dev)).loss.backward()
     forward, backward = graphs
 
-    def glu_nodes(gm):
-        return [n for n in gm.graph.nodes if n.target is torch.ops.tigon.glu_fwd.default]
+    def nodes(gm, op):
+        return [n for n in gm.graph.nodes if n.target is op]
 
-    (h,) = glu_nodes(forward)
+    layers = model.config.num_hidden_layers
+    hs = nodes(forward, torch.ops.tigon.glu_fwd.default)
     (output,) = [n for n in forward.graph.nodes if n.op == "output"]
-    assert h not in output.all_input_nodes  # h is not saved for the backward
-    assert len(glu_nodes(backward)) == 1  # the backward recomputes it
+    assert len(hs) == layers and not any(h in output.all_input_nodes for h in hs)  # h is not saved
+    assert not nodes(backward, torch.ops.tigon.glu_fwd.default)
+    assert len(nodes(backward, torch.ops.tigon.glu_bwd_and_y.default)) == layers  # the backward recomputes it
 
 
 def test_compiled_patched_model_attends_causally_without_a_mask():

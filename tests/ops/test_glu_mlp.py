@@ -178,6 +178,32 @@ def test_compile_fullgraph(device):
         torch.testing.assert_close(a, b, rtol=0, atol=2 * U32 * levels * b.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("act", [0, 1])  # silu, gelu_tanh
+def test_traced_recompute_pass_is_the_in_place_one(device, dtype, packed, act):
+    """The backward's one GLU pass in a traced graph (tigon::glu_bwd_and_y, new tensors) writes the same bits as
+    the eager in-place pass (tigon::glu_bwd_recompute), and as glu_fwd + glu_bwd, and leaves its inputs alone."""
+    torch.manual_seed(0)
+    M, I = 7, 37
+    gate = randn(M, 2 * I if packed else I, dtype=dtype, device=device)
+    up = None if packed else randn(M, I, dtype=dtype, device=device)
+    dh = randn(M, I, dtype=dtype, device=device)
+    before = [t.clone() for t in (dh, gate, up) if t is not None]
+    y, dgate, dup = torch.ops.tigon.glu_bwd_and_y(dh, gate, up, act)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for t in (dh, gate, up) if t is not None]))
+    dh_i, gate_i, up_i = dh.clone(), gate.clone(), None if packed else up.clone()
+    torch.ops.tigon.glu_bwd_recompute(dh_i, gate_i, up_i, act)
+    assert torch.equal(y, dh_i) and torch.equal(dgate, gate_i)
+    assert torch.equal(y, torch.ops.tigon.glu_fwd(gate, up, act, False))
+    dgate_s, dup_s = torch.ops.tigon.glu_bwd(dh, gate, up, act)
+    assert torch.equal(dgate, dgate_s)
+    if packed:
+        assert dup.numel() == 0
+    else:
+        assert torch.equal(dup, up_i) and torch.equal(dup, dup_s)
+
+
 @pytest.mark.parametrize("bad,match", [
     (lambda x, wg, wu, wd: (x, wg[:, :5], wu, wd), "gate_weight must be"),
     (lambda x, wg, wu, wd: (x, wg, wu[:3], wd), "up_weight must have shape"),

@@ -5,7 +5,9 @@ the activation product h = act(gate) * up that down_proj saved. This node keeps 
 backward computes dh = dy W_d first, then one Triton pass (`tigon::glu_bwd_recompute`) reads dh, gate and up
 and writes dgate over gate, dup over up and the recomputed h over dh, so the down projection's weight
 gradient dW_d = dy^T h reads h from memory the backward already held: a quarter of the MLP's saved
-activations (16 layers x 256 MiB at the 1.5B Llama's [16384, 8192]) for one more store per element.
+activations (16 layers x 256 MiB at the 1.5B Llama's [16384, 8192]) for one more store per element. A traced
+graph runs the same pass as a functional op (`tigon::glu_bwd_and_y`), never a second glu_fwd, which a compiler
+would merge with the forward's and keep.
 
 x @ W^T runs in cuBLAS. The weights are taken as they are (dtype of x; under autocast the caller casts),
 and `gate_weight` may be packed [2I, H] = [gate; up] (Phi3's gate_up_proj) with `up_weight` None.
@@ -53,9 +55,8 @@ def _mlp(x, gate_weight, up_weight, down_weight, act):
 
 
 def _recompute_traced(dh, gate, up, act):
-    """The backward's GLU pass for torch.compile: functional ops (same math, no buffer reuse)."""
-    h = torch.ops.tigon.glu_fwd(gate, up, act, False)
-    dgate, dup = torch.ops.tigon.glu_bwd(dh, gate, up, act)
+    """The backward's GLU pass for torch.compile: the same one pass as a functional op (no buffer reuse)."""
+    h, dgate, dup = torch.ops.tigon.glu_bwd_and_y(dh, gate, up, act)
     return h, dgate, dup, (dgate if up is None else None)
 
 

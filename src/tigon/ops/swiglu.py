@@ -106,19 +106,21 @@ def _glu_bwd_kernel(
     U,  # [M, N] saved up
     DG,  # [M, N] dgate = dy * up * act'(gate); may be G itself (in-place backward)
     DU,  # [M, N] dup = dy * act(gate); may be U itself
+    Y,  # [M, N] y = act(gate) * up when STORE_Y (the fused MLP's recompute); may be DY itself
     stride_dy,
     stride_g,
     stride_u,
     stride_dg,
     stride_du,
+    stride_y,
     M,
     N,
     ACT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    STORE_Y: tl.constexpr = False,  # also write y = act(gate) * up over DY (the fused MLP's recompute)
+    STORE_Y: tl.constexpr = False,
 ):
-    # Each element is loaded and stored by the same thread, so DG == G, DU == U and y over DY are race-free.
+    # Each element is loaded and stored by the same thread, so DG == G, DU == U and Y == DY are race-free.
     o_m, o_n, m_mn = _tile(M, N, BLOCK_M, BLOCK_N)
     b_dy = tl.load(DY + o_m[:, None] * stride_dy + o_n[None, :], mask=m_mn, other=0.0,
                    eviction_policy="evict_first").to(tl.float32)
@@ -130,7 +132,7 @@ def _glu_bwd_kernel(
     tl.store(DG + o_m[:, None] * stride_dg + o_n[None, :], (b_dy * b_u * b_da).to(DG.dtype.element_ty), mask=m_mn)
     tl.store(DU + o_m[:, None] * stride_du + o_n[None, :], (b_dy * b_a).to(DU.dtype.element_ty), mask=m_mn)
     if STORE_Y:
-        tl.store(DY + o_m[:, None] * stride_dy + o_n[None, :], (b_a * b_u).to(DY.dtype.element_ty), mask=m_mn)
+        tl.store(Y + o_m[:, None] * stride_y + o_n[None, :], (b_a * b_u).to(Y.dtype.element_ty), mask=m_mn)
 
 
 # Bytes of each tensor per program on a GPU: 4 KiB (2048 bf16, 16 per thread at 4 warps, two 16-byte vectors),
@@ -183,15 +185,16 @@ def _launch_fwd(g, u, y, act, config=None):
                           num_warps=warps)
 
 
-def _launch_bwd(dy, g, u, dg, du, act, store_y=False, config=None):
+def _launch_bwd(dy, g, u, dg, du, act, y=None, config=None):
+    """dg, du <- the gradients; y (when given) <- act(g) * u in the same pass."""
     M, N = g.shape
     if M * N == 0:
         return
-    rows, cols, strides = _pass_geometry((dy, g, u, dg, du), M, N)
+    rows, cols, strides = _pass_geometry((dy, g, u, dg, du, dy if y is None else y), M, N)
     block_m, block_n, warps = _tiles(g.device, g.element_size(), rows, cols, config)
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n),)
-    _glu_bwd_kernel[grid](dy, g, u, dg, du, *strides, rows, cols, ACT=act, BLOCK_M=block_m, BLOCK_N=block_n,
-                          STORE_Y=store_y, num_warps=warps)
+    _glu_bwd_kernel[grid](dy, g, u, dg, du, dy if y is None else y, *strides, rows, cols, ACT=act, BLOCK_M=block_m,
+                          BLOCK_N=block_n, STORE_Y=y is not None, num_warps=warps)
 
 
 def _unit_stride(t):
@@ -254,12 +257,34 @@ def glu_bwd_recompute(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.T
     """One pass for the fused MLP's backward: gate <- dgate, up <- dup, and dy <- y = act(gate) * up (the
     activation the forward did not keep, for the down projection's weight gradient). dy has unit last stride."""
     g, u = _halves(gate, up)
-    _launch_bwd(dy, g, u, g, u, act, store_y=True)
+    _launch_bwd(dy, g, u, g, u, act, y=dy)
 
 
 @glu_bwd_recompute.register_fake
 def _(dy, gate, up, act):
     return None
+
+
+@torch.library.custom_op("tigon::glu_bwd_and_y", mutates_args=())
+def glu_bwd_and_y(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor],
+                  act: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """glu_bwd_recompute without mutation, for a traced graph: returns (y, dgate, dup) as new tensors (dup empty
+    when up is None and dgate is d gate_up). One op, not glu_fwd then glu_bwd: a compiler would merge that
+    glu_fwd with the forward's (common subexpressions) and, not recomputing custom ops, keep y from the
+    forward, the [tokens, I] activation the fused MLP exists to drop."""
+    g, u = _halves(gate, up)
+    y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device) if up is not None else gate.new_empty(0)
+    dg, du = _halves(dgate, dup if up is not None else None)
+    _launch_bwd(_unit_stride(dy), g, u, dg, du, act, y=y)
+    return y, dgate, dup
+
+
+@glu_bwd_and_y.register_fake
+def _(dy, gate, up, act):
+    y = gate.new_empty(_halves(gate, up)[0].shape)
+    return y, gate.new_empty(gate.shape), (up.new_empty(up.shape) if up is not None else gate.new_empty(0))
 
 
 def _rows_disjoint(t):
