@@ -307,3 +307,31 @@ def test_trl_sft_padding_free_on_a_patched_model(tmp_path):
     packed, padded = run(True, True, "packed"), run(False, False, "padded")
     assert len(packed) == 2
     torch.testing.assert_close(torch.tensor(packed), torch.tensor(padded), rtol=1e-4, atol=1e-5)
+
+
+def test_trl_sft_packing_on_a_patched_model(tmp_path):
+    """TRL's packing (best-fit decreasing into one row, position_ids restarting per example) on a patched model
+    trains as the same examples padded in one batch unpatched: the same mean loss over the same targets. (Run
+    unpatched, TRL 1.16's packed row gives these losses too: what this checks is that the patch keeps it exact.)"""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    examples = _examples(3, (6, 11, 4, 9))
+    data = datasets.Dataset.from_list([{"input_ids": e.tolist()} for e in examples])
+
+    def run(packing, out):
+        model = _model("llama")
+        if packing:
+            tigon.patch(model, **ATTENTION_ONLY)
+        args = trl.SFTConfig(output_dir=str(tmp_path / out), max_steps=2, learning_rate=1e-3, logging_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0, bf16=False,
+                             packing=packing, max_length=64 if packing else None,
+                             per_device_train_batch_size=1 if packing else len(examples))
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer())
+        rows = [b["input_ids"].shape for b in trainer.get_train_dataloader()]
+        trainer.train()
+        return rows, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    (rows, packed), (_, padded) = run(True, "packed"), run(False, "padded")
+    assert rows == [torch.Size([1, sum(len(e) for e in examples)])], rows  # one packed row, no padding
+    assert len(packed) == 2
+    torch.testing.assert_close(torch.tensor(packed), torch.tensor(padded), rtol=1e-4, atol=1e-5)
