@@ -1,8 +1,9 @@
 """End-to-end training step on the anchors' 1.5B Llama config: HF eager vs Tigon vs Liger (vs compile).
 
 Variants: eager (HF), tigon (patched), liger, compile (HF under torch.compile), tigon_compile (patched, then
-torch.compile: Tigon's kernels as graph nodes, inductor fusing the glue between them); `--compile` adds the
-last two to the variants.
+torch.compile: Tigon's kernels as graph nodes, inductor fusing the glue between them), tigon_compile_graphs
+(the same with mode="reduce-overhead": forward and backward replayed as CUDA graphs, the optimizer eager);
+`--compile` adds compile and tigon_compile to the variants.
 
 Each variant runs in its own subprocess (clean memory stats, no cross-talk between patches): build the
 model from config in bf16 with sdpa attention (eager for gemma2: its softcap), AdamW(fused=True), batch 8 x 2048
@@ -59,7 +60,7 @@ def _build(variant, config_name, max_positions, ckpt=False):
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     report = None
-    if variant in ("tigon", "tigon_compile"):
+    if variant.startswith("tigon"):
         import tigon
 
         report = str(tigon.patch(model))
@@ -70,8 +71,9 @@ def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
     import torch
 
     model, config, report = _build(variant, config_name, max(4096, seq), ckpt)
-    if variant in ("compile", "tigon_compile"):
-        model = torch.compile(model)  # default mode (no CUDA graphs); the first step pays the compile
+    graphs = variant.endswith("_graphs")
+    if "compile" in variant:  # the first step pays the compile
+        model = torch.compile(model, mode="reduce-overhead" if graphs else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
     times, losses = [], []
@@ -79,6 +81,8 @@ def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
     for i in range(warmup + steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # a new training step: earlier replays' outputs are done
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()

@@ -15,7 +15,8 @@
 #   decode-ops  bench_decode_ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
 #   e2e         bench_e2e: the 1.5B training step, E2E_VARIANTS (tigon,liger) of E2E_CONFIGS (llama; also qwen3,
 #               gemma2) (<gpu>_e2e.md, <gpu>_e2e.json)
-#   e2e-compile bench_e2e --compile: torch.compile over HF, over a patched model, and patched alone (<gpu>_e2e_compile.md)
+#   e2e-compile bench_e2e --compile: torch.compile over HF, over a patched model (default mode and reduce-overhead's
+#               CUDA graphs), and patched alone; E2E_COMPILE_VARIANTS overrides the non-default ones (<gpu>_e2e_compile.md)
 #   lce         bench_cross_entropy --only linear_cross_entropy: the fused linear CE beside its peers (<gpu>_lce.md)
 #   losses      bench_losses: DPO, GRPO, JSD fused-linear losses beside eager, TRL's head and Liger (<gpu>_losses.md)
 #   attention   bench_training_attention --write-table: each backend per mask, and hf/attention_table.py's rows
@@ -125,7 +126,8 @@ for s in "$@"; do
                 extras+=("$T/e2e_base/e2e.json ${GPU}_e2e_base.json")
             fi ;;
         e2e-compile)
-            step e2e-compile 420 python3 benchmarks/bench_e2e.py --out "$T/e2e_compile" --variants tigon --compile \
+            step e2e-compile 420 python3 benchmarks/bench_e2e.py --out "$T/e2e_compile" \
+                --variants "${E2E_COMPILE_VARIANTS:-tigon,tigon_compile_graphs}" --compile \
                 >>"$LOG" 2>&1
             keep "$T/e2e_compile/e2e.md" "${GPU}_e2e_compile.md" ;;
         lce) mkdir -p "$T/lce"
