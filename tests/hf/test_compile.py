@@ -12,6 +12,7 @@ Each result must be within 2x the error of the eager patched model against an fp
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -200,6 +201,8 @@ def test_compiled_patched_mlp_is_the_one_node_op(partition):
     assert len(nodes(backward, torch.ops.tigon.glu_bwd_and_y.default)) == layers  # the backward recomputes it
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the mask function's name is read from __code__.co_qualname "
+                    "(Python >= 3.11); on 3.10 a compiled forward keeps HF's dense mask")
 def test_compiled_patched_model_attends_causally_without_a_mask():
     """Compiled, HF's own mask builder materializes the causal [B, 1, T, T] mask (transformers skips it only when
     not tracing), which takes SDPA's causal tile skipping away: on the H200 the 1.5B step's attention took 67 ms

@@ -6,6 +6,8 @@ against attention_reference in fp64 on the same inputs. In fp32 a softmax row is
 two GEMMs sum over D = 16 and T: sum_ulps(40) = 8 sqrt(40) = 51 units of roundoff, so ulps = 64.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -54,6 +56,8 @@ def test_training_mask_reads_hfs_causal_window_and_packed_functions():
     assert ta.training_mask(mask_function=mu.sliding_window_causal_mask_function(t), q_length=t, kv_length=t) is None
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the mask function's name is read from __code__.co_qualname "
+                    "(Python >= 3.11); on 3.10 a compiled forward keeps HF's dense mask")
 @pytest.mark.parametrize("case", ["causal", "packed", "sliding", "packed+sliding"])
 def test_training_mask_reads_the_same_while_dynamo_traces(case):
     """A compiled forward builds its masks inside the trace: there it must read HF's mask functions as in eager
