@@ -266,57 +266,31 @@ def _bench_cpu(fn, restore, *, min_rep, max_rep, rep_ms, warmup) -> dict:
     return {"ms": ms, "min_ms": min(ts), "n": n, "spread_pct": 0.0, "cpu_us": 1e3 * ms, "spin_ms": 0.0}
 
 
-def peak_mib(ctx: Context, fn: Callable, restore=(), notes: dict | None = None) -> float | None:
+def peak_mib(ctx: Context, fn: Callable, restore=()) -> float | None:
     """Peak allocated memory above the pre-call baseline during one call (MiB); None on a CPU. Tigon's workspace
     arena is released first, so the scratch its kernels borrow during the call counts (it persists between calls,
-    and left in place it would sit in the baseline). Where the call borrowed without allocating (the arena's
-    memory was still in the baseline), its borrowed peak is added: `arena_uncounted`. `notes` (a row) gets the
-    arena's own record of the call: what the release gave back, its peak in use, whether it grew."""
+    and left in place it would sit in the baseline)."""
     if not ctx.cuda:
         return None
     _restore(restore)
     torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated()
-    ws = _release_workspace(ctx.device)
+    _release_workspace(ctx.device)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    before = ws.stats() if ws is not None else None
-    if ws is not None:
-        ws.reset_peak()
     out = fn()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    if ws is not None:
-        after = ws.stats()
-        peak += arena_uncounted(before, after)
-        if notes is not None:
-            notes.update(arena_released_MiB=(held - base) / 2**20,
-                         arena_peak_MiB=after["peak_in_use_bytes"] / 2**20,
-                         arena_grew=after["grows"] > before["grows"])
     del out
     return peak / 2**20
 
 
-def arena_uncounted(before: dict, after: dict) -> int:
-    """Bytes the arena lent during a call that the allocator's peak did not see: its peak in use when the call
-    borrowed without growing (the loans came from memory allocated before the baseline), else 0 (a grow
-    allocates, and the allocator counts that block). Measured rows of the fused linear CE equalled dW + dh to the
-    MiB in every shape and chunk size: its chunk of logits was missing."""
-    if after["loans"] == before["loans"] or after["grows"] > before["grows"]:
-        return 0
-    return after["peak_in_use_bytes"]
-
-
-def _release_workspace(device):
-    """Drop Tigon's arena on `device` and return it (None for a tree without one)."""
+def _release_workspace(device) -> None:
     try:
         from tigon.ops._workspace import workspace
     except ImportError:  # a baseline tree without the arena
-        return None
-    ws = workspace(device)
-    ws.release()
+        return
+    workspace(device).release()
     torch.cuda.empty_cache()
-    return ws
 
 
 def relerr(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -440,10 +414,7 @@ def _measure_one(ctx, row, factory, *, bytes_fwd, bytes_fb, flops_fb, floor_us, 
     if ctx.cuda and ctx.remaining() > 0:
         if do_fwd:
             row["fwd_peak_MiB"] = peak_mib(ctx, fwd, rs)
-        arena: dict = {}
-        row["fb_peak_MiB"] = peak_mib(ctx, fb, rs, arena)
-        if arena.get("arena_peak_MiB"):
-            row["fb_arena"] = arena
+        row["fb_peak_MiB"] = peak_mib(ctx, fb, rs)
 
 
 def record_floor(ctx: Context, op: str, case: str, gemms: dict, flops_fb: float, group=None, x=None,

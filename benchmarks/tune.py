@@ -137,12 +137,7 @@ def tune_flce(ctx):
                 m.linear_cross_entropy(h, w, t, accum_dtype=accum, config=cfg), (h, w))
             try:
                 ms = H.bench(ctx, fn, min_rep=3, max_rep=4, rep_ms=100.0, passes=1)["ms"]
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                fn()
-                torch.cuda.synchronize()
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                peak = H.peak_mib(ctx, fn)  # the arena released first: the chunk it lends counts
                 row = dict(chunk_mib=chunk_mib, accum=str(accum), fb_ms=ms, peak_mib=peak)
             except Exception as e:
                 row = dict(chunk_mib=chunk_mib, accum=str(accum), error=H.short_error(e))
