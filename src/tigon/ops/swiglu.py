@@ -226,17 +226,27 @@ def glu_bwd(
     dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], act: int, config: Optional[list[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dgate, dup), or (d gate_up [M, 2I], empty) when up is None."""
+    return _bwd_out_of_place(dy, gate, up, act, config=config)
+
+
+def _new_grads(gate, up):
+    """Fresh (dgate, dup) in gate's and up's shapes; dup empty when up is None (dgate is then d gate_up)."""
     dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device) if up is not None else gate.new_empty(0)
+    return dgate, (torch.empty(up.shape, dtype=up.dtype, device=up.device) if up is not None else gate.new_empty(0))
+
+
+def _bwd_out_of_place(dy, gate, up, act, y=None, config=None):
+    """The backward pass into new (dgate, dup), and act(gate) * up into y when given."""
+    dgate, dup = _new_grads(gate, up)
     g, u = _halves(gate, up)
     dg, du = _halves(dgate, dup if up is not None else None)
-    _launch_bwd(_unit_stride(dy), g, u, dg, du, act, config=config)
+    _launch_bwd(_unit_stride(dy), g, u, dg, du, act, y=y, config=config)
     return dgate, dup
 
 
 @glu_bwd.register_fake
 def _(dy, gate, up, act, config=None):
-    return gate.new_empty(gate.shape), (up.new_empty(up.shape) if up is not None else gate.new_empty(0))
+    return _new_grads(gate, up)
 
 
 @torch.library.custom_op("tigon::glu_bwd_inplace", mutates_args=("gate", "up"))
@@ -272,19 +282,13 @@ def glu_bwd_and_y(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tenso
     when up is None and dgate is d gate_up). One op, not glu_fwd then glu_bwd: a compiler would merge that
     glu_fwd with the forward's (common subexpressions) and, not recomputing custom ops, keep y from the
     forward, the [tokens, I] activation the fused MLP exists to drop."""
-    g, u = _halves(gate, up)
-    y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device) if up is not None else gate.new_empty(0)
-    dg, du = _halves(dgate, dup if up is not None else None)
-    _launch_bwd(_unit_stride(dy), g, u, dg, du, act, y=y)
-    return y, dgate, dup
+    y = torch.empty(_halves(gate, up)[0].shape, dtype=gate.dtype, device=gate.device)
+    return (y, *_bwd_out_of_place(dy, gate, up, act, y=y))
 
 
 @glu_bwd_and_y.register_fake
 def _(dy, gate, up, act):
-    y = gate.new_empty(_halves(gate, up)[0].shape)
-    return y, gate.new_empty(gate.shape), (up.new_empty(up.shape) if up is not None else gate.new_empty(0))
+    return (gate.new_empty(_halves(gate, up)[0].shape), *_new_grads(gate, up))
 
 
 def _rows_disjoint(t):
