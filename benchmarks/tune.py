@@ -124,26 +124,46 @@ def tune_ce(ctx):
 
 
 def tune_flce(ctx):
+    """Chunk size against time and peak at two lm_head shapes (the 8B head and the 1.5B e2e model's head), and
+    the kernel time by kind at the default chunk: how much of the step the dW read-modify-write costs."""
     m = importlib.import_module("tigon.ops.linear_cross_entropy")
     g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(16384, 4096, device="cuda", generator=g).to(BF16).requires_grad_()
-    w = (0.02 * torch.randn(128256, 4096, device="cuda", generator=g)).to(BF16).requires_grad_()
-    t = torch.randint(0, 128256, (16384,), device="cuda", generator=g)
     rows = []
-    for chunk_mib in (96, 128, 192, 256):
-        for accum in (None,):
+    for H_ in (4096, 2048):
+        h = torch.randn(16384, H_, device="cuda", generator=g).to(BF16).requires_grad_()
+        w = (0.02 * torch.randn(128256, H_, device="cuda", generator=g)).to(BF16).requires_grad_()
+        t = torch.randint(0, 128256, (16384,), device="cuda", generator=g)
+        for chunk_mib in (128, 192, 256, 384, 512):
             cfg = LinearCrossEntropyConfig(chunk_bytes=chunk_mib << 20)
-            fn = lambda accum=accum, cfg=cfg: torch.autograd.grad(
-                m.linear_cross_entropy(h, w, t, accum_dtype=accum, config=cfg), (h, w))
+            fn = lambda cfg=cfg: torch.autograd.grad(m.linear_cross_entropy(h, w, t, config=cfg), (h, w))
             try:
                 ms = H.bench(ctx, fn, min_rep=3, max_rep=4, rep_ms=100.0, passes=1)["ms"]
                 peak = H.peak_mib(ctx, fn)  # the arena released first: the chunk it lends counts
-                row = dict(chunk_mib=chunk_mib, accum=str(accum), fb_ms=ms, peak_mib=peak)
+                row = dict(hidden=H_, chunk_mib=chunk_mib, fb_ms=ms, peak_mib=peak)
+                if chunk_mib == 128:
+                    row["kernels_ms"] = _kernel_buckets(fn)
             except Exception as e:
-                row = dict(chunk_mib=chunk_mib, accum=str(accum), error=H.short_error(e))
+                row = dict(hidden=H_, chunk_mib=chunk_mib, error=H.short_error(e))
             rows.append(row)
             print(json.dumps(row), flush=True)
+        del h, w, t
     return {"flce": rows}
+
+
+def _kernel_buckets(fn):
+    """GPU time of one call of fn by kernel, in ms, the 12 largest kernels by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    tot = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            tot[e.name[:80]] = tot.get(e.name[:80], 0.0) + e.device_time / 1e3
+    return dict(sorted(tot.items(), key=lambda kv: -kv[1])[:12])
 
 
 def host_profile(ctx):
