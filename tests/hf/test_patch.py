@@ -164,6 +164,29 @@ def test_num_items_in_batch_gradient_accumulation_equals_full_batch():
     _close(g_acc, g_full, "accumulated grad")
 
 
+def test_completion_only_labels_run_the_loss_gemms_on_the_kept_rows(monkeypatch):
+    """Prompt tokens labelled -100 (completion-only SFT) cost the patched model's loss nothing: its fused loss
+    drops them before the lm_head GEMMs, with the loss and gradients of the unpatched model."""
+    ref = tiny_model("llama", num_hidden_layers=1)
+    model = copy.deepcopy(ref)
+    tigon.patch(model)
+    ref.train(), model.train()
+    ids, labels = batch(b=3, t=9)
+    labels[:, :5] = -100  # the prompt
+    kept = int((labels[:, 1:] != -100).sum())
+    flce = importlib.import_module("tigon.ops.linear_cross_entropy")
+    rows, launch = [], flce._fwd_launch
+    monkeypatch.setattr(flce, "_fwd_launch", lambda h, *a: rows.append(h.shape[0]) or launch(h, *a))
+    loss = model(ids, labels=labels).loss
+    loss_ref = ref(ids, labels=labels).loss
+    assert rows == [kept] and kept < ids.numel()
+    _close(loss, loss_ref, "loss")
+    names = [n for n, _ in model.named_parameters()]
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    for name, g, g_ref in zip(names, grads, torch.autograd.grad(loss_ref, list(ref.parameters()))):
+        _close(g, g_ref, name)
+
+
 def test_logits_to_keep_and_shift_labels_follow_hf():
     ref = tiny_model("llama", num_hidden_layers=1)
     model = copy.deepcopy(ref)

@@ -305,6 +305,66 @@ def test_frozen_lm_head_runs_no_weight_gemm(device, monkeypatch, frozen):
     assert made == [[(N, Hd), (0,) if "weight" in frozen else (V, Hd), (0,) if "bias" in frozen else (V,)]]
 
 
+@pytest.mark.parametrize("opts,reduction", OPTIONS)
+def test_skip_ignored_drops_the_ignored_rows_from_the_gemms(device, opts, reduction):
+    """skip_ignored=True: the GEMMs see only the 7 kept rows of 13 (two chunks of <= 4), and the loss and every
+    gradient stay within the fp32 error model of the fp64 reference over all rows; an ignored row's loss (reduction
+    "none") is 0 and its dhidden row zeros, as without skipping."""
+    N, Hd, V, chunk = 13, 8, 37, 4
+    ins = _inputs(N, Hd, V, torch.float32, device, bias=True, seed=31)
+    t = _targets(N, V, device, n_ignored=6)
+    rows = reduction == "none" and opts.get("num_items_in_batch") is None
+    go = torch.rand(t.shape if rows else (), device=device) + 0.5
+    got = []
+    shapes = _gemm_inputs(lambda: got.append(_run(
+        lambda h, w, t, b, **k: ops.linear_cross_entropy(h, w, t, b, _chunk_rows=chunk, skip_ignored=True, **k),
+        ins, t, go, reduction=reduction, **opts)))
+    loss, grads = got[0]
+    (loss_ref, loss_tol), refs, tols = _model(ins, t, go, reduction=reduction, **opts)
+    assert_tol("loss", loss, loss_ref, loss_tol)
+    _assert_grads("skip_ignored", grads, refs, tols)
+    ignored = t == -100
+    assert torch.equal(grads[0][ignored], torch.zeros_like(grads[0][ignored]))
+    if loss.dim():
+        assert loss.shape == t.shape and torch.equal(loss[ignored], torch.zeros_like(loss[ignored]))
+    logits_gemms = [s for s in shapes if s[1] == Hd]
+    # 7 kept rows in two chunks, never 13 (reduction "none" redoes the chunks in its backward)
+    assert sorted(r for r, _ in logits_gemms) == sorted([3, 4] * (2 if rows else 1)), shapes
+
+
+def test_skip_ignored_keeps_every_row_when_few_or_all_are_ignored(device):
+    """Fewer than 1/64 of the rows ignored: nothing is dropped (the gather would cost more than it saves), the bits
+    equal skip_ignored=False; every row ignored: the same NaN mean and zero gradients as without skipping; a
+    non-bool is refused by name. Inert under torch.compile (test_compile_aot_eager_skip_ignored)."""
+    h, w, _ = _inputs(70, 8, 21, torch.float32, device, seed=32)
+    t = _targets(70, 21, device, n_ignored=1)
+    a = [_run(lambda h, w, t, b: ops.linear_cross_entropy(h, w, t, _chunk_rows=16), (h, w, None), t, torch.tensor(1.))]
+    shapes = _gemm_inputs(lambda: a.append(_run(
+        lambda h, w, t, b: ops.linear_cross_entropy(h, w, t, _chunk_rows=16, skip_ignored=True),
+        (h, w, None), t, torch.tensor(1.))))
+    (l0, g0), (l1, g1) = a
+    assert torch.equal(l0, l1) and all(torch.equal(x, y) for x, y in zip(g0[:2], g1[:2]))
+    assert sum(s[0] for s in shapes if s[1] == 8) == 70
+    t_ign = torch.full_like(t, -100)
+    loss = ops.linear_cross_entropy(h, w, t_ign, skip_ignored=True)
+    assert torch.isnan(loss)
+    dh, dw = torch.autograd.grad(loss, [h, w])
+    assert torch.equal(dh, torch.zeros_like(dh)) and torch.equal(dw, torch.zeros_like(dw))
+    with pytest.raises(TypeError, match="linear_cross_entropy: skip_ignored must be a bool"):
+        ops.linear_cross_entropy(h, w, t, skip_ignored=1)
+
+
+def test_compile_aot_eager_skip_ignored(device):
+    """Under fullgraph compile skip_ignored reads no data (no sync, no data-dependent shape): every row runs."""
+    h, w, _ = _inputs(9, 8, 30, torch.float32, device, seed=33)
+    t = _targets(9, 30, device, n_ignored=4)
+    fn = torch.compile(lambda h, w, t: ops.linear_cross_entropy(h, w, t, skip_ignored=True, _chunk_rows=4),
+                       backend="aot_eager", fullgraph=True)
+    fn(h, w, t).backward()
+    _, refs, tols = _model((h, w, None), t, torch.tensor(1.0, device=device))
+    _assert_grads("compiled", [h.grad, w.grad, None], refs, tols)
+
+
 def _dw_partials(h, w, t, chunk):
     """fp64 partial sums S_i = sum_{j <= i} g_j^T h_j of dW over the chunks, from the chunks' own logits gradient
     (each chunk's GEMM and the row kernel, reduction "sum": a row's gradient does not depend on the chunking)."""

@@ -208,7 +208,7 @@ def fused_causal_lm_forward(
     loss = lm_head_loss(
         linear, hidden, shift_labels.to(hidden.device), ignore_index=IGNORE_INDEX,
         softcap=getattr(self.config, "final_logit_softcapping", None),
-        num_items_in_batch=kwargs.get("num_items_in_batch"),
+        num_items_in_batch=kwargs.get("num_items_in_batch"), skip_ignored=True,
     )
     common = dict(past_key_values=outputs.past_key_values, hidden_states=getattr(outputs, "hidden_states", None),
                   attentions=getattr(outputs, "attentions", None))

@@ -271,9 +271,26 @@ def _autocast(op, hidden, weight, bias):
     return hidden
 
 
+def _kept_rows(target, ignore_index):
+    """Indices of the rows whose target is not ignore_index, when dropping the others pays; else None.
+
+    One host sync (the count sets the GEMM shapes), so never while tracing or capturing a CUDA graph, where a
+    shape must not depend on data. Dropping pays when at least 1/64 of the rows go: each dropped row saves its
+    share of three [rows, V] x [V, H] GEMMs; the gather of the kept rows and the scatter of their gradient cost
+    a pass over [N, H] (at V = 128256 on an H200 the break-even is ~0.1% of the rows dropped)."""
+    if torch.compiler.is_compiling() or (target.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    t = target.reshape(-1)
+    keep = (t != ignore_index).nonzero().squeeze(1)
+    dropped = t.numel() - keep.numel()
+    if keep.numel() == 0 or dropped * 64 < t.numel():
+        return None
+    return keep
+
+
 def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, z_loss_scale=0.0, softcap=None, num_items_in_batch=None,
-                         accum_dtype=None, config=None, _chunk_rows=0):
+                         accum_dtype=None, skip_ignored=False, config=None, _chunk_rows=0):
     """cross_entropy(hidden @ weight.T + bias, target) without materializing the logits.
 
     hidden [..., H], weight [V, H] (the lm_head), bias [V] or None, all one float dtype (under autocast the
@@ -283,9 +300,11 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     like Liger) or in fp32 with accum_dtype=torch.float32 (a transient fp32 [V, H]). Extra memory: the
     gradients plus one chunk of logits (config: a `LinearCrossEntropyConfig`, the chunking; None: 128 MiB of
     logits). A frozen weight or bias (requires_grad False: LoRA, QLoRA) gets no gradient and costs no GEMM or
-    buffer. Rows whose target is ignore_index still go through the GEMMs (their gradient rows are zeros): which
-    rows they are is known only on the device, and skipping them would take a host sync. Never syncs the host on
-    CUDA. No double backward: a backward with create_graph=True raises NotImplementedError.
+    buffer. Rows whose target is ignore_index go through the GEMMs (their gradient rows are zeros) unless
+    skip_ignored=True, which drops them first when at least 1/64 of the rows are ignored (completion-only SFT,
+    padding): the GEMMs then run on the kept rows only, at the cost of one host sync to count them. skip_ignored
+    is inert while tracing or capturing a CUDA graph. Otherwise never syncs the host on CUDA. No double backward:
+    a backward with create_graph=True raises NotImplementedError.
     """
     op, name = "linear_cross_entropy", "tigon.ops.linear_cross_entropy"
     _validate(name, hidden, weight, target, bias, accum_dtype)
@@ -297,6 +316,18 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     hidden = _autocast(name, hidden, weight, bias)
     V = weight.shape[0]
     check_target(name, target, V, ignore_index)
+    if not isinstance(skip_ignored, bool):
+        raise TypeError(f"{name}: skip_ignored must be a bool, got {type(skip_ignored).__name__}")
+    keep = _kept_rows(target, ignore_index) if skip_ignored else None
+    if keep is not None:  # the same op on the kept rows; an ignored row's loss is 0 and its gradient zeros
+        loss = linear_cross_entropy(
+            _launch.as_rows(hidden).index_select(0, keep), weight, target.reshape(-1).index_select(0, keep),
+            bias, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            z_loss_scale=z_loss_scale, softcap=softcap, num_items_in_batch=num_items_in_batch,
+            accum_dtype=accum_dtype, config=config, _chunk_rows=_chunk_rows)
+        if loss.dim() == 0:
+            return loss
+        return loss.new_zeros(target.numel()).index_copy(0, keep, loss).view(target.shape)
     if not _library.use_kernels(op, hidden):
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.detach()  # a count: no gradient, as on the kernel path
