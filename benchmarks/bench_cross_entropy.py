@@ -12,6 +12,8 @@ Liger takes it) and cut_cross_entropy.linear_cross_entropy (defaults).
 Models: CE reads the logits once (fwd, n bytes) and writes dlogits in bf16 (fwd+bwd 2n). FLCE is three
 GEMMs of 2 * BT * H * V FLOP each (logits, dh, dW); its floor is those three bf16 GEMMs timed in this run.
 Errors: CE against fp64; FLCE (loss, dh, dW) against an fp32 reference computed chunk by chunk.
+flce_completion_only: the 8B head with the first half of every 2048-token sequence labelled -100 (completion-only
+SFT); tigon with and without skip_ignored=True; its floor is the three GEMMs over the labelled rows.
 """
 
 import _harness as H
@@ -100,31 +102,35 @@ def flce_reference(h, w, t, chunk=2048):
     """fp32 loss, dh, dW of mean cross_entropy(h @ w.T, t), chunked over rows so the fp32 logits of a
     262k vocabulary never exist whole (same math as reference.linear_cross_entropy under autograd)."""
     hf, wf = h.detach().float(), w.detach().float()
-    n = t.numel()
+    keep = (t != -100).float()
+    n = keep.sum()
     loss = torch.zeros((), device=h.device, dtype=torch.float64)
     dh = torch.empty_like(hf)
     dw = torch.zeros_like(wf)
-    for s in range(0, n, chunk):
+    for s in range(0, t.numel(), chunk):
         lg = hf[s:s + chunk] @ wf.t()
-        ts = t[s:s + chunk]
+        ts, ks = t[s:s + chunk].clamp(min=0), keep[s:s + chunk]
         lse = torch.logsumexp(lg, dim=-1)
-        loss += (lse - lg.gather(1, ts[:, None]).squeeze(1)).double().sum()
+        loss += ((lse - lg.gather(1, ts[:, None]).squeeze(1)) * ks).double().sum()
         p = torch.exp_(lg.sub_(lse[:, None]))
         p[torch.arange(p.shape[0], device=p.device), ts] -= 1.0
-        p /= n
+        p *= (ks / n)[:, None]
         dh[s:s + chunk] = p @ wf
         dw.addmm_(p.t(), hf[s:s + chunk])
         del lg, p
     return (loss / n).float(), dh, dw
 
 
-def flce_providers(ctx, h, w, tgt, *, variants=True, compiled_fn=None):
+def flce_providers(ctx, h, w, tgt, *, variants=True, compiled_fn=None, skip_ignored=False):
     from tigon import ops
 
     inputs = (h, w)
 
     def tigon():
         return Call(lambda: ops.linear_cross_entropy(h, w, tgt), inputs)
+
+    def tigon_skip():
+        return Call(lambda: ops.linear_cross_entropy(h, w, tgt, skip_ignored=True), inputs)
 
     def tigon_fp32():
         f = H.with_kwargs(ops.linear_cross_entropy, "tigon linear_cross_entropy", accum_dtype=torch.float32)
@@ -158,6 +164,8 @@ def flce_providers(ctx, h, w, tgt, *, variants=True, compiled_fn=None):
         return Call(lambda: fn(h, w, tgt), inputs)
 
     provs = [("tigon", tigon)]
+    if skip_ignored:
+        provs.append(("tigon skip_ignored=True", tigon_skip))
     if variants:
         provs.append(("tigon accum_dtype=fp32", tigon_fp32))
         provs.append(("tigon chunk_bytes=192 MiB", tigon_chunk(192)))
@@ -202,28 +210,44 @@ def _floor(ctx, op, case, h, w, flops, group=None, x=None, min_rep=10):
     return floor
 
 
-def _flce_case(ctx, bt, hid, v, seed, label, *, full, compiled_fn=None):
+def _flce_case(ctx, bt, hid, v, seed, label, *, full, compiled_fn=None, prompt_share=0.0):
+    """prompt_share > 0: that share of every 2048-token sequence (its start, the prompt) is labelled -100, as in
+    completion-only SFT; the floor is then the three GEMMs over the labelled rows only, and tigon also runs with
+    skip_ignored=True."""
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     h, w, tgt = _flce_inputs(ctx, bt, hid, v, seed)
+    seq = min(2048, bt)
+    tgt.view(-1, seq)[:, : int(seq * prompt_share)] = -100
     loss_r, dh_r, dw_r = flce_reference(h, w, tgt)
     H.free(ctx)
 
     def check(outs, grads):
         return H.errors(("loss", "dh", "dW"), [outs[0], grads[0], grads[1]], [loss_r, dh_r, dw_r])
 
-    flops = 3 * 2 * bt * hid * v
+    kept = int((tgt != -100).sum())
+    flops = 3 * 2 * kept * hid * v
     case = f"h [{bt}, {hid}], W [{v}, {hid}] bf16, mean ({label})"
-    floor = _floor(ctx, "linear_cross_entropy", case, h, w, flops) if ctx.cuda else None
-    H.measure(ctx, "linear_cross_entropy", case, flce_providers(ctx, h, w, tgt, compiled_fn=compiled_fn),
+    floor = _floor(ctx, "linear_cross_entropy", case, h[:kept], w, flops) if ctx.cuda else None
+    what = "the 3 bf16 GEMMs timed here" + (f" on the {kept} labelled rows" if kept < bt else "")
+    H.measure(ctx, "linear_cross_entropy", case,
+              flce_providers(ctx, h, w, tgt, compiled_fn=compiled_fn, variants=not prompt_share,
+                             skip_ignored=bool(prompt_share)),
               flops_fb=flops, floor_us=floor,
               check=check, do_fwd=full, host_column=full, min_rep=10, host_min_rep=4,
               rep_ms=400.0, need_s=25.0,
-              extra={"model": f"3 GEMMs, {flops / 1e12:.2f} TFLOP; floor = the 3 bf16 GEMMs timed here"})
+              extra={"model": f"3 GEMMs, {flops / 1e12:.2f} TFLOP; floor = {what}"})
 
 
 def run_linear_cross_entropy(ctx):
     s = FLCE_QUICK if ctx.quick else FLCE
     _flce_case(ctx, s["BT"], s["H"], s["V"], 6, "Llama-3-8B head", full=True)
+
+
+def run_flce_completion_only(ctx):
+    """The Llama-3-8B head with the first half of every 2048-token sequence labelled -100."""
+    s = FLCE_QUICK if ctx.quick else FLCE
+    _flce_case(ctx, s["BT"], s["H"], s["V"], 6, "Llama-3-8B head, the first half of each sequence labelled -100",
+               full=False, prompt_share=0.5)
 
 
 def run_flce_heads(ctx):
@@ -265,6 +289,7 @@ def run_flce_token_sweep(ctx):
 SECTIONS = {
     "cross_entropy": run_cross_entropy,
     "linear_cross_entropy": run_linear_cross_entropy,
+    "flce_completion_only": run_flce_completion_only,
     "flce_heads": run_flce_heads,
     "flce_token_sweep": run_flce_token_sweep,
 }

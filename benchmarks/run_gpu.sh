@@ -17,7 +17,8 @@
 #               gemma2) (<gpu>_e2e.md, <gpu>_e2e.json)
 #   e2e-compile bench_e2e --compile: torch.compile over HF, over a patched model (default mode and reduce-overhead's
 #               CUDA graphs), and patched alone; E2E_COMPILE_VARIANTS overrides the non-default ones (<gpu>_e2e_compile.md)
-#   lce         bench_cross_entropy --only linear_cross_entropy: the fused linear CE beside its peers (<gpu>_lce.md)
+#   lce         bench_cross_entropy --only linear_cross_entropy,flce_completion_only: the fused linear CE beside its
+#               peers, all rows labelled and half of them -100 (<gpu>_lce.md)
 #   losses      bench_losses: DPO, GRPO, JSD fused-linear losses beside eager, TRL's head and Liger (<gpu>_losses.md)
 #   attention   bench_training_attention --write-table: each backend per mask, and hf/attention_table.py's rows
 #               (<gpu>_attention.md)
@@ -131,7 +132,7 @@ for s in "$@"; do
                 >>"$LOG" 2>&1
             keep "$T/e2e_compile/e2e.md" "${GPU}_e2e_compile.md" ;;
         lce) mkdir -p "$T/lce"
-             step lce 200 python3 benchmarks/bench_cross_entropy.py --only linear_cross_entropy --budget 190 \
+             step lce 300 python3 benchmarks/bench_cross_entropy.py --only linear_cross_entropy,flce_completion_only --budget 290 \
                  --json "$T/lce/lce.json" >"$T/lce/lce.md" 2>>"$LOG"
              keep "$T/lce/lce.md" "${GPU}_lce.md" ;;
         losses) step losses 300 python3 benchmarks/bench_losses.py --out "$T/losses" --budget 290 >>"$LOG" 2>&1
