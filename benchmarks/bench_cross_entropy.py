@@ -3,8 +3,8 @@ W [128256, 4096] bf16 (Llama-3-8B's head), plus Qwen-2.5-7B's (V 151936, H 3584)
 (V 262144, H 2304) heads, and a token sweep 1k..64k. Mean reduction, targets uniform over the vocabulary,
 no ignored token; the lm_head weight has std 0.02 (HF's init).
 
-Providers: tigon (also with inplace_backward=True for CE, accum_dtype=torch.float32 and 192 MiB chunks
-(LinearCrossEntropyConfig(chunk_bytes=192 << 20): the largest inside 1.3 GiB at Llama-3-8B) for FLCE), eager
+Providers: tigon (also with inplace_backward=True for CE, accum_dtype=torch.float32 and 128 MiB chunks
+(LinearCrossEntropyConfig(chunk_bytes=128 << 20), the default before 192 MiB) for FLCE), eager
 (HF's path: logits.float() then F.cross_entropy), torch.compile of it, Liger (LigerCrossEntropyLoss with
 bf16 and with fp32-upcast logits; LigerFusedLinearCrossEntropyLoss, also with accum_dtype=fp32 where this
 Liger takes it) and cut_cross_entropy.linear_cross_entropy (defaults).
@@ -168,7 +168,7 @@ def flce_providers(ctx, h, w, tgt, *, variants=True, compiled_fn=None, skip_igno
         provs.append(("tigon skip_ignored=True", tigon_skip))
     if variants:
         provs.append(("tigon accum_dtype=fp32", tigon_fp32))
-        provs.append(("tigon chunk_bytes=192 MiB", tigon_chunk(192)))
+        provs.append(("tigon chunk_bytes=128 MiB", tigon_chunk(128)))
     provs += [("eager", eager), ("torch.compile", compiled), ("liger", _liger)]
     if variants:
         provs.append(("liger accum_dtype=fp32", lambda: _liger(accum_dtype=torch.float32)))

@@ -162,8 +162,15 @@ def run_variant(variant, config_name="llama", batch=8, seq=2048, ckpt=False, ste
         if "OutOfMemoryError" in p.stderr or "out of memory" in p.stderr:
             batch //= 2
             continue
-        return dict(variant=variant, config=config_name, ckpt=ckpt, error=p.stderr.strip().splitlines()[-3:])
+        return dict(variant=variant, config=config_name, ckpt=ckpt, error=_error_lines(p.stderr))
     return dict(variant=variant, config=config_name, ckpt=ckpt, error="OOM at batch 1")
+
+
+def _error_lines(stderr):
+    """The exception's own line (the last one naming an Error) and the last three lines of a child's stderr."""
+    lines = stderr.strip().splitlines()
+    named = [ln for ln in lines if "Error" in ln][-1:]
+    return named + [ln for ln in lines[-3:] if ln not in named]
 
 
 def _run_longest(variant, cap, timeout=400):
@@ -177,7 +184,7 @@ def _run_longest(variant, cap, timeout=400):
             r = json.loads(line[7:])
             print(f"longest {variant}: {r['longest_seq']} (first OOM {r['first_oom']})", flush=True)
             return r
-    return dict(variant=variant, error=p.stderr.strip().splitlines()[-3:])
+    return dict(variant=variant, error=_error_lines(p.stderr))
 
 
 def table(results):

@@ -111,39 +111,51 @@ def tune_glu(ctx):
 
 
 def tune_ce(ctx):
+    """The row kernel at the CE op's shape [4096, 128256] and at the fused linear CE's chunks (768 rows of the
+    8B head's vocabulary, 1024 of Gemma-3's): tile, warps, L2 hints, prefetch."""
     m = importlib.import_module("tigon.ops.cross_entropy")
     g = torch.Generator(device="cuda").manual_seed(0)
-    logits = torch.randn(4096, 128256, device="cuda", generator=g).to(BF16).requires_grad_()
-    target = torch.randint(0, 128256, (4096,), device="cuda", generator=g)
-    def make(c):
-        f = lambda: m.cross_entropy(logits, target, config=c)
-        return f, _fb(f, (logits,), (None,))
+    out = {}
+    shapes = {"cross_entropy": ((4096, 128256), {"block_v": [8192, 16384, 32768], "num_warps": [16, 32],
+                                                 "l2_hints": [True, False], "prefetch": [False, True]}),
+              "chunk 768 x 128256": ((768, 128256), {"block_v": [8192, 16384], "num_warps": [8, 16],
+                                                     "prefetch": [False, True]}),
+              "chunk 1024 x 262144": ((1024, 262144), {"block_v": [8192], "num_warps": [16],
+                                                       "prefetch": [False, True]})}
+    for name, (shape, grid) in shapes.items():
+        logits = torch.randn(*shape, device="cuda", generator=g).to(BF16).requires_grad_()
+        target = torch.randint(0, shape[1], (shape[0],), device="cuda", generator=g)
 
-    return {"cross_entropy": sweep(ctx, CrossEntropyConfig, {"block_v": [8192, 16384, 32768], "num_warps": [16, 32],
-                                                             "l2_hints": [True, False]}, make)}
+        def make(c, logits=logits, target=target):
+            f = lambda: m.cross_entropy(logits, target, config=c)
+            return f, _fb(f, (logits,), (None,))
+
+        out[name] = sweep(ctx, CrossEntropyConfig, grid, make)
+        del logits
+    return out
 
 
 def tune_flce(ctx):
-    """Chunk size against time and peak at two lm_head shapes (the 8B head and the 1.5B e2e model's head), and
-    the kernel time by kind at the default chunk: how much of the step the dW read-modify-write costs."""
+    """Chunk size against time and peak at three lm_head shapes (Llama-3-8B's, the 1.5B e2e model's, Gemma-3's),
+    and the kernel time by name at the default chunk: how much the dW read-modify-write costs."""
     m = importlib.import_module("tigon.ops.linear_cross_entropy")
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for H_ in (4096, 2048):
+    for H_, V_ in ((4096, 128256), (2048, 128256), (2304, 262144)):
         h = torch.randn(16384, H_, device="cuda", generator=g).to(BF16).requires_grad_()
-        w = (0.02 * torch.randn(128256, H_, device="cuda", generator=g)).to(BF16).requires_grad_()
-        t = torch.randint(0, 128256, (16384,), device="cuda", generator=g)
+        w = (0.02 * torch.randn(V_, H_, device="cuda", generator=g)).to(BF16).requires_grad_()
+        t = torch.randint(0, V_, (16384,), device="cuda", generator=g)
         for chunk_mib in (128, 192, 256, 384, 512):
             cfg = LinearCrossEntropyConfig(chunk_bytes=chunk_mib << 20)
             fn = lambda cfg=cfg: torch.autograd.grad(m.linear_cross_entropy(h, w, t, config=cfg), (h, w))
             try:
                 ms = H.bench(ctx, fn, min_rep=3, max_rep=4, rep_ms=100.0, passes=1)["ms"]
                 peak = H.peak_mib(ctx, fn)  # the arena released first: the chunk it lends counts
-                row = dict(hidden=H_, chunk_mib=chunk_mib, fb_ms=ms, peak_mib=peak)
-                if chunk_mib == 128:
+                row = dict(hidden=H_, vocab=V_, chunk_mib=chunk_mib, fb_ms=ms, peak_mib=peak)
+                if chunk_mib == 192:
                     row["kernels_ms"] = _kernel_buckets(fn)
             except Exception as e:
-                row = dict(hidden=H_, chunk_mib=chunk_mib, error=H.short_error(e))
+                row = dict(hidden=H_, vocab=V_, chunk_mib=chunk_mib, error=H.short_error(e))
             rows.append(row)
             print(json.dumps(row), flush=True)
         del h, w, t

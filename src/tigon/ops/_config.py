@@ -97,8 +97,9 @@ class LinearCrossEntropyConfig:
     peak extra = dh (N H b) + dW (V H b) + one chunk (docs/ops/cross_entropy.md has the model and the H200
     sweep)."""
 
-    # 128 MiB: 512 rows at V = 128256 bf16; peak 1.23 GiB at h [16384, 4096], W [128256, 4096]
-    chunk_bytes: int = 128 << 20
+    # 192 MiB: 768 rows at V = 128256 bf16. H200 at h [16384, 4096], W [128256, 4096]: 79.9 ms at a 1.29 GiB peak
+    # against 84.4 ms at 1.23 GiB for 128 MiB (benchmarks/results/h200_tune.json, flce_chunks)
+    chunk_bytes: int = 192 << 20
     chunk_rows: int = 0
 
     def __post_init__(self):
@@ -162,16 +163,18 @@ class GLUConfig:
 @dataclasses.dataclass(frozen=True)
 class CrossEntropyConfig:
     """The launches of `cross_entropy` on a GPU: `block_v` logits a loop step (0: 8192) with `num_warps` (0:
-    block_v / 512, at most 16), programs per SM of the grad_output scaling, and `l2_hints` (evict_last on the
-    first pass over a row, evict_first on the gradient pass). The interpreter always uses 512-wide steps."""
+    block_v / 512, at most 16), programs per SM of the grad_output scaling, `l2_hints` (evict_last on the
+    first pass over a row, evict_first on the gradient pass) and `prefetch` (each pass loads the next tile of
+    the row before reducing the current one). The interpreter always uses 512-wide steps."""
 
     block_v: int = 0
     num_warps: int = 0
     scale_per_sm: int = 4
     l2_hints: bool = True
+    prefetch: bool = False
 
     def __post_init__(self):
         _check_fields(self, powers_of_two=("block_v", "num_warps"), zero_ok=("block_v", "num_warps"),
-                      bools=("l2_hints",))
+                      bools=("l2_hints", "prefetch"))
 
     ints = _ints

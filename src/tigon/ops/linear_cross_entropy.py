@@ -8,6 +8,7 @@ when it is 1). reduction="none" cannot know its per-token grad_output in the for
 the chunks with grad_output folded into the row kernel. Math and cost model: docs/ops/cross_entropy.md.
 """
 
+import contextlib
 import math
 from typing import Optional
 
@@ -92,10 +93,18 @@ def _add_dw(dw, g_t, h_c, first: bool) -> None:
                 dw[v0:v1] += tmp[: v1 - v0]
 
 
+@contextlib.contextmanager
+def _fresh(shape, dtype, device):
+    """A scratch tensor from PyTorch's allocator, as `workspace(...).borrow` lends one from the arena."""
+    yield (torch.empty(shape, dtype=dtype, device=device),)
+
+
 def _chunked(hidden, weight, target, bias, denom, row_scale, ignore_index, label_smoothing, z_loss_scale,
-             softcap, need_dh, need_dw, need_db, accum_fp32, rows_override):
+             softcap, need_dh, need_dw, need_db, accum_fp32, rows_override, arena=True):
     """The chunk loop. Returns (loss rows [N] fp32, dh or None, dw or None, db or None); the gradients are
-    of sum(loss rows * row_scale) / denom (row_scale, denom None: 1)."""
+    of sum(loss rows * row_scale) / denom (row_scale, denom None: 1). The chunk of logits is borrowed from the
+    workspace arena (arena True: eager calls), or allocated for the call (inside a compiled graph: inductor
+    plans the graph's memory, and CUDA-graph trees refuse a block that outlives the graph in their pool)."""
 
     N, H = hidden.shape
     V = weight.shape[0]
@@ -113,7 +122,8 @@ def _chunked(hidden, weight, target, bias, denom, row_scale, ignore_index, label
     bias_c = bias if bias is None or bias.dtype == hidden.dtype else bias.to(hidden.dtype)
     rows = chunk_rows(N, V, hidden.element_size(), rows_override)
     w_t = weight_c.t()
-    with workspace(dev).borrow(((rows, V), hidden.dtype)) as (buf,):
+    scratch = workspace(dev).borrow(((rows, V), hidden.dtype)) if arena else _fresh((rows, V), hidden.dtype, dev)
+    with scratch as (buf,):
         for i, s in enumerate(range(0, N, rows)):
             e = min(N, s + rows)
             logits, h_c = buf[: e - s], hidden[s:e]
@@ -145,14 +155,14 @@ def _empty(t):
 
 
 def _fwd_launch(hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap,
-                reduction, need_dh, need_dw, need_db, accum_fp32, rows_override):
+                reduction, need_dh, need_dw, need_db, accum_fp32, rows_override, arena=True):
     rows_only = reduction == REDUCTIONS["none"] and num_items is None
     denom = denominator(target, ignore_index, reduction, num_items)
     if rows_only:
         need_dh = need_dw = need_db = False  # per-token grad_output comes in backward
     loss_rows, dh, dw, db = _chunked(
         hidden, weight, target, bias, denom, None, ignore_index, label_smoothing, z_loss_scale, softcap,
-        need_dh, need_dw, need_db and bias is not None, accum_fp32, rows_override,
+        need_dh, need_dw, need_db and bias is not None, accum_fp32, rows_override, arena,
     )
     loss = reduce(loss_rows, denom, reduction)
     return (loss, _empty(hidden) if dh is None else dh, _empty(weight) if dw is None else dw,
@@ -164,17 +174,17 @@ def linear_cross_entropy_fwd(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
     num_items: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss_scale: float,
     softcap: float, reduction: int, need_dh: bool, need_dw: bool, need_db: bool, accum_fp32: bool,
-    rows_override: int,
+    rows_override: int, arena: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [N, H], weight [V, H], target [N], bias [V] or None. Returns (loss: [] or [N] fp32, and for
     mean/sum the gradients dh [N, H], dW [V, H], db [V] for grad_output == 1, each empty when not asked)."""
     return _fwd_launch(hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap,
-                       reduction, need_dh, need_dw, need_db, accum_fp32, rows_override)
+                       reduction, need_dh, need_dw, need_db, accum_fp32, rows_override, arena)
 
 
 @linear_cross_entropy_fwd.register_fake
 def _(hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
-      need_dh, need_dw, need_db, accum_fp32, rows_override):
+      need_dh, need_dw, need_db, accum_fp32, rows_override, arena=True):
     rows_only = reduction == REDUCTIONS["none"] and num_items is None
     loss = hidden.new_empty((hidden.shape[0],) if rows_only else (), dtype=torch.float32)
     if rows_only:
@@ -188,13 +198,13 @@ def _(hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_
 def linear_cross_entropy_bwd(
     grad_rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
     bias: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss_scale: float, softcap: float,
-    need_dh: bool, need_dw: bool, need_db: bool, accum_fp32: bool, rows_override: int,
+    need_dh: bool, need_dw: bool, need_db: bool, accum_fp32: bool, rows_override: int, arena: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """reduction="none": recompute each chunk's logits and fold the per-token grad_output [N] into the row
     kernel. Returns (dh, dW, db), each empty when not asked."""
     _, dh, dw, db = _chunked(
         hidden, weight, target, bias, None, grad_rows, ignore_index, label_smoothing, z_loss_scale, softcap,
-        need_dh, need_dw, need_db and bias is not None, accum_fp32, rows_override,
+        need_dh, need_dw, need_db and bias is not None, accum_fp32, rows_override, arena,
     )
     return (_empty(hidden) if dh is None else dh, _empty(weight) if dw is None else dw,
             _empty(weight) if db is None else db)
@@ -202,7 +212,7 @@ def linear_cross_entropy_bwd(
 
 @linear_cross_entropy_bwd.register_fake
 def _(grad_rows, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss_scale, softcap, need_dh,
-      need_dw, need_db, accum_fp32, rows_override):
+      need_dw, need_db, accum_fp32, rows_override, arena=True):
     return (torch.empty_like(hidden) if need_dh else _empty(hidden),
             torch.empty_like(weight) if need_dw else _empty(weight),
             torch.empty_like(bias) if (need_db and bias is not None) else _empty(weight))
@@ -210,7 +220,7 @@ def _(grad_rows, hidden, weight, target, bias, ignore_index, label_smoothing, z_
 
 def _setup(ctx, inputs, output):
     (hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
-     need_dh, need_dw, need_db, accum_fp32, rows_override) = inputs
+     need_dh, need_dw, need_db, accum_fp32, rows_override, *arena) = inputs
     ctx.mark_non_differentiable(*output[1:])
     # The gradient outputs get no gradient: without this, autograd would fill a zero tensor of their size
     # for each (measured on the H200: +1 GiB and +300 us for CE at [4096, 128256]).
@@ -219,7 +229,7 @@ def _setup(ctx, inputs, output):
     if ctx.rows_only:
         ctx.save_for_backward(hidden, weight, target, bias)
         ctx.args = (ignore_index, label_smoothing, z_loss_scale, softcap)
-        ctx.accum_fp32, ctx.rows_override = accum_fp32, rows_override
+        ctx.accum_fp32, ctx.rows_override, ctx.arena = accum_fp32, rows_override, bool(arena[0]) if arena else True
     else:
         ctx.save_for_backward(*(g if n else None for g, n in zip(output[1:], (need_dh, need_dw, need_db))))
 
@@ -230,13 +240,13 @@ def _backward(ctx, dloss, _ddh, _ddw, _ddb):
     if ctx.rows_only:
         hidden, weight, target, bias = ctx.saved_tensors
         dh, dw, db = torch.ops.tigon.linear_cross_entropy_bwd(
-            dloss, hidden, weight, target, bias, *ctx.args, *need, ctx.accum_fp32, ctx.rows_override
+            dloss, hidden, weight, target, bias, *ctx.args, *need, ctx.accum_fp32, ctx.rows_override, ctx.arena
         )
     else:
         dh, dw, db = saved_grads(ctx, "tigon.ops.linear_cross_entropy")
         apply_grad_output([dh, dw, db], dloss)
     dh, dw, db = (g if n else None for g, n in zip((dh, dw, db), need))
-    return (dh, dw, None, db) + (None,) * 11
+    return (dh, dw, None, db) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
 linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup)
@@ -298,7 +308,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     [...] integer class indices. Options as `cross_entropy`. The loss is fp32; exact
     gradients for hidden, weight and bias. dW accumulates over token chunks in weight.dtype (cuBLAS addmm,
     like Liger) or in fp32 with accum_dtype=torch.float32 (a transient fp32 [V, H]). Extra memory: the
-    gradients plus one chunk of logits (config: a `LinearCrossEntropyConfig`, the chunking; None: 128 MiB of
+    gradients plus one chunk of logits (config: a `LinearCrossEntropyConfig`, the chunking; None: 192 MiB of
     logits). A frozen weight or bias (requires_grad False: LoRA, QLoRA) gets no gradient and costs no GEMM or
     buffer. Rows whose target is ignore_index go through the GEMMs (their gradient rows are zeros) unless
     skip_ignored=True, which drops them first when at least 1/64 of the rows are ignored (completion-only SFT,
@@ -346,7 +356,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
         torch.ops.tigon.linear_cross_entropy_fwd, None, _fwd_launch,
         _launch.as_rows(hidden), weight, target.reshape(-1), bias,
         num_items_tensor(num_items_in_batch, hidden.device), ignore_index, ls, z, cap,
-        REDUCTIONS[reduction], *need, accum_dtype == torch.float32, rows,
+        REDUCTIONS[reduction], *need, accum_dtype == torch.float32, rows, not torch.compiler.is_compiling(),
         grad_from=(hidden, weight, bias),
     )
     return loss.view(target.shape) if loss.dim() else loss
