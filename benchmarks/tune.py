@@ -147,7 +147,8 @@ def tune_flce(ctx):
         t = torch.randint(0, V_, (16384,), device="cuda", generator=g)
         for chunk_mib in (128, 192, 256, 384, 512):
             cfg = LinearCrossEntropyConfig(chunk_bytes=chunk_mib << 20)
-            fn = lambda cfg=cfg: torch.autograd.grad(m.linear_cross_entropy(h, w, t, config=cfg), (h, w))
+            fn = lambda cfg=cfg, h=h, w=w, t=t: torch.autograd.grad(m.linear_cross_entropy(h, w, t, config=cfg),
+                                                                    (h, w))
             try:
                 ms = H.bench(ctx, fn, min_rep=3, max_rep=4, rep_ms=100.0, passes=1)["ms"]
                 peak = H.peak_mib(ctx, fn)  # the arena released first: the chunk it lends counts
@@ -158,7 +159,7 @@ def tune_flce(ctx):
                 row = dict(hidden=H_, vocab=V_, chunk_mib=chunk_mib, error=H.short_error(e))
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del h, w, t
+        del fn
     return {"flce": rows}
 
 
