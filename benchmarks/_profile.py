@@ -44,5 +44,33 @@ def profile_step(model, opt, ids):
     for ev in events:
         buckets[kernel_bucket(ev.key)] += ev.self_device_time_total / 1e3
     top = sorted(((ev.self_device_time_total / 1e3, ev.key) for ev in events), reverse=True)[:15]
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
     return dict(buckets_ms={k: round(v, 2) for k, v in buckets.items()},
-                top=[(k[:90], round(ms, 2)) for ms, k in top])
+                top=[(k[:90], round(ms, 2)) for ms, k in top], timeline=timeline(kernels))
+
+
+def timeline(kernels, n_gaps=8):
+    """Where the GPU waited inside a step: kernels as (start_us, end_us, name). Returns the span from the first
+    kernel's start to the last one's end, the time some kernel ran (the union of the intervals), the rest (idle),
+    and the n_gaps longest idle gaps with the kernels on either side. The profiler's own host cost widens gaps
+    where the host, not the GPU, is the bottleneck."""
+    if not kernels:
+        return dict(span_ms=0.0, busy_ms=0.0, idle_ms=0.0, gaps=[])
+    kernels = sorted(kernels)
+    busy, gaps = 0.0, []
+    start, end, last = kernels[0][0], kernels[0][1], kernels[0][2]
+    for s, e, name in kernels[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append((s - end, last, name))
+            start, end = s, e
+        elif e > end:
+            end = e
+        if e >= end:
+            last = name
+    busy += end - start
+    span = max(e for _, e, _ in kernels) - kernels[0][0]
+    top = sorted(gaps, reverse=True)[:n_gaps]
+    return dict(span_ms=round(span / 1e3, 3), busy_ms=round(busy / 1e3, 3), idle_ms=round((span - busy) / 1e3, 3),
+                gaps=[(round(g / 1e3, 3), a[:60], b[:60]) for g, a, b in top])

@@ -257,6 +257,11 @@ def main(argv=None):
                f"the step's median {r.get('step_ms')} ms):\n\n| bucket | ms | share |\n|---|---|---|\n")
         md += "\n".join(f"| {k} | {v:.1f} | {100 * v / total:.0f}% |" for k, v in prof["buckets_ms"].items())
         md += "\n\nTop kernels:\n\n" + "\n".join(f"- {ms:.1f} ms {name}" for name, ms in prof["top"])
+        tl = prof.get("timeline")
+        if tl:
+            md += (f"\n\nTimeline of the profiled step: span {tl['span_ms']} ms, a kernel running {tl['busy_ms']} ms, "
+                   f"idle {tl['idle_ms']} ms; longest gaps (ms, kernel before -> after):\n\n")
+            md += "\n".join(f"- {g} {a} -> {b}" for g, a, b in tl["gaps"])
     print(md)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "e2e.md"), "w") as f:

@@ -240,3 +240,13 @@ def test_decode_bench_budget_skips_and_targets(harness):
     checks = {t: (v, ok) for t, v, ok in core.targets(rows)}
     assert checks["tigon batch 1 TTFT <= 15 ms (prompt 512)"] == ("14.0 ms (median of 5 prefill-only calls)", True)
     assert "| 40.0 | 14.0 | 0.900 |" in core.markdown(rows, {})
+
+
+def test_training_step_timeline_counts_overlaps_once_and_names_the_gaps(harness):
+    from _profile import timeline
+
+    kernels = [(20, 30, "c"), (0, 10, "a"), (5, 12, "b"), (30, 31, "d"), (100, 101, "e")]  # unsorted, b overlaps a
+    tl = timeline(kernels, n_gaps=1)
+    assert tl["span_ms"] == 0.101 and tl["busy_ms"] == 0.024 and tl["idle_ms"] == 0.077
+    assert tl["gaps"] == [(0.069, "d", "e")]
+    assert timeline([])["idle_ms"] == 0.0
