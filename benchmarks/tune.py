@@ -112,16 +112,14 @@ def tune_glu(ctx):
 
 def tune_ce(ctx):
     """The row kernel at the CE op's shape [4096, 128256] and at the fused linear CE's chunks (768 rows of the
-    8B head's vocabulary, 1024 of Gemma-3's): tile, warps, L2 hints, prefetch."""
+    8B head's vocabulary, 1024 of Gemma-3's): tile, warps, L2 hints."""
     m = importlib.import_module("tigon.ops.cross_entropy")
     g = torch.Generator(device="cuda").manual_seed(0)
     out = {}
     shapes = {"cross_entropy": ((4096, 128256), {"block_v": [8192, 16384, 32768], "num_warps": [16, 32],
-                                                 "l2_hints": [True, False], "prefetch": [False, True]}),
-              "chunk 768 x 128256": ((768, 128256), {"block_v": [8192, 16384], "num_warps": [8, 16],
-                                                     "prefetch": [False, True]}),
-              "chunk 1024 x 262144": ((1024, 262144), {"block_v": [8192], "num_warps": [16],
-                                                       "prefetch": [False, True]})}
+                                                 "l2_hints": [True, False]}),
+              "chunk 768 x 128256": ((768, 128256), {"block_v": [8192, 16384], "num_warps": [8, 16]}),
+              "chunk 1024 x 262144": ((1024, 262144), {"block_v": [8192], "num_warps": [16]})}
     for name, (shape, grid) in shapes.items():
         logits = torch.randn(*shape, device="cuda", generator=g).to(BF16).requires_grad_()
         target = torch.randint(0, shape[1], (shape[0],), device="cuda", generator=g)

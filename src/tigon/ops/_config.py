@@ -91,19 +91,21 @@ ROPE_KV_WRITE = RopeKVWriteConfig()
 
 @dataclasses.dataclass(frozen=True)
 class LinearCrossEntropyConfig:
-    """The chunking of `tigon.ops.linear_cross_entropy`: `chunk_bytes` of chunk logits (rows = chunk_bytes / (V x
-    itemsize), a multiple of 64, balanced over the chunks), or exactly `chunk_rows` rows when > 0. Each chunk's
-    dW GEMM reads and writes the whole [V, H] gradient once, so larger chunks move fewer bytes and cost memory:
-    peak extra = dh (N H b) + dW (V H b) + one chunk (docs/ops/cross_entropy.md has the model and the H200
-    sweep)."""
+    """The chunking of `tigon.ops.linear_cross_entropy`: rows = max(chunk_bytes / (V x itemsize), min_rows), a
+    multiple of 64, balanced over the chunks; or exactly `chunk_rows` rows when > 0. Each chunk's dW GEMM reads
+    and writes the whole [V, H] gradient once, whatever its rows: fewer, larger chunks move fewer bytes and cost
+    memory (peak extra = dh (N H b) + dW (V H b) + one chunk). min_rows keeps a large vocabulary, whose chunk_bytes
+    hold few rows, from paying that pass most often (docs/ops/cross_entropy.md has the model and the H200 sweeps)."""
 
-    # 192 MiB: 768 rows at V = 128256 bf16. H200 at h [16384, 4096], W [128256, 4096]: 79.9 ms at a 1.29 GiB peak
-    # against 84.4 ms at 1.23 GiB for 128 MiB (benchmarks/results/h200_tune.json, flce_chunks)
+    # H200 (benchmarks/results/h200_tune.json, flce_chunks; two calls): 768 rows at the Llama-3-8B head (192 MiB)
+    # 79.9-82.5 ms at a 1.29 GiB peak against 84.4 ms at 1.23 GiB for 512 rows (128 MiB); at Gemma-3's head
+    # (V 262144, H 2304) 768 rows (384 MiB) 100.2 ms against 112.2 ms for 384 rows (192 MiB), 129.7 ms for 256.
     chunk_bytes: int = 192 << 20
     chunk_rows: int = 0
+    min_rows: int = 768
 
     def __post_init__(self):
-        _check_fields(self, zero_ok=("chunk_rows",))
+        _check_fields(self, zero_ok=("chunk_rows", "min_rows"))
 
 
 LINEAR_CROSS_ENTROPY = LinearCrossEntropyConfig()
@@ -163,18 +165,16 @@ class GLUConfig:
 @dataclasses.dataclass(frozen=True)
 class CrossEntropyConfig:
     """The launches of `cross_entropy` on a GPU: `block_v` logits a loop step (0: 8192) with `num_warps` (0:
-    block_v / 512, at most 16), programs per SM of the grad_output scaling, `l2_hints` (evict_last on the
-    first pass over a row, evict_first on the gradient pass) and `prefetch` (each pass loads the next tile of
-    the row before reducing the current one). The interpreter always uses 512-wide steps."""
+    block_v / 512, at most 16), programs per SM of the grad_output scaling, and `l2_hints` (evict_last on the
+    first pass over a row, evict_first on the gradient pass). The interpreter always uses 512-wide steps."""
 
     block_v: int = 0
     num_warps: int = 0
     scale_per_sm: int = 4
     l2_hints: bool = True
-    prefetch: bool = False
 
     def __post_init__(self):
         _check_fields(self, powers_of_two=("block_v", "num_warps"), zero_ok=("block_v", "num_warps"),
-                      bools=("l2_hints", "prefetch"))
+                      bools=("l2_hints",))
 
     ints = _ints

@@ -23,8 +23,8 @@ from ._config import CrossEntropyConfig
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 _NONE, _MEAN, _SUM = 0, 1, 2
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-# (block_v, num_warps, scale_per_sm, l2_hints, prefetch) = CrossEntropyConfig.ints(), the form a custom op
-# takes; None: these defaults (block_v, num_warps 0: picked from V by block_config).
+# (block_v, num_warps, scale_per_sm, l2_hints) = CrossEntropyConfig.ints(), the form a custom op takes; None:
+# these defaults (block_v, num_warps 0: picked from V by block_config).
 _DEFAULT = tuple(CrossEntropyConfig().ints())
 
 
@@ -33,14 +33,6 @@ def _softcap(b_x, softcap):
     """(softcap * tanh(x / softcap), tanh(x / softcap)); tanh(u) = 2 sigmoid(2u) - 1 (no libdevice)."""
     b_th = 2.0 * tl.sigmoid(2.0 * b_x / softcap) - 1.0
     return softcap * b_th, b_th
-
-
-@triton.jit
-def _load_tile(p_x, o, V, L2_HINTS: tl.constexpr, POLICY: tl.constexpr):
-    """Logits at offsets o of a row, fp32; 0 where o >= V."""
-    if L2_HINTS:
-        return tl.load(p_x + o, mask=o < V, other=0.0, eviction_policy=POLICY).to(tl.float32)
-    return tl.load(p_x + o, mask=o < V, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -67,7 +59,6 @@ def _cross_entropy_kernel(
     HAS_Z: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     L2_HINTS: tl.constexpr,
-    PREFETCH: tl.constexpr,  # load tile i + 1 before reducing tile i: two tiles of the row in flight
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -85,16 +76,14 @@ def _cross_entropy_kernel(
     b_xt = tl.zeros([], dtype=tl.float32)
     # Ignored rows (often a third of a fine-tuning batch) read nothing: loss 0, gradient written as zeros.
     if valid:
-        b_next = _load_tile(p_x, o_v, V, L2_HINTS, "evict_last")
         for v0 in range(0, V, BLOCK_V):
             o = v0 + o_v
             m_v = o < V
             # evict_last: keep the row in L2 for the gradient pass that follows
-            if PREFETCH:
-                b_x = b_next
-                b_next = _load_tile(p_x, o + BLOCK_V, V, L2_HINTS, "evict_last")  # past V: masked, no traffic
+            if L2_HINTS:
+                b_x = tl.load(p_x + o, mask=m_v, other=0.0, eviction_policy="evict_last").to(tl.float32)
             else:
-                b_x = _load_tile(p_x, o, V, L2_HINTS, "evict_last")
+                b_x = tl.load(p_x + o, mask=m_v, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
                 b_x, _ = _softcap(b_x, cap)
             if HAS_SMOOTHING:
@@ -135,17 +124,13 @@ def _cross_entropy_kernel(
             # Backwards over the row: the tiles read last are the likeliest to be still in L2. The gradient
             # is streamed out (evict_first) so it does not push the other rows out of L2.
             n_tiles = tl.cdiv(V, BLOCK_V)
-            b_next = _load_tile(p_x, (n_tiles - 1) * BLOCK_V + o_v, V, L2_HINTS, "evict_first")
             for i in range(0, n_tiles):
                 o = (n_tiles - 1 - i) * BLOCK_V + o_v
                 m_v = o < V
-                if PREFETCH:
-                    b_x = b_next
-                    # the tile before this one; before tile 0 the offsets are negative: masked, no traffic
-                    o_prev = o - BLOCK_V
-                    b_next = _load_tile(p_x, tl.where(o_prev >= 0, o_prev, V), V, L2_HINTS, "evict_first")
+                if L2_HINTS:
+                    b_x = tl.load(p_x + o, mask=m_v, other=0.0, eviction_policy="evict_first").to(tl.float32)
                 else:
-                    b_x = _load_tile(p_x, o, V, L2_HINTS, "evict_first")
+                    b_x = tl.load(p_x + o, mask=m_v, other=0.0).to(tl.float32)
                 if HAS_SOFTCAP:
                     b_x, b_th = _softcap(b_x, cap)
                 b_g = tl.exp(b_x - b_lse) * b_cp - b_call
@@ -232,8 +217,7 @@ def launch(x, target, loss, dx, denom=None, row_scale=None, *, ignore_index, lab
         label_smoothing, z_loss_scale, softcap if softcap else 1.0,
         HAS_GRAD=dx is not None, HAS_DENOM=denom is not None, HAS_ROW_SCALE=row_scale is not None,
         HAS_SMOOTHING=label_smoothing > 0, HAS_Z=z_loss_scale > 0, HAS_SOFTCAP=softcap > 0,
-        L2_HINTS=bool((config or _DEFAULT)[3]), PREFETCH=bool((config or _DEFAULT)[4]), BLOCK_V=block,
-        num_warps=warps,
+        L2_HINTS=bool((config or _DEFAULT)[3]), BLOCK_V=block, num_warps=warps,
     )
 
 

@@ -37,12 +37,13 @@ _fp32_addmm_ok: dict = {}
 
 
 def chunk_rows(N: int, V: int, itemsize: int, override: int = 0,
-               chunk_bytes: int = LINEAR_CROSS_ENTROPY.chunk_bytes) -> int:
-    """Rows per chunk: chunk_bytes of logits, a multiple of 64 (GEMM tiles), balanced over the chunks; or
-    `override` rows when > 0."""
+               chunk_bytes: int = LINEAR_CROSS_ENTROPY.chunk_bytes,
+               min_rows: int = LINEAR_CROSS_ENTROPY.min_rows) -> int:
+    """Rows per chunk: chunk_bytes of logits but at least min_rows, a multiple of 64 (GEMM tiles), balanced over
+    the chunks; or `override` rows when > 0."""
     if override:
         return max(1, min(N, override))
-    rows = max(1, chunk_bytes // max(1, V * itemsize))
+    rows = max(1, chunk_bytes // max(1, V * itemsize), min_rows)
     if rows >= N:
         return max(1, N)
     step = 64 if rows >= 64 else 1
@@ -309,12 +310,12 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     gradients for hidden, weight and bias. dW accumulates over token chunks in weight.dtype (cuBLAS addmm,
     like Liger) or in fp32 with accum_dtype=torch.float32 (a transient fp32 [V, H]). Extra memory: the
     gradients plus one chunk of logits (config: a `LinearCrossEntropyConfig`, the chunking; None: 192 MiB of
-    logits). A frozen weight or bias (requires_grad False: LoRA, QLoRA) gets no gradient and costs no GEMM or
-    buffer. Rows whose target is ignore_index go through the GEMMs (their gradient rows are zeros) unless
-    skip_ignored=True, which drops them first when at least 1/64 of the rows are ignored (completion-only SFT,
-    padding): the GEMMs then run on the kept rows only, at the cost of one host sync to count them. skip_ignored
-    is inert while tracing or capturing a CUDA graph. Otherwise never syncs the host on CUDA. No double backward:
-    a backward with create_graph=True raises NotImplementedError.
+    logits, at least 768 rows). A frozen weight or bias (requires_grad False: LoRA, QLoRA) gets no gradient and
+    costs no GEMM or buffer. Rows whose target is ignore_index go through the GEMMs (their gradient rows are
+    zeros) unless skip_ignored=True, which drops them first when at least 1/64 of the rows are ignored
+    (completion-only SFT, padding): the GEMMs then run on the kept rows only, at the cost of one host sync to
+    count them. skip_ignored is inert while tracing or capturing a CUDA graph. Otherwise never syncs the host on
+    CUDA. No double backward: a backward with create_graph=True raises NotImplementedError.
     """
     op, name = "linear_cross_entropy", "tigon.ops.linear_cross_entropy"
     _validate(name, hidden, weight, target, bias, accum_dtype)
@@ -351,7 +352,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     rows = int(_chunk_rows)
     if not rows and config is not None:  # the rows on the host, from shapes: the op takes them as one int
         rows = config.chunk_rows or chunk_rows(math.prod(hidden.shape[:-1]), V, hidden.element_size(),
-                                               chunk_bytes=config.chunk_bytes)
+                                               chunk_bytes=config.chunk_bytes, min_rows=config.min_rows)
     loss, *_ = _library.dispatch(
         torch.ops.tigon.linear_cross_entropy_fwd, None, _fwd_launch,
         _launch.as_rows(hidden), weight, target.reshape(-1), bias,
