@@ -28,12 +28,15 @@ def kernel_bucket(name: str) -> str:
     return "other"
 
 
-def profile_step(model, opt, ids):
-    """One step (forward with labels = ids, backward, optimizer step) under torch.profiler: kernel ms by bucket and
-    the top 15 kernels."""
+def profile_step(model, opt, ids, step_begin=None):
+    """One step (forward with labels = ids, backward, optimizer step) under torch.profiler: kernel ms by bucket,
+    the top 15 kernels and the timeline. step_begin: called first (torch.compiler.cudagraph_mark_step_begin for a
+    model compiled with CUDA graphs, which would otherwise record new graphs inside the profiled step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    if step_begin is not None:
+        step_begin()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()

@@ -4,7 +4,8 @@ W [128256, 4096] bf16 (Llama-3-8B's head), plus Qwen-2.5-7B's (V 151936, H 3584)
 no ignored token; the lm_head weight has std 0.02 (HF's init).
 
 Providers: tigon (also with inplace_backward=True for CE, accum_dtype=torch.float32 and 128 MiB chunks
-(LinearCrossEntropyConfig(chunk_bytes=128 << 20), the default before 192 MiB) for FLCE), eager
+(LinearCrossEntropyConfig(chunk_bytes=128 << 20, min_rows=0), the chunking before 192 MiB and 768 rows) for
+FLCE), eager
 (HF's path: logits.float() then F.cross_entropy), torch.compile of it, Liger (LigerCrossEntropyLoss with
 bf16 and with fp32-upcast logits; LigerFusedLinearCrossEntropyLoss, also with accum_dtype=fp32 where this
 Liger takes it) and cut_cross_entropy.linear_cross_entropy (defaults).
@@ -139,7 +140,7 @@ def flce_providers(ctx, h, w, tgt, *, variants=True, compiled_fn=None, skip_igno
     def tigon_chunk(mib):
         from tigon.ops._config import LinearCrossEntropyConfig
 
-        cfg = LinearCrossEntropyConfig(chunk_bytes=mib << 20)
+        cfg = LinearCrossEntropyConfig(chunk_bytes=mib << 20, min_rows=0)
         return lambda: Call(lambda: ops.linear_cross_entropy(h, w, tgt, config=cfg), inputs)
 
     def eager():

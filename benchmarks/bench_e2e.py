@@ -101,7 +101,8 @@ def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
                losses=losses, report=report,
                mfu_tflops=MODEL_FLOPS_PER_TOKEN * batch * seq / med / 1e12 if config_name == "llama" else None)
     if profile:
-        out["profile"] = profile_step(model, opt, ids)
+        out["profile"] = profile_step(model, opt, ids,
+                                      torch.compiler.cudagraph_mark_step_begin if graphs else None)
     print("RESULT " + json.dumps(out))
 
 
