@@ -1,6 +1,6 @@
 """RMSNorm, fused residual add + RMSNorm, LayerNorm: tigon vs eager (the HF formula) vs torch.compile
 vs Liger-Kernel, at x [16384, 4096] bf16 (Llama-3-8B: 4 x 4096 tokens), plus a hidden-size sweep of
-rms_norm at 64M elements.
+rms_norm at 64M elements, and rms_norm over head_dim at the QK-norm's shape (524288 rows of 64, 128, 256).
 
 Byte models (minimal traffic, weights and per-row stats ignored: < 0.1%), n = rows * hidden * 2 bytes:
 rms_norm / layer_norm fwd reads x, writes y (2n); fwd+bwd adds reading x, dy and writing dx (5n);
@@ -16,6 +16,8 @@ LN_EPS = 1e-5
 SHAPE = (16384, 4096)
 QUICK_SHAPE = (32, 256)
 HIDDEN_SWEEP = (1024, 2048, 4096, 8192, 16384)
+# QK-norm (Qwen3, Gemma-3, OLMo-2): each head's q normalized over head_dim; 8 x 2048 tokens, 32 heads
+HEAD_ROWS, HEAD_DIMS = 8 * 2048 * 32, (64, 128, 256)
 SWEEP_ELEMS = 64 * 2**20
 BF16 = torch.bfloat16
 
@@ -106,6 +108,27 @@ def run_rms_norm_hidden_sweep(ctx):
                   bytes_fwd=2 * n, bytes_fb=5 * n, host_column=False, need_s=5.0,
                   group="rms_norm hidden-size sweep (fwd+bwd, 64M elements bf16)", x=h,
                   extra={"xlabel": "hidden"})
+        del x, w, dy, dy_buf
+        H.free(ctx)
+
+
+def run_rms_norm_heads(ctx):
+    """rms_norm over head_dim, the QK-norm's shape: 524288 rows of 64, 128 or 256."""
+    for h in ((16, 64) if ctx.quick else HEAD_DIMS):
+        if ctx.remaining() < 10:
+            ctx.note(f"rms_norm heads: head_dim {h} and up skipped (time budget)")
+            break
+        rows = 64 if ctx.quick else HEAD_ROWS
+        g = _gen(ctx, h)
+        x = H.randn((rows, h), ctx, requires_grad=True, gen=g)
+        w = _weight(ctx, h, g)
+        dy = H.randn((rows, h), ctx, gen=g)
+        dy_buf = dy.clone()
+        n = rows * h * 2
+        H.measure(ctx, "rms_norm", f"x [{rows}, {h}]", rms_norm_providers(ctx, x, w, dy_buf, [(dy_buf, dy)]),
+                  bytes_fwd=2 * n, bytes_fb=5 * n, host_column=False, need_s=5.0,
+                  group="rms_norm over head_dim (QK-norm: 8 x 2048 tokens x 32 heads, bf16)", x=h,
+                  extra={"xlabel": "head_dim"})
         del x, w, dy, dy_buf
         H.free(ctx)
 
@@ -210,6 +233,7 @@ SECTIONS = {
     "add_rms_norm": run_add_rms_norm,
     "layer_norm": run_layer_norm,
     "rms_norm_hidden_sweep": run_rms_norm_hidden_sweep,
+    "rms_norm_heads": run_rms_norm_heads,
 }
 
 if __name__ == "__main__":

@@ -60,6 +60,34 @@ def test_add_rms_norm(device, dtype, hidden, mode, offset):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 11, 9, 64), (2, 5, 31, 100)])
+@pytest.mark.parametrize("mode,offset", MODES)
+def test_short_rows_go_in_tiles(device, dtype, shape, mode, offset):
+    """QK-norm shapes ([batch, seq, heads, head_dim]): rows of <= 512 are normalized in tiles of rows, 64 rows of
+    64 or 32 of 100 (padded to 128). 297 rows: five tiles, the last one partial; 310 rows: ten tiles; the
+    backward's 4 interpreter programs each loop over several. Forward and every gradient against fp64 and the
+    HF formula in dtype, for rms_norm and add_rms_norm."""
+    import sys
+
+    mod = sys.modules["tigon.ops.rms_norm"]
+    assert mod._rows_per_tile(128) == 32 and mod._rows_per_tile(64) == 64 and mod._rows_per_tile(1024) == 1
+    torch.manual_seed(shape[-1])
+    x = randn(*shape, dtype=dtype, device=device, requires_grad=True)
+    r = randn(*shape, dtype=dtype, device=device, requires_grad=True)
+    w = randn(shape[-1], dtype=dtype, device=device, requires_grad=True)
+    kw = dict(offset=offset, casting_mode=mode)
+    _check(
+        "rms_norm", lambda x, w: ops.rms_norm(x, w, 1e-6, **kw), lambda x, w: reference.rms_norm(x, w, 1e-6, **kw),
+        lambda x, w: reference.eager_rms_norm(x, w, 1e-6, **kw), (x, w), dtype, 1,
+    )
+    _check(
+        "add_rms_norm", lambda x, r, w: ops.add_rms_norm(x, r, w, 1e-6, **kw),
+        lambda x, r, w: reference.add_rms_norm(x, r, w, 1e-6, **kw),
+        lambda x, r, w: reference.eager_add_rms_norm(x, r, w, 1e-6, **kw), (x, r, w), dtype, 2,
+    )
+
+
 def test_runs_the_kernel_on_this_device(device):
     before = ops.dispatch_counts[("rms_norm", "triton")]
     ops.rms_norm(torch.randn(2, 8, device=device), torch.ones(8, device=device))
@@ -195,7 +223,8 @@ def test_config_reaches_both_launches(device, monkeypatch, path):
             y, _, _ = torch.ops.tigon.rms_norm_fwd(xs[0], xs[1], xs[2], 1e-6, 0.0, 0, torch.float32,
                                                    None if c is None else c.ints())
         outs.append((y, *grads(y, xs, torch.ones_like(y))))
-    assert [c["num_warps"] for c in fwd.calls] == [1, 2] and [c["num_warps"] for c in bwd.calls] == [1, 16]
+    # rows of 24 go in tiles of rows, whose default is 8 warps
+    assert [c["num_warps"] for c in fwd.calls] == [8, 2] and [c["num_warps"] for c in bwd.calls] == [8, 16]
     assert per_sm == [2, 3]
     for a, b in zip(*outs):
         assert torch.equal(a, b)

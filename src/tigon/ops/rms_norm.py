@@ -1,4 +1,5 @@
-"""RMSNorm and residual-add + RMSNorm: Triton forward and backward, one row per program.
+"""RMSNorm and residual-add + RMSNorm: Triton forward and backward, a row per program, or a tile of rows when
+rows are short (the QK-norm of Qwen3 / Gemma-3 / OLMo-2 normalizes each head: rows of 64-256).
 
 y = (offset + w) * x * rstd,  rstd = 1 / sqrt(mean(x^2) + eps),  math in fp32, one cast on store.
 add_rms_norm normalizes s = x + residual (rounded to x.dtype, as the HF decoder layer does) and returns
@@ -32,6 +33,7 @@ def _rms_norm_fwd_kernel(
     stride_r,
     stride_y,
     stride_s,
+    M,  # rows
     H,  # hidden size
     eps,  # runtime float: never constexpr, so new eps values do not recompile
     offset,  # added to the weight (Gemma: 1.0)
@@ -39,25 +41,56 @@ def _rms_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     CASTING: tl.constexpr,  # 0 llama (round x*rstd to x.dtype before the weight), 1 gemma, 2 none
     BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows a program normalizes: 1, or a tile of short rows (_rows_per_tile)
 ):
-    row = tl.program_id(0).to(tl.int64)
+    if BLOCK_M > 1:
+        _rms_norm_fwd_tile(X, R, W, Y, S, RSTD, stride_x, stride_r, stride_y, stride_s, M, H, eps, offset,
+                           HAS_RESIDUAL, HAS_WEIGHT, CASTING, BLOCK_H, BLOCK_M)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        o_h = tl.arange(0, BLOCK_H)
+        m_h = o_h < H
+        b_x = tl.load(X + row * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            b_r = tl.load(R + row * stride_r + o_h, mask=m_h, other=0.0).to(tl.float32)
+            b_s = b_x + b_r
+            tl.store(S + row * stride_s + o_h, b_s.to(S.dtype.element_ty), mask=m_h)
+            b_x = b_s.to(S.dtype.element_ty).to(tl.float32)
+        b_rstd = 1.0 / tl.sqrt(tl.math.div_rn(tl.sum(b_x * b_x, axis=0), tl.cast(H, tl.float32)) + eps)
+        tl.store(RSTD + row, b_rstd)
+        b_n = b_x * b_rstd
+        if CASTING == 0:
+            b_n = b_n.to(X.dtype.element_ty).to(tl.float32)
+        if HAS_WEIGHT:
+            b_w = tl.load(W + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
+            b_n = b_n * b_w
+        tl.store(Y + row * stride_y + o_h, b_n.to(Y.dtype.element_ty), mask=m_h)
+
+
+@triton.jit
+def _rms_norm_fwd_tile(X, R, W, Y, S, RSTD, stride_x, stride_r, stride_y, stride_s, M, H, eps, offset,
+                       HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, CASTING: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The forward over BLOCK_M rows [BLOCK_M, BLOCK_H] at once: the same math per row as the one-row path."""
+    o_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     o_h = tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    b_x = tl.load(X + row * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
+    m_m = o_m < M
+    m = m_m[:, None] & (o_h < H)[None, :]
+    b_x = tl.load(X + o_m[:, None] * stride_x + o_h[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        b_r = tl.load(R + row * stride_r + o_h, mask=m_h, other=0.0).to(tl.float32)
+        b_r = tl.load(R + o_m[:, None] * stride_r + o_h[None, :], mask=m, other=0.0).to(tl.float32)
         b_s = b_x + b_r
-        tl.store(S + row * stride_s + o_h, b_s.to(S.dtype.element_ty), mask=m_h)
+        tl.store(S + o_m[:, None] * stride_s + o_h[None, :], b_s.to(S.dtype.element_ty), mask=m)
         b_x = b_s.to(S.dtype.element_ty).to(tl.float32)
-    b_rstd = 1.0 / tl.sqrt(tl.math.div_rn(tl.sum(b_x * b_x, axis=0), tl.cast(H, tl.float32)) + eps)
-    tl.store(RSTD + row, b_rstd)
-    b_n = b_x * b_rstd
+    b_rstd = 1.0 / tl.sqrt(tl.math.div_rn(tl.sum(b_x * b_x, axis=1), tl.cast(H, tl.float32)) + eps)
+    tl.store(RSTD + o_m, b_rstd, mask=m_m)
+    b_n = b_x * b_rstd[:, None]
     if CASTING == 0:
         b_n = b_n.to(X.dtype.element_ty).to(tl.float32)
     if HAS_WEIGHT:
-        b_w = tl.load(W + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
-        b_n = b_n * b_w
-    tl.store(Y + row * stride_y + o_h, b_n.to(Y.dtype.element_ty), mask=m_h)
+        b_w = tl.load(W + o_h, mask=o_h < H, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
+        b_n = b_n * b_w[None, :]
+    tl.store(Y + o_m[:, None] * stride_y + o_h[None, :], b_n.to(Y.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -83,7 +116,52 @@ def _rms_norm_bwd_kernel(
     COMPUTE_DW: tl.constexpr,
     CASTING: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows a loop step handles: 1, or a tile of short rows (_rows_per_tile)
 ):
+    if BLOCK_M > 1:
+        _rms_norm_bwd_tiles(DY, DS, X, W, RSTD, DX, DR, DW_PART, stride_dy, stride_ds, stride_x, stride_dx, M, H,
+                            offset, HAS_DR, HAS_DS, HAS_WEIGHT, COMPUTE_DW, CASTING, BLOCK_H, BLOCK_M)
+    else:
+        pid = tl.program_id(0)
+        n_prog = tl.num_programs(0)
+        o_h = tl.arange(0, BLOCK_H)
+        m_h = o_h < H
+        if HAS_WEIGHT:
+            b_w = tl.load(W + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
+        b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+        inv_h = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.cast(H, tl.float32))  # once, round-to-nearest
+        for row in range(pid, M, n_prog):
+            row = tl.cast(row, tl.int64)  # loop counters are int32 on GPU (python ints in the interpreter)
+            b_x = tl.load(X + row * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
+            b_dy = tl.load(DY + row * stride_dy + o_h, mask=m_h, other=0.0).to(tl.float32)
+            b_rstd = tl.load(RSTD + row)
+            b_n = b_x * b_rstd
+            if COMPUTE_DW:
+                if CASTING == 0:
+                    b_dw += b_dy * b_n.to(X.dtype.element_ty).to(tl.float32)
+                else:
+                    b_dw += b_dy * b_n
+            if HAS_WEIGHT:
+                b_dn = b_dy * b_w
+            else:
+                b_dn = b_dy
+            # dx = rstd * (dn - n * mean(dn * n))
+            b_dx = b_rstd * (b_dn - b_n * (tl.sum(b_dn * b_n, axis=0) * inv_h))
+            if HAS_DS:
+                b_dx += tl.load(DS + row * stride_ds + o_h, mask=m_h, other=0.0).to(tl.float32)
+            tl.store(DX + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
+            if HAS_DR:
+                tl.store(DR + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
+        if COMPUTE_DW:
+            tl.store(DW_PART + pid.to(tl.int64) * H + o_h, b_dw, mask=m_h)
+
+
+@triton.jit
+def _rms_norm_bwd_tiles(DY, DS, X, W, RSTD, DX, DR, DW_PART, stride_dy, stride_ds, stride_x, stride_dx, M, H,
+                        offset, HAS_DR: tl.constexpr, HAS_DS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                        COMPUTE_DW: tl.constexpr, CASTING: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_M: tl.constexpr):
+    """The backward over tiles of BLOCK_M rows, each program looping over tiles; one partial dw row a program."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     o_h = tl.arange(0, BLOCK_H)
@@ -91,31 +169,39 @@ def _rms_norm_bwd_kernel(
     if HAS_WEIGHT:
         b_w = tl.load(W + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
     b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-    inv_h = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.cast(H, tl.float32))  # once, round-to-nearest
-    for row in range(pid, M, n_prog):
-        row = tl.cast(row, tl.int64)  # loop counters are int32 on GPU (python ints in the interpreter)
-        b_x = tl.load(X + row * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
-        b_dy = tl.load(DY + row * stride_dy + o_h, mask=m_h, other=0.0).to(tl.float32)
-        b_rstd = tl.load(RSTD + row)
-        b_n = b_x * b_rstd
+    inv_h = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.cast(H, tl.float32))
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), n_prog):
+        o_m = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_m = o_m < M
+        m = m_m[:, None] & m_h[None, :]
+        b_x = tl.load(X + o_m[:, None] * stride_x + o_h[None, :], mask=m, other=0.0).to(tl.float32)
+        b_dy = tl.load(DY + o_m[:, None] * stride_dy + o_h[None, :], mask=m, other=0.0).to(tl.float32)
+        b_rstd = tl.load(RSTD + o_m, mask=m_m, other=0.0)
+        b_n = b_x * b_rstd[:, None]
         if COMPUTE_DW:
             if CASTING == 0:
-                b_dw += b_dy * b_n.to(X.dtype.element_ty).to(tl.float32)
+                b_dw += tl.sum(b_dy * b_n.to(X.dtype.element_ty).to(tl.float32), axis=0)
             else:
-                b_dw += b_dy * b_n
+                b_dw += tl.sum(b_dy * b_n, axis=0)
         if HAS_WEIGHT:
-            b_dn = b_dy * b_w
+            b_dn = b_dy * b_w[None, :]
         else:
             b_dn = b_dy
-        # dx = rstd * (dn - n * mean(dn * n))
-        b_dx = b_rstd * (b_dn - b_n * (tl.sum(b_dn * b_n, axis=0) * inv_h))
+        b_dx = b_rstd[:, None] * (b_dn - b_n * (tl.sum(b_dn * b_n, axis=1) * inv_h)[:, None])
         if HAS_DS:
-            b_dx += tl.load(DS + row * stride_ds + o_h, mask=m_h, other=0.0).to(tl.float32)
-        tl.store(DX + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
+            b_dx += tl.load(DS + o_m[:, None] * stride_ds + o_h[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(DX + o_m[:, None] * stride_dx + o_h[None, :], b_dx.to(DX.dtype.element_ty), mask=m)
         if HAS_DR:
-            tl.store(DR + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
+            tl.store(DR + o_m[:, None] * stride_dx + o_h[None, :], b_dx.to(DX.dtype.element_ty), mask=m)
     if COMPUTE_DW:
         tl.store(DW_PART + pid.to(tl.int64) * H + o_h, b_dw, mask=m_h)
+
+
+def _rows_per_tile(block_h: int) -> int:
+    """Rows a program takes at once: 1 for rows of more than 512 (one row fills a program), else a tile of
+    about 4096 elements. One short row a program (or a loop step) moved 128 bytes between dependent loads:
+    Qwen3's QK-norm backward (head 64) took 26 of a 272 ms step on the H200, ~30x its bytes at the copy rate."""
+    return 1 if block_h > 512 else min(64, 4096 // block_h)
 
 
 def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=None):
@@ -125,13 +211,16 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=Non
     y = torch.empty((M, H), dtype=out_dtype, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     s = torch.empty_like(x) if residual is not None else x.new_empty(0)
+    rows = _rows_per_tile(block)
     if M > 0 and H > 0:  # zero width: empty outputs, and rstd (0/0) is never read
-        _rms_norm_fwd_kernel[(M,)](
+        _rms_norm_fwd_kernel[(triton.cdiv(M, rows),)](
             x, residual if residual is not None else x, weight if weight is not None else x, y, s, rstd,
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
-            s.stride(0) if residual is not None else 0, H, eps, offset,
+            s.stride(0) if residual is not None else 0, M, H, eps, offset,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, CASTING=casting,
-            BLOCK_H=block, num_warps=fwd_warps or min(8, _launch.row_warps(block)),  # 8: 70 vs 80 us at 4096
+            BLOCK_H=block, BLOCK_M=rows,
+            # 8 warps: 70 vs 80 us at H 4096; a tile of short rows: 8 warps, 16 elements a thread
+            num_warps=fwd_warps or (8 if rows > 1 else min(8, _launch.row_warps(block))),
         )
     return y, s, rstd
 
@@ -160,9 +249,10 @@ def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, co
     dx = torch.empty_like(x)
     dr = torch.empty_like(x) if two_dx else x.new_empty(0)
     compute_dw = compute_dw and weight is not None
-    # Each program loops over rows, so dw needs only n_prog partial rows (0.2% of the traffic of x at
-    # M=16384, H=4096 with 2 programs per SM).
-    n_prog = _launch.num_programs(x.device, M, per_sm=bwd_per_sm)
+    # Each program loops over rows (or tiles of short rows), so dw needs only n_prog partial rows (0.2% of the
+    # traffic of x at M=16384, H=4096 with 2 programs per SM).
+    rows = _rows_per_tile(block)
+    n_prog = _launch.num_programs(x.device, triton.cdiv(M, rows), per_sm=bwd_per_sm)
     dw_part = torch.empty((n_prog, H), dtype=torch.float32, device=x.device) if compute_dw else rstd
     if M > 0 and H > 0:
         _rms_norm_bwd_kernel[(n_prog,)](
@@ -170,7 +260,8 @@ def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, co
             dr if two_dx else dx, dw_part,
             dy.stride(0), ds.stride(0) if ds is not None else 0, x.stride(0), dx.stride(0), M, H, offset,
             HAS_DR=two_dx, HAS_DS=ds is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
-            CASTING=casting, BLOCK_H=block, num_warps=bwd_warps or _launch.row_warps(block),
+            CASTING=casting, BLOCK_H=block, BLOCK_M=rows,
+            num_warps=bwd_warps or (8 if rows > 1 else _launch.row_warps(block)),
         )
     if not compute_dw:
         return dx, dr, x.new_empty(0)
