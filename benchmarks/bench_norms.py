@@ -90,14 +90,12 @@ def run_rms_norm(ctx):
               check=check, extra={"model": "fwd 2n, fwd+bwd 5n bytes (n = x bytes)"})
 
 
-def run_rms_norm_hidden_sweep(ctx):
-    hs = (256, 512) if ctx.quick else HIDDEN_SWEEP
-    total = 8192 if ctx.quick else SWEEP_ELEMS
-    for h in hs:
+def _rms_norm_sweep(ctx, shapes, group, xlabel, what):
+    """rms_norm fwd+bwd at each (rows, hidden) of `shapes`, one row of the `group` table each (x = hidden)."""
+    for rows, h in shapes:
         if ctx.remaining() < 10:
-            ctx.note(f"rms_norm hidden sweep: H={h} and up skipped (time budget)")
+            ctx.note(f"{group}: {what} {h} and up skipped (time budget)")
             break
-        rows = total // h
         g = _gen(ctx, h)
         x = H.randn((rows, h), ctx, requires_grad=True, gen=g)
         w = _weight(ctx, h, g)
@@ -105,32 +103,23 @@ def run_rms_norm_hidden_sweep(ctx):
         dy_buf = dy.clone()
         n = rows * h * 2
         H.measure(ctx, "rms_norm", f"x [{rows}, {h}]", rms_norm_providers(ctx, x, w, dy_buf, [(dy_buf, dy)]),
-                  bytes_fwd=2 * n, bytes_fb=5 * n, host_column=False, need_s=5.0,
-                  group="rms_norm hidden-size sweep (fwd+bwd, 64M elements bf16)", x=h,
-                  extra={"xlabel": "hidden"})
+                  bytes_fwd=2 * n, bytes_fb=5 * n, host_column=False, need_s=5.0, group=group, x=h,
+                  extra={"xlabel": xlabel})
         del x, w, dy, dy_buf
         H.free(ctx)
+
+
+def run_rms_norm_hidden_sweep(ctx):
+    total = 8192 if ctx.quick else SWEEP_ELEMS
+    _rms_norm_sweep(ctx, [(total // h, h) for h in ((256, 512) if ctx.quick else HIDDEN_SWEEP)],
+                    "rms_norm hidden-size sweep (fwd+bwd, 64M elements bf16)", "hidden", "H")
 
 
 def run_rms_norm_heads(ctx):
     """rms_norm over head_dim, the QK-norm's shape: 524288 rows of 64, 128 or 256."""
-    for h in ((16, 64) if ctx.quick else HEAD_DIMS):
-        if ctx.remaining() < 10:
-            ctx.note(f"rms_norm heads: head_dim {h} and up skipped (time budget)")
-            break
-        rows = 64 if ctx.quick else HEAD_ROWS
-        g = _gen(ctx, h)
-        x = H.randn((rows, h), ctx, requires_grad=True, gen=g)
-        w = _weight(ctx, h, g)
-        dy = H.randn((rows, h), ctx, gen=g)
-        dy_buf = dy.clone()
-        n = rows * h * 2
-        H.measure(ctx, "rms_norm", f"x [{rows}, {h}]", rms_norm_providers(ctx, x, w, dy_buf, [(dy_buf, dy)]),
-                  bytes_fwd=2 * n, bytes_fb=5 * n, host_column=False, need_s=5.0,
-                  group="rms_norm over head_dim (QK-norm: 8 x 2048 tokens x 32 heads, bf16)", x=h,
-                  extra={"xlabel": "head_dim"})
-        del x, w, dy, dy_buf
-        H.free(ctx)
+    shapes = [(64, h) for h in (16, 64)] if ctx.quick else [(HEAD_ROWS, h) for h in HEAD_DIMS]
+    _rms_norm_sweep(ctx, shapes, "rms_norm over head_dim (QK-norm: 8 x 2048 tokens x 32 heads, bf16)", "head_dim",
+                    "head_dim")
 
 
 # ----------------------------------------------------------------------------- add_rms_norm
