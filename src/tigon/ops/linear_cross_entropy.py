@@ -221,7 +221,7 @@ def _(grad_rows, hidden, weight, target, bias, ignore_index, label_smoothing, z_
 
 def _setup(ctx, inputs, output):
     (hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
-     need_dh, need_dw, need_db, accum_fp32, rows_override, *arena) = inputs
+     need_dh, need_dw, need_db, accum_fp32, rows_override, arena) = inputs
     ctx.mark_non_differentiable(*output[1:])
     # The gradient outputs get no gradient: without this, autograd would fill a zero tensor of their size
     # for each (measured on the H200: +1 GiB and +300 us for CE at [4096, 128256]).
@@ -230,7 +230,7 @@ def _setup(ctx, inputs, output):
     if ctx.rows_only:
         ctx.save_for_backward(hidden, weight, target, bias)
         ctx.args = (ignore_index, label_smoothing, z_loss_scale, softcap)
-        ctx.accum_fp32, ctx.rows_override, ctx.arena = accum_fp32, rows_override, bool(arena[0]) if arena else True
+        ctx.accum_fp32, ctx.rows_override, ctx.arena = accum_fp32, rows_override, arena
     else:
         ctx.save_for_backward(*(g if n else None for g, n in zip(output[1:], (need_dh, need_dw, need_db))))
 
