@@ -1,7 +1,8 @@
 """Where tigon.generate's time to first token goes on the host: cProfile of warm calls with max_new_tokens=1
-(the 1.5B Llama of bench_decode, prompt 512), top functions by own time and by cumulative time.
+(a model of bench_decode, prompt 512), top functions by own time and by cumulative time, then the kernels one
+call launches (torch.profiler: count, device time, the host time it spans).
 
-    PYTHONPATH=src python benchmarks/profile_ttft.py [--batch 1] [--calls 5] [--top 35]
+    PYTHONPATH=src python benchmarks/profile_ttft.py [--model llama-1.5b|llama3-8b] [--batch 1] [--calls 5] [--top 35]
 """
 
 import argparse
@@ -11,13 +12,14 @@ import pstats
 import time
 
 import torch
-from bench_decode import build
+from bench_decode import DEFAULT_MODEL, MODELS, build
 
 import tigon
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--calls", type=int, default=5)
@@ -25,7 +27,7 @@ def main():
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = dict(quick=device == "cpu", prompt=args.prompt, new=1, device=device, family="llama", batch=args.batch,
-                window=None)
+                window=None, model=args.model)
     model, ids = build(spec)
     tigon.patch(model)
     for _ in range(3):  # JIT, autotune, allocator warm-up
@@ -44,6 +46,25 @@ def main():
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
         print(out.getvalue())
+    if device == "cuda":
+        kernels_of_one_call(model, ids)
+
+
+def kernels_of_one_call(model, ids):
+    """The kernels of one warm max_new_tokens=1 call: how many, their device time, and the call's host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        tigon.generate(model, ids, max_new_tokens=1)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e3
+    print(f"one call under the profiler: {len(kernels)} kernels, {busy:.2f} ms of kernel time, "
+          f"{1e3 * wall:.1f} ms wall")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 if __name__ == "__main__":

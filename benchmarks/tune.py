@@ -2,7 +2,7 @@
 where the host time of one small-op fwd+bwd goes. Each setting is a frozen config passed to the op
 (`tigon.ops._config`); the winners become the configs' defaults.
 
-    PYTHONPATH=src python benchmarks/tune.py [--ops rms_norm,rope,glu,ce] [--out DIR]
+    PYTHONPATH=src python benchmarks/tune.py [--ops rms_norm,rms_norm_heads,rope,glu,ce,flce] [--out DIR]
 """
 
 import argparse
@@ -37,12 +37,13 @@ def _time(ctx, fn):
 
 
 def sweep(ctx, config_cls, grid, make):
-    """Time fwd and fwd+bwd for each config of `config_cls` with the fields in `grid` (the others default);
-    make(config) returns the (fwd, fwd+bwd) callables that pass it to the op."""
-    keys = list(grid)
+    """Time fwd and fwd+bwd for each config of `config_cls` with the fields in `grid` (the others default; or a
+    list of field dicts, one per config); make(config) returns the (fwd, fwd+bwd) callables that pass it to the
+    op."""
+    settings = grid if isinstance(grid, list) else [dict(zip(grid, v)) for v in itertools.product(*grid.values())]
     rows = []
-    for values in itertools.product(*grid.values()):
-        config = config_cls(**dict(zip(keys, values)))
+    for fields in settings:
+        config = config_cls(**fields)
         fwd, fb = make(config)
         row = dataclasses.asdict(config)
         try:
@@ -74,6 +75,28 @@ def tune_rms_norm(ctx):
     return {"rms_norm": sweep(ctx, RMSNormConfig, grid, plain),
             "add_rms_norm": sweep(ctx, RMSNormConfig, {"fwd_warps": [4, 8, 16], "bwd_warps": [8, 16],
                                                        "bwd_per_sm": [2, 4]}, add)}
+
+
+def tune_rms_norm_heads(ctx):
+    """rms_norm over head_dim (the QK-norm: 524288 rows of 64, 128, 256): rows per tile x warps x backward
+    programs per SM; the first row of each head is the default launch."""
+    m = importlib.import_module("tigon.ops.rms_norm")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    for h in (64, 128, 256):
+        x = torch.randn(524288, h, device="cuda", generator=g).to(BF16).requires_grad_()
+        w = (1 + 0.1 * torch.randn(h, device="cuda", generator=g)).to(BF16).requires_grad_()
+        dy = torch.randn_like(x)
+
+        def make(c, x=x, w=w, dy=dy):
+            f = lambda: m.rms_norm(x, w, config=c)
+            return f, _fb(f, (x, w), (dy,))
+
+        grid = [{}] + [dict(tile_elems=t, fwd_warps=nw, bwd_warps=nw, bwd_per_sm=p)
+                       for t in (2048, 4096, 8192) for nw in (4, 8) for p in (2, 4, 8)]
+        out[f"head_{h}"] = sweep(ctx, RMSNormConfig, grid, make)
+        del x, w, dy
+    return out
 
 
 def tune_rope(ctx):
@@ -222,8 +245,8 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     ctx = H.Context("cuda")
-    fns = {"host": host_profile, "rms_norm": tune_rms_norm, "rope": tune_rope, "glu": tune_glu, "ce": tune_ce,
-           "flce": tune_flce}
+    fns = {"host": host_profile, "rms_norm": tune_rms_norm, "rms_norm_heads": tune_rms_norm_heads, "rope": tune_rope,
+           "glu": tune_glu, "ce": tune_ce, "flce": tune_flce}
     results = {}
     for name in a.ops.split(","):
         t = time.time()

@@ -197,21 +197,24 @@ def _rms_norm_bwd_tiles(DY, DS, X, W, RSTD, DX, DR, DW_PART, stride_dy, stride_d
         tl.store(DW_PART + pid.to(tl.int64) * H + o_h, b_dw, mask=m_h)
 
 
-def _rows_per_tile(block_h: int) -> int:
+def _rows_per_tile(block_h: int, tile_elems: int = 0) -> int:
     """Rows a program takes at once: 1 for rows of more than 512 (one row fills a program), else a tile of
-    about 4096 elements. One short row a program (or a loop step) moved 128 bytes between dependent loads:
-    Qwen3's QK-norm backward (head 64) took 26 of a 272 ms step on the H200, ~27x its bytes at the copy rate."""
-    return 1 if block_h > 512 else min(64, 4096 // block_h)
+    `tile_elems` elements (0: about 4096, at most 64 rows). One short row a program (or a loop step) moved 128
+    bytes between dependent loads: Qwen3's QK-norm backward (head 64) took 26 of a 272 ms step on the H200, ~27x
+    its bytes at the copy rate."""
+    if block_h > 512:
+        return 1
+    return max(1, tile_elems // block_h) if tile_elems else min(64, 4096 // block_h)
 
 
 def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=None):
-    fwd_warps = (config or _DEFAULT)[0]
+    fwd_warps, _, _, tile_elems = config or _DEFAULT
     M, H = x.shape
     block = _launch.row_block("rms_norm", H)
     y = torch.empty((M, H), dtype=out_dtype, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     s = torch.empty_like(x) if residual is not None else x.new_empty(0)
-    rows = _rows_per_tile(block)
+    rows = _rows_per_tile(block, tile_elems)
     if M > 0 and H > 0:  # zero width: empty outputs, and rstd (0/0) is never read
         _rms_norm_fwd_kernel[(triton.cdiv(M, rows),)](
             x, residual if residual is not None else x, weight if weight is not None else x, y, s, rstd,
@@ -243,7 +246,7 @@ def _(x, residual, weight, eps, offset, casting, out_dtype, config=None):
 
 
 def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, config=None):
-    _, bwd_warps, bwd_per_sm = config or _DEFAULT
+    _, bwd_warps, bwd_per_sm, tile_elems = config or _DEFAULT
     M, H = x.shape
     block = _launch.row_block("rms_norm", H)
     dx = torch.empty_like(x)
@@ -251,7 +254,7 @@ def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, co
     compute_dw = compute_dw and weight is not None
     # Each program loops over rows (or tiles of short rows), so dw needs only n_prog partial rows (0.2% of the
     # traffic of x at M=16384, H=4096 with 2 programs per SM).
-    rows = _rows_per_tile(block)
+    rows = _rows_per_tile(block, tile_elems)
     n_prog = _launch.num_programs(x.device, triton.cdiv(M, rows), per_sm=bwd_per_sm)
     dw_part = torch.empty((n_prog, H), dtype=torch.float32, device=x.device) if compute_dw else rstd
     if M > 0 and H > 0:
