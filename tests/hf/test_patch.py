@@ -164,14 +164,15 @@ def test_num_items_in_batch_gradient_accumulation_equals_full_batch():
     _close(g_acc, g_full, "accumulated grad")
 
 
-def test_completion_only_labels_run_the_loss_gemms_on_the_kept_rows(monkeypatch):
+def test_completion_only_labels_run_the_loss_gemms_on_the_kept_rows(monkeypatch, device):
     """Prompt tokens labelled -100 (completion-only SFT) cost the patched model's loss nothing: its fused loss
-    drops them before the lm_head GEMMs, with the loss and gradients of the unpatched model."""
-    ref = tiny_model("llama", num_hidden_layers=1)
+    drops them before the lm_head GEMMs, with the loss and gradients of the unpatched model. On the device the
+    kernels run on (the interpreter's CPU, or the GPU), where the fused loss's launches are seen."""
+    ref = tiny_model("llama", num_hidden_layers=1).to(device)
     model = copy.deepcopy(ref)
     tigon.patch(model)
     ref.train(), model.train()
-    ids, labels = batch(b=3, t=9)
+    ids, labels = (t.to(device) for t in batch(b=3, t=9))
     labels[:, :5] = -100  # the prompt
     kept = int((labels[:, 1:] != -100).sum())
     flce = importlib.import_module("tigon.ops.linear_cross_entropy")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests._grid import DTYPES, assert_bound, fp64_copy, grads, randn
+from tests._grid import DTYPES, U32, assert_bound, fp64_copy, grads, randn, sum_ulps
 from tigon import ops
 from tigon.ops import reference
 
@@ -64,14 +64,14 @@ def test_add_rms_norm(device, dtype, hidden, mode, offset):
 @pytest.mark.parametrize("shape", [(3, 11, 9, 64), (2, 5, 31, 100)])
 @pytest.mark.parametrize("mode,offset", MODES)
 def test_short_rows_go_in_tiles(device, dtype, shape, mode, offset):
-    """QK-norm shapes ([batch, seq, heads, head_dim]): rows of <= 512 are normalized in tiles of rows, 64 rows of
-    64 or 32 of 100 (padded to 128). 297 rows: five tiles, the last one partial; 310 rows: ten tiles; the
-    backward's 4 interpreter programs each loop over several. Forward and every gradient against fp64 and the
-    HF formula in dtype, for rms_norm and add_rms_norm."""
+    """QK-norm shapes ([batch, seq, heads, head_dim]): rows of <= 512 are normalized in tiles of rows, 128 rows
+    of 64 or 64 of 100 (padded to 128). 297 rows: three tiles, the last one partial; 310 rows: five tiles, the
+    last partial; the backward's 4 interpreter programs loop over them. Forward and every gradient against fp64
+    and the HF formula in dtype, for rms_norm and add_rms_norm."""
     import sys
 
     mod = sys.modules["tigon.ops.rms_norm"]
-    assert mod._rows_per_tile(128) == 32 and mod._rows_per_tile(64) == 64 and mod._rows_per_tile(1024) == 1
+    assert mod._rows_per_tile(128) == 64 and mod._rows_per_tile(64) == 128 and mod._rows_per_tile(1024) == 1
     torch.manual_seed(shape[-1])
     x = randn(*shape, dtype=dtype, device=device, requires_grad=True)
     r = randn(*shape, dtype=dtype, device=device, requires_grad=True)
@@ -199,9 +199,11 @@ class _KernelSpy:
 @pytest.mark.parametrize("path", ["function", "custom_op"])
 def test_config_reaches_both_launches(device, monkeypatch, path):
     # The warps, programs per SM and short-row tile of an RMSNormConfig reach the forward and backward launches
-    # on the eager (autograd.Function) and the custom-op path; the interpreter ignores warps and uses 4
-    # programs, and the tile changes how rows are grouped, not their math, so the result is the default's, bit
-    # for bit.
+    # on the eager (autograd.Function) and the custom-op path. The interpreter ignores warps and uses 4
+    # programs, and the tile groups rows without changing their math, so there the result is the default's,
+    # bit for bit; on a GPU warps and programs reorder the fp32 sums (a row's over H, dw's over the programs'
+    # partial rows): each result is then within 2 * u * (LAMBDA sqrt(24) + 8) of its terms' scale, which for
+    # these unit-normal inputs stays under 4x the output's largest value.
     import sys
 
     from tigon.ops import _launch
@@ -226,13 +228,17 @@ def test_config_reaches_both_launches(device, monkeypatch, path):
             y, _, _ = torch.ops.tigon.rms_norm_fwd(xs[0], xs[1], xs[2], 1e-6, 0.0, 0, torch.float32,
                                                    None if c is None else c.ints())
         outs.append((y, *grads(y, xs, torch.ones_like(y))))
-    # rows of 24 go in tiles of rows, whose default is 8 warps
-    assert [c["num_warps"] for c in fwd.calls] == [8, 2] and [c["num_warps"] for c in bwd.calls] == [8, 16]
-    # rows of 24 pad to 32: 4096 // 32 = 128, capped at 64 rows a tile by default; 64 // 32 = 2 with the config
-    assert [c["BLOCK_M"] for c in fwd.calls] == [64, 2] and [c["BLOCK_M"] for c in bwd.calls] == [64, 2]
+    # rows of 24 go in tiles of rows, whose default is 4 warps
+    assert [c["num_warps"] for c in fwd.calls] == [4, 2] and [c["num_warps"] for c in bwd.calls] == [4, 16]
+    # rows of 24 pad to 32: 8192 // 32 = 256, capped at 128 rows a tile by default; 64 // 32 = 2 with the config
+    assert [c["BLOCK_M"] for c in fwd.calls] == [128, 2] and [c["BLOCK_M"] for c in bwd.calls] == [128, 2]
     assert per_sm == [2, 3]
     for a, b in zip(*outs):
-        assert torch.equal(a, b)
+        if device == "cpu":
+            assert torch.equal(a, b)
+        else:
+            tol = 2 * U32 * (sum_ulps(24) + 8) * 4 * b.abs().max().item()
+            assert (a - b).abs().max().item() <= tol
     with pytest.raises(TypeError, match="rms_norm: config must be"):
         ops.rms_norm(x, w, config=(2, 16, 3))
     torch.library.opcheck(torch.ops.tigon.rms_norm_fwd, (x.requires_grad_(), None, w, 1e-6, 0.0, 0, torch.float32,

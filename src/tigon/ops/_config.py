@@ -117,20 +117,19 @@ def _ints(cfg) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class RMSNormConfig:
-    """The launches of `rms_norm` / `add_rms_norm`: warps of the forward (one row a program) and of the backward
-    (0: from the hidden size, `_launch.row_warps`, at most 8 in the forward), backward programs per SM (each
-    loops over rows and keeps one fp32 partial dw row), and for rows of <= 512 elements the elements of a tile of
-    rows (`tile_elems`, a power of two; 0: the rule of `rms_norm._rows_per_tile`)."""
+    """The launches of `rms_norm` / `add_rms_norm`: warps of the forward and of the backward, backward programs
+    per SM (each loops over rows and keeps one fp32 partial dw row), and for rows of <= 512 elements the
+    elements of a tile of rows (`tile_elems`, a power of two). 0 (every default): from the shape, as measured
+    (`rms_norm._tile_launch`, `rms_norm._rows_per_tile`)."""
 
     fwd_warps: int = 0
     bwd_warps: int = 0
-    # H200, H=4096: 2 programs x 16 warps per SM beat 4 x 16 (204 vs 216 us fwd+bwd)
-    bwd_per_sm: int = 2
+    bwd_per_sm: int = 0
     tile_elems: int = 0
 
     def __post_init__(self):
         _check_fields(self, powers_of_two=("fwd_warps", "bwd_warps", "tile_elems"),
-                      zero_ok=("fwd_warps", "bwd_warps", "tile_elems"))
+                      zero_ok=("fwd_warps", "bwd_warps", "bwd_per_sm", "tile_elems"))
 
     ints = _ints
 

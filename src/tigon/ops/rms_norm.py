@@ -199,22 +199,35 @@ def _rms_norm_bwd_tiles(DY, DS, X, W, RSTD, DX, DR, DW_PART, stride_dy, stride_d
 
 def _rows_per_tile(block_h: int, tile_elems: int = 0) -> int:
     """Rows a program takes at once: 1 for rows of more than 512 (one row fills a program), else a tile of
-    `tile_elems` elements (0: about 4096, at most 64 rows). One short row a program (or a loop step) moved 128
+    `tile_elems` elements (0: 8192, at most 128 rows). One short row a program (or a loop step) moved 128
     bytes between dependent loads: Qwen3's QK-norm backward (head 64) took 26 of a 272 ms step on the H200, ~27x
-    its bytes at the copy rate."""
+    its bytes at the copy rate. 8192 from the H200 sweep (tune.py rms_norm_heads, h200_tune.json): with 4096 the
+    backward at head 256 took 543-691 us against 442-485."""
     if block_h > 512:
         return 1
-    return max(1, tile_elems // block_h) if tile_elems else min(64, 4096 // block_h)
+    return max(1, tile_elems // block_h) if tile_elems else min(128, 8192 // block_h)
+
+
+def _tile_launch(block_h: int, rows: int, config) -> tuple[int, int, int]:
+    """(forward warps, backward warps, backward programs per SM) of a launch: the config's where it sets them,
+    else from the shape. One row a program: warps by the row's size, 2 programs per SM (H 4096: 2 x 16 warps
+    beat 4 x 16, 204 vs 216 us fwd+bwd). Tiles of short rows: 4 warps, and 8 programs per SM from rows of 128
+    on (H200, 524288 rows fwd+bwd: 218-239 / 442 us at head 128 / 256 against 264 / 485 with 2 and 280 / 775
+    with the first guess, 8 warps and 2 programs; at head 64, 2 programs: 115 us against 125 with 8)."""
+    fwd_warps, bwd_warps, per_sm, _ = config or _DEFAULT
+    if rows > 1:
+        return fwd_warps or 4, bwd_warps or 4, per_sm or (8 if block_h >= 128 else 2)
+    return fwd_warps or min(8, _launch.row_warps(block_h)), bwd_warps or _launch.row_warps(block_h), per_sm or 2
 
 
 def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=None):
-    fwd_warps, _, _, tile_elems = config or _DEFAULT
     M, H = x.shape
     block = _launch.row_block("rms_norm", H)
     y = torch.empty((M, H), dtype=out_dtype, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     s = torch.empty_like(x) if residual is not None else x.new_empty(0)
-    rows = _rows_per_tile(block, tile_elems)
+    rows = _rows_per_tile(block, (config or _DEFAULT)[3])
+    fwd_warps, _, _ = _tile_launch(block, rows, config)
     if M > 0 and H > 0:  # zero width: empty outputs, and rstd (0/0) is never read
         _rms_norm_fwd_kernel[(triton.cdiv(M, rows),)](
             x, residual if residual is not None else x, weight if weight is not None else x, y, s, rstd,
@@ -222,8 +235,7 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=Non
             s.stride(0) if residual is not None else 0, M, H, eps, offset,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, CASTING=casting,
             BLOCK_H=block, BLOCK_M=rows,
-            # 8 warps: 70 vs 80 us at H 4096; a tile of short rows: 8 warps, 16 elements a thread
-            num_warps=fwd_warps or (8 if rows > 1 else min(8, _launch.row_warps(block))),
+            num_warps=fwd_warps,
         )
     return y, s, rstd
 
@@ -246,7 +258,6 @@ def _(x, residual, weight, eps, offset, casting, out_dtype, config=None):
 
 
 def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, config=None):
-    _, bwd_warps, bwd_per_sm, tile_elems = config or _DEFAULT
     M, H = x.shape
     block = _launch.row_block("rms_norm", H)
     dx = torch.empty_like(x)
@@ -254,7 +265,8 @@ def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, co
     compute_dw = compute_dw and weight is not None
     # Each program loops over rows (or tiles of short rows), so dw needs only n_prog partial rows (0.2% of the
     # traffic of x at M=16384, H=4096 with 2 programs per SM).
-    rows = _rows_per_tile(block, tile_elems)
+    rows = _rows_per_tile(block, (config or _DEFAULT)[3])
+    _, bwd_warps, bwd_per_sm = _tile_launch(block, rows, config)
     n_prog = _launch.num_programs(x.device, triton.cdiv(M, rows), per_sm=bwd_per_sm)
     dw_part = torch.empty((n_prog, H), dtype=torch.float32, device=x.device) if compute_dw else rstd
     if M > 0 and H > 0:
@@ -264,7 +276,7 @@ def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, co
             dy.stride(0), ds.stride(0) if ds is not None else 0, x.stride(0), dx.stride(0), M, H, offset,
             HAS_DR=two_dx, HAS_DS=ds is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
             CASTING=casting, BLOCK_H=block, BLOCK_M=rows,
-            num_warps=bwd_warps or (8 if rows > 1 else _launch.row_warps(block)),
+            num_warps=bwd_warps,
         )
     if not compute_dw:
         return dx, dr, x.new_empty(0)
