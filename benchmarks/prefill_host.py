@@ -19,6 +19,8 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tigon import ops
+from tigon.ops.rms_norm import rms_norm_rows
+from tigon.ops.swiglu import glu_rows
 
 H, I, NQ, NKV, D = 4096, 14336, 32, 8, 128  # Llama-3-8B
 BF16 = torch.bfloat16
@@ -83,6 +85,9 @@ def main():
         "tigon rms_norm": lambda: ops.rms_norm(x, wn, 1e-5),
         "tigon add_rms_norm": lambda: ops.add_rms_norm(x, x, wn, 1e-5),
         "tigon swiglu": lambda: ops.swiglu(g, u),
+        "tigon rms_norm_rows (unchecked)": lambda: rms_norm_rows(x, wn, 1e-5),
+        "tigon rms_norm_rows + residual": lambda: rms_norm_rows(x, wn, 1e-5, residual=x),
+        "tigon glu_rows (unchecked)": lambda: glu_rows(g, u, "silu"),
         "triton no-op kernel (3 args)": lambda: _noop_kernel[(1,)](small, 16, BLOCK=16),
     }
     out = {"tokens": t, "host_us": {}, "device_us": {}}

@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -243,3 +245,17 @@ def test_config_reaches_both_launches(device, monkeypatch, path):
         ops.rms_norm(x, w, config=(2, 16, 3))
     torch.library.opcheck(torch.ops.tigon.rms_norm_fwd, (x.requires_grad_(), None, w, 1e-6, 0.0, 0, torch.float32,
                                                         cfg.ints()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rows_is_the_public_op_without_its_checks(device, dtype):
+    # The unchecked row entry of the decode wing's prefill: the same kernel and launch as rms_norm /
+    # add_rms_norm in "llama" casting, so the same bits.
+    x, r = randn(37, 96, dtype=dtype, device=device), randn(37, 96, dtype=dtype, device=device)
+    w = randn(96, dtype=dtype, device=device)
+    m = sys.modules["tigon.ops.rms_norm"]
+    y, s = m.rms_norm_rows(x, w, 1e-5)
+    assert s is None and torch.equal(y, ops.rms_norm(x, w, 1e-5))
+    y, s = m.rms_norm_rows(x, w, 1e-5, residual=r)
+    y_ref, s_ref = ops.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(y, y_ref) and torch.equal(s, s_ref)

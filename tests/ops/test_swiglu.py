@@ -391,3 +391,17 @@ def test_gpu_inplace_backward_memory_is_the_output_only():
     torch.cuda.synchronize()
     assert dg.data_ptr() == g.data_ptr() and du.data_ptr() == u.data_ptr()
     assert torch.cuda.max_memory_allocated() - base <= M_GPU * I_GPU * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_glu_rows_is_the_public_op_without_its_checks(device, dtype, activation):
+    # The unchecked row entry of the decode wing's prefill: the public ops' kernel and launch, so their bits,
+    # for separate gate / up and for a packed [M, 2I] gate_up.
+    from tigon.ops.swiglu import glu_rows
+
+    g, u = randn(21, 70, dtype=dtype, device=device), randn(21, 70, dtype=dtype, device=device)
+    public, packed = (ops.swiglu, swiglu_packed) if activation == "silu" else (ops.geglu, geglu_packed)
+    assert torch.equal(glu_rows(g, u, activation), public(g, u))
+    gu = torch.cat((g, u), dim=-1)
+    assert torch.equal(glu_rows(gu, None, activation), packed(gu))

@@ -51,6 +51,8 @@ from ..hf.causal_lm import fused_prenorm_decoder_forward
 from ..memory.kv_cache import RollingKVCache
 from ..modules import RMSNorm
 from ..modules.mlp import GeGLUMLP, SwiGLUMLP, plain_linear
+from ..ops.rms_norm import rms_norm_rows
+from ..ops.swiglu import glu_rows
 
 _ACT = {SwiGLUMLP: "silu", GeGLUMLP: "gelu_tanh"}
 
@@ -121,11 +123,15 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     found = _weights(layer, hidden_states.dtype)
     if found is None or not hidden_states.is_contiguous():
         return None
-    _, gate, up, down, _ = found
+    _, gate, up, down, act = found
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    # The norms and the GLU through their unchecked row entries: `_weights` checked the modules and dtypes,
+    # and every tensor here is a fresh contiguous [b * t, ...] product of this function.
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    h = ops.rms_norm(hidden_states, ln1.weight, ln1.eps)
+    rows = b * t
+    h, _ = rms_norm_rows(hidden_states.view(rows, -1), ln1.weight, ln1.eps)
+    h = h.view(b, t, -1)
     shape = (b, t, -1, attn.head_dim)
     q = F.linear(h, attn.q_proj.weight).view(shape)
     k = F.linear(h, attn.k_proj.weight).view(shape)
@@ -135,14 +141,14 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     cos, sin = position_embeddings
     keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2))
     out, _ = sdpa_attention_forward(attn, q, keys, values, None, dropout=0.0, scaling=attn.scaling)
-    o = F.linear(out.reshape(b, t, -1), attn.o_proj.weight)
-    normed, h2 = ops.add_rms_norm(o, hidden_states, ln2.weight, ln2.eps)
-    mlp = layer.mlp  # its inference forward, without the four module calls: the same GEMMs and GLU kernel
-    if mlp.fused_gate_up:
-        m = mlp._glu_packed(F.linear(normed, mlp.gate_up_proj.weight))
+    o = F.linear(out.reshape(rows, -1), attn.o_proj.weight)
+    normed, h2 = rms_norm_rows(o, ln2.weight, ln2.eps, residual=hidden_states.view(rows, -1))
+    # the MLP's inference forward without its four module calls: the same GEMMs and GLU kernel
+    if layer.mlp.fused_gate_up:
+        m = glu_rows(F.linear(normed, layer.mlp.gate_up_proj.weight), None, act)
     else:
-        m = mlp._glu(F.linear(normed, gate), F.linear(normed, up))
-    return h2 + F.linear(m, down)
+        m = glu_rows(F.linear(normed, gate), F.linear(normed, up), act)
+    return (h2 + F.linear(m, down)).view(b, t, -1)
 
 
 def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):

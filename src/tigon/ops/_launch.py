@@ -29,10 +29,25 @@ def num_programs(device: torch.device, rows: int, per_sm: int) -> int:
     return max(1, min(rows, target))
 
 
+def cdiv(a, b):
+    """ceil(a / b), as triton.cdiv computes it, for host code: in Triton 3.6 triton.cdiv and
+    triton.next_power_of_2 are ConstexprFunctions whose call costs ~4 us of host time on a fast CPU (an import
+    and argument unwrapping per call), several times per launch of a small op."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n):
+    """The least power of two >= n (0 for 0), as triton.next_power_of_2, for host code (see cdiv); symbolic
+    sizes (torch.compile tracing) go to triton's bit arithmetic."""
+    if type(n) is not int or n < 0:
+        return triton.next_power_of_2(n)
+    return 1 << (n - 1).bit_length() if n else 0
+
+
 def row_block(op: str, n: int, arg: str = "hidden size") -> int:
     if n > MAX_FUSED_HIDDEN:
         raise ValueError(f"{op}: {arg} {n} is over the kernel's limit of {MAX_FUSED_HIDDEN}")
-    return triton.next_power_of_2(max(n, 1))
+    return next_power_of_2(max(n, 1))
 
 
 def row_warps(block: int, elem_bytes: int = 2) -> int:

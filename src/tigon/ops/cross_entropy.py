@@ -193,11 +193,11 @@ def block_config(V: int, device: torch.device, config=None) -> tuple:
     gradient pass re-reads the row from L2. The interpreter uses 512 so that small test vocabularies
     still loop over several tiles. config: CrossEntropyConfig.ints() or None."""
     if device.type != "cuda":
-        return min(triton.next_power_of_2(max(V, 1)), 512), 1
+        return min(_launch.next_power_of_2(max(V, 1)), 512), 1
     # H200 sweep at [4096, 128256] bf16 (benchmarks/results/h200_tune.json): 8192 x 16 warps 883 us
     # fwd+bwd, 16384 x 16 warps 970 us, 32768 x 32 warps 885 us.
     block_v, num_warps = (config or _DEFAULT)[:2]
-    block = min(triton.next_power_of_2(max(V, 1)), block_v or 8192)
+    block = min(_launch.next_power_of_2(max(V, 1)), block_v or 8192)
     return block, num_warps or max(1, min(16, block // 512))
 
 
@@ -310,8 +310,8 @@ def _scale_grad_launch(grad, grad_output, per_sm=_DEFAULT[2]):
     go = grad_output.reshape(-1)
     if M == 0 or C == 0:
         return
-    block = min(triton.next_power_of_2(C), 4096 if g.device.type == "cuda" else 1024)
-    tiles = M * triton.cdiv(C, block) if not per_row else M
+    block = min(_launch.next_power_of_2(C), 4096 if g.device.type == "cuda" else 1024)
+    tiles = M * _launch.cdiv(C, block) if not per_row else M
     n_prog = _launch.num_programs(g.device, tiles, per_sm=per_sm)
     _scale_grad_kernel[(n_prog,)](
         g, go, g.stride(0), go.stride(0) if per_row else 0, M, C, PER_ROW=per_row, BLOCK=block,

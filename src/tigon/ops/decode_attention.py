@@ -211,11 +211,11 @@ def _num_splits(device, C: int, programs: int, block_n: int, cfg: DecodeAttentio
         n = cfg.n_splits
     elif device.type == "cuda":
         target = _launch.sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        n = min(triton.cdiv(target * cfg.splits_per_sm, programs), triton.cdiv(C, cfg.min_split_slots),
+        n = min(_launch.cdiv(target * cfg.splits_per_sm, programs), _launch.cdiv(C, cfg.min_split_slots),
                 cfg.max_splits)
     else:
         n = 2  # the interpreter pays ~1 ms per program
-    return max(1, min(n, triton.cdiv(C, block_n)))
+    return max(1, min(n, _launch.cdiv(C, block_n)))
 
 
 def _dot_precision(dtype, interp: bool) -> str:
@@ -236,13 +236,13 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
         if advance is not None:
             advance.add_(1)
         return out
-    block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs every dim >= 16
-    block_g = min(max(16, triton.next_power_of_2(G)), _MAX_GROUP_BLOCK)
-    n_gblk = triton.cdiv(G, block_g)
+    block_d = max(16, _launch.next_power_of_2(D))  # tl.dot needs every dim >= 16
+    block_g = min(max(16, _launch.next_power_of_2(G)), _MAX_GROUP_BLOCK)
+    n_gblk = _launch.cdiv(G, block_g)
     block_n = _block_n(q.device, block_d, cfg)
     n_splits = _num_splits(q.device, C, B * Hkv * n_gblk, block_n, cfg)
-    chunk = triton.cdiv(triton.cdiv(C, n_splits), block_n) * block_n
-    n_splits = triton.cdiv(C, chunk)  # no split without slots
+    chunk = _launch.cdiv(_launch.cdiv(C, n_splits), block_n) * block_n
+    n_splits = _launch.cdiv(C, chunk)  # no split without slots
     one = n_splits == 1
     if one:
         m_part = l_part = acc_part = out
@@ -272,8 +272,8 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
         _decode_attention_merge_kernel[(B * Hq,)](
             m_part, l_part, acc_part, out, adv, out.stride(0), out.stride(1), Hq, D, n_splits,
             adv.numel(), adv.stride(0) if adv.dim() else 1,
-            ADVANCE=advance is not None, BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d,
-            BLOCK_P=triton.next_power_of_2(max(adv.numel(), 1)), num_warps=cfg.num_warps,
+            ADVANCE=advance is not None, BLOCK_S=_launch.next_power_of_2(n_splits), BLOCK_D=block_d,
+            BLOCK_P=_launch.next_power_of_2(max(adv.numel(), 1)), num_warps=cfg.num_warps,
         )
     elif advance is not None:  # no merge kernel to carry it
         advance.add_(1)

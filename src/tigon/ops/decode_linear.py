@@ -202,8 +202,8 @@ def _rule_config(K: int, n_total: int, glu: bool, norm: bool, sms: int) -> Decod
     # From the H200 sweeps (benchmarks/results/h200_decode_ops_sweep.json, 1.5B Llama shapes, bf16, batch 1 and 8): 32
     # columns a program except for a plain square projection (o_proj: 16, twice the programs), 256-wide K steps,
     # 4 warps; a long K over few column blocks (down_proj, K = 4 N) splits K in 4 over 64-column blocks.
-    block_k = 256 if K >= 256 else max(16, triton.next_power_of_2(K))
-    if not glu and K >= 4 * 2048 and triton.cdiv(n_total, 64) < 2 * sms:
+    block_k = 256 if K >= 256 else max(16, _launch.next_power_of_2(K))
+    if not glu and K >= 4 * 2048 and _launch.cdiv(n_total, 64) < 2 * sms:
         return DecodeLinearConfig(64, block_k, 4, 4, 4)
     block_n = 32 if glu or norm or n_total >= 4096 else 16
     return DecodeLinearConfig(block_n, block_k, 4, 3 if glu else 4, 1)
@@ -233,8 +233,8 @@ def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, esize: int
 def _split_of(K: int, block_k: int, split: int) -> tuple[int, int]:
     """(K elements per split, splits) a launch runs for `split` asked: whole BLOCK_K steps per split, so fewer
     splits than asked where the K steps do not divide evenly (4 steps in 3 splits: 2 splits of 2 steps)."""
-    k_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
-    return k_split, triton.cdiv(K, k_split)
+    k_split = _launch.cdiv(_launch.cdiv(K, split), block_k) * block_k
+    return k_split, _launch.cdiv(K, k_split)
 
 
 def _workspace(device, n_sums: int, n_counters: int):
@@ -261,12 +261,12 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
                               residual=residual is not None)
     block_n, block_k, split = config.block_n, config.block_k, config.split_k
     ns_all = ns + [0] * (MAX_WEIGHTS - len(ns))
-    nb = [triton.cdiv(n, block_n) for n in ns_all]
+    nb = [_launch.cdiv(n, block_n) for n in ns_all]
     if act:
         split = 1  # two accumulators: twice the columns per program fill the GPU without splitting K
     n_blocks = nb[0] if act else sum(nb)
     block_m = 16  # tl.dot's least M: batch 1 to 16 cost the same
-    m_blocks = triton.cdiv(M, block_m)
+    m_blocks = _launch.cdiv(M, block_m)
     k_split, split = _split_of(K, block_k, split)
     if split > 1:
         ws, cnt = _workspace(x.device, split * M * n_out, n_blocks * m_blocks)

@@ -127,7 +127,7 @@ def _rope_kv_write_kernel(
 
 
 def _heads_block(n_heads: int, width: int) -> int:
-    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), ROPE_KV_WRITE.tile // width))
+    return max(1, min(_launch.next_power_of_2(max(n_heads, 1)), ROPE_KV_WRITE.tile // width))
 
 
 def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query, next_pos=None, positions=None, sink=0):
@@ -136,8 +136,8 @@ def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query, next_pos=N
     if B * T == 0 or Hkv == 0:
         return qo
     rd = cos.shape[-1]
-    block_r = triton.next_power_of_2(rd // 2)
-    block_d = triton.next_power_of_2(D)
+    block_r = _launch.next_power_of_2(rd // 2)
+    block_d = _launch.next_power_of_2(D)
     Hq = query.shape[1] if query is not None else 0
     qs = query.stride()[:3] if query is not None else (0, 0, 0)
     qos = qo.stride()[:3] if query is not None else (0, 0, 0)
@@ -152,7 +152,7 @@ def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query, next_pos=N
         T, Hq, Hkv, k_cache.shape[2], D, rd // 2, sink,
         SLOT_FROM_NEXT=next_pos is not None, HAS_PASS=rd < D, BLOCK_HQ=_heads_block(Hq, block_r),
         BLOCK_HK=_heads_block(Hkv, block_r),
-        BLOCK_HV=_heads_block(Hkv, block_d), BLOCK_R=block_r, BLOCK_P=triton.next_power_of_2(max(D - rd, 1)),
+        BLOCK_HV=_heads_block(Hkv, block_d), BLOCK_R=block_r, BLOCK_P=_launch.next_power_of_2(max(D - rd, 1)),
         BLOCK_D=block_d, num_warps=ROPE_KV_WRITE.num_warps,
     )
     return qo

@@ -13,7 +13,6 @@ import math
 from typing import Optional
 
 import torch
-import triton
 
 from . import _launch, _library, reference
 from ._config import LINEAR_CROSS_ENTROPY, LinearCrossEntropyConfig
@@ -48,8 +47,8 @@ def chunk_rows(N: int, V: int, itemsize: int, override: int = 0,
         return max(1, N)
     step = 64 if rows >= 64 else 1
     rows = rows // step * step
-    per_chunk = triton.cdiv(N, triton.cdiv(N, rows))  # same rows in every chunk, rounded up to the step
-    return min(rows, triton.cdiv(per_chunk, step) * step)
+    per_chunk = _launch.cdiv(N, _launch.cdiv(N, rows))  # same rows in every chunk, rounded up to the step
+    return min(rows, _launch.cdiv(per_chunk, step) * step)
 
 
 def _add_dw(dw, g_t, h_c, first: bool) -> None:

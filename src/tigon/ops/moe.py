@@ -114,7 +114,7 @@ def _moe_scatter_kernel(
 
 def _geometry(device, H):
     """(BLOCK_H, num_warps): one program per token; on CPU (the interpreter) one chunk of the whole row."""
-    block = min(triton.next_power_of_2(max(H, 1)), _MAX_BLOCK_H)
+    block = min(_launch.next_power_of_2(max(H, 1)), _MAX_BLOCK_H)
     warps = max(1, min(8, block // 256)) if device.type == "cuda" else 1
     return block, warps
 

@@ -229,7 +229,7 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=Non
     rows = _rows_per_tile(block, (config or _DEFAULT)[3])
     fwd_warps, _, _ = _tile_launch(block, rows, config)
     if M > 0 and H > 0:  # zero width: empty outputs, and rstd (0/0) is never read
-        _rms_norm_fwd_kernel[(triton.cdiv(M, rows),)](
+        _rms_norm_fwd_kernel[(_launch.cdiv(M, rows),)](
             x, residual if residual is not None else x, weight if weight is not None else x, y, s, rstd,
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
             s.stride(0) if residual is not None else 0, M, H, eps, offset,
@@ -267,7 +267,7 @@ def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, co
     # traffic of x at M=16384, H=4096 with 2 programs per SM).
     rows = _rows_per_tile(block, (config or _DEFAULT)[3])
     _, bwd_warps, bwd_per_sm = _tile_launch(block, rows, config)
-    n_prog = _launch.num_programs(x.device, triton.cdiv(M, rows), per_sm=bwd_per_sm)
+    n_prog = _launch.num_programs(x.device, _launch.cdiv(M, rows), per_sm=bwd_per_sm)
     dw_part = torch.empty((n_prog, H), dtype=torch.float32, device=x.device) if compute_dw else rstd
     if M > 0 and H > 0:
         _rms_norm_bwd_kernel[(n_prog,)](
@@ -409,6 +409,20 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama", config=No
     y, _, _ = _library.dispatch(torch.ops.tigon.rms_norm_fwd, RMSNormFunction, _fwd_launch, *args,
                                 grad_from=(x, weight))
     return y.view(x.shape)
+
+
+def rms_norm_rows(x, weight, eps, residual=None):
+    """`rms_norm(x, weight, eps)` (residual None) or `add_rms_norm(x, residual, weight, eps)` in "llama" casting
+    for a caller that built its inputs itself, without argument checks: contiguous [M, H] rows, a [H] weight,
+    all of one dtype and device, no autograd. Returns (y, s or None). The fused decode wing's prefill calls it:
+    there the checks of the public ops cost more host time than their kernels (~10 us a call on a fast CPU,
+    ~4x that on the H200 machine's host; docs/generation.md)."""
+    if not _library.use_kernels("add_rms_norm" if residual is not None else "rms_norm", x):
+        if residual is None:
+            return reference.rms_norm(x, weight, eps), None
+        return reference.add_rms_norm(x, residual, weight, eps)
+    y, s, _ = _fwd_launch(x, residual, weight, eps, 0.0, _CASTING["llama"], x.dtype)
+    return y, (s if residual is not None else None)
 
 
 def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting_mode="llama", config=None):

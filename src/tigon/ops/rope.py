@@ -130,7 +130,7 @@ def _out_like(x: torch.Tensor) -> torch.Tensor:
 
 
 def _heads_block(n_heads: int, block_r: int, tile: int = _DEFAULT[0]) -> int:
-    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), tile // block_r))
+    return max(1, min(_launch.next_power_of_2(max(n_heads, 1)), tile // block_r))
 
 
 def rope_launch(q, k, cos, sin, transpose, config=None):
@@ -146,8 +146,8 @@ def rope_launch(q, k, cos, sin, transpose, config=None):
     Hkv = k.shape[1] if k is not None else 0
     if B * T == 0 or Hq + Hkv == 0:
         return qo, ko
-    block_r = triton.next_power_of_2(rd // 2)
-    block_p = triton.next_power_of_2(max(D - rd, 1))
+    block_r = _launch.next_power_of_2(rd // 2)
+    block_p = _launch.next_power_of_2(max(D - rd, 1))
     qs = q.stride()[:3] if q is not None else (0, 0, 0)
     ks = k.stride()[:3] if k is not None else (0, 0, 0)
     qos = qo.stride()[:3] if q is not None else (0, 0, 0)

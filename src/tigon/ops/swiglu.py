@@ -146,16 +146,16 @@ def _tiles(device: torch.device, elem_bytes: int, rows: int, cols: int, config=N
     """(BLOCK_M, BLOCK_N, num_warps) for an elementwise pass over [rows, cols]; config: GLUConfig.ints()."""
     tile_bytes, cpu_tile, num_warps = config or _DEFAULT
     if device.type != "cuda":
-        block_n = min(triton.next_power_of_2(max(cols, 1)), cpu_tile)
-        return min(triton.next_power_of_2(max(rows, 1)), max(1, cpu_tile // block_n)), block_n, 1
+        block_n = min(_launch.next_power_of_2(max(cols, 1)), cpu_tile)
+        return min(_launch.next_power_of_2(max(rows, 1)), max(1, cpu_tile // block_n)), block_n, 1
     tile = tile_bytes // elem_bytes
     # The widest power of two up to the tile whose last column tile wastes <= 1/16 of the row
     # (14336 -> 2048, 11008 -> 1024), so few lanes idle on masked columns; 128 bf16 = 256 bytes per row
     # piece still fills whole 32-byte sectors.
-    block_n = min(triton.next_power_of_2(max(cols, 1)), tile)
-    while block_n > 128 and triton.cdiv(cols, block_n) * block_n * 16 > cols * 17:
+    block_n = min(_launch.next_power_of_2(max(cols, 1)), tile)
+    while block_n > 128 and _launch.cdiv(cols, block_n) * block_n * 16 > cols * 17:
         block_n //= 2
-    block_m = min(triton.next_power_of_2(max(rows, 1)), max(1, tile // block_n))
+    block_m = min(_launch.next_power_of_2(max(rows, 1)), max(1, tile // block_n))
     return block_m, block_n, num_warps
 
 
@@ -180,7 +180,7 @@ def _launch_fwd(g, u, y, act, config=None):
         return
     rows, cols, strides = _pass_geometry((g, u, y), M, N)
     block_m, block_n, warps = _tiles(g.device, g.element_size(), rows, cols, config)
-    grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n),)
+    grid = (_launch.cdiv(rows, block_m) * _launch.cdiv(cols, block_n),)
     _glu_fwd_kernel[grid](g, u, y, *strides, rows, cols, ACT=act, BLOCK_M=block_m, BLOCK_N=block_n,
                           num_warps=warps)
 
@@ -192,7 +192,7 @@ def _launch_bwd(dy, g, u, dg, du, act, y=None, config=None):
         return
     rows, cols, strides = _pass_geometry((dy, g, u, dg, du, dy if y is None else y), M, N)
     block_m, block_n, warps = _tiles(g.device, g.element_size(), rows, cols, config)
-    grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n),)
+    grid = (_launch.cdiv(rows, block_m) * _launch.cdiv(cols, block_n),)
     _glu_bwd_kernel[grid](dy, g, u, dg, du, dy if y is None else y, *strides, rows, cols, ACT=act, BLOCK_M=block_m,
                           BLOCK_N=block_n, STORE_Y=y is not None, num_warps=warps)
 
@@ -399,6 +399,19 @@ def _glu_packed(op, act, ref_fn, gate_up, inplace_backward, config):
     y = _library.dispatch(torch.ops.tigon.glu_fwd, None, glu_fwd_launch, _as_rows(gate_up), None, act,
                           inplace_backward, cfg, grad_from=(gate_up,))
     return y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+_ACT_CODES = {"silu": (_SILU, reference.swiglu), "gelu_tanh": (_GELU_TANH, reference.geglu)}
+
+
+def glu_rows(gate, up, activation):
+    """act(gate) * up for a caller that built its inputs itself, without argument checks (`rms_norm_rows`
+    says why): gate, up [M, I] with unit last stride (up None: gate is a packed [M, 2 * I] gate_up), one dtype
+    and device, no autograd; activation "silu" or "gelu_tanh"."""
+    act, ref_fn = _ACT_CODES[activation]
+    if not _library.use_kernels("swiglu" if act == _SILU else "geglu", gate):
+        return ref_fn(gate, up) if up is not None else ref_fn(*gate.chunk(2, dim=-1))
+    return glu_fwd_launch(gate, up, act)
 
 
 def swiglu(gate, up, *, inplace_backward=False, config=None):

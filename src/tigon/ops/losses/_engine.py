@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _library
+from .. import _launch, _library
 from .._workspace import workspace
 from ..linear_cross_entropy import _add_dw as add_dw  # dW += dlogits^T h, fp32 C in one cuBLAS call
 
@@ -89,8 +89,8 @@ def chunk_rows(N: int, V: int, itemsize: int, cfg: FusedLinearLossConfig) -> int
         return max(1, N)
     step = 64 if rows >= 64 else 1
     rows = rows // step * step
-    per_chunk = triton.cdiv(N, triton.cdiv(N, rows))  # balanced chunks, rounded up to the GEMM step
-    return min(rows, triton.cdiv(per_chunk, step) * step)
+    per_chunk = _launch.cdiv(N, _launch.cdiv(N, rows))  # balanced chunks, rounded up to the GEMM step
+    return min(rows, _launch.cdiv(per_chunk, step) * step)
 
 
 # (BLOCK_V, num_warps) of each row kernel on CUDA when the config leaves them 0. grad: the best of the H200 sweep
@@ -109,10 +109,10 @@ def row_launch(kernel: str, V: int, itemsize: int, device, cfg) -> tuple[int, in
     vec = max(1, 16 // itemsize)
     if device.type == "cuda":
         block, warps = ROW_DEFAULTS[kernel]
-        block = cfg.block_v or min(block, max(vec, triton.next_power_of_2(V)))
+        block = cfg.block_v or min(block, max(vec, _launch.next_power_of_2(V)))
         warps = cfg.num_warps or max(1, min(warps, block // (32 * vec)))  # >= one slot per thread
     else:  # interpreter: one numpy step per row is cheaper than a loop
-        block = cfg.block_v or max(vec, triton.next_power_of_2(V))
+        block = cfg.block_v or max(vec, _launch.next_power_of_2(V))
         warps = cfg.num_warps or 4
     return block, min(vec, block), warps
 
