@@ -228,6 +228,7 @@ def test_every_fusion(device, dtype, norm, res, act):
         (17, 130, (33, 5, 18)),  # q, k, v of three sizes, 2 row blocks
         (2, 64, (16,)),  # exact tiles: EVEN_K
         (1, 5, (1,)),  # K below one step, one output column
+        (9, 1100, (18,)),  # the norm's statistics in three 512-wide steps (16 rows), the last one masked
     ],
 )
 def test_odd_sizes(device, dtype, M, K, ns):

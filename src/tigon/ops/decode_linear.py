@@ -4,7 +4,8 @@ of a transformer's projections fused in.
 At decode a projection reads its whole weight to produce a handful of rows: it is bound by the weight bytes
 and, at 1-2 B parameters, by how many kernels a step launches. One kernel here does, for `x [M, K]`:
 - `norm_weight`: RMSNorm of each row first ("llama" casting, as `ops.rms_norm`); every program recomputes the
-  row statistics from x, which is a few KiB and sits in L2, so the norm costs no kernel and no pass over HBM;
+  row statistics from x, which is a few KiB and sits in L2, so the norm costs no kernel and no pass over HBM
+  (in a few wide loads: each is a dependent L2 round trip before the program's first weight tile);
 - `weights`: 1 to 3 matrices `[N_i, K]` whose outputs are concatenated (q, k, v in one launch);
 - `activation` ("silu" / "gelu_tanh"): exactly two weights (gate, up), the output is act(gate) * up: the
   gated MLP's first half without its `[M, 2 * I]` intermediate;
@@ -29,6 +30,8 @@ from ._config import DecodeLinearConfig
 
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 MAX_WEIGHTS = 3
+# x elements a NORM program loads per statistics step (rows x columns): 8192 columns at batch 1, 1024 at 8
+STATS_ELEMS = 8192
 
 
 @triton.jit
@@ -73,6 +76,8 @@ def _decode_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STATS_M: tl.constexpr,  # NORM: rows whose statistics a program computes (the real rows, <= BLOCK_M)
+    STATS_K: tl.constexpr,  # NORM: elements of x a statistics step loads per row (few, wide steps)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -96,12 +101,22 @@ def _decode_linear_kernel(
     k_lo = pid_k * K_SPLIT
 
     if NORM:  # the row statistics over all of K, whatever this program's split
-        b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + o_k
-            b_x = tl.load(p_x + kk[None, :], mask=m_m[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+        # Over the STATS_M real rows in steps of STATS_K (one step for a row of <= 4096 at batch 1): each step is
+        # a dependent L2 round trip every program pays before its first weight tile, and BLOCK_K-wide steps
+        # over 16 padded rows cost the Llama-3-8B q/k/v launch 5 of its 21.5 us (docs/ops/decode_linear.md).
+        o_sm = pid_m * BLOCK_M + tl.arange(0, STATS_M)
+        o_sk = tl.arange(0, STATS_K)
+        p_xs = X + o_sm.to(tl.int64)[:, None] * stride_xm
+        b_ss = tl.zeros([STATS_M], dtype=tl.float32)
+        for k0 in range(0, K, STATS_K):
+            kk = k0 + o_sk
+            b_x = tl.load(p_xs + kk[None, :], mask=(o_sm < M)[:, None] & (kk < K)[None, :], other=0.0)
+            b_x = b_x.to(tl.float32)
             b_ss += tl.sum(b_x * b_x, axis=1)
-        b_rstd = tl.rsqrt(b_ss / K + tl.cast(eps, tl.float32))
+        b_rstd_s = tl.rsqrt(b_ss / K + tl.cast(eps, tl.float32))
+        # to the tile's BLOCK_M rows (rows past STATS_M are masked padding: 0)
+        sel = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, STATS_M)[None, :]
+        b_rstd = tl.sum(tl.where(sel, b_rstd_s[None, :], 0.0), axis=1)
 
     p_w = W + off + o_n.to(tl.int64)[:, None] * K
     p_u = W + D1.to(tl.int64) + o_n.to(tl.int64)[:, None] * K  # ACT: up's rows, at D1
@@ -277,6 +292,8 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
     deltas = [(w.data_ptr() - weights[0].data_ptr()) // esize for w in weights[1:]] + [16, 16]
     interp = x.device.type == "cpu"
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    stats_m = min(_launch.next_power_of_2(M), block_m)
+    stats_k = min(_launch.next_power_of_2(K), max(block_k, STATS_ELEMS // stats_m))
     _decode_linear_kernel[(n_blocks, m_blocks, split)](
         x, norm_weight if norm_weight is not None else x, weights[0],
         residual if residual is not None else y, y, ws, cnt,
@@ -284,7 +301,8 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), float(eps),
         NUM_W=len(weights), NORM=norm_weight is not None, ACT=act, RESIDUAL=residual is not None, SPLIT_K=split,
         EVEN_K=K % block_k == 0 and k_split * split == K, UPCAST=interp, PRECISION=precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, STATS_M=stats_m, STATS_K=stats_k, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return y
 
