@@ -5,7 +5,7 @@ step is a graph: host time would hide the kernels). Each setting is a config pas
 (`tigon.ops._config`), never a module attribute.
 
     PYTHONPATH=src python benchmarks/bench_decode_ops.py --out benchmarks/results [--model 1.5b|llama3-8b]
-        [--quick] [--emit-picks FILE]
+        [--quick] [--emit-picks FILE] [--norm-cost]
 
 Models (MODELS): "1.5b" (the default: H 2048, 32 q / 8 kv heads of 64, I 8192, V 128256) and "llama3-8b"
 (H 4096, 32 q / 8 kv heads of 128, I 14336). Writes decode_ops.json / .md ("1.5b") or decode_ops_<model>.json /
@@ -18,6 +18,9 @@ Configs the byte model rules out are not timed (a shared-memory model past the l
 the SMs, under two K steps a program, a split that does not tile K). Later batches time the first batch's best
 four and the default. Configs are compiled ahead in --jobs worker processes (Triton's on-disk cache is shared),
 and past --budget-s no more refinement stages run (each row says which ran).
+
+--norm-cost times only norm+q/k/v and norm+gate_up+GLU at the default launch with and without their fused
+RMSNorm (decode_norm_cost_<model>.json): what the norm adds to a launch.
 
 --emit-picks FILE writes the winners that beat the default by --min-gain as a dict literal keyed like
 `tigon.ops.decode_linear_picks.MEASURED_PICKS[gpu]`: (K, N, batch bucket, kind) -> config ints.
@@ -465,6 +468,31 @@ def _commit():
         return None
 
 
+def norm_cost(model: str, batches) -> dict:
+    """What the fused RMSNorm costs decode_linear at the default launch: norm+q/k/v and norm+gate_up+GLU timed
+    with and without norm_weight (the same weights; CUDA-graph replays over >= 256 MiB of them, cold L2)."""
+    from tigon import ops
+
+    s = MODELS[model]
+    q, kv = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
+    out = {}
+    for m in batches:
+        x = torch.randn(m, s.hidden, device="cuda", dtype=torch.bfloat16)
+        nw = torch.randn(s.hidden, device="cuda", dtype=torch.bfloat16) * 0.2 + 1
+        for name, ns, act in (("norm+qkv", (q, kv, kv), None), ("norm+gate_up+glu", (s.inter, s.inter), "silu")):
+            nbytes = sum(ns) * s.hidden * 2
+            reps = [[torch.randn(n, s.hidden, device="cuda", dtype=torch.bfloat16) * 0.02 for n in ns]
+                    for _ in range(max(2, -(-REPLICA_BYTES // nbytes)))]
+            for norm in (True, False):
+                kw = dict(norm_weight=nw if norm else None, eps=EPS, activation=act)
+                fns = [(lambda ws=ws, x=x, kw=kw: ops.decode_linear(x, ws, **kw)) for ws in reps]
+                us = 1e3 * _graph_time(fns)
+                key = f"batch {m} {name}{'' if norm else ' (no norm)'}"
+                out[key] = {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1)}
+                print(key, out[key], flush=True)
+    return out
+
+
 def build_parser():
     ap = argparse.ArgumentParser(description="decode_linear against cuBLAS at a model's shapes, its launch-config "
                                  "sweep, decode_attention settings (CUDA-graph timing, cold L2)")
@@ -477,6 +505,8 @@ def build_parser():
     ap.add_argument("--budget-s", type=float, default=100.0,
                     help="seconds of linear sweep after which no more refinement stages run")
     ap.add_argument("--no-attention", action="store_true", help="skip the decode_attention sweep")
+    ap.add_argument("--norm-cost", action="store_true",
+                    help="only time the fused norm's cost (with / without norm_weight at the default launch)")
     ap.add_argument("--emit-picks", metavar="FILE", help="write the winners as a MEASURED_PICKS dict literal")
     ap.add_argument("--min-gain", type=float, default=0.02,
                     help="--emit-picks keeps a winner this fraction faster than the default (default 0.02)")
@@ -497,6 +527,12 @@ def main(argv=None):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 copy_GBps=ceiling, model=model, shapes=_shapes(MODELS[model]), commit=_commit(),
                 command=" ".join(sys.argv))
+    if args.norm_cost:
+        with torch.no_grad():
+            res = dict(meta, rows=norm_cost(model, batches))
+        with open(os.path.join(args.out, f"decode_norm_cost_{model}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return
     with torch.no_grad():
         lin = sweep_linear(model, batches, args.quick, ceiling, args.jobs, args.budget_s)
         att = [] if args.no_attention else sweep_attention(MODELS[model], batches, args.capacity, args.quick)

@@ -237,7 +237,9 @@ def test_a_failed_capture_falls_back_to_eager_steps(pair, caplog):
     assert torch.equal(got, ref.generate(ids, max_new_tokens=5, do_sample=False))
     why = "the capture failed (RuntimeError: operation not permitted when stream is capturing)"
     assert stats == dict(captures=0, replays=0, eager_steps=3, last_fallback=why)  # the 2 steps after the capture
-    assert [r.getMessage() for r in caplog.records if r.name == "tigon"] == [
+    # (the graph step's lines only: on a GPU machine the process's one "kernels are off for cpu tensors" note may
+    # land in whichever test first runs a CPU op)
+    assert [r.getMessage() for r in caplog.records if r.name == "tigon" and "cuda_graph" in r.getMessage()] == [
         f"tigon cuda_graph: decode steps run eagerly: {why}"]
 
 
