@@ -259,3 +259,20 @@ def test_rms_norm_rows_is_the_public_op_without_its_checks(device, dtype):
     y, s = m.rms_norm_rows(x, w, 1e-5, residual=r)
     y_ref, s_ref = ops.add_rms_norm(x, r, w, 1e-5)
     assert torch.equal(y, y_ref) and torch.equal(s, s_ref)
+
+
+def test_row_entries_compile_to_their_custom_ops(device):
+    # The prefill's unchecked entries under torch.compile(fullgraph=True): the custom ops, the eager bits.
+    from tigon.ops.swiglu import glu_rows
+
+    m = sys.modules["tigon.ops.rms_norm"]
+    x, r = randn(7, 40, device=device), randn(7, 40, device=device)
+    w = randn(40, device=device)
+
+    def f(x, r, w):
+        y, s = m.rms_norm_rows(x, w, 1e-5, residual=r)
+        return glu_rows(y, s, "silu"), m.rms_norm_rows(x, w, 1e-5)[0]
+
+    torch._dynamo.reset()
+    for got, want in zip(torch.compile(f, fullgraph=True)(x, r, w), f(x, r, w)):
+        assert torch.equal(got, want)
