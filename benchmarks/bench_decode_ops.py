@@ -468,9 +468,10 @@ def _commit():
         return None
 
 
-def norm_cost(model: str, batches) -> dict:
+def norm_cost(model: str, batches, stats_elems=(0,)) -> dict:
     """What the fused RMSNorm costs decode_linear at the default launch: norm+q/k/v and norm+gate_up+GLU timed
-    with and without norm_weight (the same weights; CUDA-graph replays over >= 256 MiB of them, cold L2)."""
+    with and without norm_weight (the same weights; CUDA-graph replays over >= 256 MiB of them, cold L2), the
+    norm at each `stats_elems` (0: the default launch's; else the default launch with that statistics step)."""
     from tigon import ops
 
     s = MODELS[model]
@@ -483,11 +484,14 @@ def norm_cost(model: str, batches) -> dict:
             nbytes = sum(ns) * s.hidden * 2
             reps = [[torch.randn(n, s.hidden, device="cuda", dtype=torch.bfloat16) * 0.02 for n in ns]
                     for _ in range(max(2, -(-REPLICA_BYTES // nbytes)))]
-            for norm in (True, False):
-                kw = dict(norm_weight=nw if norm else None, eps=EPS, activation=act)
+            base = _dl()._pick_config(m, s.hidden, sum(ns) if act is None else ns[0], act is not None, True, 2,
+                                      torch.device("cuda"))
+            for se in (*stats_elems, None):  # None: no norm
+                cfg = dataclasses.replace(base, stats_elems=se or 0)
+                kw = dict(norm_weight=nw if se is not None else None, eps=EPS, activation=act, config=cfg)
                 fns = [(lambda ws=ws, x=x, kw=kw: ops.decode_linear(x, ws, **kw)) for ws in reps]
                 us = 1e3 * _graph_time(fns)
-                key = f"batch {m} {name}{'' if norm else ' (no norm)'}"
+                key = f"batch {m} {name}" + (" (no norm)" if se is None else f" stats_elems {se}" if se else "")
                 out[key] = {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1)}
                 print(key, out[key], flush=True)
     return out
@@ -507,6 +511,8 @@ def build_parser():
     ap.add_argument("--no-attention", action="store_true", help="skip the decode_attention sweep")
     ap.add_argument("--norm-cost", action="store_true",
                     help="only time the fused norm's cost (with / without norm_weight at the default launch)")
+    ap.add_argument("--stats-elems", default="0",
+                    help="--norm-cost: statistics steps to time, comma-separated (0: the default launch's)")
     ap.add_argument("--emit-picks", metavar="FILE", help="write the winners as a MEASURED_PICKS dict literal")
     ap.add_argument("--min-gain", type=float, default=0.02,
                     help="--emit-picks keeps a winner this fraction faster than the default (default 0.02)")
@@ -529,7 +535,7 @@ def main(argv=None):
                 command=" ".join(sys.argv))
     if args.norm_cost:
         with torch.no_grad():
-            res = dict(meta, rows=norm_cost(model, batches))
+            res = dict(meta, rows=norm_cost(model, batches, [int(v) for v in args.stats_elems.split(",")]))
         with open(os.path.join(args.out, f"decode_norm_cost_{model}.json"), "w") as f:
             json.dump(res, f, indent=1)
         return

@@ -388,7 +388,8 @@ def test_config_is_a_frozen_validated_value():
     assert DecodeLinearConfig(*cfg.ints()) == cfg
     for bad, match in (((24, 256), "block_n must be a power of two"), ((32, 8), "block_k must be >= 16"),
                        ((32, 256, 3), "num_warps must be a power of two"), ((32, 256, 4, 0), "num_stages must be"),
-                       ((32, 256, 4, 3, True), "split_k must be an int")):
+                       ((32, 256, 4, 3, True), "split_k must be an int"),
+                       ((32, 256, 4, 3, 1, 3000), "stats_elems must be a power of two")):
         with pytest.raises(ValueError, match=f"DecodeLinearConfig: {match}"):
             DecodeLinearConfig(*bad)
     with pytest.raises(TypeError, match="decode_linear: config must be a tigon.ops._config.DecodeLinearConfig"):
@@ -712,3 +713,25 @@ def test_split_k_scratch_is_one_pinned_arena_buffer(device):
     assert after["pinned_bytes"] >= (1 << 18) * 4 + (1 << 12) * 4
     torch.testing.assert_close(y, reference.decode_linear(x, (w,)), rtol=1e-5, atol=1e-5)
     _assert_workspace_clean()
+
+
+def test_stats_elems_sets_the_statistics_step(device, monkeypatch):
+    """DecodeLinearConfig.stats_elems reaches the launch: 9 rows (16 statistics rows) of K = 1100 in 64-wide
+    steps (1024 / 16) instead of the default's 512, and the result stays within the error model."""
+    import sys
+
+    mod = sys.modules["tigon.ops.decode_linear"]
+    seen, kernel = [], mod._decode_linear_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["STATS_M"], kw["STATS_K"]))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(mod, "_decode_linear_kernel", Spy())
+    x, ws, nw, r = _inputs(torch.float32, 9, 1100, (18,), device=device, norm=True, residual=True, seed=3)
+    for cfg in (DecodeLinearConfig(16, 64, 4, 1, 1), DecodeLinearConfig(16, 64, 4, 1, 1, stats_elems=1024)):
+        _check(f"stats_elems={cfg.stats_elems}", x, ws, norm_weight=nw, residual=r, eps=1e-5, config=cfg)
+    assert (16, 512) in seen and (16, 64) in seen

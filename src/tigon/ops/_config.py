@@ -29,22 +29,25 @@ def _check_fields(cfg, powers_of_two=(), zero_ok=(), bools=()) -> None:
 class DecodeLinearConfig:
     """One launch of `tigon.ops.decode_linear`: each program owns `block_n` output columns and walks K in
     `block_k` steps; `split_k` programs share one output tile's K (ignored with an activation: two
-    accumulators already give twice the columns per program). Without a config the op picks one from the
-    shapes (`decode_linear._pick_config`)."""
+    accumulators already give twice the columns per program). With a fused norm, each step of the row statistics
+    loads `stats_elems` elements of x (rows x columns, a power of two; 0: `decode_linear.STATS_ELEMS`). Without a
+    config the op picks one from the shapes (`decode_linear._pick_config`)."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    stats_elems: int = 0
 
     def __post_init__(self):
-        _check_fields(self, powers_of_two=("block_n", "block_k", "num_warps"))
+        _check_fields(self, powers_of_two=("block_n", "block_k", "num_warps", "stats_elems"),
+                      zero_ok=("stats_elems",))
         if self.block_k < 16:
             raise ValueError(f"DecodeLinearConfig: block_k must be >= 16 (tl.dot), got {self.block_k}")
 
     def ints(self) -> list[int]:
-        return [self.block_n, self.block_k, self.num_warps, self.num_stages, self.split_k]
+        return [self.block_n, self.block_k, self.num_warps, self.num_stages, self.split_k, self.stats_elems]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from ._config import DecodeLinearConfig
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 MAX_WEIGHTS = 3
 # x elements a NORM program loads per statistics step (rows x columns): 8192 columns at batch 1, 1024 at 8
+# (DecodeLinearConfig.stats_elems overrides it; measured in docs/ops/decode_linear.md, "What the fused norm costs")
 STATS_ELEMS = 8192
 
 
@@ -293,7 +294,7 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
     interp = x.device.type == "cpu"
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     stats_m = min(_launch.next_power_of_2(M), block_m)
-    stats_k = min(_launch.next_power_of_2(K), max(block_k, STATS_ELEMS // stats_m))
+    stats_k = min(_launch.next_power_of_2(K), max(block_k, (config.stats_elems or STATS_ELEMS) // stats_m))
     _decode_linear_kernel[(n_blocks, m_blocks, split)](
         x, norm_weight if norm_weight is not None else x, weights[0],
         residual if residual is not None else y, y, ws, cnt,

@@ -1,10 +1,10 @@
 """The `decode_linear` launches measured per shape: a data table `decode_linear._pick_config` reads before its rule.
 
 `MEASURED_PICKS[gpu name][(K, N, batch bucket, kind)]` is the `DecodeLinearConfig.ints()` tuple
-(block_n, block_k, num_warps, num_stages, split_k) that `benchmarks/bench_decode_ops.py` timed fastest for that
-projection in 16-bit weights, where it beat the rule's own launch (`--emit-picks FILE` writes the entries of a
-run as a dict literal to paste under the GPU's name). N is the output width of the launch (q + k + v for the
-fused projection; one of gate / up with a GLU). A launch with no entry, a 4-byte dtype, more than 16 rows or an
+(block_n, block_k, num_warps, num_stages, split_k[, stats_elems]) that `benchmarks/bench_decode_ops.py` timed
+fastest for that projection in 16-bit weights, where it beat the rule's own launch (`--emit-picks FILE` writes the
+entries of a run as a dict literal to paste under the GPU's name). N is the output width of the launch (q + k + v
+for the fused projection; one of gate / up with a GLU). A launch with no entry, a 4-byte dtype, more than 16 rows or an
 unmeasured GPU runs the rule (`decode_linear._rule_config`), so the shapes the rule was tuned at (the 1.5B Llama
 of benchmarks/bench_decode.py) launch exactly as before this table.
 
