@@ -2,8 +2,8 @@
 # The benchmark runner for a GPU machine: runs the steps named on the command line, in that order, each under its
 # own timeout inside one budget, and leaves at most 8 files in $OUT (a device call returns no more).
 #
-#     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops e2e e2e-compile lce losses
-#                                             attention sft lora qlora moe
+#     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops decode-norm e2e e2e-compile
+#                                             lce losses attention sft lora qlora moe
 #
 #   tests       the README's test command, natively: python -m pytest tests -q -n TEST_WORKERS (12), failures named
 #               (tests.log)
@@ -13,6 +13,8 @@
 #   decode-8b   bench_decode --model llama3-8b: tigon and HF static cache + compile at batch 1 and 8, prompts
 #               DECODE_8B_PROMPTS (default 512,8192), with the weight + KV read bound (<gpu>_decode_8b.md, .json)
 #   decode-ops  bench_decode_ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
+#   decode-norm bench_decode_ops --norm-cost at the 8B and 1.5B shapes: decode_linear with and without its fused
+#               norm, at the statistics steps NORM_STATS_ELEMS (default 0,2048,4096) (<gpu>_decode_norm_<model>.json)
 #   e2e         bench_e2e: the 1.5B training step, E2E_VARIANTS (tigon,liger) of E2E_CONFIGS (llama; also qwen3,
 #               gemma2) (<gpu>_e2e.md, <gpu>_e2e.json)
 #   e2e-compile bench_e2e --compile: torch.compile over HF, over a patched model (default mode and reduce-overhead's
@@ -113,6 +115,13 @@ for s in "$@"; do
                 --prompts "${DECODE_8B_PROMPTS:-512,8192}" --budget "$(( b8 > 1 ? b8 : 1 ))" >>"$LOG" 2>&1
             keep "$T/decode_8b/decode.md" "${GPU}_decode_8b.md"; keep "$T/decode_8b/decode.json" "${GPU}_decode_8b.json"
             extras+=("$T/decode_8b/decode_latency.png ${GPU}_decode_8b_latency.png") ;;
+        decode-norm)
+            for model in llama3-8b 1.5b; do
+                mkdir -p "$T/decode_norm"
+                step "decode-norm-$model" 120 python3 benchmarks/bench_decode_ops.py --model "$model" --norm-cost \
+                    --stats-elems "${NORM_STATS_ELEMS:-0,2048,4096}" --out "$T/decode_norm" >>"$LOG" 2>&1
+                keep "$T/decode_norm/decode_norm_cost_$model.json" "${GPU}_decode_norm_$model.json"
+            done ;;
         decode-ops) step decode-ops 100 python3 benchmarks/bench_decode_ops.py --out "$T/decode_ops" --quick >>"$LOG" 2>&1
             keep "$T/decode_ops/decode_ops.md" "${GPU}_decode_ops.md"
             keep "$T/decode_ops/decode_ops.json" "${GPU}_decode_ops.json" ;;
