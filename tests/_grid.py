@@ -195,3 +195,17 @@ def assert_no_sync_and_deterministic(run):
     first, second = run_without_host_sync_twice(run)
     for a, c in zip(first, second, strict=True):
         assert torch.equal(a, c)
+
+
+class KernelSpy:
+    """Stands in for a Triton kernel (monkeypatched over the module's name): records each launch's keyword
+    arguments in `calls`, then launches the real one."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch

@@ -23,7 +23,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tests._grid import DTYPES, U32, UNIT_ROUNDOFF, assert_bound, assert_tol, err, matmul_tol, randn, sum_ulps
+from tests._grid import (
+    DTYPES,
+    U32,
+    UNIT_ROUNDOFF,
+    KernelSpy,
+    assert_bound,
+    assert_tol,
+    err,
+    matmul_tol,
+    randn,
+    sum_ulps,
+)
 from tigon import ops
 from tigon.ops import _library, _workspace, reference
 from tigon.ops._config import DecodeLinearConfig
@@ -718,20 +729,9 @@ def test_split_k_scratch_is_one_pinned_arena_buffer(device):
 def test_stats_elems_sets_the_statistics_step(device, monkeypatch):
     """DecodeLinearConfig.stats_elems reaches the launch: 9 rows (16 statistics rows) of K = 1100 in 64-wide
     steps (1024 / 16) instead of the default's 512, and the result stays within the error model."""
-    import sys
-
-    mod = sys.modules["tigon.ops.decode_linear"]
-    seen, kernel = [], mod._decode_linear_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append((kw["STATS_M"], kw["STATS_K"]))
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(mod, "_decode_linear_kernel", Spy())
+    spy = KernelSpy(dl._decode_linear_kernel)
+    monkeypatch.setattr(dl, "_decode_linear_kernel", spy)
     x, ws, nw, r = _inputs(torch.float32, 9, 1100, (18,), device=device, norm=True, residual=True, seed=3)
     for cfg in (DecodeLinearConfig(16, 64, 4, 1, 1), DecodeLinearConfig(16, 64, 4, 1, 1, stats_elems=1024)):
         _check(f"stats_elems={cfg.stats_elems}", x, ws, norm_weight=nw, residual=r, eps=1e-5, config=cfg)
-    assert (16, 512) in seen and (16, 64) in seen
+    assert [(c["STATS_M"], c["STATS_K"]) for c in spy.calls] == [(16, 512), (16, 64)]

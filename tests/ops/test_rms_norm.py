@@ -3,7 +3,7 @@ import sys
 import pytest
 import torch
 
-from tests._grid import DTYPES, U32, assert_bound, fp64_copy, grads, randn, sum_ulps
+from tests._grid import DTYPES, U32, KernelSpy, assert_bound, fp64_copy, grads, randn, sum_ulps
 from tigon import ops
 from tigon.ops import reference
 
@@ -185,19 +185,6 @@ def test_compile_fullgraph_uses_the_custom_op(device):
         torch.testing.assert_close(a, b)
 
 
-class _KernelSpy:
-    """Stands in for a Triton kernel: records each launch's keyword arguments, then launches the real one."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append(kwargs)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 @pytest.mark.parametrize("path", ["function", "custom_op"])
 def test_config_reaches_both_launches(device, monkeypatch, path):
     # The warps, programs per SM and short-row tile of an RMSNormConfig reach the forward and backward launches
@@ -213,7 +200,7 @@ def test_config_reaches_both_launches(device, monkeypatch, path):
 
     mod = sys.modules["tigon.ops.rms_norm"]  # the module: tigon.ops.rms_norm is the function
 
-    fwd, bwd, per_sm = _KernelSpy(mod._rms_norm_fwd_kernel), _KernelSpy(mod._rms_norm_bwd_kernel), []
+    fwd, bwd, per_sm = KernelSpy(mod._rms_norm_fwd_kernel), KernelSpy(mod._rms_norm_bwd_kernel), []
     monkeypatch.setattr(mod, "_rms_norm_fwd_kernel", fwd)
     monkeypatch.setattr(mod, "_rms_norm_bwd_kernel", bwd)
     programs = _launch.num_programs

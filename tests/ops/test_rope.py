@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests._grid import DTYPES, assert_bound, assert_no_sync_and_deterministic, fp64_copy, grads, randn
+from tests._grid import DTYPES, KernelSpy, assert_bound, assert_no_sync_and_deterministic, fp64_copy, grads, randn
 from tigon import ops
 from tigon.ops import reference
 
@@ -273,16 +273,8 @@ def test_config_reaches_forward_and_backward(device, monkeypatch):
     from tigon.ops._config import RopeConfig
 
     mod = sys.modules["tigon.ops.rope"]
-    seen, real = [], mod._rope_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append((kwargs["BLOCK_HQ"], kwargs["num_warps"]))
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(mod, "_rope_kernel", Spy())
+    spy = KernelSpy(mod._rope_kernel)
+    monkeypatch.setattr(mod, "_rope_kernel", spy)
     q, k, _ = _qk("hf", 1, 8, 2, 3, 8, torch.float32, device)
     cos, sin = _cos_sin(1, 3, 8, torch.float32, device)
     outs = []
@@ -290,7 +282,7 @@ def test_config_reaches_forward_and_backward(device, monkeypatch):
         qq, kk = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
         qe, ke = ops.apply_rope(qq, kk, cos, sin, config=cfg)
         outs.append((qe, ke, *grads((qe, ke), (qq, kk), (torch.ones_like(qe), torch.ones_like(ke)))))
-    assert seen == [(8, 4), (8, 4), (4, 2), (4, 2)]
+    assert [(c["BLOCK_HQ"], c["num_warps"]) for c in spy.calls] == [(8, 4), (8, 4), (4, 2), (4, 2)]
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     with pytest.raises(TypeError, match="apply_rope: config must be"):
