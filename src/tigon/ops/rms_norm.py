@@ -210,10 +210,11 @@ def _rows_per_tile(block_h: int, tile_elems: int = 0) -> int:
 
 def _tile_launch(block_h: int, rows: int, config) -> tuple[int, int, int]:
     """(forward warps, backward warps, backward programs per SM) of a launch: the config's where it sets them,
-    else from the shape. One row a program: warps by the row's size, 2 programs per SM (H 4096: 2 x 16 warps
-    beat 4 x 16, 204 vs 216 us fwd+bwd). Tiles of short rows: 4 warps, and 8 programs per SM from rows of 128
-    on (H200, 524288 rows fwd+bwd: 218-239 / 442 us at head 128 / 256 against 264 / 485 with 2 and 280 / 775
-    with the first guess, 8 warps and 2 programs; at head 64, 2 programs: 115 us against 125 with 8)."""
+    else from the shape. One row a program: warps by the row's size, at most 8 in the forward (H 4096: 70 vs 80
+    us with 16), 2 backward programs per SM (H 4096: 2 x 16 warps beat 4 x 16, 204 vs 216 us fwd+bwd). Tiles of
+    short rows: 4 warps, and 8 programs per SM from rows of 128 on (H200, 524288 rows fwd+bwd: 218-239 / 442 us
+    at head 128 / 256 against 264 / 485 with 2 and 280 / 775 with the first guess, 8 warps and 2 programs; at
+    head 64, 2 programs: 115 us against 125 with 8)."""
     fwd_warps, bwd_warps, per_sm, _ = config or _DEFAULT
     if rows > 1:
         return fwd_warps or 4, bwd_warps or 4, per_sm or (8 if block_h >= 128 else 2)
