@@ -118,18 +118,21 @@ def _rms_norm_bwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows a loop step handles: 1, or a tile of short rows (_rows_per_tile)
 ):
-    if BLOCK_M > 1:
-        _rms_norm_bwd_tiles(DY, DS, X, W, RSTD, DX, DR, DW_PART, stride_dy, stride_ds, stride_x, stride_dx, M, H,
-                            offset, HAS_DR, HAS_DS, HAS_WEIGHT, COMPUTE_DW, CASTING, BLOCK_H, BLOCK_M)
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    o_h = tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    if HAS_WEIGHT:
+        b_w = tl.load(W + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
     else:
-        pid = tl.program_id(0)
-        n_prog = tl.num_programs(0)
-        o_h = tl.arange(0, BLOCK_H)
-        m_h = o_h < H
-        if HAS_WEIGHT:
-            b_w = tl.load(W + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
+        b_w = tl.zeros([BLOCK_H], dtype=tl.float32)  # unread
+    inv_h = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.cast(H, tl.float32))  # once, round-to-nearest
+    if BLOCK_M > 1:
+        b_dw = _rms_norm_bwd_tiles(DY, DS, X, RSTD, DX, DR, stride_dy, stride_ds, stride_x, stride_dx, M, pid,
+                                   n_prog, o_h, m_h, b_w, inv_h, HAS_DR, HAS_DS, HAS_WEIGHT, COMPUTE_DW, CASTING,
+                                   BLOCK_H, BLOCK_M)
+    else:
         b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-        inv_h = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.cast(H, tl.float32))  # once, round-to-nearest
         for row in range(pid, M, n_prog):
             row = tl.cast(row, tl.int64)  # loop counters are int32 on GPU (python ints in the interpreter)
             b_x = tl.load(X + row * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
@@ -152,24 +155,18 @@ def _rms_norm_bwd_kernel(
             tl.store(DX + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
             if HAS_DR:
                 tl.store(DR + row * stride_dx + o_h, b_dx.to(DX.dtype.element_ty), mask=m_h)
-        if COMPUTE_DW:
-            tl.store(DW_PART + pid.to(tl.int64) * H + o_h, b_dw, mask=m_h)
+    if COMPUTE_DW:
+        tl.store(DW_PART + pid.to(tl.int64) * H + o_h, b_dw, mask=m_h)
 
 
 @triton.jit
-def _rms_norm_bwd_tiles(DY, DS, X, W, RSTD, DX, DR, DW_PART, stride_dy, stride_ds, stride_x, stride_dx, M, H,
-                        offset, HAS_DR: tl.constexpr, HAS_DS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+def _rms_norm_bwd_tiles(DY, DS, X, RSTD, DX, DR, stride_dy, stride_ds, stride_x, stride_dx, M, pid, n_prog, o_h,
+                        m_h, b_w, inv_h, HAS_DR: tl.constexpr, HAS_DS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                         COMPUTE_DW: tl.constexpr, CASTING: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_M: tl.constexpr):
-    """The backward over tiles of BLOCK_M rows, each program looping over tiles; one partial dw row a program."""
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    o_h = tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    if HAS_WEIGHT:
-        b_w = tl.load(W + o_h, mask=m_h, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
+    """The backward's loop over tiles of BLOCK_M rows (this program's: pid, pid + n_prog, ...), with the setup
+    the kernel shares with its one-row loop; returns this program's partial dw row."""
     b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-    inv_h = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.cast(H, tl.float32))
     for tile in range(pid, tl.cdiv(M, BLOCK_M), n_prog):
         o_m = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_m = o_m < M
@@ -193,8 +190,7 @@ def _rms_norm_bwd_tiles(DY, DS, X, W, RSTD, DX, DR, DW_PART, stride_dy, stride_d
         tl.store(DX + o_m[:, None] * stride_dx + o_h[None, :], b_dx.to(DX.dtype.element_ty), mask=m)
         if HAS_DR:
             tl.store(DR + o_m[:, None] * stride_dx + o_h[None, :], b_dx.to(DX.dtype.element_ty), mask=m)
-    if COMPUTE_DW:
-        tl.store(DW_PART + pid.to(tl.int64) * H + o_h, b_dw, mask=m_h)
+    return b_dw
 
 
 def _rows_per_tile(block_h: int, tile_elems: int = 0) -> int:
