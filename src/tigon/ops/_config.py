@@ -123,7 +123,7 @@ class RMSNormConfig:
     """The launches of `rms_norm` / `add_rms_norm`: warps of the forward and of the backward, backward programs
     per SM (each loops over rows and keeps one fp32 partial dw row), and for rows of <= 512 elements the
     elements of a tile of rows (`tile_elems`, a power of two). 0 (every default): from the shape, as measured
-    (`rms_norm._tile_launch`, `rms_norm._rows_per_tile`)."""
+    (`rms_norm._launch_plan`, `rms_norm._rows_per_tile`)."""
 
     fwd_warps: int = 0
     bwd_warps: int = 0

@@ -204,17 +204,19 @@ def _rows_per_tile(block_h: int, tile_elems: int = 0) -> int:
     return max(1, tile_elems // block_h) if tile_elems else min(128, 8192 // block_h)
 
 
-def _tile_launch(block_h: int, rows: int, config) -> tuple[int, int, int]:
-    """(forward warps, backward warps, backward programs per SM) of a launch: the config's where it sets them,
-    else from the shape. One row a program: warps by the row's size, at most 8 in the forward (H 4096: 70 vs 80
-    us with 16), 2 backward programs per SM (H 4096: 2 x 16 warps beat 4 x 16, 204 vs 216 us fwd+bwd). Tiles of
-    short rows: 4 warps, and 8 programs per SM from rows of 128 on (H200, 524288 rows fwd+bwd: 218-239 / 442 us
-    at head 128 / 256 against 264 / 485 with 2 and 280 / 775 with the first guess, 8 warps and 2 programs; at
-    head 64, 2 programs: 115 us against 125 with 8)."""
-    fwd_warps, bwd_warps, per_sm, _ = config or _DEFAULT
+def _launch_plan(block_h: int, config) -> tuple[int, int, int, int]:
+    """(rows a program takes at once, forward warps, backward warps, backward programs per SM) of a launch: the
+    config's where it sets them, else from the shape (rows: `_rows_per_tile`). One row a program: warps by the
+    row's size, at most 8 in the forward (H 4096: 70 vs 80 us with 16), 2 backward programs per SM (H 4096: 2 x 16
+    warps beat 4 x 16, 204 vs 216 us fwd+bwd). Tiles of short rows: 4 warps, and 8 programs per SM from rows of 128
+    on (H200, 524288 rows fwd+bwd: 218-239 / 442 us at head 128 / 256 against 264 / 485 with 2 and 280 / 775 with
+    the first guess, 8 warps and 2 programs; at head 64, 2 programs: 115 us against 125 with 8)."""
+    fwd_warps, bwd_warps, per_sm, tile_elems = config or _DEFAULT
+    rows = _rows_per_tile(block_h, tile_elems)
     if rows > 1:
-        return fwd_warps or 4, bwd_warps or 4, per_sm or (8 if block_h >= 128 else 2)
-    return fwd_warps or min(8, _launch.row_warps(block_h)), bwd_warps or _launch.row_warps(block_h), per_sm or 2
+        return rows, fwd_warps or 4, bwd_warps or 4, per_sm or (8 if block_h >= 128 else 2)
+    return (rows, fwd_warps or min(8, _launch.row_warps(block_h)), bwd_warps or _launch.row_warps(block_h),
+            per_sm or 2)
 
 
 def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=None):
@@ -223,8 +225,7 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=Non
     y = torch.empty((M, H), dtype=out_dtype, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     s = torch.empty_like(x) if residual is not None else x.new_empty(0)
-    rows = _rows_per_tile(block, (config or _DEFAULT)[3])
-    fwd_warps, _, _ = _tile_launch(block, rows, config)
+    rows, fwd_warps, _, _ = _launch_plan(block, config)
     if M > 0 and H > 0:  # zero width: empty outputs, and rstd (0/0) is never read
         _rms_norm_fwd_kernel[(_launch.cdiv(M, rows),)](
             x, residual if residual is not None else x, weight if weight is not None else x, y, s, rstd,
@@ -262,8 +263,7 @@ def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, co
     compute_dw = compute_dw and weight is not None
     # Each program loops over rows (or tiles of short rows), so dw needs only n_prog partial rows (0.2% of the
     # traffic of x at M=16384, H=4096 with 2 programs per SM).
-    rows = _rows_per_tile(block, (config or _DEFAULT)[3])
-    _, bwd_warps, bwd_per_sm = _tile_launch(block, rows, config)
+    rows, _, bwd_warps, bwd_per_sm = _launch_plan(block, config)
     n_prog = _launch.num_programs(x.device, _launch.cdiv(M, rows), per_sm=bwd_per_sm)
     dw_part = torch.empty((n_prog, H), dtype=torch.float32, device=x.device) if compute_dw else rstd
     if M > 0 and H > 0:
