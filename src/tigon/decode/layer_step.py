@@ -131,8 +131,7 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
     rows = b * t
     h, _ = rms_norm_rows(hidden_states.view(rows, -1), ln1.weight, ln1.eps)
-    h = h.view(b, t, -1)
-    shape = (b, t, -1, attn.head_dim)
+    shape = (b, t, -1, attn.head_dim)  # of each [rows, N] projection of h
     q = F.linear(h, attn.q_proj.weight).view(shape)
     k = F.linear(h, attn.k_proj.weight).view(shape)
     v = F.linear(h, attn.v_proj.weight).view(shape)
