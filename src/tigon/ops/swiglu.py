@@ -401,14 +401,15 @@ def _glu_packed(op, act, ref_fn, gate_up, inplace_backward, config):
     return y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
-_ACT_CODES = {"silu": (_SILU, reference.swiglu), "gelu_tanh": (_GELU_TANH, reference.geglu)}
+_ACT_CODES = {"silu": _SILU, "gelu_tanh": _GELU_TANH}
 
 
 def glu_rows(gate, up, activation):
     """act(gate) * up for a caller that built its inputs itself, without argument checks (`rms_norm_rows`
     says why): gate, up [M, I] with unit last stride (up None: gate is a packed [M, 2 * I] gate_up), one dtype
     and device, no autograd; activation "silu" or "gelu_tanh"."""
-    act, ref_fn = _ACT_CODES[activation]
+    act = _ACT_CODES[activation]
+    ref_fn = _REFERENCE[act]
     if not _library.use_kernels("swiglu" if act == _SILU else "geglu", gate):
         return ref_fn(gate, up) if up is not None else ref_fn(*gate.chunk(2, dim=-1))
     if torch.compiler.is_compiling():  # one graph node
