@@ -291,7 +291,7 @@ def _time_configs(name, m, cfgs, fused, timed):
             print(f"  {name} m={m} {cfg.ints()}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
 
 
-def sweep_linear(model, batches, quick, ceiling, jobs, budget_s):
+def sweep_linear(model, batches, quick, ceiling, jobs, budget_s, only=()):
     from tigon.ops import _launch
 
     s = MODELS[model]
@@ -299,7 +299,7 @@ def sweep_linear(model, batches, quick, ceiling, jobs, budget_s):
     pre = Precompiler(model, 0 if quick else jobs)
     t0 = time.time()
     rows, ranked_first = [], {}
-    specs = {name: spec for name, spec in projections(s).items() if name != "lm_head"}
+    specs = {name: spec for name, spec in projections(s).items() if name != "lm_head" and (not only or name in only)}
     if not quick:
         for name, (K, ns, kind) in specs.items():  # the first batch's first stage: known before any timing
             pre.submit(name, batches[0], [c for c in stage_configs(s.grid, 0, [], kind)
@@ -307,6 +307,8 @@ def sweep_linear(model, batches, quick, ceiling, jobs, budget_s):
     try:
         for m in batches:
             for name, K, ns, kind, nbytes, cub, fused in linear_cases(s, m):
+                if only and name not in only:
+                    continue
                 rows.append(_sweep_one(s, name, K, ns, kind, nbytes, cub, fused, m, m == batches[0], quick, ceiling,
                                        pre, ranked_first, sms, t0 + budget_s, batches))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "top"}), flush=True)
@@ -469,9 +471,9 @@ def _commit():
 
 
 def norm_cost(model: str, batches, stats_elems=(0,)) -> dict:
-    """What the fused RMSNorm costs decode_linear at the default launch: norm+q/k/v and norm+gate_up+GLU timed
-    with and without norm_weight (the same weights; CUDA-graph replays over >= 256 MiB of them, cold L2), the
-    norm at each `stats_elems` (0: the default launch's; else the default launch with that statistics step)."""
+    """What the fused RMSNorm costs decode_linear: norm+q/k/v and norm+gate_up+GLU timed with and without
+    norm_weight (the same weights; CUDA-graph replays over >= 256 MiB of them, cold L2), at the default launch
+    and, for q/k/v, at 32 columns a program, the norm at each statistics step `stats_elems` (0: STATS_ELEMS)."""
     from tigon import ops
 
     s = MODELS[model]
@@ -484,16 +486,21 @@ def norm_cost(model: str, batches, stats_elems=(0,)) -> dict:
             nbytes = sum(ns) * s.hidden * 2
             reps = [[torch.randn(n, s.hidden, device="cuda", dtype=torch.bfloat16) * 0.02 for n in ns]
                     for _ in range(max(2, -(-REPLICA_BYTES // nbytes)))]
-            base = _dl()._pick_config(m, s.hidden, sum(ns) if act is None else ns[0], act is not None, True, 2,
-                                      torch.device("cuda"))
-            for se in (*stats_elems, None):  # None: no norm
-                cfg = dataclasses.replace(base, stats_elems=se or 0)
-                kw = dict(norm_weight=nw if se is not None else None, eps=EPS, activation=act, config=cfg)
-                fns = [(lambda ws=ws, x=x, kw=kw: ops.decode_linear(x, ws, **kw)) for ws in reps]
-                us = 1e3 * _graph_time(fns)
-                key = f"batch {m} {name}" + (" (no norm)" if se is None else f" stats_elems {se}" if se else "")
-                out[key] = {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1)}
-                print(key, out[key], flush=True)
+            default = _dl()._pick_config(m, s.hidden, sum(ns) if act is None else ns[0], act is not None, True, 2,
+                                         torch.device("cuda"))
+            bases = [default] + ([dataclasses.replace(default, block_n=32)] if act is None and default.block_n != 32
+                                 else [])
+            for base in bases:
+                variants = [(f"stats_elems {se}", dataclasses.replace(base, stats_elems=se), True)
+                            for se in stats_elems]
+                variants.append(("no norm", base, False))
+                for label, cfg, norm in variants:
+                    kw = dict(norm_weight=nw if norm else None, eps=EPS, activation=act, config=cfg)
+                    fns = [(lambda ws=ws, x=x, kw=kw: ops.decode_linear(x, ws, **kw)) for ws in reps]
+                    us = 1e3 * _graph_time(fns)
+                    key = f"batch {m} {name} {base.block_n} columns, {label}"
+                    out[key] = {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1), "config": cfg.ints()}
+                    print(key, out[key], flush=True)
     return out
 
 
@@ -509,6 +516,8 @@ def build_parser():
     ap.add_argument("--budget-s", type=float, default=100.0,
                     help="seconds of linear sweep after which no more refinement stages run")
     ap.add_argument("--no-attention", action="store_true", help="skip the decode_attention sweep")
+    ap.add_argument("--only", default="", help="projections to sweep, comma-separated (norm+qkv, o+residual, "
+                    "norm+gate_up+glu, down+residual, lm_head); default all")
     ap.add_argument("--norm-cost", action="store_true",
                     help="only time the fused norm's cost (with / without norm_weight at the default launch)")
     ap.add_argument("--stats-elems", default="0",
@@ -540,7 +549,8 @@ def main(argv=None):
             json.dump(res, f, indent=1)
         return
     with torch.no_grad():
-        lin = sweep_linear(model, batches, args.quick, ceiling, args.jobs, args.budget_s)
+        lin = sweep_linear(model, batches, args.quick, ceiling, args.jobs, args.budget_s,
+                           tuple(o for o in args.only.split(",") if o))
         att = [] if args.no_attention else sweep_attention(MODELS[model], batches, args.capacity, args.quick)
     meta["seconds"] = round(time.time() - t0, 1)
     write(args.out, "decode_ops" if model == "1.5b" else f"decode_ops_{model}", meta, lin, att)
