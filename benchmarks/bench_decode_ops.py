@@ -473,8 +473,10 @@ def _commit():
 def norm_cost(model: str, batches, stats_elems=(0,)) -> dict:
     """What the fused RMSNorm costs decode_linear: norm+q/k/v and norm+gate_up+GLU timed with and without
     norm_weight (the same weights; CUDA-graph replays over >= 256 MiB of them, cold L2), at the default launch
-    and, for q/k/v, at 32 columns a program, the norm at each statistics step `stats_elems` (0: STATS_ELEMS)."""
+    and, for q/k/v, at 32 columns a program, the norm at each statistics step `stats_elems` (0: STATS_ELEMS), and
+    the norm as a launch of its own (`rms_norm_rows`) before the projection without one."""
     from tigon import ops
+    from tigon.ops.rms_norm import rms_norm_rows
 
     s = MODELS[model]
     q, kv = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
@@ -494,9 +496,15 @@ def norm_cost(model: str, batches, stats_elems=(0,)) -> dict:
                 variants = [(f"stats_elems {se}", dataclasses.replace(base, stats_elems=se), True)
                             for se in stats_elems]
                 variants.append(("no norm", base, False))
+                variants.append(("norm as its own launch", base, "separate"))
                 for label, cfg, norm in variants:
-                    kw = dict(norm_weight=nw if norm else None, eps=EPS, activation=act, config=cfg)
-                    fns = [(lambda ws=ws, x=x, kw=kw: ops.decode_linear(x, ws, **kw)) for ws in reps]
+                    kw = dict(norm_weight=nw if norm is True else None, eps=EPS, activation=act, config=cfg)
+                    if norm == "separate":  # rms_norm_rows, then the projection at its own (no-norm) launch
+                        kw["config"] = None
+                        fns = [(lambda ws=ws, x=x, kw=kw: ops.decode_linear(rms_norm_rows(x, nw, EPS)[0], ws, **kw))
+                               for ws in reps]
+                    else:
+                        fns = [(lambda ws=ws, x=x, kw=kw: ops.decode_linear(x, ws, **kw)) for ws in reps]
                     us = 1e3 * _graph_time(fns)
                     key = f"batch {m} {name} {base.block_n} columns, {label}"
                     out[key] = {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1), "config": cfg.ints()}

@@ -60,6 +60,29 @@ def test_generate_uses_the_fused_layer_and_matches_hf(model_type, overrides, dev
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("b", [1, 2])
+def test_the_norms_are_fused_below_separate_norm_rows_and_launched_from_it(monkeypatch, b):
+    """One row: the RMSNorms run inside the q/k/v and gate/up projections; from SEPARATE_NORM_ROWS rows each runs
+    as its own rms_norm_rows launch before a projection without one. The tokens equal HF's either way."""
+    from tigon.decode import layer_step
+
+    assert layer_step.SEPARATE_NORM_ROWS == 2  # the two cases below sit on either side of it
+    ref, patched = _pair("llama", {}, "cpu")
+    ids = _ids(b, 9, "cpu")
+    want = ref.generate(ids, max_new_tokens=3, do_sample=False)
+    rows, original = [], layer_step.rms_norm_rows
+
+    def counting(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return original(x, *args, **kwargs)
+
+    monkeypatch.setattr(layer_step, "rms_norm_rows", counting)
+    got = tigon.generate(patched, ids, max_new_tokens=3, cuda_graph=False)
+    assert torch.equal(got, want)
+    decode_norms = rows.count(b)  # the prefill's norms see b * 9 rows
+    assert decode_norms == (0 if b < 2 else 2 * patched.config.num_hidden_layers * 2)
+
+
 def test_model_generate_with_a_rolling_cache_and_left_padding():
     ref, patched = _pair("llama", {}, "cpu")
     ids = _ids(3, 7, "cpu")

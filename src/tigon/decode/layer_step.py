@@ -1,5 +1,5 @@
 """The fused decoder-layer step: a whole Llama-style layer for one decode step over a RollingKVCache in six
-kernels (`decode_layer_step`), and the first prompt chunk's layer without the module-by-module host time
+kernels at batch 1, eight from 2 rows (`decode_layer_step`), and the first prompt chunk's layer without the module-by-module host time
 (`prefill_layer_step`); and how a model gets it (`install`, `uninstall`, `fused_decode`).
 
 How it is reached: the decoder forward that `tigon.patch` gives Llama-style layers
@@ -20,6 +20,11 @@ the small projections at a third of the bandwidth. `decode_layer_step` runs inst
     h2  = decode_linear(a, Wo, residual=h)                              # residual add fused
     m   = decode_linear(h2, [Wgate, Wup], norm=post_attention_layernorm, activation=act)
     out = decode_linear(m, Wdown, residual=h2)
+
+From SEPARATE_NORM_ROWS rows (batch >= 2) the two RMSNorms run as launches of their own (`rms_norm_rows`) and the
+projections take the normalized rows: every projection program would otherwise re-read all rows of x from L2 for
+the statistics, which at 8 rows cost the Llama-3-8B gate/up launch 8 us (eight kernels a layer then, docs/ops/
+decode_linear.md, "The norm as its own launch").
 
 The roundings are the unfused modules' (each projection output, the norm output and the GLU product are
 rounded to the model dtype where they would be). It applies only where that is exactly what the layer's own
@@ -55,6 +60,12 @@ from ..ops.rms_norm import rms_norm_rows
 from ..ops.swiglu import glu_rows
 
 _ACT = {SwiGLUMLP: "silu", GeGLUMLP: "gelu_tanh"}
+# From this many rows a decode step normalizes in an RMSNorm launch of its own before the q/k/v and gate/up
+# projections; below, the projections fuse the norm (every program recomputes the row statistics from x: at 8
+# rows that is 8 x K elements of L2 reads a program, before its first weight tile). Measured on the H200
+# (docs/ops/decode_linear.md): at 8 rows the 8B step 5.131 -> 4.879 ms; at 1 row the 1.5B launches lose ~0.9 us
+# each with the extra launch.
+SEPARATE_NORM_ROWS = 2
 
 
 def _plain(lin, dtype) -> bool:
@@ -169,7 +180,11 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
     nq, nk, d = wq.shape[0], wk.shape[0], attn.head_dim
     cos, sin = position_embeddings
-    qkv = ops.decode_linear(x, [wq, wk, wv], norm_weight=ln1.weight, eps=ln1.eps)
+    separate = b >= SEPARATE_NORM_ROWS
+    if separate:
+        qkv = ops.decode_linear(rms_norm_rows(x, ln1.weight, ln1.eps)[0], [wq, wk, wv])
+    else:
+        qkv = ops.decode_linear(x, [wq, wk, wv], norm_weight=ln1.weight, eps=ln1.eps)
     q = qkv[:, :nq].view(b, 1, -1, d)
     k = qkv[:, nq:nq + nk].view(b, 1, -1, d)
     v = qkv[:, nq + nk:].view(b, 1, -1, d)
@@ -182,7 +197,10 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
     out = ring_decode(ring, q, keys, values, slot_pos, scaling=attn.scaling, sliding_window=sliding_window_of(attn),
                   softcap=None, advanced=False)
     h = ops.decode_linear(out.reshape(b, -1), wo, residual=x)
-    m = ops.decode_linear(h, [gate, up], norm_weight=ln2.weight, eps=ln2.eps, activation=act)
+    if separate:
+        m = ops.decode_linear(rms_norm_rows(h, ln2.weight, ln2.eps)[0], [gate, up], activation=act)
+    else:
+        m = ops.decode_linear(h, [gate, up], norm_weight=ln2.weight, eps=ln2.eps, activation=act)
     return ops.decode_linear(m, down, residual=h).view_as(hidden_states)
 
 
