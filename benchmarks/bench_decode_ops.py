@@ -501,8 +501,8 @@ def norm_cost(model: str, batches, stats_elems=(0,)) -> dict:
                     kw = dict(norm_weight=nw if norm is True else None, eps=EPS, activation=act, config=cfg)
                     if norm == "separate":  # rms_norm_rows, then the projection at its own (no-norm) launch
                         kw["config"] = None
-                        fns = [(lambda ws=ws, x=x, kw=kw: ops.decode_linear(rms_norm_rows(x, nw, EPS)[0], ws, **kw))
-                               for ws in reps]
+                        fns = [(lambda ws=ws, x=x, kw=kw, nw=nw:
+                                ops.decode_linear(rms_norm_rows(x, nw, EPS)[0], ws, **kw)) for ws in reps]
                     else:
                         fns = [(lambda ws=ws, x=x, kw=kw: ops.decode_linear(x, ws, **kw)) for ws in reps]
                     us = 1e3 * _graph_time(fns)

@@ -268,3 +268,26 @@ def test_mlp_module_output_takes_in_place_writes(device, cls, act, fused):
     want = torch.autograd.grad(want_out, [x, *mlp.parameters()], go)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_member_reads_as_getattr_does():
+    """`modules.mlp.member` (the decode wing's fast read of parameters and submodules) resolves a name as
+    nn.Module's getattr does: an instance attribute, then parameters, buffers, submodules; a missing name raises
+    AttributeError; and `plain_linear` through it still refuses a bias, a hook or a wrapper."""
+    from torch import nn
+
+    from tigon.modules.mlp import member, plain_linear
+
+    lin = nn.Linear(3, 4, bias=False)
+    lin.register_buffer("scale", torch.ones(4))
+    lin.add_module("inner", nn.Identity())
+    for name in ("weight", "bias", "scale", "inner", "in_features"):
+        assert member(lin, name) is getattr(lin, name), name
+    with pytest.raises(AttributeError, match="nope"):
+        member(lin, "nope")
+    assert plain_linear(lin)
+    assert not plain_linear(nn.Linear(3, 4))  # a bias
+    hooked = nn.Linear(3, 4, bias=False)
+    hooked.register_forward_hook(lambda *a: None)
+    assert not plain_linear(hooked)
+    assert not plain_linear(nn.Sequential(nn.Linear(3, 4, bias=False)))
