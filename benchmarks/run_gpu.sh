@@ -11,10 +11,12 @@
 #   decode      bench_decode: tigon at batch 1 and 8 beside HF static cache + compile at batch 1
 #               (<gpu>_decode.md, <gpu>_decode.json)
 #   decode-8b   bench_decode --model llama3-8b: tigon and HF static cache + compile at batch 1 and 8, prompts
-#               DECODE_8B_PROMPTS (default 512,8192), with the weight + KV read bound (<gpu>_decode_8b.md, .json)
+#               DECODE_8B_PROMPTS (default 512,8192), with the weight + KV read bound (<gpu>_decode_8b.md, .json);
+#               with BASELINE also that tree's tigon rows at prompt 512 (<gpu>_decode_8b_base.md)
 #   decode-ops  bench_decode_ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
 #   decode-norm bench_decode_ops --norm-cost at the 8B and 1.5B shapes: decode_linear with and without its fused
-#               norm, at the statistics steps NORM_STATS_ELEMS (default 0,2048,4096) (<gpu>_decode_norm_<model>.json)
+#               norm, at the statistics steps NORM_STATS_ELEMS (default 0,2048,4096), and the norm as its own launch
+#               (<gpu>_decode_norm_<model>.json)
 #   e2e         bench_e2e: the 1.5B training step, E2E_VARIANTS (tigon,liger) of E2E_CONFIGS (llama; also qwen3,
 #               gemma2) (<gpu>_e2e.md, <gpu>_e2e.json)
 #   e2e-compile bench_e2e --compile: torch.compile over HF, over a patched model (default mode and reduce-overhead's
@@ -31,7 +33,7 @@
 #
 # <gpu> is the GPU's short name ("h200"), as in benchmarks/results/<gpu>.md, whose tables these files refresh.
 # BUDGET_S bounds the whole run (default 570 s). DECODE_VARIANTS overrides the decode step's variants.
-# BASELINE=DIR (a tree with src/ and benchmarks/ of another commit) adds, to decode and e2e, the same run of that
+# BASELINE=DIR (a tree with src/ and benchmarks/ of another commit) adds, to decode, decode-8b and e2e, a run of that
 # tree in the same call, for side-by-side numbers (<gpu>_decode_base.md, <gpu>_e2e_base.md). Wheels the image
 # lacks (pytest-xdist, liger-kernel, ...) come from .whl/ (../shared/tools/device-wheels.sh; pass carry=[".whl"]).
 # Each step's tables come first; logs and plots are kept while fewer than 7 files are in $OUT; everything every step
@@ -114,7 +116,13 @@ for s in "$@"; do
                 --variants "${DECODE_8B_VARIANTS:-tigon,hf-static-compile}" --batches 1,8 \
                 --prompts "${DECODE_8B_PROMPTS:-512,8192}" --budget "$(( b8 > 1 ? b8 : 1 ))" >>"$LOG" 2>&1
             keep "$T/decode_8b/decode.md" "${GPU}_decode_8b.md"; keep "$T/decode_8b/decode.json" "${GPU}_decode_8b.json"
-            extras+=("$T/decode_8b/decode_latency.png ${GPU}_decode_8b_latency.png") ;;
+            extras+=("$T/decode_8b/decode_latency.png ${GPU}_decode_8b_latency.png")
+            if [[ -n "${BASELINE:-}" ]]; then  # the baseline tree's tigon rows at prompt 512, for a same-call A/B
+                step decode-8b-base 200 "${base[@]}" "${base_decode[@]}" --model llama3-8b --out "$T/decode_8b_base" \
+                    --variants tigon --batches 1,8 --prompts 512 --budget 190 >>"$LOG" 2>&1
+                keep "$T/decode_8b_base/decode.md" "${GPU}_decode_8b_base.md"
+                extras+=("$T/decode_8b_base/decode.json ${GPU}_decode_8b_base.json")
+            fi ;;
         decode-norm)
             for model in llama3-8b 1.5b; do
                 mkdir -p "$T/decode_norm"
