@@ -77,10 +77,13 @@ EPS = 1e-5
 
 
 def projections(s: Model) -> dict:
-    """name -> (K, output widths of the fused weights, decode_linear_picks kind) of one decoder layer's launches."""
+    """name -> (K, output widths of the fused weights, decode_linear_picks kind) of one decoder layer's launches:
+    with the norm fused (batch 1) and without it (2-16 rows, after `rms_norm_rows`: decode/layer_step.py)."""
     q, kv = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
-    return {"norm+qkv": (s.hidden, (q, kv, kv), "norm"), "o+residual": (q, (s.hidden,), "residual"),
+    return {"norm+qkv": (s.hidden, (q, kv, kv), "norm"), "qkv": (s.hidden, (q, kv, kv), "plain"),
+            "o+residual": (q, (s.hidden,), "residual"),
             "norm+gate_up+glu": (s.hidden, (s.inter, s.inter), "norm+glu"),
+            "gate_up+glu": (s.hidden, (s.inter, s.inter), "glu"),
             "down+residual": (s.inter, (s.hidden,), "residual"), "lm_head": (s.hidden, (s.vocab,), "plain")}
 
 
@@ -104,12 +107,17 @@ def _calls(name, kind, ws, inp):
     if name == "norm+qkv":
         return (lambda: [F.linear(h, w) for h in [ops.rms_norm(x, nw, EPS)] for w in ws],
                 lambda cfg: ops.decode_linear(x, list(ws), norm_weight=nw, eps=EPS, config=cfg))
+    if name == "qkv":
+        return (lambda: [F.linear(x, w) for w in ws], lambda cfg: ops.decode_linear(x, list(ws), config=cfg))
     if kind == "norm+glu":
         def cublas():
             h = ops.rms_norm(x, nw, EPS)
             return ops.swiglu(F.linear(h, ws[0]), F.linear(h, ws[1]))
         return cublas, lambda cfg: ops.decode_linear(x, list(ws), norm_weight=nw, eps=EPS, activation="silu",
                                                      config=cfg)
+    if kind == "glu":
+        return (lambda: ops.swiglu(F.linear(x, ws[0]), F.linear(x, ws[1])),
+                lambda cfg: ops.decode_linear(x, list(ws), activation="silu", config=cfg))
     if kind == "residual":
         a = inp["xa"] if name == "o+residual" else inp["xi"]
         return (lambda: x + F.linear(a, ws[0]), lambda cfg: ops.decode_linear(a, ws[0], residual=x, config=cfg))
@@ -524,8 +532,8 @@ def build_parser():
     ap.add_argument("--budget-s", type=float, default=100.0,
                     help="seconds of linear sweep after which no more refinement stages run")
     ap.add_argument("--no-attention", action="store_true", help="skip the decode_attention sweep")
-    ap.add_argument("--only", default="", help="projections to sweep, comma-separated (norm+qkv, o+residual, "
-                    "norm+gate_up+glu, down+residual, lm_head); default all")
+    ap.add_argument("--only", default="", help="projections to sweep, comma-separated (norm+qkv, qkv, o+residual, "
+                    "norm+gate_up+glu, gate_up+glu, down+residual, lm_head); default all")
     ap.add_argument("--norm-cost", action="store_true",
                     help="only time the fused norm's cost (with / without norm_weight at the default launch)")
     ap.add_argument("--stats-elems", default="0",
