@@ -20,7 +20,8 @@ MEASURED_PICKS: dict = {
     # h200_decode_ops_llama3-8b.json): the winners >= 2% faster than the rule's launch. Comments: rule -> pick.
     # The norm+qkv entries are from bench_decode_ops.py --norm-cost at 172ddf9, after the norm's statistics
     # became a few wide steps (h200_decode.json "decode_linear_norm_picks"): at batch 1 the rule's 32 columns
-    # now beat the 64 picked before (19.88 against 21.55 us: no entry); at 2-16 rows, 512-wide statistics steps.
+    # now beat the 64 picked before (19.88 against 21.55 us: no entry); at 2-16 rows, 512-wide statistics steps
+    # (for callers that fuse the norm there: the decode layer step launches it on its own from 2 rows).
     "NVIDIA H200": {
         (4096, 4096, 1, "residual"): (32, 128, 4, 4, 2),  # o+residual, batch 1: 12.48 -> 11.74 us
         (14336, 4096, 1, "residual"): (64, 256, 4, 4, 2),  # down+residual, batch 1: 34.10 -> 31.75 us
