@@ -124,12 +124,14 @@ def _calls(name, kind, ws, inp):
     return lambda: F.linear(x, ws[0]), lambda cfg: ops.decode_linear(x, ws[0], config=cfg)
 
 
-def linear_cases(s: Model, m: int):
+def linear_cases(s: Model, m: int, only=()):
     """(name, K, widths, kind, weight bytes, [cuBLAS callables], [decode_linear callables of a config]) at batch
-    m, one callable per replica."""
+    m, one callable per replica; `only`: those projections alone (default all)."""
     out = []
     inp = _inputs(s, m)
     for name, (K, ns, kind) in projections(s).items():
+        if only and name not in only:
+            continue
         nbytes = sum(ns) * K * 2
         cub, fused = [], []
         for _ in range(max(2, -(-REPLICA_BYTES // nbytes))):
@@ -314,9 +316,7 @@ def sweep_linear(model, batches, quick, ceiling, jobs, budget_s, only=()):
                                           if feasible(c, K, ns, kind, sms)])
     try:
         for m in batches:
-            for name, K, ns, kind, nbytes, cub, fused in linear_cases(s, m):
-                if only and name not in only:
-                    continue
+            for name, K, ns, kind, nbytes, cub, fused in linear_cases(s, m, only):
                 rows.append(_sweep_one(s, name, K, ns, kind, nbytes, cub, fused, m, m == batches[0], quick, ceiling,
                                        pre, ranked_first, sms, t0 + budget_s, batches))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "top"}), flush=True)
@@ -500,23 +500,24 @@ def norm_cost(model: str, batches, stats_elems=(0,)) -> dict:
                                          torch.device("cuda"))
             bases = [default] + ([dataclasses.replace(default, block_n=32)] if act is None and default.block_n != 32
                                  else [])
+            variants = []  # (label, config, norm: True fused, False none, None its own rms_norm_rows launch)
             for base in bases:
-                variants = [(f"stats_elems {se}", dataclasses.replace(base, stats_elems=se), True)
-                            for se in stats_elems]
-                variants.append(("no norm", base, False))
-                variants.append(("norm as its own launch", base, "separate"))
-                for label, cfg, norm in variants:
-                    kw = dict(norm_weight=nw if norm is True else None, eps=EPS, activation=act, config=cfg)
-                    if norm == "separate":  # rms_norm_rows, then the projection at its own (no-norm) launch
-                        kw["config"] = None
-                        fns = [(lambda ws=ws, x=x, kw=kw, nw=nw:
-                                ops.decode_linear(rms_norm_rows(x, nw, EPS)[0], ws, **kw)) for ws in reps]
-                    else:
-                        fns = [(lambda ws=ws, x=x, kw=kw: ops.decode_linear(x, ws, **kw)) for ws in reps]
-                    us = 1e3 * _graph_time(fns)
-                    key = f"batch {m} {name} {base.block_n} columns, {label}"
-                    out[key] = {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1), "config": cfg.ints()}
-                    print(key, out[key], flush=True)
+                variants += [(f"{base.block_n} columns, stats_elems {se}", dataclasses.replace(base, stats_elems=se),
+                              True) for se in stats_elems]
+                variants.append((f"{base.block_n} columns, no norm", base, False))
+            variants.append(("norm as its own launch", None, None))  # the projection at its default no-norm launch
+            for label, cfg, norm in variants:
+                kw = dict(norm_weight=nw if norm else None, eps=EPS, activation=act, config=cfg)
+                if norm is None:
+                    fns = [(lambda ws=ws, x=x, kw=kw, nw=nw:
+                            ops.decode_linear(rms_norm_rows(x, nw, EPS)[0], ws, **kw)) for ws in reps]
+                else:
+                    fns = [(lambda ws=ws, x=x, kw=kw: ops.decode_linear(x, ws, **kw)) for ws in reps]
+                us = 1e3 * _graph_time(fns)
+                key = f"batch {m} {name} {label}"
+                out[key] = {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1),
+                            "config": cfg.ints() if cfg else None}
+                print(key, out[key], flush=True)
     return out
 
 
