@@ -175,6 +175,14 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     return (h2 + F.linear(m, down)).view(b, t, -1)
 
 
+def _normed_projection(x, norm, weights, activation=None):
+    """decode_linear of `norm(x)`: the norm fused into the projection below SEPARATE_NORM_ROWS rows, from there
+    an rms_norm_rows launch of its own first."""
+    if x.shape[0] >= SEPARATE_NORM_ROWS:
+        return ops.decode_linear(rms_norm_rows(x, norm.weight, norm.eps)[0], weights, activation=activation)
+    return ops.decode_linear(x, weights, norm_weight=norm.weight, eps=norm.eps, activation=activation)
+
+
 def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):
     """The layer's output for one decode step, or None where the layer must run its own forward."""
     attn = _tigon_attention(layer, position_embeddings)
@@ -194,11 +202,7 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
     nq, nk, d = wq.shape[0], wk.shape[0], attn.head_dim
     cos, sin = position_embeddings
-    separate = b >= SEPARATE_NORM_ROWS
-    if separate:
-        qkv = ops.decode_linear(rms_norm_rows(x, ln1.weight, ln1.eps)[0], [wq, wk, wv])
-    else:
-        qkv = ops.decode_linear(x, [wq, wk, wv], norm_weight=ln1.weight, eps=ln1.eps)
+    qkv = _normed_projection(x, ln1, [wq, wk, wv])
     q = qkv[:, :nq].view(b, 1, -1, d)
     k = qkv[:, nq:nq + nk].view(b, 1, -1, d)
     v = qkv[:, nq + nk:].view(b, 1, -1, d)
@@ -211,10 +215,7 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
     out = ring_decode(ring, q, keys, values, slot_pos, scaling=attn.scaling, sliding_window=sliding_window_of(attn),
                   softcap=None, advanced=False)
     h = ops.decode_linear(out.reshape(b, -1), wo, residual=x)
-    if separate:
-        m = ops.decode_linear(rms_norm_rows(h, ln2.weight, ln2.eps)[0], [gate, up], activation=act)
-    else:
-        m = ops.decode_linear(h, [gate, up], norm_weight=ln2.weight, eps=ln2.eps, activation=act)
+    m = _normed_projection(h, ln2, [gate, up], activation=act)
     return ops.decode_linear(m, down, residual=h).view_as(hidden_states)
 
 
