@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _library, reference
+from . import _launch, _library, _pdl, reference
 from . import _workspace as _ws
 from ._config import DECODE_ATTENTION, DecodeAttentionConfig
 
@@ -72,6 +72,7 @@ def _decode_attention_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/_pdl.py)
 ):
     pid = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1)
@@ -87,6 +88,7 @@ def _decode_attention_split_kernel(
     m_d = o_d < D
     o_hq = hk * G + g  # int64: query head of each tile row
 
+    _pdl.wait(PDL)  # the query, the positions, the cache and every store: after the previous kernel
     p_q = Q + b * stride_qb + o_hq[:, None] * stride_qh + o_d[None, :] * stride_qd
     b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
     if UPCAST:
@@ -143,6 +145,7 @@ def _decode_attention_split_kernel(
             b_acc = tl.dot(b_p, b_v, b_acc, input_precision=DOT_PRECISION)
         b_m = b_mn
 
+    _pdl.start(PDL)  # after the loop (ops/_pdl.py)
     m_gd = m_g[:, None] & m_d[None, :]
     if ONE_SPLIT:
         # nothing attended: l = 0 and acc = 0 give NaN, as the reference's softmax over no keys
@@ -174,7 +177,9 @@ def _decode_attention_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch: every access after the wait
 ):
+    _pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     if ADVANCE:  # the caller's position counter, for the next step: kernel 1 has finished reading it
         if row == 0:
@@ -254,6 +259,7 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
         m_part, l_part = part[:n].view(B * Hq, n_splits), part[n:2 * n].view(B * Hq, n_splits)
         acc_part = part[2 * n:n * (D + 2)].view(B * Hq, n_splits, D)
     interp = q.device.type != "cuda"
+    pdl = _pdl.enabled(q.device)
     shared_pos = slot_pos.dim() == 1
     _decode_attention_split_kernel[(B * Hkv * n_gblk, n_splits)](
         q, k_cache, v_cache, slot_pos, q_pos, out, m_part, l_part, acc_part,
@@ -265,7 +271,8 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
         Hq, Hkv, G, C, D, chunk, n_splits, n_gblk, scale, window, softcap if softcap else 1.0,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), ONE_SPLIT=one,
         UPCAST=interp, SPLIT_P=q.dtype != torch.float32, DOT_PRECISION=_dot_precision(q.dtype, interp),
-        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if not one:
         adv = advance if advance is not None else q_pos
@@ -273,7 +280,7 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
             m_part, l_part, acc_part, out, adv, out.stride(0), out.stride(1), Hq, D, n_splits,
             adv.numel(), adv.stride(0) if adv.dim() else 1,
             ADVANCE=advance is not None, BLOCK_S=_launch.next_power_of_2(n_splits), BLOCK_D=block_d,
-            BLOCK_P=_launch.next_power_of_2(max(adv.numel(), 1)), num_warps=cfg.num_warps,
+            BLOCK_P=_launch.next_power_of_2(max(adv.numel(), 1)), PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl,
         )
     elif advance is not None:  # no merge kernel to carry it
         advance.add_(1)

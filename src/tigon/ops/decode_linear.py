@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _library, decode_linear_picks, reference
+from . import _launch, _library, _pdl, decode_linear_picks, reference
 from . import _workspace as _ws
 from ._config import DecodeLinearConfig
 
@@ -79,6 +79,7 @@ def _decode_linear_kernel(
     BLOCK_K: tl.constexpr,
     STATS_M: tl.constexpr,  # NORM: rows whose statistics a program computes (the real rows, <= BLOCK_M)
     STATS_K: tl.constexpr,  # NORM: elements of x a statistics step loads per row (few, wide steps)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/_pdl.py)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -100,6 +101,8 @@ def _decode_linear_kernel(
     p_x = X + o_m.to(tl.int64)[:, None] * stride_xm
     dt = X.dtype.element_ty
     k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    _pdl.wait(PDL)  # x, the residual and every store: after the previous kernel
 
     if NORM:  # the row statistics over all of K, whatever this program's split
         # Over the STATS_M real rows in steps of STATS_K (one step for a row of <= 4096 at batch 1): each step is
@@ -123,7 +126,7 @@ def _decode_linear_kernel(
     p_u = W + D1.to(tl.int64) + o_n.to(tl.int64)[:, None] * K  # ACT: up's rows, at D1
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + o_k
         if EVEN_K:
             m_k = o_k < BLOCK_K
@@ -138,6 +141,7 @@ def _decode_linear_kernel(
         acc += _dot(b_x, tl.load(p_w + kk[None, :], mask=m_w, other=0.0), UPCAST, PRECISION)
         if ACT != 0:
             acc_u += _dot(b_x, tl.load(p_u + kk[None, :], mask=m_w, other=0.0), UPCAST, PRECISION)
+    _pdl.start(PDL)  # every weight byte read: the next kernel may launch into the SMs this tail frees
 
     o_col = col0 + o_n
     m_y = m_m[:, None] & m_n[None, :]
@@ -295,6 +299,7 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     stats_m = min(_launch.next_power_of_2(M), block_m)
     stats_k = min(_launch.next_power_of_2(K), max(block_k, (config.stats_elems or STATS_ELEMS) // stats_m))
+    pdl = _pdl.enabled(x.device)
     _decode_linear_kernel[(n_blocks, m_blocks, split)](
         x, norm_weight if norm_weight is not None else x, weights[0],
         residual if residual is not None else y, y, ws, cnt,
@@ -302,8 +307,8 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), float(eps),
         NUM_W=len(weights), NORM=norm_weight is not None, ACT=act, RESIDUAL=residual is not None, SPLIT_K=split,
         EVEN_K=K % block_k == 0 and k_split * split == K, UPCAST=interp, PRECISION=precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, STATS_M=stats_m, STATS_K=stats_k, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, STATS_M=stats_m, STATS_K=stats_k, PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     return y
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _library, reference
+from . import _launch, _library, _pdl, reference
 from ._config import ROPE_KV_WRITE
 from .rope import _cos_sin_halves, _rope_heads, check_cos_sin
 
@@ -87,7 +87,9 @@ def _rope_kv_write_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/_pdl.py): every read after the wait
 ):
+    _pdl.wait(PDL)
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)  # 0: the query, 1: the key (and the slot's position), 2: the value
     b = pid // T
@@ -141,6 +143,7 @@ def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query, next_pos=N
     Hq = query.shape[1] if query is not None else 0
     qs = query.stride()[:3] if query is not None else (0, 0, 0)
     qos = qo.stride()[:3] if query is not None else (0, 0, 0)
+    pdl = _pdl.enabled(key.device)
     _rope_kv_write_kernel[(B * T, 3)](
         key, value, query if query is not None else key, cos, sin, k_cache, v_cache, slots,
         next_pos if next_pos is not None else slots, positions if positions is not None else slots,
@@ -153,7 +156,7 @@ def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query, next_pos=N
         SLOT_FROM_NEXT=next_pos is not None, HAS_PASS=rd < D, BLOCK_HQ=_heads_block(Hq, block_r),
         BLOCK_HK=_heads_block(Hkv, block_r),
         BLOCK_HV=_heads_block(Hkv, block_d), BLOCK_R=block_r, BLOCK_P=_launch.next_power_of_2(max(D - rd, 1)),
-        BLOCK_D=block_d, num_warps=ROPE_KV_WRITE.num_warps,
+        BLOCK_D=block_d, PDL=pdl, num_warps=ROPE_KV_WRITE.num_warps, launch_pdl=pdl,
     )
     return qo
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _library, reference
+from . import _launch, _library, _pdl, reference
 from ._config import RMSNormConfig
 
 _CASTING = {"llama": 0, "gemma": 1, "none": 2}
@@ -42,7 +42,9 @@ def _rms_norm_fwd_kernel(
     CASTING: tl.constexpr,  # 0 llama (round x*rstd to x.dtype before the weight), 1 gemma, 2 none
     BLOCK_H: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows a program normalizes: 1, or a tile of short rows (_rows_per_tile)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/_pdl.py): every access after the wait
 ):
+    _pdl.wait(PDL)  # no early start: the next kernel launches when this one exits
     if BLOCK_M > 1:
         _rms_norm_fwd_tile(X, R, W, Y, S, RSTD, stride_x, stride_r, stride_y, stride_s, M, H, eps, offset,
                            HAS_RESIDUAL, HAS_WEIGHT, CASTING, BLOCK_H, BLOCK_M)
@@ -226,14 +228,14 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=Non
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     s = torch.empty_like(x) if residual is not None else x.new_empty(0)
     rows, fwd_warps, _, _ = _launch_plan(block, config)
+    pdl = _pdl.enabled(x.device)
     if M > 0 and H > 0:  # zero width: empty outputs, and rstd (0/0) is never read
         _rms_norm_fwd_kernel[(_launch.cdiv(M, rows),)](
             x, residual if residual is not None else x, weight if weight is not None else x, y, s, rstd,
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
             s.stride(0) if residual is not None else 0, M, H, eps, offset,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, CASTING=casting,
-            BLOCK_H=block, BLOCK_M=rows,
-            num_warps=fwd_warps,
+            BLOCK_H=block, BLOCK_M=rows, PDL=pdl, num_warps=fwd_warps, launch_pdl=pdl,
         )
     return y, s, rstd
 
