@@ -35,7 +35,7 @@ _MAX_GROUP_BLOCK = 64  # query heads per program; a larger GQA group is split ov
 MAX_HEAD_DIM = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C"])  # the ring's capacity: no recompile when C % 16 changes (kv_write.py)
 def _decode_attention_split_kernel(
     Q,  # [B, Hq, 1, D] query
     K,  # [B, Hkv, C, D] key cache
