@@ -67,3 +67,9 @@ def test_chain_replayed_from_a_cuda_graph_gpu(rows):
             # the chain: ~2^-8 * sqrt(20) in norm); a stale row is uncorrelated with the reference (error ~1)
             err = ((y.float() - want).norm() / want.norm()).item()
             assert err < 0.03, err
+
+
+def test_launch_option_only_with_pdl():
+    """A Triton without PDL (< 3.3) refuses the launch_pdl keyword: it is passed only when PDL is on."""
+    assert _pdl.launch_options(False) == {}
+    assert _pdl.launch_options(True) == {"launch_pdl": True}

@@ -24,17 +24,28 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # Triton < 3.3 has no grid dependency control (nor the launch_pdl option): PDL stays off
+    gdc_launch_dependents = gdc_wait = None
 
 
 @functools.lru_cache(maxsize=16)
 def _capable(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
+    return (gdc_wait is not None and torch.version.hip is None
+            and torch.cuda.get_device_capability(index) >= (9, 0))
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: a CUDA GPU of compute capability 9.0 or later."""
+    """Whether kernels on `device` launch with PDL: a CUDA GPU of compute capability 9.0 or later, and a Triton
+    that has it."""
     return device.type == "cuda" and _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch keyword for `kernel[grid](...)`: none without PDL (a Triton without it refuses the option)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit

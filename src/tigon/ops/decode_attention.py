@@ -272,7 +272,7 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), ONE_SPLIT=one,
         UPCAST=interp, SPLIT_P=q.dtype != torch.float32, DOT_PRECISION=_dot_precision(q.dtype, interp),
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl.launch_options(pdl),
     )
     if not one:
         adv = advance if advance is not None else q_pos
@@ -280,7 +280,8 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
             m_part, l_part, acc_part, out, adv, out.stride(0), out.stride(1), Hq, D, n_splits,
             adv.numel(), adv.stride(0) if adv.dim() else 1,
             ADVANCE=advance is not None, BLOCK_S=_launch.next_power_of_2(n_splits), BLOCK_D=block_d,
-            BLOCK_P=_launch.next_power_of_2(max(adv.numel(), 1)), PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl,
+            BLOCK_P=_launch.next_power_of_2(max(adv.numel(), 1)), PDL=pdl, num_warps=cfg.num_warps,
+            **_pdl.launch_options(pdl),
         )
     elif advance is not None:  # no merge kernel to carry it
         advance.add_(1)

@@ -308,7 +308,7 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
         NUM_W=len(weights), NORM=norm_weight is not None, ACT=act, RESIDUAL=residual is not None, SPLIT_K=split,
         EVEN_K=K % block_k == 0 and k_split * split == K, UPCAST=interp, PRECISION=precision, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, STATS_M=stats_m, STATS_K=stats_k, PDL=pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_options(pdl),
     )
     return y
 

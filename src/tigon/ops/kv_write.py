@@ -158,7 +158,7 @@ def _fwd_launch(key, value, cos, sin, k_cache, v_cache, slots, query, next_pos=N
         SLOT_FROM_NEXT=next_pos is not None, HAS_PASS=rd < D, BLOCK_HQ=_heads_block(Hq, block_r),
         BLOCK_HK=_heads_block(Hkv, block_r),
         BLOCK_HV=_heads_block(Hkv, block_d), BLOCK_R=block_r, BLOCK_P=_launch.next_power_of_2(max(D - rd, 1)),
-        BLOCK_D=block_d, PDL=pdl, num_warps=ROPE_KV_WRITE.num_warps, launch_pdl=pdl,
+        BLOCK_D=block_d, PDL=pdl, num_warps=ROPE_KV_WRITE.num_warps, **_pdl.launch_options(pdl),
     )
     return qo
 

@@ -235,7 +235,7 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=Non
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
             s.stride(0) if residual is not None else 0, M, H, eps, offset,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, CASTING=casting,
-            BLOCK_H=block, BLOCK_M=rows, PDL=pdl, num_warps=fwd_warps, launch_pdl=pdl,
+            BLOCK_H=block, BLOCK_M=rows, PDL=pdl, num_warps=fwd_warps, **_pdl.launch_options(pdl),
         )
     return y, s, rstd
 
