@@ -11,9 +11,10 @@ before its own `wait` returns).
 Where `start` goes was measured on the H200 (docs/generation.md, "Overlapping the launches"): the projections
 and the attention call it after their main loop (their weights and K/V read), the short kernels (the RoPE write,
 the split merge, the RMSNorm) not at all, so they release the next kernel when they exit. Called first thing in
-every kernel, the chain ran ahead by several launches and the waiting programs crowded the SMs: the 1.5B step
-went 1.052 -> 1.109 ms at batch 1 and the 8B 4.819 -> 4.929 at batch 8, against 1.047 -> 1.010 and 4.821 -> 4.726
-with the placement here. Prefetching the first weight tiles into L2 before `wait` gained nothing measurable.
+every kernel, the chain ran ahead by several launches and the waiting programs crowded the SMs (the 1.5B step
+1.052 -> 1.109 ms at batch 1); called first thing in the short kernels only, the 8B batch-8 step still lost (4.819
+-> 4.932); placed as here, 1.047 -> 1.010 and 4.821 -> 4.726. Prefetching the first weight tiles into L2 before
+`wait` gained nothing measurable.
 
 The instructions need sm_90; the interpreter has no inline assembly, so the kernels take `PDL` as a constexpr
 and launch with it only on such GPUs (`enabled`).
