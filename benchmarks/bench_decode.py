@@ -33,8 +33,10 @@ one timed call with the peak-memory counter reset just before it (weights includ
   calls with the timed call's ring size: `max_new_tokens=1` (the TTFT: prefill and first token), 3 and
   3 + PROFILE_STEPS. The 3-token call has one replayed step, the longer one PROFILE_STEPS more; their kernel
   counts differ by PROFILE_STEPS x (kernels per step), so the longer call's last kernels are exactly its last
-  PROFILE_STEPS decode steps (replay + token choice), whatever the profiler sees outside them. Kernel time is
-  bucketed by name (BUCKETS) and set against the measured p50 step: the difference is launch gaps and idle.
+  PROFILE_STEPS decode steps (replay + token choice), whatever the profiler sees outside them. Kernel time (the
+  time some kernel ran: under programmatic dependent launch a kernel's traced interval starts while its
+  predecessor runs, and the overlap is given to the predecessor) is bucketed by name (BUCKETS) and set against
+  the measured p50 step: the difference is launch gaps and idle.
   GEMM bandwidth = bytes of the weights GEMMs read per step (every parameter once, the input embedding
   left out unless tied to the lm_head: a lookup reads B rows of it) / GEMM time. On a CPU (--quick) the
   profiler sees CPU ops only: the same tables over aten ops by self CPU time (interpreted Triton kernels
@@ -601,20 +603,24 @@ def profile_lines(rows):
     unit = "kernels" if activity == "cuda kernels" else "ops"
     steps = ok[0]["profile"]["decode"]["steps"] if ok else PROFILE_STEPS
     lines = ["", f"### Decode-step profile (torch.profiler, {activity}; ms per step over {steps} decode steps)", "",
-             f"| model | variant | batch | prompt | {unit}/step | {unit} ms | " + " | ".join(names)
+             f"| model | variant | batch | prompt | {unit}/step | {unit} ms | summed durations | " + " | ".join(names)
              + f" | measured p50 | p50 - {unit} (gaps) | traced span | GEMM GB/s |",
-             "|" + "---|" * (10 + len(names))]
+             "|" + "---|" * (11 + len(names))]
     for r in done:
         head = f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} |"
         prof = r["profile"]
         if "decode" not in prof:
-            lines.append(head + f" profile failed: {prof.get('error')} |" + " |" * (5 + len(names)))
+            lines.append(head + f" profile failed: {prof.get('error')} |" + " |" * (6 + len(names)))
             continue
         d = prof["decode"]
         lines.append(head + f" {_num(d['kernels'], '.1f')} | {_num(d['kernel_ms'], '.3f')} | "
+                     f"{_num(d.get('launched_ms'), '.3f')} | "
                      + " | ".join(_num(d["buckets_ms"][k], ".3f") for k in names)
                      + f" | {_num(d['measured_p50_ms'], '.3f')} | {_num(d['gap_ms'], '.3f')} | "
                      f"{_num(d['span_ms'], '.3f')} | {_num(d['gemm_GBps'], '.0f')} |")
+    lines += ["", f"{unit} ms: the time some kernel ran, overlaps counted once (the buckets too: with programmatic "
+              "dependent launch a kernel starts while its predecessor runs and waits; the overlap is the "
+              "predecessor's); summed durations: the profiler's kernel durations added up, waits included."]
     blind = [f"{r['variant']} b{r['batch']}" for r in ok if not r["profile"]["decode"]["kernels"]]
     if blind:
         lines += ["", f"No {unit} seen in the decode steps of {', '.join(blind)}: this torch/CUPTI did not trace the "

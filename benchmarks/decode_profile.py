@@ -39,9 +39,22 @@ def _bucket(name):
     return "other triton" if re.fullmatch(r"[A-Za-z_]\w*", name) else "other torch"
 
 
+def _on_the_chain(events):
+    """events [(start, end, name, duration)] of one stream, sorted by start -> [(start, end, name, busy, duration)]
+    where busy is the part of the event's interval no earlier event covers. With programmatic dependent launch a
+    kernel's programs start while its predecessor still runs and wait (ops/_pdl.py): the profiler's duration counts
+    that wait, so durations overlap and their sum passes the span; busy times sum to the time some kernel ran, each
+    instant given to the kernel that was running first (the one being waited on)."""
+    out, frontier = [], float("-inf")
+    for start, end, name, duration in events:
+        out.append((start, end, name, max(0.0, end - max(start, frontier)), duration))
+        frontier = max(frontier, end)
+    return out
+
+
 def _trace_events(prof, cuda):
-    """[(start_us, end_us, name, busy_us)] by start: the CUDA kernels / memcpys / memsets on CUDA, the CPU ops
-    (busy = self CPU time) on a CPU."""
+    """[(start_us, end_us, name, busy_us, duration_us)] by start: the CUDA kernels / memcpys / memsets on CUDA
+    (busy: `_on_the_chain`), the CPU ops on a CPU (busy = duration = self CPU time)."""
     from torch.autograd import DeviceType
 
     events = []
@@ -54,20 +67,22 @@ def _trace_events(prof, cuda):
             continue
         events.append((e.time_range.start, e.time_range.end, e.name, busy))
     events.sort(key=lambda ev: (ev[0], ev[1]))
-    return events
+    return _on_the_chain(events) if cuda else [ev + (ev[3],) for ev in events]
 
 
 def _summary(events, steps, top=8):
-    """Per-step kernel count, kernel time, traced span and bucket times (ms), and the top kernels by time."""
+    """Per-step kernel count, kernel time (busy: overlaps counted once), the kernels' summed durations, traced span
+    and bucket times (ms, busy), and the top kernels by busy time."""
     buckets = {name: 0.0 for name, _ in BUCKETS}
     by_name = {}
-    for _, _, name, busy in events:
+    for _, _, name, busy, *_ in events:
         buckets[_bucket(name)] += busy
         n, t = by_name.get(name, (0, 0.0))
         by_name[name] = (n + 1, t + busy)
     span = (max(ev[1] for ev in events) - events[0][0]) if events else 0.0
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     return dict(kernels=len(events) / steps, kernel_ms=sum(ev[3] for ev in events) / 1e3 / steps,
+                launched_ms=sum(ev[-1] for ev in events) / 1e3 / steps,
                 span_ms=span / 1e3 / steps, buckets_ms={k: v / 1e3 / steps for k, v in buckets.items()},
                 top=[dict(name=name[:120], bucket=_bucket(name), per_step=n / steps, ms=t / 1e3 / steps)
                      for name, (n, t) in ranked])

@@ -187,6 +187,11 @@ def test_decode_bench_profile_buckets_and_plan(harness):
     small = [ev(0, "prefill"), ev(1, "a")]
     big = small + [ev(2 + i, n) for i, n in enumerate("abcabc")]
     assert [(e[0], e[2]) for e in profiling._by_name_difference(big, small)] == list(enumerate("abcabc", start=2))
+    # Programmatic dependent launch: b starts while a runs and waits; the overlap is a's, b keeps the rest.
+    chain = profiling._on_the_chain([(0.0, 10.0, "a", 10.0), (4.0, 12.0, "b", 8.0), (15.0, 16.0, "c", 1.0)])
+    assert [e[3] for e in chain] == [10.0, 2.0, 1.0] and [e[4] for e in chain] == [10.0, 8.0, 1.0]
+    summary = profiling._summary(chain, 1)
+    assert summary["kernel_ms"] == pytest.approx(0.013) and summary["launched_ms"] == pytest.approx(0.019)
     specs = core.plan(["tigon", "hf-static-compile@1", "tigon-nograph@2+4"], [1, 8], 512, 256, quick=False,
                       device="cuda", profile=True)
     assert [(s["variant"], s["batch"], s.get("profile", False)) for s in specs] == [
