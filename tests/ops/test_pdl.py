@@ -73,3 +73,70 @@ def test_launch_option_only_with_pdl():
     """A Triton without PDL (< 3.3) refuses the launch_pdl keyword: it is passed only when PDL is on."""
     assert _pdl.launch_options(False) == {}
     assert _pdl.launch_options(True) == {"launch_pdl": True}
+
+
+def _pdl_kernels():
+    """Every Triton kernel that takes the PDL constexpr, as (name, function AST)."""
+    import ast
+    import inspect
+
+    found = []
+    for mod in ("decode_linear", "decode_attention", "kv_write", "rms_norm"):
+        module = importlib.import_module(f"tigon.ops.{mod}")
+        for name, obj in vars(module).items():
+            fn = getattr(obj, "fn", None)  # a triton.JITFunction's Python function
+            if fn is not None and "PDL" in inspect.signature(fn).parameters:
+                tree = ast.parse(inspect.getsource(fn).lstrip())
+                found.append((f"{mod}.{name}", tree.body[0]))
+    return found
+
+
+def _is_pdl_call(node, what):
+    import ast
+
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == what
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "_pdl")
+
+
+def test_every_pdl_kernel_touches_memory_only_after_its_wait():
+    """A load or store before `_pdl.wait` races with the previous kernel on a GPU (rarely: the interpreter and most
+    runs would not show it). Before the wait only index arithmetic: no tl.load / tl.store / tl.atomic_*, and no
+    call of a helper (a name starting with "_") that might hold one."""
+    import ast
+
+    kernels = _pdl_kernels()
+    assert {name for name, _ in kernels} >= {"decode_linear._decode_linear_kernel", "kv_write._rope_kv_write_kernel",
+                                             "decode_attention._decode_attention_split_kernel",
+                                             "decode_attention._decode_attention_merge_kernel",
+                                             "rms_norm._rms_norm_fwd_kernel"}
+    for name, fn in kernels:
+        before = []
+        for stmt in fn.body:
+            if any(_is_pdl_call(n, "wait") for n in ast.walk(stmt)):
+                break
+            before.append(stmt)
+        else:
+            raise AssertionError(f"{name}: no _pdl.wait in its top-level statements")
+        for stmt in before:
+            for n in ast.walk(stmt):
+                if not isinstance(n, ast.Call) or _is_pdl_call(n, "start"):
+                    continue
+                f = n.func
+                touches = (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "tl"
+                           and (f.attr in ("load", "store") or f.attr.startswith("atomic")))
+                helper = isinstance(f, ast.Name) and f.id.startswith("_")
+                assert not (touches or helper), f"{name}: {ast.unparse(n)} before _pdl.wait"
+
+
+def test_release_placement_is_the_measured_one():
+    """The projections and the attention split release the next kernel after their main loop; the short kernels
+    never call start (they release at exit). Released first thing, the step measured slower (ops/_pdl.py)."""
+    import ast
+
+    for name, fn in _pdl_kernels():
+        starts = [i for i, stmt in enumerate(fn.body) if any(_is_pdl_call(n, "start") for n in ast.walk(stmt))]
+        if name in ("decode_linear._decode_linear_kernel", "decode_attention._decode_attention_split_kernel"):
+            loops = [i for i, stmt in enumerate(fn.body) if isinstance(stmt, ast.For)]
+            assert len(starts) == 1 and loops and starts[0] > max(loops), name
+        else:
+            assert not starts, name
