@@ -52,9 +52,14 @@ def test_chain_replayed_from_a_cuda_graph_gpu(rows):
         return x
 
     with torch.no_grad():
-        chain(x)  # compile and allocate outside the capture
+        # compile, and allocate the split-K scratch (pinned per stream), on the stream the capture then uses
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(x)
+        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             y = chain(x)
         for _ in range(3):
             x.copy_(rand(rows, H, scale=1.0))
