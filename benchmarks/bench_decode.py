@@ -614,7 +614,7 @@ def profile_lines(rows):
             continue
         d = prof["decode"]
         lines.append(head + f" {_num(d['kernels'], '.1f')} | {_num(d['kernel_ms'], '.3f')} | "
-                     f"{_num(d.get('launched_ms'), '.3f')} | "
+                     f"{_num(d['launched_ms'], '.3f')} | "
                      + " | ".join(_num(d["buckets_ms"][k], ".3f") for k in names)
                      + f" | {_num(d['measured_p50_ms'], '.3f')} | {_num(d['gap_ms'], '.3f')} | "
                      f"{_num(d['span_ms'], '.3f')} | {_num(d['gemm_GBps'], '.0f')} |")

@@ -57,6 +57,7 @@ from ..hf.causal_lm import fused_prenorm_decoder_forward
 from ..memory.kv_cache import RollingKVCache
 from ..modules import RMSNorm
 from ..modules.mlp import GeGLUMLP, SwiGLUMLP, member, plain_linear
+from ..ops._launch import DECODE_ROWS
 from ..ops.rms_norm import rms_norm_rows
 from ..ops.swiglu import glu_rows
 
@@ -189,7 +190,7 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
     if attn is None:
         return None
     ring = ring_layer(attn, hidden_states, past_key_values)
-    if ring is None or hidden_states.shape[0] > 16:  # the fused projections are for decode-sized batches
+    if ring is None or hidden_states.shape[0] > DECODE_ROWS:  # decode-sized batches only
         return None
     b = hidden_states.shape[0]
     if not mask_usable(attention_mask, b, ring.ring) or not hidden_states.is_contiguous():

@@ -13,6 +13,9 @@ import triton
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Row-wise kernels keep one whole row in registers; past this the row would spill.
 MAX_FUSED_HIDDEN = 65536
+# Rows of a decode step's launches: decode_linear's one M tile (tl.dot's least M, so 1 to 16 rows cost the same),
+# the largest batch the fused decode layer step takes, and the launches that join its PDL chain (ops/_pdl.py).
+DECODE_ROWS = 16
 
 
 @functools.cache

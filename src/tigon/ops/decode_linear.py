@@ -185,7 +185,8 @@ def _epilogue(acc, acc_u, R, Y, o_m, o_col, m_y, stride_rm, stride_ym, dt, ACT: 
 SMEM_LIMIT = 232448
 
 
-def _smem_bytes(config: DecodeLinearConfig, esize: int, glu: bool, norm: bool, block_m: int = 16) -> int:
+def _smem_bytes(config: DecodeLinearConfig, esize: int, glu: bool, norm: bool,
+                block_m: int = _launch.DECODE_ROWS) -> int:
     """Shared memory the main K loop of a launch with `config` is modeled to ask for, in bytes: `num_stages`
     buffers of each tile loaded per K step (x [block_m, BLOCK_K], the one weight tile [BLOCK_N, BLOCK_K] a
     program reads, gate and up with a GLU, the norm weight [BLOCK_K] with NORM), plus with NORM one more x tile,
@@ -285,7 +286,7 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
     if act:
         split = 1  # two accumulators: twice the columns per program fill the GPU without splitting K
     n_blocks = nb[0] if act else sum(nb)
-    block_m = 16  # tl.dot's least M: batch 1 to 16 cost the same
+    block_m = _launch.DECODE_ROWS  # tl.dot's least M: batch 1 to 16 cost the same
     m_blocks = _launch.cdiv(M, block_m)
     k_split, split = _split_of(K, block_k, split)
     if split > 1:

@@ -18,8 +18,6 @@ from ._config import RMSNormConfig
 
 _CASTING = {"llama": 0, "gemma": 1, "none": 2}
 
-PDL_ROWS = 16  # the decode step's batch limit (decode.layer_step): launches of up to this many rows use PDL
-
 # The launch settings travel as RMSNormConfig.ints() (a custom op takes ints); None: these defaults.
 _DEFAULT = tuple(RMSNormConfig().ints())
 
@@ -233,7 +231,7 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=Non
     rows, fwd_warps, _, _ = _launch_plan(block, config)
     # PDL for a decode step's few rows (the step's chain of kernels, measured there); a training or prefill launch
     # follows cuBLAS and other libraries' kernels, where it was not measured
-    pdl = M <= PDL_ROWS and _pdl.enabled(x.device)
+    pdl = M <= _launch.DECODE_ROWS and _pdl.enabled(x.device)
     if M > 0 and H > 0:  # zero width: empty outputs, and rstd (0/0) is never read
         _rms_norm_fwd_kernel[(_launch.cdiv(M, rows),)](
             x, residual if residual is not None else x, weight if weight is not None else x, y, s, rstd,
