@@ -20,6 +20,9 @@ def main(out_dir: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         run(out_dir, rank, world)
+        # Both ranks finish before either tears gloo down: in one CI run (2 busy cores) rank 1 aborted in its teardown
+        # ("terminate called without an active exception") after its work; the barrier keeps the teardowns together.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

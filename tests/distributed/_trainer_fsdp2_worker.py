@@ -131,6 +131,9 @@ def main(out_dir: str) -> None:
                        os.path.join(out_dir, "trainer.pt"))
         else:
             torch.save({"counts": counts, "info": info}, os.path.join(out_dir, f"counts{rank}.pt"))
+        # Both ranks finish before either tears gloo down: in one CI run (2 busy cores) rank 1 aborted in its teardown
+        # ("terminate called without an active exception") after its work; the barrier keeps the teardowns together.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
