@@ -3,7 +3,9 @@
 Variants: eager (HF), tigon (patched), liger, compile (HF under torch.compile), tigon_compile (patched, then
 torch.compile: Tigon's kernels as graph nodes, inductor fusing the glue between them), tigon_compile_graphs
 (the same with mode="reduce-overhead": forward and backward replayed as CUDA graphs, the optimizer eager);
-`--compile` adds compile and tigon_compile to the variants.
+`--compile` adds compile and tigon_compile to the variants. A variant ending in `_adamw` (tigon_adamw,
+tigon_compile_adamw) steps with tigon.optim.AdamW instead of torch's fused AdamW; `--clip 1.0` clips the gradients'
+norm every step, as the HF Trainer does (clip_grad_norm_ before torch's step; inside tigon's).
 
 Each variant runs in its own subprocess (clean memory stats, no cross-talk between patches): build the
 model from config in bf16 with sdpa attention (eager for gemma2: its softcap), AdamW(fused=True), batch 8 x 2048
@@ -67,14 +69,43 @@ def _build(variant, config_name, max_positions, ckpt=False):
     return model, config, report
 
 
-def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
+class _ClipThenStep:
+    """torch's optimizer behind clip_grad_norm_ (what the HF Trainer runs with max_grad_norm > 0)."""
+
+    def __init__(self, opt, params, max_norm):
+        self.opt, self.params, self.max_norm = opt, list(params), max_norm
+
+    def step(self):
+        import torch
+
+        torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
+        self.opt.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+
+def _optimizer(variant, model, clip):
+    """AdamW(fused=True), or tigon.optim.AdamW for the *_adamw variants; with clip, clipping to that norm first
+    (tigon's inside its step)."""
+    import torch
+
+    if variant.endswith("_adamw"):
+        import tigon
+
+        return tigon.optim.AdamW(model.parameters(), lr=1e-5, max_grad_norm=clip)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    return _ClipThenStep(opt, model.parameters(), clip) if clip else opt
+
+
+def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile, clip=None):
     import torch
 
     model, config, report = _build(variant, config_name, max(4096, seq), ckpt)
     graphs = variant.endswith("_graphs")
     if "compile" in variant:  # the first step pays the compile
         model = torch.compile(model, mode="reduce-overhead" if graphs else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    opt = _optimizer(variant, model, clip)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
     times, losses = [], []
     t_first = time.perf_counter()
@@ -96,7 +127,7 @@ def _child(variant, config_name, batch, seq, ckpt, steps, warmup, profile):
     peak = torch.cuda.max_memory_allocated() / 2**30
     reserved = torch.cuda.max_memory_reserved() / 2**30
     med = statistics.median(times[warmup:])
-    out = dict(variant=variant, config=config_name, batch=batch, seq=seq, ckpt=ckpt, step_ms=1e3 * med,
+    out = dict(variant=variant, config=config_name, batch=batch, seq=seq, ckpt=ckpt, clip=clip, step_ms=1e3 * med,
                tokens_per_s=batch * seq / med, peak_gib=peak, reserved_gib=reserved, first_step_s=first_step_s,
                losses=losses, report=report,
                mfu_tflops=MODEL_FLOPS_PER_TOKEN * batch * seq / med / 1e12 if config_name == "llama" else None)
@@ -146,12 +177,13 @@ def _longest(variant, config_name, start, cap, grain):
 
 
 def run_variant(variant, config_name="llama", batch=8, seq=2048, ckpt=False, steps=10, warmup=3, profile=False,
-                timeout=300):
+                timeout=300, clip=None):
     while batch >= 1:
         cmd = [sys.executable, __file__, "--child", variant, "--config", config_name, "--batch", str(batch),
                "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup)]
         cmd += ["--ckpt"] if ckpt else []
         cmd += ["--profile"] if profile else []
+        cmd += ["--clip", str(clip)] if clip else []
         limit = 2 * timeout if "compile" in variant else timeout  # inductor's first compile: ~1-2 min
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=os.environ.copy())
@@ -216,6 +248,7 @@ def main(argv=None):
     p.add_argument("--ckpt", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--variants", default="eager,tigon,liger")
+    p.add_argument("--clip", type=float, default=None, help="clip the gradients' norm to this in every step")
     p.add_argument("--compile", action="store_true", help="also run compile and tigon_compile")
     p.add_argument("--configs", default="llama")
     p.add_argument("--with-ckpt", action="store_true", help="also run --ckpt-variants with checkpointing")
@@ -229,17 +262,18 @@ def main(argv=None):
         print("RESULT " + json.dumps(_longest(a.child, a.config, 16384, a.longest_cap, 4096)), flush=True)
         return None
     if a.child:
-        return _child(a.child, a.config, a.batch, a.seq, a.ckpt, a.steps, a.warmup, a.profile)
+        return _child(a.child, a.config, a.batch, a.seq, a.ckpt, a.steps, a.warmup, a.profile, a.clip)
     variants = [v for v in a.variants.split(",") if v]
     variants += [v for v in ("compile", "tigon_compile") if a.compile and v not in variants]
     results = []
     for config_name in a.configs.split(","):
         for v in variants:
-            results.append(run_variant(v, config_name, a.batch, a.seq, profile=a.profile and v != "eager"))
+            results.append(run_variant(v, config_name, a.batch, a.seq, profile=a.profile and v != "eager",
+                                       clip=a.clip))
             print(table(results[-1:]), flush=True)
     if a.with_ckpt:
         for v in a.ckpt_variants.split(","):
-            results.append(run_variant(v, "llama", a.batch, a.seq, ckpt=True))
+            results.append(run_variant(v, "llama", a.batch, a.seq, ckpt=True, clip=a.clip))
             print(table(results[-1:]), flush=True)
     longest = [_run_longest(v, a.longest_cap) for v in a.longest.split(",") if v]
     md = table(results)

@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "tigon"
 # lowest first; a module may import its own package and the ones below it
 # (tigon.generation and tigon.metrics are re-export names of tigon.decode, one layer up.)
-LAYERS = [("ops", "argtypes", "_log"), ("memory",), ("modules",), ("hf",), ("compat", "decode"),
+LAYERS = [("ops", "argtypes", "_log"), ("memory",), ("modules", "optim"), ("hf",), ("compat", "decode"),
           ("api", "generation", "metrics"), ("demo",), ("cli", "__init__")]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 OPS_MAY_IMPORT = {"torch", "triton", "numpy"}

@@ -6,19 +6,19 @@
 
 Importing tigon is cheap: no CUDA initialisation, no kernel compilation. Submodules load on first use.
 Layers, lowest first (each imports only those below it; tests/test_layering.py reads the imports):
-ops (torch + Triton) < memory < modules < hf < compat, decode (the inference wing) < api (patch/unpatch) < demo
+ops (torch + Triton) < memory < modules, optim < hf < compat, decode (the inference wing) < api (patch/unpatch) < demo
 < cli.
 """
 
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["ops", "modules", "memory", "hf", "decode", "metrics", "patch", "unpatch", "generate", "DecodeSettings",
-           "__version__"]
+__all__ = ["ops", "modules", "memory", "optim", "hf", "decode", "metrics", "patch", "unpatch", "generate",
+           "DecodeSettings", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("ops", "modules", "memory", "hf", "decode", "metrics"):
+    if name in ("ops", "modules", "memory", "optim", "hf", "decode", "metrics"):
         return importlib.import_module(f"tigon.{name}")
     if name in ("patch", "unpatch"):
         return getattr(importlib.import_module("tigon.api"), name)

@@ -2,6 +2,7 @@
 pure-PyTorch reference otherwise; see `tigon.ops._library` for the dispatch rule."""
 
 from ._library import backend_for, dispatch_counts
+from .adamw import adamw_step_, grad_norm
 from .cross_entropy import cross_entropy
 from .decode_attention import decode_attention
 from .decode_linear import decode_linear
@@ -18,6 +19,7 @@ from .rope import apply_rope
 from .swiglu import geglu, swiglu
 
 __all__ = [
+    "adamw_step_",
     "add_rms_norm",
     "apply_rope",
     "backend_for",
@@ -27,6 +29,7 @@ __all__ = [
     "dispatch_counts",
     "geglu",
     "geglu_mlp",
+    "grad_norm",
     "layer_norm",
     "linear_cross_entropy",
     "lora_add",

@@ -183,3 +183,22 @@ class CrossEntropyConfig:
                       bools=("l2_hints",))
 
     ints = _ints
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWConfig:
+    """The launches of `adamw_step_` and `grad_norm`: a program owns `chunk_blocks` blocks of `block` elements of
+    one tensor (its tail chunk is masked, the others are not), with `num_warps`. Picked on an H200 over the 1.5B
+    Llama's parameters (docs/ops/adamw.md)."""
+
+    block: int = 2048
+    chunk_blocks: int = 4
+    num_warps: int = 8
+
+    def __post_init__(self):
+        _check_fields(self, powers_of_two=("block", "chunk_blocks", "num_warps"))
+
+    ints = _ints
+
+
+ADAMW = AdamWConfig()

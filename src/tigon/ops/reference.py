@@ -536,3 +536,27 @@ def moe_permute(x, pos, n_rows=None):
     src = torch.where(_moe_valid(pos, n_rows)[:, None], _f(x).repeat_interleave(K, 0), 0.0)
     out = src.new_zeros(T * K, x.shape[-1]).index_copy(0, pos.reshape(-1).long(), src)
     return out.to(x.dtype)
+
+
+def grad_norm(grads):
+    """The total 2-norm of a list of tensors, fp32 (clip_grad_norm_'s, before it scales)."""
+    return torch.sqrt(sum((_f(g).pow(2).sum() for g in grads), torch.zeros((), device=grads[0].device)))
+
+
+def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step, maximize=False,
+                norm=None, max_grad_norm=None):
+    """torch.optim.AdamW's update of step `step` in place, in fp32 (fp64 for fp64 tensors), one rounding per
+    store; the gradients scaled by min(1, max_grad_norm / (norm + 1e-6)) first when max_grad_norm is set."""
+    coef = None if max_grad_norm is None else torch.clamp(max_grad_norm / (_f(norm).reshape(()) + 1e-6), max=1.0)
+    step_size = lr / (1.0 - beta1**step)
+    bc2_sqrt = math.sqrt(1.0 - beta2**step)
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        gf = _f(g) if coef is None else _f(g) * coef
+        gf = -gf if maximize else gf
+        mf = beta1 * _f(m) + (1.0 - beta1) * gf
+        vf = beta2 * _f(v) + (1.0 - beta2) * gf * gf
+        pf = _f(p) * (1.0 - lr * weight_decay)
+        pf = pf - step_size * mf / (vf.sqrt() / bc2_sqrt + eps)
+        p.copy_(pf)
+        m.copy_(mf)
+        v.copy_(vf)

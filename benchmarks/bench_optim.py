@@ -1,0 +1,141 @@
+"""One optimizer step over the parameters of bench_e2e's 1.5B Llama: torch's fused and foreach AdamW against
+tigon.optim.AdamW, without and with gradient clipping (torch: clip_grad_norm_ then step; tigon: max_grad_norm in
+the step), bf16 parameters, gradients and moments.
+
+Byte model, N parameters of b = 2 bytes: the step reads param, grad and both moments and writes param and both
+moments, 7 N b; clip_grad_norm_ reads the grads for the norm and reads + writes them to scale (+3 N b), the fused
+clip reads them once for the norm (+1 N b). GB/s is that model over the time, beside the copy ceiling measured in
+the same run. Timing: benchmarks/_harness.bench (GPU time with host run-ahead, L2 flushed before each step).
+
+    PYTHONPATH=src python benchmarks/bench_optim.py [--quick] [--sweep] [--json PATH]
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import _harness as H
+import torch
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 2048, 8192, 16, 32, 8, 128256
+QUICK = dict(hidden=64, inter=160, layers=2, kv=16, vocab=1000)
+
+
+def llama_shapes(quick=False):
+    """The 1.5B Llama's parameter shapes (untied lm_head), in model.parameters() order."""
+    h, i, n, kv, v = ((QUICK["hidden"], QUICK["inter"], QUICK["layers"], QUICK["kv"], QUICK["vocab"]) if quick
+                      else (HIDDEN, INTER, LAYERS, HIDDEN * KV_HEADS // HEADS, VOCAB))
+    layer = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i), (h,), (h,)]
+    return [(v, h)] + layer * n + [(h,), (v, h)]
+
+
+def make_params(ctx, shapes, seed=0):
+    g = torch.Generator(device=ctx.device).manual_seed(seed)
+    params = []
+    for s in shapes:
+        p = torch.nn.Parameter(0.02 * torch.randn(s, device=ctx.device, generator=g).to(torch.bfloat16))
+        p.grad = (1e-3 * torch.randn(s, device=ctx.device, generator=g)).to(torch.bfloat16)
+        params.append(p)
+    return params
+
+
+def providers(max_grad_norm):
+    import tigon
+
+    def torch_opt(**kw):
+        def build(params):
+            opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, **kw)
+
+            def step():
+                if max_grad_norm:
+                    torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
+                opt.step()
+            return step
+        return build
+
+    def tigon_opt(config=None):
+        def build(params):
+            extra = {} if config is None else {"config": config}
+            opt = tigon.optim.AdamW(params, lr=1e-5, weight_decay=0.01, max_grad_norm=max_grad_norm, **extra)
+            return opt.step
+        return build
+
+    return {"torch fused": torch_opt(fused=True), "torch foreach": torch_opt(foreach=True), "tigon": tigon_opt()}
+
+
+def run(ctx, sweep=False):
+    shapes = llama_shapes(ctx.quick)
+    n = sum(torch.Size(s).numel() for s in shapes)
+    params = make_params(ctx, shapes)
+    rows = []
+    for clip in (None, 1.0):
+        bytes_ = (7 + (0 if not clip else 3)) * n * 2
+        for name, build in providers(clip).items():
+            b = bytes_ - (2 * n * 2 if clip and name == "tigon" else 0)
+            rows.append(_one(ctx, name, build, params, clip, b, n))
+        if sweep and ctx.cuda:
+            import tigon
+            from tigon.ops._config import AdamWConfig
+            for block in (1024, 2048, 4096):
+                for chunk_blocks in (1, 2, 4, 8, 16):
+                    for warps in (4, 8, 16):
+                        cfg = AdamWConfig(block=block, chunk_blocks=chunk_blocks, num_warps=warps)
+
+                        def build(ps, cfg=cfg, clip=clip):
+                            return tigon.optim.AdamW(ps, lr=1e-5, weight_decay=0.01, max_grad_norm=clip,
+                                                     config=cfg).step
+                        rows.append(_one(ctx, f"tigon {block}x{chunk_blocks} w{warps}", build, params, clip,
+                                         bytes_ - (2 * n * 2 if clip else 0), n))
+    return rows
+
+
+def _one(ctx, name, build, params, clip, bytes_, n):
+    step = build(params)
+    r = H.bench(ctx, step, min_rep=10, rep_ms=200.0)
+    host = []
+    for _ in range(5):  # the host's enqueue time of one step, the GPU busy meanwhile
+        if ctx.cuda:
+            H._spin(30.0)
+        t0 = time.perf_counter()
+        step()
+        host.append(1e6 * (time.perf_counter() - t0))
+    if ctx.cuda:
+        torch.cuda.synchronize()
+    row = dict(provider=name, clip=clip, params=n, ms=r["ms"], spread_pct=r["spread_pct"], bytes=bytes_,
+               GBps=bytes_ / (r["ms"] * 1e-3) / 1e9, host_us=sorted(host)[len(host) // 2])
+    if ctx.ceilings.get("copy_GBps"):
+        row["pct_copy"] = 100 * row["GBps"] / ctx.ceilings["copy_GBps"]
+    print("ROW " + json.dumps(row), flush=True)
+    return row
+
+
+def table(rows, ceilings):
+    out = [f"copy ceiling {ceilings.get('copy_GBps', float('nan')):.0f} GB/s", "",
+           "| step | clip | ms | GB/s (model) | % of copy | host us |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['provider']} | {r['clip'] or 'no'} | {r['ms']:.3f} | {r['GBps']:.0f} | "
+                   f"{r.get('pct_copy', float('nan')):.1f} | {r['host_us']:.0f} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
+    p.add_argument("--sweep", action="store_true", help="also sweep tigon's AdamWConfig (GPU)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    if a.quick and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    ctx = H.Context(quick=a.quick)
+    H.run_ceilings(ctx)
+    rows = run(ctx, a.sweep)
+    print(table(rows, ctx.ceilings))
+    if a.json:
+        H.write_json(a.json, {"ceilings": ctx.ceilings, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

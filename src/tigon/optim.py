@@ -1,0 +1,132 @@
+"""Optimizers whose step is one kernel launch per parameter group (`tigon.ops.adamw_step_`).
+
+    opt = tigon.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01, max_grad_norm=1.0)
+    loss.backward(); opt.step(); opt.zero_grad()      # opt.grad_norm: the norm before clipping (a device scalar)
+
+`AdamW` is `torch.optim.AdamW` (same arguments, same update, same state-dict keys, so checkpoints move between
+the two) with gradient clipping optionally fused into the step: `max_grad_norm` replaces a call to
+`torch.nn.utils.clip_grad_norm_` before `step()` (never do both). docs/ops/adamw.md has the numbers.
+"""
+
+import torch
+
+from .ops import _library, reference
+from .ops import adamw as _adamw
+from .ops._config import ADAMW, AdamWConfig
+
+__all__ = ["AdamW"]
+
+
+class AdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's update over each parameter group in one Triton launch (on CUDA, or on CPU under
+    TRITON_INTERPRET=1; the PyTorch reference otherwise).
+
+    Arguments as torch.optim.AdamW's; `foreach` and `fused` are accepted and ignored (the step is fused);
+    `amsgrad`, `capturable` and `differentiable` must stay off. Extra keywords:
+    - `max_grad_norm`: clip the gradients of all groups together to this total 2-norm inside the step (the scale
+      is applied in registers, the gradients are left as they were); `self.grad_norm` then holds the norm
+      before clipping, an fp32 device scalar, as `clip_grad_norm_` returns it;
+    - `state_dtype`: the moments' dtype (default: each parameter's; float32 keeps fp32 moments for bf16 weights);
+    - `config`: an `AdamWConfig` (launch settings).
+    Parameters must be dense and contiguous. The step reads its scalars on the host (no CUDA-graph capture)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 max_grad_norm=None, state_dtype=None, config: AdamWConfig = ADAMW):
+        name = "tigon.optim.AdamW"
+        if isinstance(lr, torch.Tensor):
+            raise TypeError(f"{name}: lr must be a Python number, got a tensor")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {betas!r}")
+        _adamw.check_hyper(name, lr, betas[0], betas[1], eps, weight_decay, 1, max_grad_norm)
+        for flag, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
+            if value:
+                raise ValueError(f"{name}: {flag}=True is not supported (use torch.optim.AdamW for it)")
+        if state_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"{name}: state_dtype must be None, torch.float32, float16 or bfloat16, got {state_dtype}")
+        if not isinstance(config, AdamWConfig):
+            raise TypeError(f"{name}: config must be an AdamWConfig, got {type(config).__name__}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize, foreach=foreach, capturable=False, differentiable=False, fused=fused)
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self.state_dtype = state_dtype
+        self.config = config
+        self.grad_norm = None
+        self._tables = {}  # (group index, subgroup key) -> TensorTable, rebuilt when an address changes
+
+    def _subgroups(self, group):
+        """The group's parameters that have a gradient, split by (device, dtype, moments' dtype, step): one launch
+        each. The step advances here; a subgroup's step is shared by all its tensors."""
+        subs = {}
+        name = "tigon.optim.AdamW"
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError(f"{name}: sparse gradients are not supported")
+            if not p.is_contiguous() or not p.grad.is_contiguous():
+                raise ValueError(f"{name}: a parameter of shape {tuple(p.shape)} or its gradient is not contiguous")
+            state = self.state[p]
+            if not state:
+                dtype = self.state_dtype or p.dtype
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            if state["step"].device.type != "cpu":  # loaded from a fused/capturable torch AdamW: once
+                state["step"] = state["step"].detach().to("cpu", torch.float32)
+            state["step"] += 1
+            key = (p.device, p.dtype, state["exp_avg"].dtype, int(state["step"].item()))
+            subs.setdefault(key, ([], [], [], []))
+            for lst, t in zip(subs[key], (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
+                lst.append(t)
+        return subs
+
+    def _table(self, key, lists):
+        table = self._tables.get(key)
+        if table is None or not table.matches(lists):
+            table = self._tables[key] = _adamw.TensorTable(lists, self.config.block * self.config.chunk_blocks)
+        return table
+
+    @torch.compiler.disable  # host tables and scalars: the step runs eagerly, also from a compiled loop
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []  # (group, key, lists)
+        for gi, group in enumerate(self.param_groups):
+            if isinstance(group["lr"], torch.Tensor):
+                raise TypeError("tigon.optim.AdamW: lr must be a Python number, got a tensor")
+            for key, lists in self._subgroups(group).items():
+                _adamw.check_lists("tigon.optim.AdamW", *lists)
+                work.append((group, (gi,) + key[:3], key, lists))
+        self.grad_norm = norm = None
+        if self.max_grad_norm is not None and work:
+            norm = self._total_norm(work)
+            self.grad_norm = norm
+        for group, table_key, key, lists in work:
+            beta1, beta2 = group["betas"]
+            kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                      step=key[3], maximize=group["maximize"], max_grad_norm=self.max_grad_norm)
+            if _library.use_kernels("adamw", lists[0][0]):
+                clip_norm = None if norm is None else norm.to(lists[0][0].device).reshape(1)
+                _adamw.adamw_launch(self._table(table_key, lists), key[1], key[2], **kw, norm=clip_norm,
+                                    config=self.config)
+            else:
+                reference.adamw_step_(*lists, **kw, norm=norm)
+        return loss
+
+    def _total_norm(self, work):
+        """The 2-norm over every gradient about to be stepped, on the first parameter's device (as
+        clip_grad_norm_ computes it across devices), partial sums added in a fixed order."""
+        device = work[0][3][0][0].device
+        sums = []
+        for _, table_key, key, lists in work:
+            if _library.use_kernels("grad_norm", lists[0][0]):
+                table = self._table(table_key, lists)
+                sums.append(_adamw.sq_sum_launch(table, 1, key[1], self.config).sum().to(device))
+            else:
+                sums.append(reference.grad_norm(lists[1]).square().to(device))
+        return torch.stack(sums).sum().sqrt() if len(sums) > 1 else sums[0].sqrt()

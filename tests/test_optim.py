@@ -1,0 +1,164 @@
+"""tigon.optim.AdamW as a drop-in for torch.optim.AdamW: same trajectory, same state dict, fused clipping.
+
+Tolerance of a trajectory in fp32 (the error model of tests/ops/test_adamw.py, step by step): each step's
+update is computed by both optimizers within 8 u32 of |p| + |update| of the exact one, |update| <= lr / (1 - beta1)
+* (1 - beta1) / sqrt(1 - beta2) (Adam's step bound) <= 32 lr here; over k steps the differences add up.
+"""
+
+import pytest
+import torch
+
+import tigon
+from tests._grid import U32
+from tigon import ops
+
+
+def _model(seed=1, dtype=torch.float32, device="cpu"):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.GELU(), torch.nn.Linear(65, 7)).to(device, dtype)
+
+
+def _groups(model, lr=1e-2):
+    return [{"params": model[0].parameters()}, {"params": model[2].parameters(), "weight_decay": 0.0, "lr": lr / 3}]
+
+
+def _train(model, opt, steps, device, clip=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    norms = []
+    for _ in range(steps):
+        opt.zero_grad()
+        x = torch.randn(17, 33, generator=g).to(device, next(model.parameters()).dtype)
+        model(x).float().pow(2).mean().backward()
+        if clip is not None and isinstance(opt, torch.optim.AdamW):
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        if clip is not None and isinstance(opt, tigon.optim.AdamW):
+            norms.append(opt.grad_norm)
+    return norms
+
+
+def _close(a, b, steps, lr=1e-2):
+    for p, q in zip(a.parameters(), b.parameters()):
+        tol = steps * 16 * U32 * (p.detach().abs() + 32 * lr)
+        assert ((p.detach() - q.detach()).abs() <= tol).all(), (p - q).abs().max().item()
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_same_trajectory_as_torch_adamw(device, clip, maximize):
+    a, b = _model(device=device), _model(device=device)
+    ops.dispatch_counts.clear()
+    oa = tigon.optim.AdamW(_groups(a), lr=1e-2, weight_decay=0.1, max_grad_norm=clip, maximize=maximize)
+    ob = torch.optim.AdamW(_groups(b), lr=1e-2, weight_decay=0.1, maximize=maximize, foreach=False)
+    na = _train(a, oa, 5, device, clip)
+    nb = _train(b, ob, 5, device, clip)
+    _close(a, b, 5)
+    assert ops.dispatch_counts[("adamw", "triton")] == 10  # two groups, five steps: one launch each
+    for x, y in zip(na, nb):
+        assert abs(x.item() - y.item()) <= 1e-5 * y.item()  # both fp32 sums of ~2.6k squares
+    assert all(s["step"].item() == 5 for s in oa.state.values())
+
+
+def test_clipping_leaves_the_gradients_alone(device):
+    a = _model(device=device)
+    opt = tigon.optim.AdamW(a.parameters(), max_grad_norm=1e-3)
+    a(torch.randn(4, 33, device=device)).sum().backward()
+    grads = [p.grad.clone() for p in a.parameters()]
+    opt.step()
+    assert all(torch.equal(p.grad, g) for p, g in zip(a.parameters(), grads))
+    assert opt.grad_norm.device == grads[0].device and opt.grad_norm.item() > 1e-3
+
+
+def test_bf16_with_fp32_moments(device):
+    a = _model(dtype=torch.bfloat16, device=device)
+    opt = tigon.optim.AdamW(a.parameters(), lr=1e-3, state_dtype=torch.float32)
+    _train(a, opt, 2, device)
+    st = opt.state[next(a.parameters())]
+    assert st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32
+    assert all(torch.isfinite(p).all() for p in a.parameters())
+
+
+def test_state_dict_moves_between_tigon_and_torch(device):
+    a, b = _model(device=device), _model(device=device)
+    # 3 steps with tigon, then 3 with torch from tigon's state; and the other way round
+    oa = tigon.optim.AdamW(a.parameters(), lr=1e-2)
+    _train(a, oa, 3, device)
+    oa2 = torch.optim.AdamW(a.parameters(), lr=1e-2, foreach=False)
+    oa2.load_state_dict(oa.state_dict())
+    _train(a, oa2, 3, device)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2, foreach=False)
+    _train(b, ob, 3, device)
+    ob2 = tigon.optim.AdamW(b.parameters(), lr=1e-2)
+    ob2.load_state_dict(ob.state_dict())
+    _train(b, ob2, 3, device)
+    # each half replays the same three batches (seed 0) in both runs
+    _close(a, b, 6)
+    assert all(s["step"].item() == 6 for s in ob2.state.values())
+
+
+def test_a_parameter_that_gets_its_first_gradient_later_has_its_own_step(device):
+    a, b = _model(device=device), _model(device=device)
+    oa = tigon.optim.AdamW(a.parameters(), lr=1e-2)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2, foreach=False)
+    for m, o in ((a, oa), (b, ob)):
+        for i in range(4):
+            o.zero_grad()
+            head = m[2] if i >= 2 else None
+            x = torch.randn(5, 33, device=device, generator=torch.Generator(device=device).manual_seed(i))
+            h = m[1](m[0](x))
+            (head(h) if head is not None else h).pow(2).mean().backward()
+            o.step()
+    _close(a, b, 4)
+    assert oa.state[a[2].weight]["step"].item() == 2 and oa.state[a[0].weight]["step"].item() == 4
+
+
+def test_a_scheduler_drives_lr(device):
+    a, b = _model(device=device), _model(device=device)
+    oa, ob = tigon.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2, foreach=False)
+    sa = torch.optim.lr_scheduler.LambdaLR(oa, lambda s: 1.0 / (s + 1))
+    sb = torch.optim.lr_scheduler.LambdaLR(ob, lambda s: 1.0 / (s + 1))
+    for o, s, m in ((oa, sa, a), (ob, sb, b)):
+        for _ in range(3):
+            _train(m, o, 1, device)
+            s.step()
+    _close(a, b, 3)
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(amsgrad=True), ValueError, "amsgrad=True is not supported"),
+    (dict(capturable=True), ValueError, "capturable=True is not supported"),
+    (dict(lr=torch.tensor(1e-3)), TypeError, "lr must be a Python number"),
+    (dict(betas=(0.9,)), ValueError, "betas must be a pair"),
+    (dict(betas=(0.9, 1.0)), ValueError, "beta1 and beta2 must be < 1"),
+    (dict(max_grad_norm=0.0), ValueError, "max_grad_norm must be > 0"),
+    (dict(state_dtype=torch.int8), TypeError, "state_dtype must be"),
+])
+def test_bad_arguments_are_refused_by_name(kw, error, match):
+    with pytest.raises(error, match="tigon.optim.AdamW: " + match):
+        tigon.optim.AdamW(_model().parameters(), **kw)
+
+
+def test_non_contiguous_parameter_is_refused(device):
+    p = torch.nn.Parameter(torch.zeros(4, 6, device=device).t())
+    p.grad = torch.zeros_like(p)
+    with pytest.raises(ValueError, match="tigon.optim.AdamW: a parameter of shape"):
+        tigon.optim.AdamW([p]).step()
+
+
+def test_fused_and_foreach_flags_are_accepted(device):
+    a = _model(device=device)
+    opt = tigon.optim.AdamW(a.parameters(), fused=True, foreach=False)
+    _train(a, opt, 1, device)
+
+
+def test_the_reference_path_takes_the_same_steps(monkeypatch):
+    """With the kernels off (a CPU without TRITON_INTERPRET) the step runs the PyTorch reference, same results."""
+    a, b = _model(), _model()
+    oa = tigon.optim.AdamW(_groups(a), lr=1e-2, max_grad_norm=0.05)
+    _train(a, oa, 3, "cpu", 0.05)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ops.dispatch_counts.clear()
+    ob = tigon.optim.AdamW(_groups(b), lr=1e-2, max_grad_norm=0.05)
+    _train(b, ob, 3, "cpu", 0.05)
+    assert ops.dispatch_counts[("adamw", "reference")] == 6 and ops.dispatch_counts[("adamw", "triton")] == 0
+    _close(a, b, 3)
