@@ -57,12 +57,11 @@ class AdamW(torch.optim.Optimizer):
 
     def _subgroups(self, group):
         """The group's parameters that have a gradient, split by (device, dtype, moments' dtype, step): one launch
-        each. The step advances here; a subgroup's step is shared by all its tensors."""
-        subs = {}
+        each. The step advances here (one foreach add and one read of the CPU step counters for the group); a
+        subgroup's step is shared by all its tensors."""
         name = "tigon.optim.AdamW"
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
             if p.grad.is_sparse:
                 raise ValueError(f"{name}: sparse gradients are not supported")
             if not p.is_contiguous() or not p.grad.is_contiguous():
@@ -73,18 +72,24 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            if state["step"].device.type != "cpu":  # loaded from a fused/capturable torch AdamW: once
+            elif state["step"].device.type != "cpu":  # loaded from a fused/capturable torch AdamW: once
                 state["step"] = state["step"].detach().to("cpu", torch.float32)
-            state["step"] += 1
-            key = (p.device, p.dtype, state["exp_avg"].dtype, int(state["step"].item()))
-            subs.setdefault(key, ([], [], [], []))
-            for lst, t in zip(subs[key], (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
+        states = [self.state[p] for p in params]
+        if not states:
+            return {}
+        steps = [st["step"] for st in states]
+        torch._foreach_add_(steps, 1.0)
+        subs = {}
+        for p, st, step in zip(params, states, torch.stack(steps).tolist()):
+            lists = subs.setdefault((p.device, p.dtype, st["exp_avg"].dtype, int(step)), ([], [], [], []))
+            for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"])):
                 lst.append(t)
         return subs
 
     def _table(self, key, lists):
         table = self._tables.get(key)
-        if table is None or not table.matches(lists):
+        if table is None or not table.matches(lists):  # new addresses: check the lists once, then rebuild
+            _adamw.check_lists("tigon.optim.AdamW", *lists)
             table = self._tables[key] = _adamw.TensorTable(lists, self.config.block * self.config.chunk_blocks)
         return table
 
@@ -100,7 +105,6 @@ class AdamW(torch.optim.Optimizer):
             if isinstance(group["lr"], torch.Tensor):
                 raise TypeError("tigon.optim.AdamW: lr must be a Python number, got a tensor")
             for key, lists in self._subgroups(group).items():
-                _adamw.check_lists("tigon.optim.AdamW", *lists)
                 work.append((group, (gi,) + key[:3], key, lists))
         self.grad_norm = norm = None
         if self.max_grad_norm is not None and work:
@@ -115,6 +119,7 @@ class AdamW(torch.optim.Optimizer):
                 _adamw.adamw_launch(self._table(table_key, lists), key[1], key[2], **kw, norm=clip_norm,
                                     config=self.config)
             else:
+                _adamw.check_lists("tigon.optim.AdamW", *lists)
                 reference.adamw_step_(*lists, **kw, norm=norm)
         return loss
 

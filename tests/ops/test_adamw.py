@@ -4,7 +4,8 @@ Error model of one update (the kernel computes in fp32 and rounds once per store
 1 ulp of its dtype of the exact result (round to nearest on a GPU; the interpreter truncates, still < 1 ulp; the
 subnormals' fixed spacing below the smallest normal) plus
 the fp32 rounding of the few operations before the store, at most 8 u32 of the magnitudes involved
-(|p| + |lr wd p| + |step_size m / denom| for the parameter, |beta m| + |(1 - beta) g| for the moments). grad_norm
+(|p| + |lr wd p| + step_size (|beta1 m| + |(1 - beta1) g|) / denom for the parameter, |beta m| + |(1 - beta) g|
+for the moments). grad_norm
 is a sum of N squares: LAMBDA sqrt(N) u32 of the sum (tests/_grid.py).
 """
 
@@ -48,7 +49,9 @@ def _check_update(before, after, exact, hyper=HYPER, step=1):
         p1, m1, v1 = (t[i] for t in (after[0], after[2], after[3]))
         pe, me, ve = (t[i] for t in (exact[0], exact[2], exact[3]))
         p0d, gd, m0d, v0d = p0.double(), g.double(), m0.double(), v0.double()
-        upd = step_size * me.abs() / (ve.sqrt() / (1 - hyper["beta2"] ** step) ** 0.5 + hyper["eps"])
+        denom = ve.sqrt() / (1 - hyper["beta2"] ** step) ** 0.5 + hyper["eps"]
+        # m = beta1 m0 + (1 - beta1) g may cancel: its rounding is relative to the terms, and so is the update's
+        upd = step_size * (hyper["beta1"] * m0d.abs() + (1 - hyper["beta1"]) * gd.abs()) / denom
         terms = {"param": (p1, pe, p0d.abs() * (1 + hyper["lr"] * hyper["weight_decay"]) + upd),
                  "exp_avg": (m1, me, m0d.abs() + gd.abs()), "exp_avg_sq": (v1, ve, v0d.abs() + gd * gd)}
         for name, (got, want, mag) in terms.items():
