@@ -65,7 +65,7 @@ def providers(max_grad_norm):
     return {"torch fused": torch_opt(fused=True), "torch foreach": torch_opt(foreach=True), "tigon": tigon_opt()}
 
 
-def run(ctx, sweep=False):
+def run(ctx, sweep=False, sweep_clip=False):
     shapes = llama_shapes(ctx.quick)
     n = sum(torch.Size(s).numel() for s in shapes)
     params = make_params(ctx, shapes)
@@ -75,12 +75,12 @@ def run(ctx, sweep=False):
         for name, build in providers(clip).items():
             b = bytes_ - (2 * n * 2 if clip and name == "tigon" else 0)
             rows.append(_one(ctx, name, build, params, clip, b, n))
-        if sweep and ctx.cuda:
+        if sweep and ctx.cuda and (clip is None or sweep_clip):
             import tigon
             from tigon.ops._config import AdamWConfig
-            for block in (1024, 2048, 4096):
-                for chunk_blocks in (1, 2, 4, 8, 16):
-                    for warps in (4, 8, 16):
+            for block in (512, 1024, 2048):
+                for chunk_blocks in (1, 4, 8, 16):
+                    for warps in (2, 4, 8):
                         cfg = AdamWConfig(block=block, chunk_blocks=chunk_blocks, num_warps=warps)
 
                         def build(ps, cfg=cfg, clip=clip):
@@ -124,13 +124,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
     p.add_argument("--sweep", action="store_true", help="also sweep tigon's AdamWConfig (GPU)")
+    p.add_argument("--sweep-clip", action="store_true", help="sweep with clipping too")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.quick and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     ctx = H.Context(quick=a.quick)
     H.run_ceilings(ctx)
-    rows = run(ctx, a.sweep)
+    rows = run(ctx, a.sweep, a.sweep_clip)
     print(table(rows, ctx.ceilings))
     if a.json:
         H.write_json(a.json, {"ceilings": ctx.ceilings, "rows": rows})

@@ -191,8 +191,8 @@ class AdamWConfig:
     one tensor (its tail chunk is masked, the others are not), with `num_warps`. Picked on an H200 over the 1.5B
     Llama's parameters (docs/ops/adamw.md)."""
 
-    block: int = 2048
-    chunk_blocks: int = 4
+    block: int = 1024
+    chunk_blocks: int = 8
     num_warps: int = 8
 
     def __post_init__(self):
