@@ -162,3 +162,24 @@ def test_the_reference_path_takes_the_same_steps(monkeypatch):
     _train(b, ob, 3, "cpu", 0.05)
     assert ops.dispatch_counts[("adamw", "reference")] == 6 and ops.dispatch_counts[("adamw", "triton")] == 0
     _close(a, b, 3)
+
+
+def test_gradients_at_new_addresses(device):
+    """The optimizer caches the device table of addresses per group; gradients allocated elsewhere next step (the
+    old ones still alive) must be read from their new place."""
+    a, b = _model(device=device), _model(device=device)
+    oa = tigon.optim.AdamW(a.parameters(), lr=1e-2)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2, foreach=False)
+    keep = []
+    for i in range(3):
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            x = torch.randn(5, 33, device=device, generator=torch.Generator(device=device).manual_seed(i))
+            m(x).pow(2).mean().backward()
+            if o is oa:
+                keep += [p.grad for p in m.parameters()]
+                for p in m.parameters():
+                    p.grad = p.grad.clone()  # a new block: the old one stays alive in `keep`
+            o.step()
+    _close(a, b, 3)
+    assert len(oa._tables) == 1

@@ -88,8 +88,12 @@ class AdamW(torch.optim.Optimizer):
 
     def _table(self, key, lists):
         table = self._tables.get(key)
-        if table is None or not table.matches(lists):  # new addresses: check the lists once, then rebuild
-            _adamw.check_lists("tigon.optim.AdamW", *lists)
+        if table is not None and table.matches(lists):
+            return table
+        _adamw.check_lists("tigon.optim.AdamW", *lists)  # new addresses: check the lists once
+        if table is not None and table.same_sizes(lists):
+            table.retarget(lists)
+        else:
             table = self._tables[key] = _adamw.TensorTable(lists, self.config.block * self.config.chunk_blocks)
         return table
 

@@ -201,10 +201,12 @@ def test_bad_input_is_refused_by_name(device, case, error, match):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_matches_torch_fused_adamw_on_the_gpu():
-    """bf16 parameters and moments, several steps with clipping: torch's fused AdamW (after clip_grad_norm_) and
-    Tigon's compute the same fp32 formula from the same bf16 values and round once; they may differ where the
-    clip coefficient's last bit or an fp32 operation order tips a rounding: 1 bf16 ulp on few elements a step,
-    which the next steps carry (one ulp of p or m in, about one out): at most 2 ulps, on under 2% of them."""
+    """bf16 parameters and moments, three steps: torch's fused AdamW and Tigon's compute the same fp32 formula from
+    the same bf16 values and round once. They may differ by the last bits of fp32 constants (Tigon takes 1 - beta
+    from the host's doubles) and the order of fp32 operations: an update off by ~1e-5 of itself, which tips a
+    rounding of p now and then (1 bf16 ulp, carried by the next steps: at most 2) and is a larger share of a tiny p.
+    (torch's clip_grad_norm_ on bf16 gradients rounds the norm and the scaled gradients to bf16, Tigon's fused
+    clipping does neither: compared against the fp64 reference above, not here.)"""
     shapes = [(4096, 257), (1000,), (3, 5, 7), (65536 + 3,)]
     g = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.randn(s, device="cuda", generator=g).to(torch.bfloat16) for s in shapes]
@@ -212,15 +214,17 @@ def test_matches_torch_fused_adamw_on_the_gpu():
     b = [torch.nn.Parameter(p.clone()) for p in params]
     import tigon
 
-    oa = tigon.optim.AdamW(a, lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)
-    ob = torch.optim.AdamW(b, lr=1e-3, weight_decay=0.01, fused=True)
+    lr = 1e-3
+    oa = tigon.optim.AdamW(a, lr=lr, weight_decay=0.01)
+    ob = torch.optim.AdamW(b, lr=lr, weight_decay=0.01, fused=True)
     for _ in range(3):
         grads = [torch.randn(s, device="cuda", generator=g).to(torch.bfloat16) * 0.01 for s in shapes]
         for x, y, gr in zip(a, b, grads):
             x.grad, y.grad = gr.clone(), gr.clone()
         oa.step()
-        torch.nn.utils.clip_grad_norm_(b, 1.0)
         ob.step()
     for x, y in zip(a, b):
-        ulps = (x.detach().view(torch.int16).int() - y.detach().view(torch.int16).int()).abs()
-        assert ulps.max() <= 2 and (ulps > 0).float().mean() < 0.02, (ulps.max(), (ulps > 0).float().mean())
+        x, y = x.detach().double(), y.detach().double()
+        tol = 2 * ULP[torch.bfloat16] * y.abs() + 1e-4 * lr
+        assert ((x - y).abs() <= tol).all(), (x - y).abs().max().item()
+        assert ((x - y).abs() > ULP[torch.bfloat16] * y.abs()).double().mean() < 0.02

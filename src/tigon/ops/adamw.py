@@ -32,7 +32,7 @@ CLIP_EPS = 1e-6  # clip_grad_norm_'s: coef = max_norm / (norm + 1e-6), at most 1
 
 
 @triton.jit
-def _adamw_update(P, G, M, V, o, mask, coef, decay, beta1, beta2, eps, step_size, bc2_sqrt,
+def _adamw_update(P, G, M, V, o, mask, coef, decay, beta1, beta2, one_m_beta1, one_m_beta2, eps, step_size, bc2_sqrt,
                   MAXIMIZE: tl.constexpr, MASKED: tl.constexpr):
     """One block of the update, in fp32, stored once in each tensor's dtype (torch's fused AdamW's order)."""
     if MASKED:
@@ -49,8 +49,8 @@ def _adamw_update(P, G, M, V, o, mask, coef, decay, beta1, beta2, eps, step_size
     if MAXIMIZE:
         b_g = -b_g
     b_p = b_p * decay
-    b_m = beta1 * b_m + (1.0 - beta1) * b_g
-    b_v = beta2 * b_v + (1.0 - beta2) * b_g * b_g
+    b_m = beta1 * b_m + one_m_beta1 * b_g
+    b_v = beta2 * b_v + one_m_beta2 * b_g * b_g
     denom = tl.div_rn(tl.sqrt_rn(b_v), bc2_sqrt) + eps
     b_p = b_p - tl.div_rn(step_size * b_m, denom)
     if MASKED:
@@ -70,7 +70,9 @@ def _adamw_kernel(
     PROG_TENSOR,  # int32 [programs]: the tensor each program updates
     PROG_CHUNK,  # int32 [programs]: which CHUNK-element chunk of it
     NORM,  # fp32 [1]: the gradients' total norm (read when CLIP)
-    n_tensors, max_norm, clip_eps, decay, beta1, beta2, eps, step_size, bc2_sqrt,
+    n_tensors, max_norm, clip_eps, decay, beta1, beta2,
+    one_m_beta1, one_m_beta2,  # 1 - beta from the host's doubles: 1 - fp32(0.999) would be 1e3 u32 off
+    eps, step_size, bc2_sqrt,
     P_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
     MAXIMIZE: tl.constexpr, CLIP: tl.constexpr, ALIGNED: tl.constexpr,
 ):
@@ -94,12 +96,14 @@ def _adamw_kernel(
     if start + CHUNK <= n:  # a whole chunk: no mask, so the accesses vectorize
         for i in tl.static_range(0, CHUNK, BLOCK):
             o = start + i + o_b
-            _adamw_update(p_p, p_g, p_m, p_v, o, o, coef, decay, beta1, beta2, eps, step_size, bc2_sqrt,
+            _adamw_update(p_p, p_g, p_m, p_v, o, o, coef, decay, beta1, beta2, one_m_beta1, one_m_beta2, eps,
+                          step_size, bc2_sqrt,
                           MAXIMIZE, False)
     else:
         for i in tl.static_range(0, CHUNK, BLOCK):
             o = start + i + o_b
-            _adamw_update(p_p, p_g, p_m, p_v, o, o < n, coef, decay, beta1, beta2, eps, step_size, bc2_sqrt,
+            _adamw_update(p_p, p_g, p_m, p_v, o, o < n, coef, decay, beta1, beta2, one_m_beta1, one_m_beta2, eps,
+                          step_size, bc2_sqrt,
                           MAXIMIZE, True)
 
 
@@ -132,38 +136,46 @@ def _adamw_sq_sum_kernel(
 
 
 class TensorTable:
-    """The device-side description of one list of tensor groups for the multi-tensor kernels: the addresses (a
-    row per list), the numels, and which chunk of which tensor each program owns.
+    """The device-side description of lists of tensors for the multi-tensor kernels: the addresses (a row per
+    list), the numels, and which chunk of which tensor each program owns.
 
     Built on the host from sizes and addresses, copied to the device asynchronously from pinned memory (no host
-    sync). An optimizer keeps one per parameter group and rebuilds it only when an address changes
-    (`matches`): a training loop that frees its gradients each step usually gets the same blocks back."""
+    sync). An optimizer keeps one per parameter group; when only addresses change (`matches` is False, `same_sizes`
+    True: gradients freed and allocated again elsewhere) `retarget` rewrites the addresses and keeps the program
+    table, which can hold a million entries."""
 
     def __init__(self, lists, chunk: int):
         first = lists[0]
         self.device = first[0].device
         self.chunk = chunk
+        self.n = len(first)
         self.numels = tuple(t.numel() for t in first)
-        self.addresses = tuple(tuple(t.data_ptr() for t in ts) for ts in lists)
-        self.aligned = all(a % 16 == 0 for row in self.addresses for a in row)
         counts = [_launch.cdiv(n, chunk) for n in self.numels]
         self.programs = sum(counts)
-        self.n = len(first)
-        host = torch.tensor([a for row in self.addresses for a in row] + list(self.numels), dtype=torch.int64)
         tensor_of = torch.repeat_interleave(torch.arange(self.n, dtype=torch.int32), torch.tensor(counts))
         firsts = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)
         chunk_of = torch.arange(self.programs, dtype=torch.int64) - firsts.repeat_interleave(torch.tensor(counts))
+        self.prog = _to_device(torch.stack([tensor_of, chunk_of.to(torch.int32)]), self.device)
+        self.retarget(lists)
+
+    def retarget(self, lists) -> None:
+        """Point the table at `lists`, tensors of the same sizes as the ones it was built for."""
+        self.addresses = tuple(tuple(t.data_ptr() for t in ts) for ts in lists)
+        self.aligned = all(a % 16 == 0 for row in self.addresses for a in row)
+        host = torch.tensor([a for row in self.addresses for a in row] + list(self.numels), dtype=torch.int64)
         self.addr = _to_device(host, self.device)
         self.numel = self.addr[len(lists) * self.n:]
-        self.prog = _to_device(torch.stack([tensor_of, chunk_of.to(torch.int32)]), self.device)
 
     def row(self, i: int) -> torch.Tensor:
         """The addresses of list i."""
         return self.addr[i * self.n:(i + 1) * self.n]
 
     def matches(self, lists) -> bool:
-        return (tuple(tuple(t.data_ptr() for t in ts) for ts in lists) == self.addresses
-                and lists[0][0].device == self.device)
+        return tuple(tuple(t.data_ptr() for t in ts) for ts in lists) == self.addresses and self.same_sizes(lists)
+
+    def same_sizes(self, lists) -> bool:
+        return (lists[0][0].device == self.device and len(lists[0]) == self.n
+                and tuple(t.numel() for t in lists[0]) == self.numels)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -240,7 +252,7 @@ def adamw_launch(table: TensorTable, param_dtype, state_dtype, *, lr, beta1, bet
     _adamw_kernel[(table.programs,)](
         table.addr, table.numel, table.prog[0], table.prog[1], norm if clip else table.numel,
         len(table.numels), float(max_grad_norm) if clip else 0.0, CLIP_EPS, 1.0 - lr * weight_decay, beta1, beta2,
-        eps, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step),
+        1.0 - beta1, 1.0 - beta2, eps, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step),
         P_DTYPE=_TL_DTYPES[param_dtype], S_DTYPE=_TL_DTYPES[state_dtype], BLOCK=config.block,
         CHUNK=config.block * config.chunk_blocks, MAXIMIZE=maximize, CLIP=clip, ALIGNED=table.aligned,
         num_warps=config.num_warps,
