@@ -202,11 +202,11 @@ def test_bad_input_is_refused_by_name(device, case, error, match):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_matches_torch_fused_adamw_on_the_gpu():
     """bf16 parameters and moments, three steps: torch's fused AdamW and Tigon's compute the same fp32 formula from
-    the same bf16 values and round once. They may differ by the last bits of fp32 constants (Tigon takes 1 - beta
-    from the host's doubles) and the order of fp32 operations: an update off by ~1e-5 of itself, which tips a
-    rounding of p now and then (1 bf16 ulp, carried by the next steps: at most 2) and is a larger share of a tiny p.
-    (torch's clip_grad_norm_ on bf16 gradients rounds the norm and the scaled gradients to bf16, Tigon's fused
-    clipping does neither: compared against the fp64 reference above, not here.)"""
+    the same bf16 values and round once; on the H200 they agreed bitwise on all but ~1e-4 of the elements. Where an
+    fp32 difference (Tigon takes 1 - beta from the host's doubles; torch mixes double and fp32) tips a rounding of
+    m (1 bf16 ulp, 2^-8 of it), the next update differs by up to 2^-8 of itself (|update| <= ~3 lr) and may tip p by
+    one ulp: |diff| <= 2 ulp(p) + 2^-5 lr, twice that. (torch's clip_grad_norm_ on bf16 gradients rounds the norm
+    and the scaled gradients to bf16, Tigon's fused clipping does neither: checked against fp64 above instead.)"""
     shapes = [(4096, 257), (1000,), (3, 5, 7), (65536 + 3,)]
     g = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.randn(s, device="cuda", generator=g).to(torch.bfloat16) for s in shapes]
@@ -225,6 +225,6 @@ def test_matches_torch_fused_adamw_on_the_gpu():
         ob.step()
     for x, y in zip(a, b):
         x, y = x.detach().double(), y.detach().double()
-        tol = 2 * ULP[torch.bfloat16] * y.abs() + 1e-4 * lr
+        tol = 2 * ULP[torch.bfloat16] * y.abs() + 2.0**-5 * lr
         assert ((x - y).abs() <= tol).all(), (x - y).abs().max().item()
-        assert ((x - y).abs() > ULP[torch.bfloat16] * y.abs()).double().mean() < 0.02
+        assert (x != y).double().mean() < 0.01
