@@ -66,6 +66,36 @@ def test_trainer_with_callback_matches_plain_trainer(tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-4, atol=1e-5)
 
 
+def test_trainer_with_tigon_adamw_and_fused_clipping(tmp_path):
+    """The HF Trainer with tigon.optim.AdamW clipping inside its step (the Trainer's own clipping off) trains as the
+    Trainer with its default AdamW and max_grad_norm=1.0; its scheduler drives the optimizer's lr."""
+    transformers = pytest.importorskip("transformers")
+
+    ids, labels = batch(b=6, t=7)
+    data = [{"input_ids": ids[i], "labels": labels[i]} for i in range(6)]
+
+    def run(out, tigon_opt):
+        model = tiny_model("llama")
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
+            dataloader_num_workers=0, max_grad_norm=0.0 if tigon_opt else 0.5, optim="adamw_torch",
+        )
+        opts = (tigon.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, max_grad_norm=0.5), None) \
+            if tigon_opt else (None, None)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=opts)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
+
+    losses, trainer = run("tigon", True)
+    plain, _ = run("plain", False)
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert isinstance(opt, tigon.optim.AdamW) and opt.grad_norm.item() > 0.5  # the clipping scaled the last step
+    assert len(losses) == 3 and losses[0] == plain[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-4, atol=1e-5)
+    assert losses[2] != losses[1]  # the steps moved the weights
+
+
 def test_liger_compatible_api():
     from tigon.compat import liger
 
