@@ -20,7 +20,7 @@ import _harness as H
 import torch
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 2048, 8192, 16, 32, 8, 128256
-QUICK = dict(hidden=64, inter=160, layers=2, kv=16, vocab=1000)
+QUICK = dict(hidden=32, inter=96, layers=2, kv=8, vocab=300)
 
 
 def llama_shapes(quick=False):

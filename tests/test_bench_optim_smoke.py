@@ -1,0 +1,26 @@
+"""benchmarks/bench_optim.py --quick on the CPU (the AdamW kernels through the interpreter): every provider's row,
+with and without clipping, and the byte model behind its GB/s."""
+
+import json
+import os
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def test_quick_optim_bench_writes_every_row(tmp_path, capsys):
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import bench_optim
+
+    out = tmp_path / "optim.json"
+    assert bench_optim.main(["--quick", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["provider"], r["clip"]) for r in rows}
+    assert got == {(p, c) for p in ("torch fused", "torch foreach", "tigon") for c in (None, 1.0)}
+    assert all(r["ms"] > 0 and r["GBps"] > 0 for r in rows)
+    # the byte model: 14 bytes a bf16 parameter, + 6 for torch's clipping, + 2 for the fused one
+    n = rows[0]["params"]
+    by = {(r["provider"], r["clip"]): r["bytes"] for r in rows}
+    assert by[("tigon", None)] == 14 * n and by[("torch fused", 1.0)] == 20 * n and by[("tigon", 1.0)] == 16 * n
+    assert "| tigon | 1.0 |" in capsys.readouterr().out
