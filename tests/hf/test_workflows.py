@@ -39,56 +39,42 @@ def test_peft_lora_with_lm_head_in_modules_to_save():
         _close(p.grad, ref_params[n].grad, f"grad {n}", rtol=1e-3, atol=1e-5)
 
 
-def test_trainer_with_callback_matches_plain_trainer(tmp_path):
+def _train_tiny(tmp_path, out, *, callbacks=(), optimizer=None, **args):
+    """Three Trainer steps of the tiny Llama on the CPU: (logged losses, trainer). `optimizer(model)` builds the
+    optimizer handed to the Trainer (None: the Trainer's own); `args` override the TrainingArguments."""
     transformers = pytest.importorskip("transformers")
-    from tigon.hf.trainer import TigonCallback
-
     ids, labels = batch(b=6, t=7)
     data = [{"input_ids": ids[i], "labels": labels[i]} for i in range(6)]
+    model = tiny_model("llama")
+    args = transformers.TrainingArguments(**{
+        "output_dir": str(tmp_path / out), "max_steps": 3, "per_device_train_batch_size": 2, "learning_rate": 1e-3,
+        "logging_steps": 1, "report_to": [], "save_strategy": "no", "use_cpu": True, "seed": 0, "data_seed": 0,
+        "dataloader_num_workers": 0, **args})
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=list(callbacks),
+                                   optimizers=(optimizer(model) if optimizer else None, None))
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
 
-    def run(callbacks, out):
-        model = tiny_model("llama")
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / out), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
-            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
-            dataloader_num_workers=0,
-        )
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
-        trainer.train()
-        return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
+
+def test_trainer_with_callback_matches_plain_trainer(tmp_path):
+    from tigon.hf.trainer import TigonCallback
 
     callback = TigonCallback()
-    losses, model = run([callback], "tigon")
-    plain, _ = run([], "plain")
+    losses, trainer = _train_tiny(tmp_path, "tigon", callbacks=[callback])
+    plain, _ = _train_tiny(tmp_path, "plain")
     assert callback.report is not None and sum(callback.report.replaced.values()) > 0
-    assert type(model.model.norm).__name__ == "RMSNorm"
+    assert type(trainer.model.model.norm).__name__ == "RMSNorm"
     assert len(losses) == 3
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-4, atol=1e-5)
 
 
 def test_trainer_with_tigon_adamw_and_fused_clipping(tmp_path):
     """The HF Trainer with tigon.optim.AdamW clipping inside its step (the Trainer's own clipping off) trains as the
-    Trainer with its default AdamW and max_grad_norm=1.0; its scheduler drives the optimizer's lr."""
-    transformers = pytest.importorskip("transformers")
-
-    ids, labels = batch(b=6, t=7)
-    data = [{"input_ids": ids[i], "labels": labels[i]} for i in range(6)]
-
-    def run(out, tigon_opt):
-        model = tiny_model("llama")
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / out), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
-            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
-            dataloader_num_workers=0, max_grad_norm=0.0 if tigon_opt else 0.5, optim="adamw_torch",
-        )
-        opts = (tigon.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, max_grad_norm=0.5), None) \
-            if tigon_opt else (None, None)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=opts)
-        trainer.train()
-        return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
-
-    losses, trainer = run("tigon", True)
-    plain, _ = run("plain", False)
+    Trainer with its AdamW and max_grad_norm; the Trainer's scheduler drives the optimizer's lr."""
+    losses, trainer = _train_tiny(
+        tmp_path, "tigon", learning_rate=1e-2, max_grad_norm=0.0,
+        optimizer=lambda m: tigon.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0, max_grad_norm=0.5))
+    plain, _ = _train_tiny(tmp_path, "plain", learning_rate=1e-2, max_grad_norm=0.5, optim="adamw_torch")
     opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     assert isinstance(opt, tigon.optim.AdamW) and opt.grad_norm.item() > 0.5  # the clipping scaled the last step
     assert len(losses) == 3 and losses[0] == plain[0]
