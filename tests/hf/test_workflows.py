@@ -39,9 +39,10 @@ def test_peft_lora_with_lm_head_in_modules_to_save():
         _close(p.grad, ref_params[n].grad, f"grad {n}", rtol=1e-3, atol=1e-5)
 
 
-def _train_tiny(tmp_path, out, *, callbacks=(), optimizer=None, **args):
+def _train_tiny(tmp_path, out, *, callbacks=(), optimizer=None, optimizer_cls_and_kwargs=None, **args):
     """Three Trainer steps of the tiny Llama on the CPU: (logged losses, trainer). `optimizer(model)` builds the
-    optimizer handed to the Trainer (None: the Trainer's own); `args` override the TrainingArguments."""
+    optimizer handed to the Trainer (None: the Trainer's own, or `optimizer_cls_and_kwargs`); `args` override the
+    TrainingArguments."""
     transformers = pytest.importorskip("transformers")
     ids, labels = batch(b=6, t=7)
     data = [{"input_ids": ids[i], "labels": labels[i]} for i in range(6)]
@@ -51,7 +52,8 @@ def _train_tiny(tmp_path, out, *, callbacks=(), optimizer=None, **args):
         "logging_steps": 1, "report_to": [], "save_strategy": "no", "use_cpu": True, "seed": 0, "data_seed": 0,
         "dataloader_num_workers": 0, **args})
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=list(callbacks),
-                                   optimizers=(optimizer(model) if optimizer else None, None))
+                                   optimizers=(optimizer(model) if optimizer else None, None),
+                                   optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
 
@@ -80,6 +82,30 @@ def test_trainer_with_tigon_adamw_and_fused_clipping(tmp_path):
     assert len(losses) == 3 and losses[0] == plain[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-4, atol=1e-5)
     assert losses[2] != losses[1]  # the steps moved the weights
+
+
+def test_trainer_with_fused_adamw_from_its_arguments(tmp_path):
+    """`optimizer_cls_and_kwargs=fused_adamw(args)`: the Trainer's own AdamW settings and decay groups on
+    tigon.optim.AdamW, its clipping moved into the step; trains as the plain Trainer with the same arguments."""
+    transformers = pytest.importorskip("transformers")
+    from tigon.hf.trainer import fused_adamw
+
+    settings = dict(learning_rate=1e-2, max_grad_norm=0.5, weight_decay=0.1, adam_beta2=0.99, optim="adamw_torch")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "x"), report_to=[], use_cpu=True, **settings)
+    cls, kwargs = fused_adamw(args)
+    assert cls is tigon.optim.AdamW and args.max_grad_norm == 0.0
+    assert kwargs == dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, max_grad_norm=0.5)
+    with pytest.raises(TypeError, match="fused_adamw: args must be the Trainer's TrainingArguments"):
+        fused_adamw(object())
+
+    # the Trainer built from the same settings, with what fused_adamw left in args (max_grad_norm 0)
+    losses, trainer = _train_tiny(tmp_path, "tigon", **dict(settings, max_grad_norm=args.max_grad_norm),
+                                  optimizer_cls_and_kwargs=(cls, kwargs))
+    plain, _ = _train_tiny(tmp_path, "plain", **settings)
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert isinstance(opt, tigon.optim.AdamW) and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert opt.grad_norm.item() > 0.5
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-4, atol=1e-5)
 
 
 def test_liger_compatible_api():
