@@ -1,6 +1,7 @@
 """One optimizer step over the parameters of bench_e2e's 1.5B Llama: torch's fused and foreach AdamW against
 tigon.optim.AdamW, without and with gradient clipping (torch: clip_grad_norm_ then step; tigon: max_grad_norm in
-the step), bf16 parameters, gradients and moments.
+the step), bf16 parameters, gradients and moments; and the mixed-precision pair: torch's fused AdamW over fp32
+parameters (what autocast training steps) against tigon's over bf16 parameters with fp32 masters and moments.
 
 Byte model, N parameters of b = 2 bytes: the step reads param, grad and both moments and writes param and both
 moments, 7 N b; clip_grad_norm_ reads the grads for the norm and reads + writes them to scale (+3 N b), the fused
@@ -31,17 +32,18 @@ def llama_shapes(quick=False):
     return [(v, h)] + layer * n + [(h,), (v, h)]
 
 
-def make_params(ctx, shapes, seed=0):
+def make_params(ctx, shapes, seed=0, dtype=torch.bfloat16):
     g = torch.Generator(device=ctx.device).manual_seed(seed)
     params = []
     for s in shapes:
-        p = torch.nn.Parameter(0.02 * torch.randn(s, device=ctx.device, generator=g).to(torch.bfloat16))
-        p.grad = (1e-3 * torch.randn(s, device=ctx.device, generator=g)).to(torch.bfloat16)
+        p = torch.nn.Parameter(0.02 * torch.randn(s, device=ctx.device, generator=g).to(dtype))
+        p.grad = (1e-3 * torch.randn(s, device=ctx.device, generator=g)).to(dtype)
         params.append(p)
     return params
 
 
 def providers(max_grad_norm):
+    """name -> (build(params) -> step, the params' dtype, bytes moved per parameter)."""
     import tigon
 
     def torch_opt(**kw):
@@ -55,29 +57,37 @@ def providers(max_grad_norm):
             return step
         return build
 
-    def tigon_opt(config=None):
+    def tigon_opt(**kw):
         def build(params):
-            extra = {} if config is None else {"config": config}
-            opt = tigon.optim.AdamW(params, lr=1e-5, weight_decay=0.01, max_grad_norm=max_grad_norm, **extra)
-            return opt.step
+            return tigon.optim.AdamW(params, lr=1e-5, weight_decay=0.01, max_grad_norm=max_grad_norm, **kw).step
         return build
 
-    return {"torch fused": torch_opt(fused=True), "torch foreach": torch_opt(foreach=True), "tigon": tigon_opt()}
+    clip = 1 if max_grad_norm else 0
+    bf16, fp32 = torch.bfloat16, torch.float32
+    # bf16: 7 tensors of 2 bytes (+3 for torch's clipping, +1 for the fused one); the mixed-precision pair: fp32
+    # params and grads stepped by torch (7 x 4, +3 x 4 to clip), or bf16 params and grads with fp32 masters and
+    # moments stepped by tigon (masters, moments 6 x 4, grads read, params written 2 x 2, +1 x 2 to clip)
+    return {"torch fused": (torch_opt(fused=True), bf16, 14 + 6 * clip),
+            "torch foreach": (torch_opt(foreach=True), bf16, 14 + 6 * clip),
+            "tigon": (tigon_opt(), bf16, 14 + 2 * clip),
+            "torch fused, fp32 params": (torch_opt(fused=True), fp32, 28 + 12 * clip),
+            "tigon, fp32 masters + moments": (tigon_opt(master_weights=True, state_dtype=fp32), bf16, 28 + 2 * clip)}
 
 
 def run(ctx, sweep=False, sweep_clip=False):
     shapes = llama_shapes(ctx.quick)
     n = sum(torch.Size(s).numel() for s in shapes)
-    params = make_params(ctx, shapes)
     rows = []
     for clip in (None, 1.0):
-        bytes_ = (7 + (0 if not clip else 3)) * n * 2
-        for name, build in providers(clip).items():
-            b = bytes_ - (2 * n * 2 if clip and name == "tigon" else 0)
-            rows.append(_one(ctx, name, build, params, clip, b, n))
+        for name, (build, dtype, per_param) in providers(clip).items():
+            params = make_params(ctx, shapes, dtype=dtype)  # fresh: no state left from the last provider
+            rows.append(_one(ctx, name, build, params, clip, per_param * n, n))
+            del params
+            H.free(ctx)
         if sweep and ctx.cuda and (clip is None or sweep_clip):
             import tigon
             from tigon.ops._config import AdamWConfig
+            params = make_params(ctx, shapes)
             for block in (512, 1024, 2048):
                 for chunk_blocks in (1, 4, 8, 16):
                     for warps in (2, 4, 8):
@@ -87,7 +97,7 @@ def run(ctx, sweep=False, sweep_clip=False):
                             return tigon.optim.AdamW(ps, lr=1e-5, weight_decay=0.01, max_grad_norm=clip,
                                                      config=cfg).step
                         rows.append(_one(ctx, f"tigon {block}x{chunk_blocks} w{warps}", build, params, clip,
-                                         bytes_ - (2 * n * 2 if clip else 0), n))
+                                         (14 + (2 if clip else 0)) * n, n))
     return rows
 
 

@@ -132,6 +132,7 @@ def test_a_scheduler_drives_lr(device):
     (dict(betas=(0.9, 1.0)), ValueError, "beta1 and beta2 must be < 1"),
     (dict(max_grad_norm=0.0), ValueError, "max_grad_norm must be > 0"),
     (dict(state_dtype=torch.int8), TypeError, "state_dtype must be"),
+    (dict(master_weights=1), TypeError, "master_weights must be True or False"),
 ])
 def test_bad_arguments_are_refused_by_name(kw, error, match):
     with pytest.raises(error, match="tigon.optim.AdamW: " + match):
@@ -183,3 +184,35 @@ def test_gradients_at_new_addresses(device):
             o.step()
     _close(a, b, 3)
     assert len(oa._tables) == 1
+
+
+def test_master_weights_keep_updates_below_half_an_ulp(device):
+    """bf16 weights at 1.0 (ulp 2^-7 above it) and steps of ~1e-4 up: without masters every update rounds away;
+    with them the fp32 master moves by the sum of the steps and the weight follows. (Steps up: the interpreter
+    truncates toward zero where a GPU rounds to nearest, and both keep 1.0 + 1e-4 at 1.0.)"""
+    def run(master):
+        p = torch.nn.Parameter(torch.ones(300, dtype=torch.bfloat16, device=device))
+        opt = tigon.optim.AdamW([p], lr=1e-4, weight_decay=0.0, master_weights=master, state_dtype=torch.float32)
+        for _ in range(100):
+            p.grad = -torch.ones_like(p)
+            opt.step()
+        return p, opt
+    plain, _ = run(False)
+    assert (plain == 1.0).all()
+    p, opt = run(True)
+    w = opt.state[p]["master"]
+    assert w.dtype == torch.float32 and w.shape == p.shape
+    # Adam with a constant gradient steps lr per step (m_hat / sqrt(v_hat) = 1, fp32 moments): 100 steps of 1e-4
+    assert torch.allclose(w, torch.full_like(w, 1.01), rtol=0, atol=1e-5)
+    assert (p == 1.0078125).all()  # 1.01 between the bf16 values 1.0078125 and 1.015625, either rounding
+    assert "master" in opt.state_dict()["state"][0]
+
+
+def test_master_weights_leave_fp32_parameters_alone(device):
+    a, b = _model(device=device), _model(device=device)
+    oa = tigon.optim.AdamW(a.parameters(), lr=1e-2, master_weights=True)
+    ob = tigon.optim.AdamW(b.parameters(), lr=1e-2)
+    _train(a, oa, 2, device)
+    _train(b, ob, 2, device)
+    assert all("master" not in st for st in oa.state.values())
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

@@ -104,6 +104,19 @@ def test_grad_norm_is_clip_grad_norms(device, dtype):
     assert torch.equal(got, ops.grad_norm(grads, config=SMALL)), "deterministic"
 
 
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_master_weights_take_the_update_and_params_their_rounding(device, state_dtype):
+    lists = _lists(SHAPES, torch.bfloat16, state_dtype, device, seed=5)
+    masters = [(p.float() + 1e-3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(6)).to(device))
+               for p in lists[0]]  # masters off the bf16 grid, as after a few steps
+    before = [[t.clone() for t in ts] for ts in [masters, *lists[1:]]]
+    ops.adamw_step_(*lists, **HYPER, step=2, master_params=masters, max_grad_norm=0.5, config=SMALL)
+    exact = _exact(before, 2, max_grad_norm=0.5)
+    _check_update(before, [masters, *lists[1:]], exact, step=2)
+    for p, w in zip(lists[0], masters):  # one rounding of the master (the interpreter truncates: < 1 ulp)
+        assert ((p.double() - w.double()).abs() <= ULP[torch.bfloat16] * w.double().abs()).all()
+
+
 def test_writes_stay_inside_each_tensor_and_unaligned_addresses_work(device):
     """Tensors that are views into a larger buffer, one of them at an odd element offset (the kernel's unaligned
     form): nothing outside them changes."""
@@ -165,6 +178,8 @@ def test_empty_lists_are_a_no_op(device):
     ("lr", ValueError, "lr must be a finite number"),
     ("clip0", ValueError, "max_grad_norm must be > 0"),
     ("not_list", TypeError, "grads must be a list of tensors"),
+    ("master_dtype", TypeError, r"master_params\[0\] must be a float32 tensor"),
+    ("master_of_fp32", TypeError, r"params\[0\] is float32: master weights are for bf16 or fp16 params"),
 ])
 def test_bad_input_is_refused_by_name(device, case, error, match):
     p = [torch.zeros(6, device=device), torch.zeros(4, device=device)]
@@ -194,6 +209,10 @@ def test_bad_input_is_refused_by_name(device, case, error, match):
         kw["max_grad_norm"] = 0.0
     elif case == "not_list":
         g = g[0]
+    elif case == "master_dtype":
+        kw["master_params"] = [t.half() for t in p]
+    elif case == "master_of_fp32":
+        kw["master_params"] = [t.clone() for t in p]
     with pytest.raises(error, match="tigon.ops.adamw_step_: " + match):
         ops.adamw_step_(p, g, m, v, **kw)
 

@@ -32,9 +32,10 @@ CLIP_EPS = 1e-6  # clip_grad_norm_'s: coef = max_norm / (norm + 1e-6), at most 1
 
 
 @triton.jit
-def _adamw_update(P, G, M, V, o, mask, coef, decay, beta1, beta2, one_m_beta1, one_m_beta2, eps, step_size, bc2_sqrt,
-                  MAXIMIZE: tl.constexpr, MASKED: tl.constexpr):
-    """One block of the update, in fp32, stored once in each tensor's dtype (torch's fused AdamW's order)."""
+def _adamw_update(P, G, M, V, W, o, mask, coef, decay, beta1, beta2, one_m_beta1, one_m_beta2, eps, step_size,
+                  bc2_sqrt, MAXIMIZE: tl.constexpr, MASKED: tl.constexpr, MASTER: tl.constexpr):
+    """One block of the update, in fp32, stored once in each tensor's dtype (torch's fused AdamW's order). With
+    MASTER, P holds the fp32 master weights and W the model's copy, written from them."""
     if MASKED:
         b_g = tl.load(G + o, mask=mask, other=0.0).to(tl.float32)
         b_p = tl.load(P + o, mask=mask, other=0.0).to(tl.float32)
@@ -57,15 +58,20 @@ def _adamw_update(P, G, M, V, o, mask, coef, decay, beta1, beta2, one_m_beta1, o
         tl.store(P + o, b_p.to(P.dtype.element_ty), mask=mask)
         tl.store(M + o, b_m.to(M.dtype.element_ty), mask=mask)
         tl.store(V + o, b_v.to(V.dtype.element_ty), mask=mask)
+        if MASTER:
+            tl.store(W + o, b_p.to(W.dtype.element_ty), mask=mask)
     else:
         tl.store(P + o, b_p.to(P.dtype.element_ty))
         tl.store(M + o, b_m.to(M.dtype.element_ty))
         tl.store(V + o, b_v.to(V.dtype.element_ty))
+        if MASTER:
+            tl.store(W + o, b_p.to(W.dtype.element_ty))
 
 
 @triton.jit
 def _adamw_kernel(
-    ADDR,  # int64 [4, n]: the addresses of param, grad, exp_avg, exp_avg_sq of each tensor
+    ADDR,  # int64 [4 or 5, n]: the addresses of param (the fp32 master with MASTER), grad, exp_avg, exp_avg_sq
+    # of each tensor, and with MASTER the model's param
     NUMEL,  # int64 [n]
     PROG_TENSOR,  # int32 [programs]: the tensor each program updates
     PROG_CHUNK,  # int32 [programs]: which CHUNK-element chunk of it
@@ -73,22 +79,27 @@ def _adamw_kernel(
     n_tensors, max_norm, clip_eps, decay, beta1, beta2,
     one_m_beta1, one_m_beta2,  # 1 - beta from the host's doubles: 1 - fp32(0.999) would be 1e3 u32 off
     eps, step_size, bc2_sqrt,
-    P_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-    MAXIMIZE: tl.constexpr, CLIP: tl.constexpr, ALIGNED: tl.constexpr,
+    P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    MAXIMIZE: tl.constexpr, CLIP: tl.constexpr, ALIGNED: tl.constexpr, MASTER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(PROG_TENSOR + pid).to(tl.int64)
     start = tl.load(PROG_CHUNK + pid).to(tl.int64) * CHUNK
     n = tl.load(NUMEL + t)
     p_p = tl.load(ADDR + t).to(tl.pointer_type(P_DTYPE))
-    p_g = tl.load(ADDR + n_tensors + t).to(tl.pointer_type(P_DTYPE))
+    p_g = tl.load(ADDR + n_tensors + t).to(tl.pointer_type(G_DTYPE))
     p_m = tl.load(ADDR + 2 * n_tensors + t).to(tl.pointer_type(S_DTYPE))
     p_v = tl.load(ADDR + 3 * n_tensors + t).to(tl.pointer_type(S_DTYPE))
+    p_w = p_g  # unused without MASTER
+    if MASTER:
+        p_w = tl.load(ADDR + 4 * n_tensors + t).to(tl.pointer_type(W_DTYPE))
     if ALIGNED:  # every address is a multiple of 16 bytes (checked on the host): 16-byte vector accesses
         p_p = tl.multiple_of(p_p, 16)
         p_g = tl.multiple_of(p_g, 16)
         p_m = tl.multiple_of(p_m, 16)
         p_v = tl.multiple_of(p_v, 16)
+        p_w = tl.multiple_of(p_w, 16)
     coef = 1.0
     if CLIP:
         coef = tl.minimum(max_norm / (tl.load(NORM) + clip_eps), 1.0)
@@ -96,15 +107,13 @@ def _adamw_kernel(
     if start + CHUNK <= n:  # a whole chunk: no mask, so the accesses vectorize
         for i in tl.static_range(0, CHUNK, BLOCK):
             o = start + i + o_b
-            _adamw_update(p_p, p_g, p_m, p_v, o, o, coef, decay, beta1, beta2, one_m_beta1, one_m_beta2, eps,
-                          step_size, bc2_sqrt,
-                          MAXIMIZE, False)
+            _adamw_update(p_p, p_g, p_m, p_v, p_w, o, o, coef, decay, beta1, beta2, one_m_beta1, one_m_beta2, eps,
+                          step_size, bc2_sqrt, MAXIMIZE, False, MASTER)
     else:
         for i in tl.static_range(0, CHUNK, BLOCK):
             o = start + i + o_b
-            _adamw_update(p_p, p_g, p_m, p_v, o, o < n, coef, decay, beta1, beta2, one_m_beta1, one_m_beta2, eps,
-                          step_size, bc2_sqrt,
-                          MAXIMIZE, True)
+            _adamw_update(p_p, p_g, p_m, p_v, p_w, o, o < n, coef, decay, beta1, beta2, one_m_beta1, one_m_beta2,
+                          eps, step_size, bc2_sqrt, MAXIMIZE, True, MASTER)
 
 
 @triton.jit
@@ -149,6 +158,7 @@ class TensorTable:
         self.device = first[0].device
         self.chunk = chunk
         self.n = len(first)
+        self.rows = len(lists)
         self.numels = tuple(t.numel() for t in first)
         counts = [_launch.cdiv(n, chunk) for n in self.numels]
         self.programs = sum(counts)
@@ -215,6 +225,22 @@ def check_lists(op: str, params, grads, exp_avgs=None, exp_avg_sqs=None) -> None
         raise TypeError(f"{op}: the moments must be float32 or the params' dtype {ref.dtype}, got {state_dtype}")
 
 
+def check_master(op: str, params, master_params) -> None:
+    """master_params: None, or one contiguous fp32 tensor per param (of a lower precision) on its device."""
+    if master_params is None:
+        return
+    if not isinstance(master_params, (list, tuple)) or len(master_params) != len(params):
+        raise ValueError(f"{op}: master_params must be a list of {len(params)} tensors, one per param")
+    for i, (w, p) in enumerate(zip(master_params, params)):
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
+            raise TypeError(f"{op}: master_params[{i}] must be a float32 tensor")
+        if p.dtype == torch.float32:
+            raise TypeError(f"{op}: params[{i}] is float32: master weights are for bf16 or fp16 params")
+        if w.device != p.device or w.numel() != p.numel() or w.is_sparse or not w.is_contiguous():
+            raise ValueError(f"{op}: master_params[{i}] must be a dense contiguous tensor on {p.device} with "
+                             f"{p.numel()} elements")
+
+
 def check_hyper(op: str, lr, beta1, beta2, eps, weight_decay, step, max_grad_norm) -> None:
     _launch.check_number(op, "lr", lr, 0.0)
     _launch.check_number(op, "beta1", beta1, 0.0, 1.0)
@@ -245,7 +271,8 @@ def sq_sum_launch(table: TensorTable, grads_row: int, grad_dtype: torch.dtype, c
 
 def adamw_launch(table: TensorTable, param_dtype, state_dtype, *, lr, beta1, beta2, eps, weight_decay, step,
                  maximize=False, norm=None, max_grad_norm=None, config: AdamWConfig = ADAMW) -> None:
-    """One launch of the update over every tensor of `table` (4 rows: params, grads, exp_avgs, exp_avg_sqs)."""
+    """One launch of the update over every tensor of `table`: 4 rows (params, grads, exp_avgs, exp_avg_sqs), or 5
+    (fp32 master params, grads, exp_avgs, exp_avg_sqs, the model's params of dtype `param_dtype`)."""
     if table.programs == 0:
         return
     clip = max_grad_norm is not None
@@ -253,9 +280,10 @@ def adamw_launch(table: TensorTable, param_dtype, state_dtype, *, lr, beta1, bet
         table.addr, table.numel, table.prog[0], table.prog[1], norm if clip else table.numel,
         len(table.numels), float(max_grad_norm) if clip else 0.0, CLIP_EPS, 1.0 - lr * weight_decay, beta1, beta2,
         1.0 - beta1, 1.0 - beta2, eps, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step),
-        P_DTYPE=_TL_DTYPES[param_dtype], S_DTYPE=_TL_DTYPES[state_dtype], BLOCK=config.block,
+        P_DTYPE=tl.float32 if table.rows == 5 else _TL_DTYPES[param_dtype], G_DTYPE=_TL_DTYPES[param_dtype],
+        S_DTYPE=_TL_DTYPES[state_dtype], W_DTYPE=_TL_DTYPES[param_dtype], BLOCK=config.block,
         CHUNK=config.block * config.chunk_blocks, MAXIMIZE=maximize, CLIP=clip, ALIGNED=table.aligned,
-        num_warps=config.num_warps,
+        MASTER=table.rows == 5, num_warps=config.num_warps,
     )
 
 
@@ -277,8 +305,12 @@ def grad_norm(grads, *, config: Optional[AdamWConfig] = None) -> torch.Tensor:
 
 @torch.compiler.disable
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
-                step, maximize=False, max_grad_norm=None, norm=None, config: Optional[AdamWConfig] = None) -> None:
+                step, maximize=False, max_grad_norm=None, norm=None, master_params=None,
+                config: Optional[AdamWConfig] = None) -> None:
     """torch.optim.AdamW's update of step `step` (1 for the first) over lists of tensors, in place, one launch.
+
+    With `master_params` (fp32 tensors, one per param), the update reads and writes them and `params` (bf16 or
+    fp16) receive its rounding: the weights keep the updates below half an ulp of the model's dtype.
 
     With `max_grad_norm`, every gradient is scaled by min(1, max_grad_norm / (norm + 1e-6)) on the fly (not
     stored), as after `clip_grad_norm_`; `norm` is the total norm over everything clipped together (an fp32
@@ -286,6 +318,7 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0.
     torch.compile runs it outside the graph, and it is not for CUDA-graph capture (its scalars are host values)."""
     op = "tigon.ops.adamw_step_"
     check_lists(op, params, grads, exp_avgs, exp_avg_sqs)
+    check_master(op, params, master_params)
     check_hyper(op, lr, beta1, beta2, eps, weight_decay, step, max_grad_norm)
     if not params:
         return
@@ -298,9 +331,11 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0.
         raise ValueError(f"{op}: norm must be a one-element tensor on {params[0].device}")
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, maximize=maximize)
     if not _library.use_kernels("adamw", params[0]):
-        reference.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, **kw,
+        reference.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, **kw, master_params=master_params,
                               norm=norm if max_grad_norm is not None else None, max_grad_norm=max_grad_norm)
         return
-    table = TensorTable([params, grads, exp_avgs, exp_avg_sqs], config.block * config.chunk_blocks)
+    lists = [params, grads, exp_avgs, exp_avg_sqs]
+    lists = lists if master_params is None else [master_params] + lists[1:] + [params]
+    table = TensorTable(lists, config.block * config.chunk_blocks)
     adamw_launch(table, params[0].dtype, exp_avgs[0].dtype, **kw, config=config,
                  norm=norm.reshape(1).float() if max_grad_norm is not None else None, max_grad_norm=max_grad_norm)

@@ -544,19 +544,23 @@ def grad_norm(grads):
 
 
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step, maximize=False,
-                norm=None, max_grad_norm=None):
+                norm=None, max_grad_norm=None, master_params=None):
     """torch.optim.AdamW's update of step `step` in place, in fp32 (fp64 for fp64 tensors), one rounding per
-    store; the gradients scaled by min(1, max_grad_norm / (norm + 1e-6)) first when max_grad_norm is set."""
+    store; the gradients scaled by min(1, max_grad_norm / (norm + 1e-6)) first when max_grad_norm is set. With
+    master_params the update reads and writes them, and params receive its rounding."""
     coef = None if max_grad_norm is None else torch.clamp(max_grad_norm / (_f(norm).reshape(()) + 1e-6), max=1.0)
     step_size = lr / (1.0 - beta1**step)
     bc2_sqrt = math.sqrt(1.0 - beta2**step)
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+    masters = master_params if master_params is not None else [None] * len(params)
+    for p, g, m, v, w in zip(params, grads, exp_avgs, exp_avg_sqs, masters):
         gf = _f(g) if coef is None else _f(g) * coef
         gf = -gf if maximize else gf
         mf = beta1 * _f(m) + (1.0 - beta1) * gf
         vf = beta2 * _f(v) + (1.0 - beta2) * gf * gf
-        pf = _f(p) * (1.0 - lr * weight_decay)
+        pf = _f(p if w is None else w) * (1.0 - lr * weight_decay)
         pf = pf - step_size * mf / (vf.sqrt() / bc2_sqrt + eps)
+        if w is not None:
+            w.copy_(pf)
         p.copy_(pf)
         m.copy_(mf)
         v.copy_(vf)
