@@ -69,6 +69,24 @@ def _adamw_update(P, G, M, V, W, o, mask, coef, decay, beta1, beta2, one_m_beta1
 
 
 @triton.jit
+def _program_chunk(PROG_TENSOR, PROG_CHUNK, NUMEL, CHUNK: tl.constexpr):
+    """This program's tensor t (int64), the first element of its chunk, and the tensor's numel."""
+    pid = tl.program_id(0)
+    t = tl.load(PROG_TENSOR + pid).to(tl.int64)
+    return t, tl.load(PROG_CHUNK + pid).to(tl.int64) * CHUNK, tl.load(NUMEL + t)
+
+
+@triton.jit
+def _tensor_ptr(ADDR, t, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The address at ADDR[t] as a pointer to DTYPE; 16-byte aligned when ALIGNED (checked on the host), which
+    lets the unmasked accesses be 16-byte vectors."""
+    p = tl.load(ADDR + t).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
 def _adamw_kernel(
     ADDR,  # int64 [4 or 5, n]: the addresses of param (the fp32 master with MASTER), grad, exp_avg, exp_avg_sq
     # of each tensor, and with MASTER the model's param
@@ -83,23 +101,14 @@ def _adamw_kernel(
     BLOCK: tl.constexpr, CHUNK: tl.constexpr,
     MAXIMIZE: tl.constexpr, CLIP: tl.constexpr, ALIGNED: tl.constexpr, MASTER: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(PROG_TENSOR + pid).to(tl.int64)
-    start = tl.load(PROG_CHUNK + pid).to(tl.int64) * CHUNK
-    n = tl.load(NUMEL + t)
-    p_p = tl.load(ADDR + t).to(tl.pointer_type(P_DTYPE))
-    p_g = tl.load(ADDR + n_tensors + t).to(tl.pointer_type(G_DTYPE))
-    p_m = tl.load(ADDR + 2 * n_tensors + t).to(tl.pointer_type(S_DTYPE))
-    p_v = tl.load(ADDR + 3 * n_tensors + t).to(tl.pointer_type(S_DTYPE))
+    t, start, n = _program_chunk(PROG_TENSOR, PROG_CHUNK, NUMEL, CHUNK)
+    p_p = _tensor_ptr(ADDR, t, P_DTYPE, ALIGNED)
+    p_g = _tensor_ptr(ADDR + n_tensors, t, G_DTYPE, ALIGNED)
+    p_m = _tensor_ptr(ADDR + 2 * n_tensors, t, S_DTYPE, ALIGNED)
+    p_v = _tensor_ptr(ADDR + 3 * n_tensors, t, S_DTYPE, ALIGNED)
     p_w = p_g  # unused without MASTER
     if MASTER:
-        p_w = tl.load(ADDR + 4 * n_tensors + t).to(tl.pointer_type(W_DTYPE))
-    if ALIGNED:  # every address is a multiple of 16 bytes (checked on the host): 16-byte vector accesses
-        p_p = tl.multiple_of(p_p, 16)
-        p_g = tl.multiple_of(p_g, 16)
-        p_m = tl.multiple_of(p_m, 16)
-        p_v = tl.multiple_of(p_v, 16)
-        p_w = tl.multiple_of(p_w, 16)
+        p_w = _tensor_ptr(ADDR + 4 * n_tensors, t, W_DTYPE, ALIGNED)
     coef = 1.0
     if CLIP:
         coef = tl.minimum(max_norm / (tl.load(NORM) + clip_eps), 1.0)
@@ -123,13 +132,8 @@ def _adamw_sq_sum_kernel(
     PARTIAL,  # fp32 [programs]: each program's sum of squares
     G_DTYPE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(PROG_TENSOR + pid).to(tl.int64)
-    start = tl.load(PROG_CHUNK + pid).to(tl.int64) * CHUNK
-    n = tl.load(NUMEL + t)
-    p_g = tl.load(ADDR + t).to(tl.pointer_type(G_DTYPE))
-    if ALIGNED:
-        p_g = tl.multiple_of(p_g, 16)
+    t, start, n = _program_chunk(PROG_TENSOR, PROG_CHUNK, NUMEL, CHUNK)
+    p_g = _tensor_ptr(ADDR, t, G_DTYPE, ALIGNED)
     o_b = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     if start + CHUNK <= n:
@@ -141,7 +145,7 @@ def _adamw_sq_sum_kernel(
             o = start + i + o_b
             b_g = tl.load(p_g + o, mask=o < n, other=0.0).to(tl.float32)
             acc += b_g * b_g
-    tl.store(PARTIAL + pid, tl.sum(acc, axis=0))
+    tl.store(PARTIAL + tl.program_id(0), tl.sum(acc, axis=0))
 
 
 class TensorTable:
