@@ -31,7 +31,12 @@ class AdamW(torch.optim.Optimizer):
       write its rounding to the parameter: updates smaller than half an ulp of bf16 are not lost (4 bytes a
       parameter of memory, 6 more moved a step); the master owns the values, so change weights through it;
     - `config`: an `AdamWConfig` (launch settings).
-    Parameters must be dense and contiguous. The step reads its scalars on the host (no CUDA-graph capture)."""
+    Parameters must be dense and contiguous. The step reads its scalars on the host (no CUDA-graph capture).
+
+    FSDP2 (DTensor parameters, `fully_shard`): each rank steps its local shards, the moments are DTensors like the
+    parameters (as torch's AdamW keeps them), and clipping all-reduces the squared norm over the mesh dimensions
+    the parameters are sharded on; with `max_grad_norm`, every parameter must then be a DTensor on one mesh with
+    one placement."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
@@ -59,6 +64,7 @@ class AdamW(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.config = config
         self.grad_norm = None
+        self._mesh = None  # (device mesh, placements) of the DTensor parameters stepped last, for clipping
         self._tables = {}  # (group index, subgroup key) -> TensorTable, rebuilt when an address changes
 
     def _subgroups(self, group):
@@ -70,7 +76,7 @@ class AdamW(torch.optim.Optimizer):
         for p in params:
             if p.grad.is_sparse:
                 raise ValueError(f"{name}: sparse gradients are not supported")
-            if not p.is_contiguous() or not p.grad.is_contiguous():
+            if not _local(p).is_contiguous() or not _local(p.grad).is_contiguous():
                 raise ValueError(f"{name}: a parameter of shape {tuple(p.shape)} or its gradient is not contiguous")
             state = self.state[p]
             if not state:
@@ -92,6 +98,7 @@ class AdamW(torch.optim.Optimizer):
             master = st.get("master") if self.master_weights else None
             tensors = (p, p.grad, st["exp_avg"], st["exp_avg_sq"]) if master is None else (
                 master, p.grad, st["exp_avg"], st["exp_avg_sq"], p)  # the kernel's 5-row layout
+            tensors = [_local(t) for t in tensors]  # a DTensor's local shard shares its storage
             lists = subs.setdefault((p.device, p.dtype, st["exp_avg"].dtype, int(step), master is not None),
                                     tuple([] for _ in tensors))
             for lst, t in zip(lists, tensors):
@@ -117,6 +124,8 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = []  # (group, key, lists)
+        self._mesh = _mesh_of([p for g in self.param_groups for p in g["params"] if p.grad is not None],
+                              self.max_grad_norm is not None)
         for gi, group in enumerate(self.param_groups):
             if isinstance(group["lr"], torch.Tensor):
                 raise TypeError("tigon.optim.AdamW: lr must be a Python number, got a tensor")
@@ -153,7 +162,46 @@ class AdamW(torch.optim.Optimizer):
                 sums.append(_adamw.sq_sum_launch(table, 1, key[1], self.config).sum().to(device))
             else:
                 sums.append(reference.grad_norm(lists[1]).square().to(device))
-        return torch.stack(sums).sum().sqrt() if len(sums) > 1 else sums[0].sqrt()
+        sq = torch.stack(sums).sum() if len(sums) > 1 else sums[0]
+        if self._mesh is not None:  # the local shards' squares, summed over the ranks that split each tensor
+            import torch.distributed as dist
+            from torch.distributed.tensor import Shard
+
+            mesh, placements = self._mesh
+            for dim, placement in enumerate(placements):
+                if isinstance(placement, Shard):
+                    dist.all_reduce(sq, group=mesh.get_group(dim))
+        return sq.sqrt()
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" and torch.distributed.is_available()
+
+
+def _local(t):
+    """A DTensor's local shard (a view of its storage: updating it updates the DTensor), or t itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _mesh_of(params, clipping: bool):
+    """(device mesh, placements) shared by DTensor parameters, None without DTensors. Clipping sums the shards'
+    squares over the sharded mesh dimensions, so it needs every parameter on one mesh with one placement (FSDP2
+    over the whole model); Replicate and Shard placements only."""
+    dtensors = [p for p in params if _is_dtensor(p)]
+    if not dtensors:
+        return None
+    mesh, placements = dtensors[0].device_mesh, tuple(dtensors[0].placements)
+    if clipping:
+        from torch.distributed.tensor import Replicate, Shard
+
+        if len(dtensors) != len(params) or any(p.device_mesh != mesh or tuple(p.placements) != placements
+                                               for p in dtensors):
+            raise ValueError("tigon.optim.AdamW: max_grad_norm with DTensor parameters needs every parameter to be "
+                             "a DTensor on one device mesh with one placement (FSDP2's fully_shard over the model)")
+        if not all(isinstance(pl, (Shard, Replicate)) for pl in placements):
+            raise ValueError(f"tigon.optim.AdamW: max_grad_norm supports Shard and Replicate placements, got "
+                             f"{placements}")
+    return mesh, placements
 
 
 def _check(lists) -> None:

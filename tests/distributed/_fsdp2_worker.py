@@ -1,10 +1,12 @@
 """One rank of the FSDP2 check, run by test_fsdp2_cpu.py as `python _fsdp2_worker.py OUT_DIR`.
 
 Environment (set by the test, like torchrun): RANK, WORLD_SIZE, TIGON_DIST_STORE (a FileStore path),
-TRITON_INTERPRET=1. Builds the tiny Llama, patches it with Tigon, shards it with FSDP2 on a gloo CPU mesh,
-runs forward with labels on this rank's half of the batch and backward, gathers every gradient, and rank 0
-saves {"loss", "grads", "counts"} to OUT_DIR/fsdp2.pt; then one AdamW step on the sharded parameters
-and a second forward, whose loss and gathered parameters are saved as "loss2" and "params".
+TRITON_INTERPRET=1, and TIGON_FSDP2_OPTIM: "torch" (torch.optim.AdamW) or "tigon" (tigon.optim.AdamW, clipping
+the sharded gradients' norm to CLIP inside its step). Builds the tiny Llama, patches it with Tigon, shards it
+with FSDP2 on a gloo CPU mesh, runs forward with labels on this rank's half of the batch and backward, gathers
+every gradient, and rank 0 saves {"loss", "grads", "counts"} to OUT_DIR/fsdp2.pt; then one AdamW step on the
+sharded parameters and a second forward, whose loss and gathered parameters are saved as "loss2" and "params"
+(with tigon's optimizer, its norm and launches as "grad_norm" and "optim_counts").
 """
 
 import os
@@ -12,6 +14,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+CLIP = 0.05  # below the tiny model's gradient norm: the clipping scales the step
 
 
 def main(out_dir: str) -> None:
@@ -67,15 +71,22 @@ def run(out_dir, rank, world):
     counts = {f"{op}/{path}": n for (op, path), n in _library.dispatch_counts.items()}
 
     # A second step: the optimizer updates the local shards, the next forward all-gathers them again.
-    torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6).step()
+    _library.dispatch_counts.clear()
+    if os.environ.get("TIGON_FSDP2_OPTIM", "torch") == "tigon":
+        opt = tigon.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, max_grad_norm=CLIP)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    opt.step()
+    grad_norm = getattr(opt, "grad_norm", None)
+    optim_counts = {f"{op}/{path}": n for (op, path), n in _library.dispatch_counts.items()}
     with torch.no_grad():
         loss2 = model(ids[rows], labels=labels[rows], num_items_in_batch=n_items).loss.clone()
     dist.all_reduce(loss2)
     params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for name, p in model.named_parameters()}
     if rank == 0:
-        torch.save({"loss": loss, "grads": grads, "counts": counts, "loss2": loss2, "params": params},
-                   os.path.join(out_dir, "fsdp2.pt"))
+        torch.save({"loss": loss, "grads": grads, "counts": counts, "loss2": loss2, "params": params,
+                    "grad_norm": grad_norm, "optim_counts": optim_counts}, os.path.join(out_dir, "fsdp2.pt"))
 
 
 if __name__ == "__main__":
