@@ -216,3 +216,22 @@ def test_master_weights_leave_fp32_parameters_alone(device):
     _train(b, ob, 2, device)
     assert all("master" not in st for st in oa.state.values())
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_a_compiled_training_step_calls_the_step_eagerly(device):
+    """torch.compile over a function that runs forward, backward and opt.step(): the step is a graph break
+    (torch.compiler.disable: host tables and scalars) and the result is the eager one."""
+    a, b = _model(device=device), _model(device=device)
+    oa, ob = tigon.optim.AdamW(a.parameters(), lr=1e-2), tigon.optim.AdamW(b.parameters(), lr=1e-2)
+    x = torch.randn(5, 33, device=device)
+
+    def train_step(model, opt):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    compiled = torch.compile(train_step, backend="eager")
+    for _ in range(2):
+        compiled(a, oa)
+        train_step(b, ob)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

@@ -162,6 +162,33 @@ def test_many_tensors_one_launch_and_deterministic(device):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("master", [False, True])
+def test_opcheck(device, master):
+    dtype = torch.bfloat16 if master else torch.float32
+    ps, gs, ms, vs = _lists([(7,), (33, 5)], dtype, torch.float32, device, seed=7)
+    masters = [p.float() for p in ps] if master else []
+    norm = torch.tensor([2.0], device=device)
+    torch.library.opcheck(torch.ops.tigon.adamw_step_, (ps, gs, ms, vs, masters, norm, 1e-2, 0.9, 0.999, 1e-8,
+                                                        0.1, 2, False, 0.5, list(SMALL.ints())))
+    torch.library.opcheck(torch.ops.tigon.grad_norm, (gs, list(SMALL.ints())))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_fullgraph_compile_is_one_node_with_the_eager_result(device, backend):
+    lists = _lists(SHAPES, torch.bfloat16, torch.float32, device, seed=8)
+    twin = [[t.clone() for t in ts] for ts in lists]
+
+    def fn(ps, gs, ms, vs):
+        ops.adamw_step_(ps, gs, ms, vs, **HYPER, step=2, max_grad_norm=0.5, config=SMALL)
+        return ops.grad_norm(gs, config=SMALL)
+
+    got = torch.compile(fn, fullgraph=True, backend=backend)(*lists)
+    want = fn(*twin)
+    assert torch.equal(got, want)
+    for a, b in zip(lists, twin):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_empty_lists_are_a_no_op(device):
     ops.adamw_step_([], [], [], [], **HYPER, step=1)
 

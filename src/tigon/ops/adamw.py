@@ -291,23 +291,72 @@ def adamw_launch(table: TensorTable, param_dtype, state_dtype, *, lr, beta1, bet
     )
 
 
-@torch.compiler.disable  # reads addresses on the host: eager only (a compiled region calls it as a graph break)
-def grad_norm(grads, *, config: Optional[AdamWConfig] = None) -> torch.Tensor:
-    """The total 2-norm of `grads` (a list of tensors of one floating dtype on one device, contiguous), as an fp32
-    scalar on their device, with no host sync: what `torch.nn.utils.clip_grad_norm_` computes (and returns)
-    before it scales. Per-program partial sums added in a fixed order: the same bits from run to run."""
-    op = "tigon.ops.grad_norm"
-    check_lists(op, grads, grads)
-    if not grads:
-        raise ValueError(f"{op}: grads is empty")
-    config = config or ADAMW
+def _grad_norm_run(grads, config: AdamWConfig) -> torch.Tensor:
     if not _library.use_kernels("grad_norm", grads[0]):
         return reference.grad_norm(grads)
     return sq_sum_launch(TensorTable([grads], config.block * config.chunk_blocks), 0, grads[0].dtype,
                          config).sum().sqrt()
 
 
-@torch.compiler.disable
+@torch.library.custom_op("tigon::grad_norm", mutates_args=())
+def grad_norm_op(grads: list[torch.Tensor], config: list[int]) -> torch.Tensor:
+    """The 2-norm of the grads, fp32 scalar: `grad_norm` while torch.compile traces."""
+    return _grad_norm_run(grads, AdamWConfig(*config))
+
+
+@grad_norm_op.register_fake
+def _(grads, config):
+    return grads[0].new_empty((), dtype=torch.float32)
+
+
+def grad_norm(grads, *, config: Optional[AdamWConfig] = None) -> torch.Tensor:
+    """The total 2-norm of `grads` (a list of tensors of one floating dtype on one device, contiguous), as an fp32
+    scalar on their device, with no host sync: what `torch.nn.utils.clip_grad_norm_` computes (and returns)
+    before it scales. Per-program partial sums added in a fixed order: the same bits from run to run. Under
+    torch.compile one graph node (`tigon::grad_norm`)."""
+    op = "tigon.ops.grad_norm"
+    check_lists(op, grads, grads)
+    if not grads:
+        raise ValueError(f"{op}: grads is empty")
+    config = config or ADAMW
+    if torch.compiler.is_compiling():
+        return torch.ops.tigon.grad_norm(list(grads), config.ints())
+    return _grad_norm_run(grads, config)
+
+
+def _step_run(params, grads, exp_avgs, exp_avg_sqs, master_params, norm, *, config: AdamWConfig, **kw) -> None:
+    """One update on concrete tensors (checked): the kernel, or the reference where the kernels do not run."""
+    clip = kw["max_grad_norm"] is not None
+    if not _library.use_kernels("adamw", params[0]):
+        reference.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, **kw, norm=norm if clip else None,
+                              master_params=master_params or None)
+        return
+    lists = [params, grads, exp_avgs, exp_avg_sqs]
+    lists = lists if not master_params else [master_params] + lists[1:] + [params]
+    table = TensorTable(lists, config.block * config.chunk_blocks)
+    adamw_launch(table, params[0].dtype, exp_avgs[0].dtype, **kw, config=config,
+                 norm=norm.reshape(1).float() if clip else None)
+
+
+@torch.library.custom_op("tigon::adamw_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "master_params"))
+def adamw_step_op(
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], master_params: list[torch.Tensor], norm: Optional[torch.Tensor], lr: float,
+    beta1: float, beta2: float, eps: float, weight_decay: float, step: int, maximize: bool,
+    max_grad_norm: Optional[float], config: list[int],
+) -> None:
+    """`adamw_step_` while torch.compile traces (master_params empty: none)."""
+    _step_run(params, grads, exp_avgs, exp_avg_sqs, master_params, norm, config=AdamWConfig(*config), lr=lr,
+              beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, maximize=maximize,
+              max_grad_norm=max_grad_norm)
+
+
+@adamw_step_op.register_fake
+def _(params, grads, exp_avgs, exp_avg_sqs, master_params, norm, lr, beta1, beta2, eps, weight_decay, step,
+      maximize, max_grad_norm, config):
+    return None
+
+
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
                 step, maximize=False, max_grad_norm=None, norm=None, master_params=None,
                 config: Optional[AdamWConfig] = None) -> None:
@@ -318,8 +367,9 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0.
 
     With `max_grad_norm`, every gradient is scaled by min(1, max_grad_norm / (norm + 1e-6)) on the fly (not
     stored), as after `clip_grad_norm_`; `norm` is the total norm over everything clipped together (an fp32
-    device scalar, `grad_norm(...)`; computed here from `grads` when None). Forward only, no autograd; eager only:
-    torch.compile runs it outside the graph, and it is not for CUDA-graph capture (its scalars are host values)."""
+    device scalar, `grad_norm(...)`; computed here from `grads` when None). Forward only, no autograd. Under
+    torch.compile one graph node (`tigon::adamw_step_`); not for CUDA-graph capture (it copies the tensors'
+    addresses to the device from the host each call)."""
     op = "tigon.ops.adamw_step_"
     check_lists(op, params, grads, exp_avgs, exp_avg_sqs)
     check_master(op, params, master_params)
@@ -333,13 +383,12 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0.
     if norm is not None and (not isinstance(norm, torch.Tensor) or norm.numel() != 1
                              or norm.device != params[0].device):
         raise ValueError(f"{op}: norm must be a one-element tensor on {params[0].device}")
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, maximize=maximize)
-    if not _library.use_kernels("adamw", params[0]):
-        reference.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, **kw, master_params=master_params,
-                              norm=norm if max_grad_norm is not None else None, max_grad_norm=max_grad_norm)
+    norm = norm if max_grad_norm is not None else None
+    kw = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
+              step=step, maximize=maximize, max_grad_norm=None if max_grad_norm is None else float(max_grad_norm))
+    masters = list(master_params) if master_params is not None else []
+    if torch.compiler.is_compiling():
+        torch.ops.tigon.adamw_step_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), masters, norm,
+                                    config=config.ints(), **kw)
         return
-    lists = [params, grads, exp_avgs, exp_avg_sqs]
-    lists = lists if master_params is None else [master_params] + lists[1:] + [params]
-    table = TensorTable(lists, config.block * config.chunk_blocks)
-    adamw_launch(table, params[0].dtype, exp_avgs[0].dtype, **kw, config=config,
-                 norm=norm.reshape(1).float() if max_grad_norm is not None else None, max_grad_norm=max_grad_norm)
+    _step_run(params, grads, exp_avgs, exp_avg_sqs, masters, norm, config=config, **kw)
