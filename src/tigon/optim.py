@@ -72,11 +72,12 @@ class AdamW(torch.optim.Optimizer):
         each. The step advances here (one foreach add and one read of the CPU step counters for the group); a
         subgroup's step is shared by all its tensors."""
         name = "tigon.optim.AdamW"
+        local = _local if self._mesh is not None else _same  # DTensors: step their local shards
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             if p.grad.is_sparse:
                 raise ValueError(f"{name}: sparse gradients are not supported")
-            if not _local(p).is_contiguous() or not _local(p.grad).is_contiguous():
+            if not local(p).is_contiguous() or not local(p.grad).is_contiguous():
                 raise ValueError(f"{name}: a parameter of shape {tuple(p.shape)} or its gradient is not contiguous")
             state = self.state[p]
             if not state:
@@ -98,7 +99,8 @@ class AdamW(torch.optim.Optimizer):
             master = st.get("master") if self.master_weights else None
             tensors = (p, p.grad, st["exp_avg"], st["exp_avg_sq"]) if master is None else (
                 master, p.grad, st["exp_avg"], st["exp_avg_sq"], p)  # the kernel's 5-row layout
-            tensors = [_local(t) for t in tensors]  # a DTensor's local shard shares its storage
+            if self._mesh is not None:
+                tensors = [_local(t) for t in tensors]  # a DTensor's local shard shares its storage
             lists = subs.setdefault((p.device, p.dtype, st["exp_avg"].dtype, int(step), master is not None),
                                     tuple([] for _ in tensors))
             for lst, t in zip(lists, tensors):
@@ -176,6 +178,10 @@ class AdamW(torch.optim.Optimizer):
 
 def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor" and torch.distributed.is_available()
+
+
+def _same(t):
+    return t
 
 
 def _local(t):
