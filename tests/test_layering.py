@@ -1,4 +1,4 @@
-"""The layering, read from the imports (ops < memory < modules < hf < compat, decode < api < demo < cli): every
+"""The layering, read from the imports (ops < memory < modules, optim < hf < compat, decode < api < demo < cli): every
 import (module level, inside a function, or by importlib.import_module("tigon....")) points down the list below
 or stays within its own package, ops/ needs torch and Triton only, and no two modules import each other through
 any chain."""
