@@ -218,3 +218,20 @@ def test_sft_trainer_use_kernels_runs_tigons_norms(policy_dir, tokenizer, datase
     got, norms = run({"use_kernels": True, "kernel_config": tigon_kernels.kernel_config("cpu")}, "tigon")
     assert plain_norms == 0 and norms >= 3  # one layer's two norms and the final one, forward (and recompute)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(plain), rtol=1e-5, atol=1e-6)
+
+
+def test_sft_trainer_with_tigon_adamw(policy_dir, tokenizer, datasets):
+    """TRL's trainers take the Trainer's optimizer_cls_and_kwargs: tigon.optim.AdamW clipping inside its step (TRL's
+    clipping off) updates the weights as TRL with torch's AdamW and max_grad_norm."""
+    ids, _ = batch(vocab=V, b=2, t=7, seed=3)
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
+    opt = dict(optim="adamw_torch", learning_rate=1e-2, weight_decay=0.0)
+    _, plain = _train("SFT", policy_dir, tokenizer, "adamw-torch", True, data, max_grad_norm=0.5, **opt)
+    fused = (tigon.optim.AdamW, dict(lr=1e-2, weight_decay=0.0, max_grad_norm=0.5))
+    before = op_calls("adamw")
+    _, got = _train("SFT", policy_dir, tokenizer, "adamw-tigon", True, data,
+                    trainer_kwargs=dict(optimizer_cls_and_kwargs=fused), max_grad_norm=0.0, **opt)
+    assert op_calls("adamw") > before  # tigon's step ran
+    for u, r in zip(got, plain):
+        assert r.abs().max() > 0
+        torch.testing.assert_close(u, r, rtol=1e-4, atol=1e-4 * r.abs().max().item())
