@@ -227,7 +227,13 @@ def test_sft_trainer_with_tigon_adamw(policy_dir, tokenizer, datasets):
     data = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
     opt = dict(optim="adamw_torch", learning_rate=1e-2, weight_decay=0.0)
     _, plain = _train("SFT", policy_dir, tokenizer, "adamw-torch", True, data, max_grad_norm=0.5, **opt)
-    fused = (tigon.optim.AdamW, dict(lr=1e-2, weight_decay=0.0, max_grad_norm=0.5))
+    trl = pytest.importorskip("trl", minversion="1.16")
+    from tigon.hf.trainer import fused_adamw
+
+    config = trl.SFTConfig(output_dir=str(policy_dir.parent / "SFT-adamw-args"), report_to=[], use_cpu=True,
+                           max_grad_norm=0.5, **opt)  # an SFTConfig is the Trainer's arguments
+    fused = fused_adamw(config, weight_decay=0.0)
+    assert config.max_grad_norm == 0.0 and fused[1]["max_grad_norm"] == 0.5 and fused[1]["lr"] == 1e-2
     before = op_calls("adamw")
     _, got = _train("SFT", policy_dir, tokenizer, "adamw-tigon", True, data,
                     trainer_kwargs=dict(optimizer_cls_and_kwargs=fused), max_grad_norm=0.0, **opt)
