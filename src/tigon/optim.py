@@ -97,25 +97,25 @@ class AdamW(torch.optim.Optimizer):
         subs = {}
         for p, st, step in zip(params, states, torch.stack(steps).tolist()):
             master = st.get("master") if self.master_weights else None
-            tensors = (p, p.grad, st["exp_avg"], st["exp_avg_sq"]) if master is None else (
-                master, p.grad, st["exp_avg"], st["exp_avg_sq"], p)  # the kernel's 5-row layout
+            tensors = (p, p.grad, st["exp_avg"], st["exp_avg_sq"]) + (() if master is None else (master,))
             if self._mesh is not None:
                 tensors = [_local(t) for t in tensors]  # a DTensor's local shard shares its storage
+            # (params, grads, exp_avgs, exp_avg_sqs, masters): the masters' list stays empty without them
             lists = subs.setdefault((p.device, p.dtype, st["exp_avg"].dtype, int(step), master is not None),
-                                    tuple([] for _ in tensors))
+                                    ([], [], [], [], []))
             for lst, t in zip(lists, tensors):
                 lst.append(t)
         return subs
 
     def _table(self, key, lists):
-        table = self._tables.get(key)
-        if table is not None and table.matches(lists):
+        table, rows = self._tables.get(key), _adamw.kernel_rows(*lists)
+        if table is not None and table.matches(rows):
             return table
         _check(lists)  # new addresses: check the lists once
-        if table is not None and table.same_sizes(lists):
-            table.retarget(lists)
+        if table is not None and table.same_sizes(rows):
+            table.retarget(rows)
         else:
-            table = self._tables[key] = _adamw.TensorTable(lists, self.config.block * self.config.chunk_blocks)
+            table = self._tables[key] = _adamw.TensorTable(rows, self.config.chunk)
         return table
 
     @torch.compiler.disable  # host tables and scalars: the step runs eagerly, also from a compiled loop
@@ -125,42 +125,39 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = []  # (group, key, lists)
+        work = []  # (group, subgroup key, lists, its table on the kernel path or None)
         self._mesh = _mesh_of([p for g in self.param_groups for p in g["params"] if p.grad is not None],
                               self.max_grad_norm is not None)
         for gi, group in enumerate(self.param_groups):
             if isinstance(group["lr"], torch.Tensor):
                 raise TypeError("tigon.optim.AdamW: lr must be a Python number, got a tensor")
             for key, lists in self._subgroups(group).items():
-                work.append((group, (gi,) + key[:3] + key[4:], key, lists))
+                kernels = _library.backend_for(lists[0][0].device) == "triton"
+                table = self._table((gi,) + key[:3] + key[4:], lists) if kernels else None
+                work.append((group, key, lists, table))
         self.grad_norm = norm = None
         if self.max_grad_norm is not None and work:
             norm = self._total_norm(work)
             self.grad_norm = norm
-        for group, table_key, key, lists in work:
+        for group, key, lists, table in work:
             beta1, beta2 = group["betas"]
             kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                       step=key[3], maximize=group["maximize"], max_grad_norm=self.max_grad_norm)
             if _library.use_kernels("adamw", lists[0][0]):
                 clip_norm = None if norm is None else norm.to(lists[0][0].device).reshape(1)
-                _adamw.adamw_launch(self._table(table_key, lists), key[1], key[2], **kw, norm=clip_norm,
-                                    config=self.config)
+                _adamw.adamw_launch(table, key[1], key[2], **kw, norm=clip_norm, config=self.config)
             else:
                 _check(lists)
-                if len(lists) == 5:
-                    reference.adamw_step_(lists[4], *lists[1:4], **kw, norm=norm, master_params=lists[0])
-                else:
-                    reference.adamw_step_(*lists, **kw, norm=norm)
+                reference.adamw_step_(*lists[:4], **kw, norm=norm, master_params=lists[4] or None)
         return loss
 
     def _total_norm(self, work):
         """The 2-norm over every gradient about to be stepped, on the first parameter's device (as
         clip_grad_norm_ computes it across devices), partial sums added in a fixed order."""
-        device = work[0][3][0][0].device
+        device = work[0][2][0][0].device
         sums = []
-        for _, table_key, key, lists in work:
+        for _, key, lists, table in work:
             if _library.use_kernels("grad_norm", lists[0][0]):
-                table = self._table(table_key, lists)
                 sums.append(_adamw.sq_sum_launch(table, 1, key[1], self.config).sum().to(device))
             else:
                 sums.append(reference.grad_norm(lists[1]).square().to(device))
@@ -211,10 +208,6 @@ def _mesh_of(params, clipping: bool):
 
 
 def _check(lists) -> None:
-    """The kernel's layout contract for one subgroup: 4 lists, or 5 with the fp32 masters first."""
-    name = "tigon.optim.AdamW"
-    if len(lists) == 5:
-        _adamw.check_lists(name, lists[4], *lists[1:4])
-        _adamw.check_master(name, lists[4], lists[0])
-    else:
-        _adamw.check_lists(name, *lists)
+    """The layout contract for one subgroup's (params, grads, exp_avgs, exp_avg_sqs, masters)."""
+    _adamw.check_lists("tigon.optim.AdamW", *lists[:4])
+    _adamw.check_master("tigon.optim.AdamW", lists[0], lists[4] or None)

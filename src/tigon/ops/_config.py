@@ -199,6 +199,11 @@ class AdamWConfig:
     def __post_init__(self):
         _check_fields(self, powers_of_two=("block", "chunk_blocks", "num_warps"))
 
+    @property
+    def chunk(self) -> int:
+        """Elements a program owns."""
+        return self.block * self.chunk_blocks
+
     ints = _ints
 
 

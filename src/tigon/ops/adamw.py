@@ -160,7 +160,6 @@ class TensorTable:
     def __init__(self, lists, chunk: int):
         first = lists[0]
         self.device = first[0].device
-        self.chunk = chunk
         self.n = len(first)
         self.rows = len(lists)
         self.numels = tuple(t.numel() for t in first)
@@ -267,7 +266,7 @@ def sq_sum_launch(table: TensorTable, grads_row: int, grad_dtype: torch.dtype, c
     if table.programs:
         _adamw_sq_sum_kernel[(table.programs,)](
             table.row(grads_row), table.numel, table.prog[0], table.prog[1], partial,
-            G_DTYPE=_TL_DTYPES[grad_dtype], BLOCK=config.block, CHUNK=config.block * config.chunk_blocks,
+            G_DTYPE=_TL_DTYPES[grad_dtype], BLOCK=config.block, CHUNK=config.chunk,
             ALIGNED=table.aligned, num_warps=config.num_warps,
         )
     return partial
@@ -286,7 +285,7 @@ def adamw_launch(table: TensorTable, param_dtype, state_dtype, *, lr, beta1, bet
         1.0 - beta1, 1.0 - beta2, eps, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step),
         P_DTYPE=tl.float32 if table.rows == 5 else _TL_DTYPES[param_dtype], G_DTYPE=_TL_DTYPES[param_dtype],
         S_DTYPE=_TL_DTYPES[state_dtype], W_DTYPE=_TL_DTYPES[param_dtype], BLOCK=config.block,
-        CHUNK=config.block * config.chunk_blocks, MAXIMIZE=maximize, CLIP=clip, ALIGNED=table.aligned,
+        CHUNK=config.chunk, MAXIMIZE=maximize, CLIP=clip, ALIGNED=table.aligned,
         MASTER=table.rows == 5, num_warps=config.num_warps,
     )
 
@@ -294,7 +293,7 @@ def adamw_launch(table: TensorTable, param_dtype, state_dtype, *, lr, beta1, bet
 def _grad_norm_run(grads, config: AdamWConfig) -> torch.Tensor:
     if not _library.use_kernels("grad_norm", grads[0]):
         return reference.grad_norm(grads)
-    return sq_sum_launch(TensorTable([grads], config.block * config.chunk_blocks), 0, grads[0].dtype,
+    return sq_sum_launch(TensorTable([grads], config.chunk), 0, grads[0].dtype,
                          config).sum().sqrt()
 
 
@@ -324,6 +323,14 @@ def grad_norm(grads, *, config: Optional[AdamWConfig] = None) -> torch.Tensor:
     return _grad_norm_run(grads, config)
 
 
+def kernel_rows(params, grads, exp_avgs, exp_avg_sqs, master_params=()):
+    """The rows of the update's address table: params, grads, exp_avgs, exp_avg_sqs; with masters, the fp32
+    masters in the params' row and the params in a fifth row (written only)."""
+    if not master_params:
+        return [params, grads, exp_avgs, exp_avg_sqs]
+    return [master_params, grads, exp_avgs, exp_avg_sqs, params]
+
+
 def _step_run(params, grads, exp_avgs, exp_avg_sqs, master_params, norm, *, config: AdamWConfig, **kw) -> None:
     """One update on concrete tensors (checked): the kernel, or the reference where the kernels do not run."""
     clip = kw["max_grad_norm"] is not None
@@ -331,9 +338,7 @@ def _step_run(params, grads, exp_avgs, exp_avg_sqs, master_params, norm, *, conf
         reference.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, **kw, norm=norm if clip else None,
                               master_params=master_params or None)
         return
-    lists = [params, grads, exp_avgs, exp_avg_sqs]
-    lists = lists if not master_params else [master_params] + lists[1:] + [params]
-    table = TensorTable(lists, config.block * config.chunk_blocks)
+    table = TensorTable(kernel_rows(params, grads, exp_avgs, exp_avg_sqs, master_params), config.chunk)
     adamw_launch(table, params[0].dtype, exp_avgs[0].dtype, **kw, config=config,
                  norm=norm.reshape(1).float() if clip else None)
 
