@@ -56,6 +56,7 @@ SECTIONS = [
     Section("add_rms_norm", "bench_norms", "run_add_rms_norm", 20, 100),
     Section("layer_norm", "bench_norms", "run_layer_norm", 20, 100),
     Section("rope", "bench_rope", "run_rope", 20, 100),
+    Section("qk_norm_rope", "bench_norms", "run_qk_norm_rope", 30, 150),
     Section("swiglu", "bench_glu", "run_swiglu", 20, 100),
     Section("geglu", "bench_glu", "run_geglu", 20, 100),
     Section("cross_entropy", "bench_cross_entropy", "run_cross_entropy", 25, 120),

@@ -3,7 +3,7 @@
 # own timeout inside one budget, and leaves at most 8 files in $OUT (a device call returns no more).
 #
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops decode-norm e2e e2e-compile
-#                                             lce losses attention sft lora qlora moe
+#                                             lce losses attention sft lora qlora moe qk-norm-rope
 #
 #   tests       the README's test command, natively: python -m pytest tests -q -n TEST_WORKERS (12), failures named
 #               (tests.log)
@@ -30,6 +30,9 @@
 #   qlora       bench_lora's QLoRA rows (NF4 decoder projections; needs bitsandbytes in .whl/): liger / tigon (<gpu>_qlora.md)
 #   moe         bench_moe: one Qwen3-30B-A3B experts block, HF eager / grouped_mm / tigon (<gpu>_moe.md)
 #   lora        bench_lora: the 8B PEFT LoRA job (checkpointing, 2 x 4096), liger / tigon-nolora / tigon (<gpu>_lora.md)
+#   qk-norm-rope bench_norms --only qk_norm_rope: the fused QK-norm + RoPE beside tigon's two ops, torch.compile, Liger
+#               and eager at Qwen3's head_dim 64 and 128 (<gpu>_qk_norm_rope.md, <gpu>_qk_norm_rope.json), then
+#               tune.py --ops qk_norm_rope: the QKNormRopeConfig sweep (<gpu>_qk_norm_rope_tune.json)
 #
 # <gpu> is the GPU's short name ("h200"), as in benchmarks/results/<gpu>.md, whose tables these files refresh.
 # BUDGET_S bounds the whole run (default 570 s). DECODE_VARIANTS overrides the decode step's variants.
@@ -168,6 +171,13 @@ for s in "$@"; do
             keep "$T/qlora/lora.md" "${GPU}_qlora.md" ;;
         lora) step lora 300 python3 benchmarks/bench_lora.py --out "$T/lora" --steps 4 --timeout 95 >>"$LOG" 2>&1
             keep "$T/lora/lora.md" "${GPU}_lora.md" ;;
+        qk-norm-rope) mkdir -p "$T/qk_norm_rope"
+            step qk-norm-rope 240 python3 benchmarks/bench_norms.py --only qk_norm_rope --budget 200 \
+                --json "$T/qk_norm_rope/qk_norm_rope.json" >"$T/qk_norm_rope/qk_norm_rope.md" 2>>"$LOG"
+            keep "$T/qk_norm_rope/qk_norm_rope.md" "${GPU}_qk_norm_rope.md"
+            keep "$T/qk_norm_rope/qk_norm_rope.json" "${GPU}_qk_norm_rope.json"
+            step qk-norm-rope-tune 180 python3 benchmarks/tune.py --ops qk_norm_rope --out "$T/qk_norm_rope" >>"$LOG" 2>&1
+            keep "$T/qk_norm_rope/tune.json" "${GPU}_qk_norm_rope_tune.json" ;;
         *) log "unknown step: $s"; failed=$((failed + 1)) ;;
     esac
 done

@@ -2,7 +2,7 @@
 where the host time of one small-op fwd+bwd goes. Each setting is a frozen config passed to the op
 (`tigon.ops._config`); the winners become the configs' defaults.
 
-    PYTHONPATH=src python benchmarks/tune.py [--ops rms_norm,rms_norm_heads,rope,glu,ce,flce] [--out DIR]
+    PYTHONPATH=src python benchmarks/tune.py [--ops rms_norm,rms_norm_heads,qk_norm_rope,rope,glu,ce,flce] [--out DIR]
 """
 
 import argparse
@@ -19,7 +19,14 @@ import time
 import _harness as H
 import torch
 
-from tigon.ops._config import CrossEntropyConfig, GLUConfig, LinearCrossEntropyConfig, RMSNormConfig, RopeConfig
+from tigon.ops._config import (
+    CrossEntropyConfig,
+    GLUConfig,
+    LinearCrossEntropyConfig,
+    QKNormRopeConfig,
+    RMSNormConfig,
+    RopeConfig,
+)
 
 BF16 = torch.bfloat16
 
@@ -36,18 +43,20 @@ def _time(ctx, fn):
     return H.bench(ctx, fn, min_rep=10, max_rep=20, rep_ms=100.0)["ms"] * 1e3
 
 
-def sweep(ctx, config_cls, grid, make):
+def sweep(ctx, config_cls, grid, make, fb=True, tag=None):
     """Time fwd and fwd+bwd for each config of `config_cls` with the fields in `grid` (the others default; or a
     list of field dicts, one per config); make(config) returns the (fwd, fwd+bwd) callables that pass it to the
-    op."""
+    op. fb=False: the forward alone. tag: merged into every row."""
     settings = grid if isinstance(grid, list) else [dict(zip(grid, v)) for v in itertools.product(*grid.values())]
     rows = []
     for fields in settings:
         config = config_cls(**fields)
-        fwd, fb = make(config)
-        row = dataclasses.asdict(config)
+        fwd, fwd_bwd = make(config)
+        row = {**(tag or {}), **dataclasses.asdict(config)}
         try:
-            row.update(fwd_us=_time(ctx, fwd), fb_us=_time(ctx, fb))
+            row.update(fwd_us=_time(ctx, fwd))
+            if fb:
+                row.update(fb_us=_time(ctx, fwd_bwd))
         except Exception as e:  # a setting that does not compile (too many registers) is a row, not a crash
             row.update(error=H.short_error(e))
         rows.append(row)
@@ -97,6 +106,73 @@ def tune_rms_norm_heads(ctx):
         out[f"head_{h}"] = sweep(ctx, RMSNormConfig, grid, make)
         del x, w, dy
     return out
+
+
+# qk_norm_rope at Qwen3's attention input: 8 x 2048 tokens, 32 q heads, 8 kv heads (q, k views of the projections)
+QK_SHAPE = dict(B=8, T=2048, Hq=32, Hk=8)
+QK_HEAD_DIMS = (64, 128)
+QK_TILES, QK_WARPS, QK_PER_SM = (2048, 4096, 8192), (4, 8), (2, 4, 8)
+
+
+def tune_qk_norm_rope(ctx):
+    """qk_norm_rope's QKNormRopeConfig at head_dim 64 and 128. The forward and backward are separate kernels that
+    share only tile_elems, so the grid is factored: "fwd" rows time the forward alone over tile x fwd_warps (6),
+    "bwd" rows time fwd and fwd+bwd over tile x bwd_warps x bwd_per_sm (18, fwd_warps at its default; the backward
+    is fb_us - fwd_us); "best" is the tile whose best forward + best backward is lowest, timed as one config beside
+    the "default" row (the first). 26 settings a head size instead of the full product's 36."""
+    m = importlib.import_module("tigon.ops.qk_norm_rope")
+    dev = ctx.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    B, T, Hq, Hk = QK_SHAPE["B"], QK_SHAPE["T"], QK_SHAPE["Hq"], QK_SHAPE["Hk"]
+    out = {}
+    for D in QK_HEAD_DIMS:
+        qp = torch.randn(B, T, Hq * D, device=dev, generator=g).to(BF16).requires_grad_()
+        kp = torch.randn(B, T, Hk * D, device=dev, generator=g).to(BF16).requires_grad_()
+        wq = (1 + 0.1 * torch.randn(D, device=dev, generator=g)).to(BF16).requires_grad_()
+        wk = (1 + 0.1 * torch.randn(D, device=dev, generator=g)).to(BF16).requires_grad_()
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
+        emb = torch.outer(torch.arange(T, device=dev, dtype=torch.float32), inv_freq)
+        emb = torch.cat((emb, emb), -1)[None].expand(B, T, D)
+        cos, sin = emb.cos().to(BF16).contiguous(), emb.sin().to(BF16).contiguous()
+        dq = torch.randn(B, T, Hq, D, device=dev, generator=g).to(BF16)
+        dk = torch.randn(B, T, Hk, D, device=dev, generator=g).to(BF16)
+
+        def make(c, qp=qp, kp=kp, wq=wq, wk=wk, cos=cos, sin=sin, dq=dq, dk=dk, D=D):
+            f = lambda: m.qk_norm_rope(qp.view(B, T, Hq, D), kp.view(B, T, Hk, D), wq, wk, cos, sin, config=c)
+            return f, _fb(f, (qp, kp, wq, wk), (dq, dk))
+
+        rows = sweep(ctx, QKNormRopeConfig, [{}], make, tag={"stage": "default"})
+        rows += sweep(ctx, QKNormRopeConfig, {"tile_elems": QK_TILES, "fwd_warps": QK_WARPS}, make, fb=False,
+                      tag={"stage": "fwd"})
+        rows += sweep(ctx, QKNormRopeConfig, {"tile_elems": QK_TILES, "bwd_warps": QK_WARPS,
+                                              "bwd_per_sm": QK_PER_SM}, make, tag={"stage": "bwd"})
+        for r in rows:
+            if r["stage"] == "bwd" and "fb_us" in r:
+                r["bwd_us"] = r["fb_us"] - r["fwd_us"]
+        best = _qk_best(rows)
+        if best is not None:
+            fields, predicted = best
+            rows += sweep(ctx, QKNormRopeConfig, [fields], make, tag={"stage": "best", "predicted_fb_us": predicted})
+        out[f"head_{D}"] = rows
+        del qp, kp, wq, wk, cos, sin, dq, dk, emb
+    return out
+
+
+def _qk_best(rows):
+    """(config fields, predicted fwd+bwd us) of the tile with the lowest best-forward + best-backward, or None."""
+    best = None
+    for tile in {r["tile_elems"] for r in rows}:
+        fwd = [r for r in rows if r["stage"] == "fwd" and r["tile_elems"] == tile and "fwd_us" in r]
+        bwd = [r for r in rows if r["stage"] == "bwd" and r["tile_elems"] == tile and "bwd_us" in r]
+        if not fwd or not bwd:
+            continue
+        f = min(fwd, key=lambda r: r["fwd_us"])
+        b = min(bwd, key=lambda r: r["bwd_us"])
+        predicted = f["fwd_us"] + b["bwd_us"]
+        if best is None or predicted < best[1]:
+            best = (dict(tile_elems=tile, fwd_warps=f["fwd_warps"], bwd_warps=b["bwd_warps"],
+                         bwd_per_sm=b["bwd_per_sm"]), predicted)
+    return best
 
 
 def tune_rope(ctx):
@@ -245,8 +321,8 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     ctx = H.Context("cuda")
-    fns = {"host": host_profile, "rms_norm": tune_rms_norm, "rms_norm_heads": tune_rms_norm_heads, "rope": tune_rope,
-           "glu": tune_glu, "ce": tune_ce, "flce": tune_flce}
+    fns = {"host": host_profile, "rms_norm": tune_rms_norm, "rms_norm_heads": tune_rms_norm_heads,
+           "qk_norm_rope": tune_qk_norm_rope, "rope": tune_rope, "glu": tune_glu, "ce": tune_ce, "flce": tune_flce}
     results = {}
     for name in a.ops.split(","):
         t = time.time()

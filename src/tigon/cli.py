@@ -27,7 +27,7 @@ from .argtypes import device, name_list, positive_float, positive_int, positive_
 
 OPS = ("rms_norm", "add_rms_norm", "layer_norm", "apply_rope", "swiglu", "geglu", "swiglu_mlp", "geglu_mlp",
        "cross_entropy", "linear_cross_entropy", "decode_attention", "decode_linear", "rope_kv_write",
-       "rope_kv_append", "adamw_step_", "grad_norm")
+       "rope_kv_append", "adamw_step_", "grad_norm", "qk_norm_rope")
 
 
 def _version(dist: str):

@@ -27,13 +27,16 @@ autograd take the HF path.
 RoPE of one instance (`route_rope`, what `tigon.patch(model)` uses): the attention modules of that model run
 their class forward's own bytecode with the one global `apply_rotary_pos_emb` read under another name, bound to
 Tigon's (`tigon.ops.apply_rope`); the modeling module's apply_rotary_pos_emb stays Hugging Face's, so another
-model of the same class keeps Hugging Face's RoPE.
+model of the same class keeps Hugging Face's RoPE. Where that forward is Llama's with Qwen3's q/k norms and the norms
+are Tigon's (`fuse_qk_norm_rope`, also from `tigon.patch`), the instance runs `_qk_norm_rope_forward` instead: the
+same computation with both norms and RoPE in one `tigon.ops.qk_norm_rope` kernel.
 """
 
 import ast
 import collections
 import dis
 import functools
+import hashlib
 import inspect
 import textwrap
 import types
@@ -41,7 +44,8 @@ import types
 import torch
 
 from ..memory.kv_cache import RollingKVCache
-from ..ops import apply_rope, decode_attention
+from ..modules.norms import RMSNorm
+from ..ops import apply_rope, decode_attention, qk_norm_rope
 from .bound import BoundForward
 from .unwrap import hub_function, unwrap_model
 
@@ -307,6 +311,77 @@ def _rope_on_write(module, layer, hidden_states, position_embeddings, attention_
     return module.o_proj(out.reshape(b, 1, -1)), None
 
 
+# transformers' LlamaAttention.forward as `_code` normalizes it, in the version `_qk_norm_rope_forward` computes
+# (5.17): sha-256, first 16 hex digits. Another version keeps the class forward (Tigon's norms and RoPE apart).
+_LLAMA_FORWARD_SHA = "edb09e4cdb72174c"
+# module.__dict__ key: the q/k norms and RoPE of this module run as one kernel; its value: where the class forward
+# reads its sliding window ("module", "config", "": none)
+QK_NORM_ROPE = "_tigon_qk_norm_rope"
+
+
+def _norms_fusable(q_norm, k_norm, head_dim) -> bool:
+    return (isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm) and q_norm.weight is not None
+            and k_norm.weight is not None and q_norm.weight.shape == k_norm.weight.shape == (head_dim,)
+            and (q_norm.eps, q_norm.offset, q_norm.casting_mode) == (k_norm.eps, k_norm.offset, k_norm.casting_mode))
+
+
+def qk_norm_rope_ready(module) -> str:
+    """"" when the q/k norms and the RoPE of this attention module can run as one `tigon.ops.qk_norm_rope`
+    kernel (`_qk_norm_rope_forward`), else why not."""
+    form = rope_on_write_form(type(module))
+    if form is None or not form.qk_norm:
+        return "no q/k norms on the head dim before RoPE in a Llama-form forward"
+    code = _llama_code("LlamaAttention.forward") or ""
+    if hashlib.sha256(code.encode()).hexdigest()[:16] != _LLAMA_FORWARD_SHA:
+        return "transformers' LlamaAttention.forward is not the version the fused forward computes"
+    if not _norms_fusable(getattr(module, "q_norm", None), getattr(module, "k_norm", None), module.head_dim):
+        return "q_norm / k_norm are not Tigon RMSNorms of head_dim with the same settings"
+    return ""
+
+
+def _qk_norm_rope_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                          **kwargs):
+    """The class forward (Llama's with Qwen3's q/k norms, `rope_on_write_form`) with the two norms and RoPE in one
+    `tigon.ops.qk_norm_rope` kernel: the normalized q and k never go through memory. Where that cannot run
+    (norms swapped since, a partial rotary table) the class forward runs, with Tigon's RoPE."""
+    cls_forward = type(self).forward
+    q_norm, k_norm = self.q_norm, self.k_norm
+    cos, sin = position_embeddings
+    if not _norms_fusable(q_norm, k_norm, self.head_dim) or cos.shape[-1] != self.head_dim:
+        return _rope_routed(cls_forward)(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                         **kwargs)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(hidden_shape)
+    k = self.k_proj(hidden_states).view(hidden_shape)
+    v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    q, k = qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos, sin, q_norm.eps, offset=q_norm.offset,
+                        casting_mode=q_norm.casting_mode)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+    names = cls_forward.__globals__  # the modeling module's attention functions, as the class forward reads them
+    attention = names["ALL_ATTENTION_FUNCTIONS"].get_interface(self.config._attn_implementation,
+                                                               names["eager_attention_forward"])
+    source = self.__dict__.get(QK_NORM_ROPE)  # where the class forward reads its sliding window ("": none)
+    window = {"sliding_window": self.sliding_window if source == "module" else
+              getattr(self.config, "sliding_window", None)} if source else {}
+    out, weights = attention(self, q, k, v, attention_mask, dropout=0.0 if not self.training else
+                             self.attention_dropout, scaling=self.scaling, **window, **kwargs)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def fuse_qk_norm_rope(module) -> str:
+    """Make this attention module (routed to Tigon's RoPE by `route_rope`) run its q/k norms and RoPE as one kernel.
+    Returns "" when done (or already), else why not. `unroute_rope` undoes it too."""
+    if not module.__dict__.get(ROPE):
+        return "RoPE is not routed to Tigon's on this instance"
+    why = qk_norm_rope_ready(module)
+    if not why:  # the window's source, read here: the forward traced by torch.compile then reads a plain str
+        module.__dict__[QK_NORM_ROPE] = rope_on_write_form(type(module)).window or ""
+    return why
+
+
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """transformers' apply_rotary_pos_emb (rotate-half) on tigon.ops.apply_rope."""
     return apply_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
@@ -363,9 +438,12 @@ def calls_rope(cls, modeling: str) -> bool:
 
 
 def _class_forward(module):
-    """The forward of the module's class, with Tigon's RoPE where route_rope() routed this instance."""
+    """The forward of the module's class, with Tigon's RoPE where route_rope() routed this instance (its q/k norms
+    and RoPE in one kernel where fuse_qk_norm_rope() fused them)."""
     fn = type(module).forward
-    return _rope_routed(fn) if module.__dict__.get(ROPE) else fn
+    if not module.__dict__.get(ROPE):
+        return fn
+    return _qk_norm_rope_forward if QK_NORM_ROPE in module.__dict__ else _rope_routed(fn)
 
 
 def _sync_forward(module) -> None:
@@ -395,8 +473,9 @@ def route_rope(module) -> str:
 
 
 def unroute_rope(module) -> None:
-    """Undo route_rope(module)."""
+    """Undo route_rope(module) (and fuse_qk_norm_rope)."""
     module.__dict__.pop(ROPE, None)
+    module.__dict__.pop(QK_NORM_ROPE, None)
     _sync_forward(module)
 
 

@@ -311,6 +311,8 @@ def _instance_patch(model, family, report, spec):
                 if not routed:
                     undo.append((m, tigon_attention.ROPE, None))
                 report.add(piece)
+                if spec["rms_norm"] and not tigon_attention.fuse_qk_norm_rope(m):
+                    report.add(f"{type(m).__name__} q/k norms + RoPE in one kernel (this instance)")
     if spec["lora"]:
         _lora_patch(hf, undo, report)
     cls = type(hf)

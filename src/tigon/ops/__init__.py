@@ -14,6 +14,7 @@ from .lora_linear import lora_add, lora_linear
 from .losses import *  # noqa: F403  (fused-linear preference / RL / distillation losses)
 from .losses import __all__ as _losses_all
 from .moe import moe_combine, moe_permute
+from .qk_norm_rope import qk_norm_rope
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope
 from .swiglu import geglu, swiglu
@@ -36,6 +37,7 @@ __all__ = [
     "lora_linear",
     "moe_combine",
     "moe_permute",
+    "qk_norm_rope",
     "rms_norm",
     "rope_kv_append",
     "rope_kv_write",

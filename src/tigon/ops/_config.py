@@ -152,6 +152,23 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class QKNormRopeConfig:
+    """The launches of `qk_norm_rope`: heads (rows of head_dim) in tiles of `tile_elems` elements, forward and
+    backward warps, backward programs per SM (each loops over tiles and keeps one fp32 partial row of each
+    weight's gradient)."""
+
+    tile_elems: int = 4096
+    fwd_warps: int = 4
+    bwd_warps: int = 8
+    bwd_per_sm: int = 4
+
+    def __post_init__(self):
+        _check_fields(self, powers_of_two=("tile_elems", "fwd_warps", "bwd_warps"))
+
+    ints = _ints
+
+
+@dataclasses.dataclass(frozen=True)
 class GLUConfig:
     """The launches of `swiglu` / `geglu` (and the packed forms): `tile_bytes` of each tensor a program covers
     on a GPU, `cpu_tile` elements a program on the interpreter (~1 ms a program: one big tile a test case),

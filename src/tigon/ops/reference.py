@@ -68,6 +68,14 @@ def apply_rope(q, k, cos, sin, unsqueeze_dim=1):
     return _rope_one(q, cos, sin), _rope_one(k, cos, sin)
 
 
+def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, *, offset=0.0, casting_mode="llama"):
+    """q [B, T, Hq, D], k [B, T, Hk, D]: each head RMS-normalized over head_dim (its output rounded as rms_norm's),
+    then rotate-half RoPE with cos, sin [1 or B, T, D]."""
+    qn = rms_norm(q, q_weight, eps, offset=offset, casting_mode=casting_mode)
+    kn = rms_norm(k, k_weight, eps, offset=offset, casting_mode=casting_mode)
+    return apply_rope(qn, kn, cos, sin, unsqueeze_dim=2)
+
+
 def swiglu(gate, up):
     return (F.silu(_f(gate)) * _f(up)).to(gate.dtype)
 

@@ -1,0 +1,358 @@
+"""RMSNorm of every head of q and k over head_dim, then rotate-half RoPE, in one kernel (Qwen3's attention input).
+
+    q_embed, k_embed = apply_rope(rms_norm(q, q_weight), rms_norm(k, k_weight), cos, sin, unsqueeze_dim=2)
+
+Each head of a token is a row of D elements. Forward, per row: rstd = 1 / sqrt(mean(x^2) + eps); y = (offset + w) *
+n with n = x * rstd (rounded to x.dtype first in "llama" casting), y rounded to its output dtype as the norm's
+output is; then with y1, y2 the halves of y and c, s the halves of cos, sin at the row's token:
+o1 = y1 c1 - y2 s1, o2 = y2 c2 + y1 s2, one cast on store. The result equals rms_norm then apply_rope.
+Backward, per row: dy = the transposed rotation of do (dy1 = do1 c1 + do2 s2, dy2 = do2 c2 - do1 s1, kept in fp32),
+then the norm's backward (dx = rstd (dn - n mean(dn n)), dn = dy (offset + w), dw = sum over rows of dy * n);
+rstd is recomputed from x, which the backward reads anyway.
+
+Rows go in tiles of `tile_elems` elements (QKNormRopeConfig); the forward launches one program per tile of q and
+of k, the backward a persistent grid that loops over q's tiles, then k's, each program keeping one partial row of
+dw_q and dw_k (summed in a fixed order after: deterministic). Against the two ops run one after the other, the
+normalized heads never travel through HBM: one write and one read of q and k saved each way. The math and the
+byte model are in docs/ops/qk_norm_rope.md.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch, _library, reference
+from ._config import QKNormRopeConfig
+from .rms_norm import _CASTING, _CASTING_NAMES
+from .rope import check_cos_sin
+
+_DEFAULT = tuple(QKNormRopeConfig().ints())
+_OP = "tigon.ops.qk_norm_rope"
+
+
+@triton.jit
+def _rows(X, COS, SIN, tile, M, H, T, sxb, sxt, sxh, scb, sct, scd, ssb, sst, ssd, HALF,
+          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The tile's rows (b, t, h) of one tensor: (row offsets int64, row mask, element mask, pointers to the rows'
+    first halves in X, and the four halves of cos / sin at the rows' tokens, fp32 [BLOCK_M, BLOCK_R])."""
+    o_m = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    m_m = o_m < M
+    h = o_m % H
+    bt = o_m // H
+    b = bt // T
+    t = bt % T
+    o_r = tl.arange(0, BLOCK_R)
+    m = m_m[:, None] & (o_r < HALF)[None, :]
+    p_x = X + (b * sxb + t * sxt + h * sxh)[:, None] + o_r[None, :]
+    p_c = COS + (b * scb + t * sct)[:, None] + o_r[None, :] * scd
+    p_s = SIN + (b * ssb + t * sst)[:, None] + o_r[None, :] * ssd
+    c1 = tl.load(p_c, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(p_c + HALF * scd, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(p_s, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(p_s + HALF * ssd, mask=m, other=0.0).to(tl.float32)
+    return o_m, m, p_x, c1, c2, s1, s2
+
+
+@triton.jit
+def _normed(X, p_x, m, W, o_r, m_r, D, eps, offset, CASTING: tl.constexpr):
+    """x's halves, rstd, n's halves (n = x * rstd in fp32) and the weight's halves (offset added)."""
+    HALF = D // 2
+    x1 = tl.load(p_x, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(p_x + HALF, mask=m, other=0.0).to(tl.float32)
+    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+    rstd = 1.0 / tl.sqrt(tl.math.div_rn(ss, tl.cast(D, tl.float32)) + eps)
+    w1 = tl.load(W + o_r, mask=m_r, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
+    w2 = tl.load(W + HALF + o_r, mask=m_r, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
+    return x1, x2, rstd, x1 * rstd[:, None], x2 * rstd[:, None], w1, w2
+
+
+@triton.jit
+def _fwd_tile(X, W, Y, COS, SIN, tile, M, H, T, sxb, sxt, sxh, scb, sct, scd, ssb, sst, ssd, D, eps, offset,
+              CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    HALF = D // 2
+    o_m, m, p_x, c1, c2, s1, s2 = _rows(X, COS, SIN, tile, M, H, T, sxb, sxt, sxh, scb, sct, scd, ssb, sst, ssd,
+                                        HALF, BLOCK_M, BLOCK_R)
+    o_r = tl.arange(0, BLOCK_R)
+    _, _, _, n1, n2, w1, w2 = _normed(X, p_x, m, W, o_r, o_r < HALF, D, eps, offset, CASTING)
+    if CASTING == 0:  # llama: the normalized x rounded to x.dtype before the weight
+        n1 = n1.to(X.dtype.element_ty).to(tl.float32)
+        n2 = n2.to(X.dtype.element_ty).to(tl.float32)
+    # the norm's output, rounded as rms_norm stores it, then rotated in fp32
+    y1 = (n1 * w1[None, :]).to(Y.dtype.element_ty).to(tl.float32)
+    y2 = (n2 * w2[None, :]).to(Y.dtype.element_ty).to(tl.float32)
+    p_y = Y + o_m[:, None] * D + o_r[None, :]
+    tl.store(p_y, (y1 * c1 - y2 * s1).to(Y.dtype.element_ty), mask=m)
+    tl.store(p_y + HALF, (y2 * c2 + y1 * s2).to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _qk_norm_rope_fwd_kernel(
+    Q, K, WQ, WK, QO, KO, COS, SIN,  # q [B, T, Hq, D], k [B, T, Hk, D] any strides, unit on D; outputs dense
+    Mq, Mk, Hq, Hk, T, D,  # rows (B * T * heads), heads, tokens a sequence, head dim
+    sqb, sqt, sqh, skb, skt, skh,  # q / k strides (batch, token, head)
+    scb, sct, scd, ssb, sst, ssd,  # cos / sin strides (batch stride 0 when shared)
+    eps, offset,
+    CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    q_tiles = tl.cdiv(Mq, BLOCK_M)
+    if pid < q_tiles:
+        _fwd_tile(Q, WQ, QO, COS, SIN, pid, Mq, Hq, T, sqb, sqt, sqh, scb, sct, scd, ssb, sst, ssd, D, eps, offset,
+                  CASTING, BLOCK_M, BLOCK_R)
+    else:
+        _fwd_tile(K, WK, KO, COS, SIN, pid - q_tiles, Mk, Hk, T, skb, skt, skh, scb, sct, scd, ssb, sst, ssd, D, eps,
+                  offset, CASTING, BLOCK_M, BLOCK_R)
+
+
+@triton.jit
+def _bwd_tiles(DO, X, W, DX, COS, SIN, DW_PART, pid, n_prog, M, H, T, sdb, sdt, sdh, sxb, sxt, sxh,
+               scb, sct, scd, ssb, sst, ssd, D, eps, offset,
+               COMPUTE_DW: tl.constexpr, CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's tiles (pid, pid + n_prog, ...) of one tensor; stores its partial dw row."""
+    HALF = D // 2
+    o_r = tl.arange(0, BLOCK_R)
+    m_r = o_r < HALF
+    inv_d = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.cast(D, tl.float32))
+    dw1 = tl.zeros([BLOCK_R], dtype=tl.float32)
+    dw2 = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), n_prog):
+        o_m, m, p_x, c1, c2, s1, s2 = _rows(X, COS, SIN, tile, M, H, T, sxb, sxt, sxh, scb, sct, scd, ssb, sst, ssd,
+                                            HALF, BLOCK_M, BLOCK_R)
+        _, _, rstd, n1, n2, w1, w2 = _normed(X, p_x, m, W, o_r, m_r, D, eps, offset, CASTING)
+        h = o_m % H
+        bt = o_m // H
+        p_do = DO + ((bt // T) * sdb + (bt % T) * sdt + h * sdh)[:, None] + o_r[None, :]
+        do1 = tl.load(p_do, mask=m, other=0.0).to(tl.float32)
+        do2 = tl.load(p_do + HALF, mask=m, other=0.0).to(tl.float32)
+        dy1 = do1 * c1 + do2 * s2  # the rotation's transpose
+        dy2 = do2 * c2 - do1 * s1
+        if COMPUTE_DW:
+            if CASTING == 0:
+                dw1 += tl.sum(dy1 * n1.to(X.dtype.element_ty).to(tl.float32), axis=0)
+                dw2 += tl.sum(dy2 * n2.to(X.dtype.element_ty).to(tl.float32), axis=0)
+            else:
+                dw1 += tl.sum(dy1 * n1, axis=0)
+                dw2 += tl.sum(dy2 * n2, axis=0)
+        dn1 = dy1 * w1[None, :]
+        dn2 = dy2 * w2[None, :]
+        dot = (tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1)) * inv_d
+        p_dx = DX + o_m[:, None] * D + o_r[None, :]
+        tl.store(p_dx, (rstd[:, None] * (dn1 - n1 * dot[:, None])).to(DX.dtype.element_ty), mask=m)
+        tl.store(p_dx + HALF, (rstd[:, None] * (dn2 - n2 * dot[:, None])).to(DX.dtype.element_ty), mask=m)
+    if COMPUTE_DW:
+        p_dw = DW_PART + tl.cast(pid, tl.int64) * D + o_r
+        tl.store(p_dw, dw1, mask=m_r)
+        tl.store(p_dw + HALF, dw2, mask=m_r)
+
+
+@triton.jit
+def _qk_norm_rope_bwd_kernel(
+    DQO, DKO, Q, K, WQ, WK, DQ, DK, COS, SIN, DWQ_PART, DWK_PART,
+    Mq, Mk, Hq, Hk, T, D,
+    sdqb, sdqt, sdqh, sdkb, sdkt, sdkh,  # strides of the output gradients (batch, token, head)
+    sqb, sqt, sqh, skb, skt, skh,
+    scb, sct, scd, ssb, sst, ssd,
+    eps, offset,
+    COMPUTE_DW: tl.constexpr, CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    _bwd_tiles(DQO, Q, WQ, DQ, COS, SIN, DWQ_PART, pid, n_prog, Mq, Hq, T, sdqb, sdqt, sdqh, sqb, sqt, sqh,
+               scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW, CASTING, BLOCK_M, BLOCK_R)
+    _bwd_tiles(DKO, K, WK, DK, COS, SIN, DWK_PART, pid, n_prog, Mk, Hk, T, sdkb, sdkt, sdkh, skb, skt, skh,
+               scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW, CASTING, BLOCK_M, BLOCK_R)
+
+
+def _plan(D, config):
+    tile_elems, fwd_warps, bwd_warps, per_sm = config or _DEFAULT
+    block_r = _launch.next_power_of_2(D // 2)
+    return max(1, tile_elems // (2 * block_r)), block_r, fwd_warps, bwd_warps, per_sm
+
+
+def _bth(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _cos_sin_strides(cos, sin):
+    return ((cos.stride(0) if cos.shape[0] > 1 else 0), cos.stride(1), cos.stride(2),
+            (sin.stride(0) if sin.shape[0] > 1 else 0), sin.stride(1), sin.stride(2))
+
+
+def _out_dtype(x, w, casting):
+    return reference.rms_norm_out_dtype(x.dtype, w.dtype, _CASTING_NAMES[casting])
+
+
+def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps, offset, casting, config=None):
+    B, T, Hq, D = q.shape
+    Hk = k.shape[2]
+    qo = torch.empty(q.shape, dtype=_out_dtype(q, q_weight, casting), device=q.device)
+    ko = torch.empty(k.shape, dtype=_out_dtype(k, k_weight, casting), device=k.device)
+    Mq, Mk = B * T * Hq, B * T * Hk
+    if Mq + Mk == 0 or D == 0:
+        return qo, ko
+    rows, block_r, fwd_warps, _, _ = _plan(D, config)
+    grid = (_launch.cdiv(Mq, rows) + _launch.cdiv(Mk, rows),)
+    _qk_norm_rope_fwd_kernel[grid](
+        q, k, q_weight, k_weight, qo, ko, cos, sin, Mq, Mk, Hq, Hk, T, D, *_bth(q), *_bth(k),
+        *_cos_sin_strides(cos, sin), eps, offset,
+        CASTING=casting, BLOCK_M=rows, BLOCK_R=block_r, num_warps=fwd_warps,
+    )
+    return qo, ko
+
+
+def _bwd_launch(dqo, dko, q, k, q_weight, k_weight, cos, sin, eps, offset, casting, compute_dw, config=None):
+    B, T, Hq, D = q.shape
+    Hk = k.shape[2]
+    dq, dk = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    Mq, Mk = B * T * Hq, B * T * Hk
+    rows, block_r, _, bwd_warps, per_sm = _plan(D, config)
+    n_prog = _launch.num_programs(q.device, max(_launch.cdiv(Mq, rows), 1), per_sm=per_sm)
+    parts = torch.empty((2, n_prog, D), dtype=torch.float32, device=q.device) if compute_dw else q.new_empty(0)
+    if Mq + Mk > 0 and D > 0:
+        _qk_norm_rope_bwd_kernel[(n_prog,)](
+            dqo, dko, q, k, q_weight, k_weight, dq, dk, cos, sin,
+            parts[0] if compute_dw else parts, parts[1] if compute_dw else parts,
+            Mq, Mk, Hq, Hk, T, D, *_bth(dqo), *_bth(dko), *_bth(q), *_bth(k), *_cos_sin_strides(cos, sin),
+            eps, offset, COMPUTE_DW=compute_dw, CASTING=casting, BLOCK_M=rows, BLOCK_R=block_r, num_warps=bwd_warps,
+        )
+    if not compute_dw:
+        return dq, dk, q.new_empty(0), q.new_empty(0)
+    if Mq + Mk == 0:
+        parts.zero_()
+    # fixed-order sums of the programs' rows; two tensors (a custom op's outputs may not alias each other)
+    return dq, dk, parts[0].sum(0).to(q_weight.dtype), parts[1].sum(0).to(k_weight.dtype)
+
+
+@torch.library.custom_op("tigon::qk_norm_rope_fwd", mutates_args=())
+def qk_norm_rope_fwd(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, eps: float, offset: float, casting: int, config: Optional[list[int]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, Hq, D], k [B, T, Hk, D] with unit last stride; weights [D] contiguous; cos, sin [1 or B, T, D].
+    Returns (q_embed, k_embed), dense [B, T, H, D]. config: None or `QKNormRopeConfig.ints()`."""
+    return _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps, offset, casting, config)
+
+
+@qk_norm_rope_fwd.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, eps, offset, casting, config=None):
+    return (q.new_empty(q.shape, dtype=_out_dtype(q, q_weight, casting)),
+            k.new_empty(k.shape, dtype=_out_dtype(k, k_weight, casting)))
+
+
+@torch.library.custom_op("tigon::qk_norm_rope_bwd", mutates_args=())
+def qk_norm_rope_bwd(
+    dqo: torch.Tensor, dko: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+    k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, offset: float, casting: int,
+    compute_dw: bool, config: Optional[list[int]] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk dense in q's / k's dtype, dw_q, dw_k in the weights' dtypes, or empty without compute_dw)."""
+    return _bwd_launch(dqo, dko, q, k, q_weight, k_weight, cos, sin, eps, offset, casting, compute_dw, config)
+
+
+@qk_norm_rope_bwd.register_fake
+def _(dqo, dko, q, k, q_weight, k_weight, cos, sin, eps, offset, casting, compute_dw, config=None):
+    if not compute_dw:  # dq, dk dense as the launcher's torch.empty(q.shape): not empty_like (q's strides)
+        return q.new_empty(q.shape), k.new_empty(k.shape), q.new_empty(0), q.new_empty(0)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), torch.empty_like(q_weight), torch.empty_like(k_weight))
+
+
+def _setup(ctx, inputs, output):
+    q, k, q_weight, k_weight, cos, sin, eps, offset, casting = inputs[:9]
+    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
+    ctx.eps, ctx.offset, ctx.casting = eps, offset, casting
+    ctx.config, ctx.n_inputs = (inputs[9] if len(inputs) > 9 else None), len(inputs)
+
+
+def _unit_last(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _backward(ctx, dqo, dko, bwd=None):
+    q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
+    needs = ctx.needs_input_grad[:4]
+    if _library.double_backward():
+        def fn(q, k, wq, wk):
+            return reference.qk_norm_rope(q, k, wq, wk, cos, sin, ctx.eps, offset=ctx.offset,
+                                          casting_mode=_CASTING_NAMES[ctx.casting])
+
+        grads = _library.reference_grads(fn, (q, k, q_weight, k_weight), needs, (dqo, dko))
+        return tuple(grads) + (None,) * (ctx.n_inputs - 4)
+    compute_dw = bool(needs[2] or needs[3])
+    dq, dk, dwq, dwk = (bwd or torch.ops.tigon.qk_norm_rope_bwd)(
+        _unit_last(dqo), _unit_last(dko), q, k, q_weight, k_weight, cos, sin, ctx.eps, ctx.offset, ctx.casting,
+        compute_dw, ctx.config,
+    )
+    grads = (dq, dk, dwq if compute_dw else None, dwk if compute_dw else None)
+    return tuple(g if n else None for g, n in zip(grads, needs)) + (None,) * (ctx.n_inputs - 4)
+
+
+qk_norm_rope_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+class QKNormRopeFunction(torch.autograd.Function):
+    """The eager path: the same launchers and autograd rule without the custom-op dispatcher."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out = _fwd_launch(*inputs)
+        _setup(ctx, inputs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, dqo, dko):
+        return _backward(ctx, dqo, dko, bwd=_bwd_launch)
+
+
+def _validate(q, k, q_weight, k_weight, cos, sin, eps, offset, casting_mode, config):
+    for name, t in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos),
+                    ("sin", sin)):
+        _launch.check_tensor(_OP, name, t)
+    _launch.check_same_device(_OP, "q", q, k=k, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin)
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(f"{_OP}: {name} must be 4-D [batch, tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    B, T, _, D = q.shape
+    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+        raise ValueError(f"{_OP}: k {tuple(k.shape)} must match q {tuple(q.shape)} in batch, tokens and head_dim")
+    if D % 2:
+        raise ValueError(f"{_OP}: head_dim must be even (rotate-half RoPE), got {D}")
+    _launch.row_block(_OP, D, "head_dim")
+    _launch.check_shape(_OP, "q_weight", q_weight, (D,))
+    _launch.check_shape(_OP, "k_weight", k_weight, (D,))
+    check_cos_sin(_OP, cos, sin, B, T, D)
+    if cos.shape[2] != D:
+        raise ValueError(f"{_OP}: cos must rotate the whole head (rotary_dim == head_dim {D}), got rotary_dim "
+                         f"{cos.shape[2]}; partial rotary: rms_norm then apply_rope")
+    if casting_mode not in _CASTING:
+        raise ValueError(f"{_OP}: casting_mode must be one of {sorted(_CASTING)}, got {casting_mode!r}")
+    if config is not None and not isinstance(config, QKNormRopeConfig):
+        raise TypeError(f"{_OP}: config must be a tigon.ops._config.QKNormRopeConfig or None, got "
+                        f"{type(config).__name__}")
+    return _launch.check_eps(_OP, eps), _launch.check_number(_OP, "offset", offset)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, *, offset=0.0, casting_mode="llama", config=None):
+    """RMSNorm of each head of q and k over head_dim, then rotate-half RoPE, in one kernel:
+    `apply_rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos, sin, unsqueeze_dim=2)` (the
+    QK-norm of Qwen3's attention and its RoPE).
+
+    q [B, T, Hq, D], k [B, T, Hk, D] (the head-dim views of the projections; any strides), q_weight / k_weight
+    [D], cos, sin [1 or B, T, D] (full rotary). offset and casting_mode as `rms_norm`'s. Returns (q_embed,
+    k_embed) [B, T, H, D], contiguous, in rms_norm's output dtype. fp32/fp16/bf16. cos and sin get no gradient
+    from the kernel: if either requires one, the PyTorch reference runs. config: a `QKNormRopeConfig` (the
+    launches; None: the defaults).
+    """
+    eps, offset = _validate(q, k, q_weight, k_weight, cos, sin, eps, offset, casting_mode, config)
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        _library.record("qk_norm_rope", "reference")
+        return reference.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, offset=offset,
+                                      casting_mode=casting_mode)
+    if not _library.use_kernels("qk_norm_rope", q):
+        return reference.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, offset=offset,
+                                      casting_mode=casting_mode)
+    args = (_unit_last(q), _unit_last(k), q_weight.contiguous(), k_weight.contiguous(), cos, sin, eps, offset,
+            _CASTING[casting_mode], None if config is None else config.ints())
+    return _library.dispatch(torch.ops.tigon.qk_norm_rope_fwd, QKNormRopeFunction, _fwd_launch, *args,
+                             grad_from=(q, k, q_weight, k_weight))

@@ -1,0 +1,105 @@
+"""tigon.patch runs Qwen3's q/k norms and RoPE as one kernel (ops.qk_norm_rope) where the attention forward is
+Llama's with the norms, and the class forward (norms and RoPE apart) everywhere else."""
+
+import copy
+
+import pytest
+import torch
+
+import tigon
+from tigon.hf import attention as tigon_attention
+
+from ._tiny import batch, op_calls, tiny_model
+
+FUSED = "Qwen3Attention q/k norms + RoPE in one kernel (this instance)"
+
+
+def _loss_and_grads(model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _norm_weights_off_one(model):
+    """q_norm / k_norm weights away from HF's ones, so their gradients and scaling are seen."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)],
+                         ids=["full", "sliding_window"])
+def test_patched_qwen3_fuses_and_trains_like_hf(overrides):
+    hf = tiny_model("qwen3", **overrides)
+    _norm_weights_off_one(hf)
+    model = copy.deepcopy(hf)
+    report = tigon.patch(model)
+    assert report.replaced[FUSED] == 2, str(report)
+    attn = model.model.layers[0].self_attn
+    assert attn.__dict__[tigon_attention.QK_NORM_ROPE] == "module"  # Qwen3 passes self.sliding_window
+    assert attn.sliding_window == (4 if overrides else None)
+    ids, labels = batch()
+    before = op_calls("qk_norm_rope")
+    loss, grads = _loss_and_grads(model, ids, labels)
+    assert op_calls("qk_norm_rope") - before == 2  # one call a layer
+    ref_loss, ref_grads = _loss_and_grads(hf, ids, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:  # fp32 model: the kernels agree with HF's ops to fp32 rounding
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert ref_grads["model.layers.0.self_attn.q_norm.weight"].abs().max() > 0
+
+
+def test_generate_matches_hf():
+    hf = tiny_model("qwen3")
+    _norm_weights_off_one(hf)
+    model = copy.deepcopy(hf)
+    tigon.patch(model)
+    ids = batch()[0][:1, :5]
+    with torch.no_grad():
+        before = op_calls("qk_norm_rope")
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert op_calls("qk_norm_rope") > before  # prefill and the DynamicCache decode steps
+        ref = hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_unpatch_and_unrouted_norms():
+    model = tiny_model("qwen3")
+    tigon.patch(model)
+    attn = model.model.layers[1].self_attn
+    assert tigon_attention.QK_NORM_ROPE in attn.__dict__
+    tigon.unpatch(model)
+    assert tigon_attention.QK_NORM_ROPE not in attn.__dict__ and "forward" not in attn.__dict__
+    # norms left as Hugging Face's: RoPE is routed, the norms and RoPE stay apart
+    report = tigon.patch(model, rms_norm=False)
+    assert FUSED not in report.replaced and tigon_attention.ROPE in attn.__dict__
+    assert tigon_attention.QK_NORM_ROPE not in attn.__dict__
+    tigon.unpatch(model)
+
+
+def test_norms_swapped_after_patch_take_the_class_forward():
+    hf = tiny_model("qwen3")
+    _norm_weights_off_one(hf)
+    model = copy.deepcopy(hf)
+    tigon.patch(model)
+    for layer, ref_layer in zip(model.model.layers, hf.model.layers):  # back to HF's norms behind the patch's back
+        layer.self_attn.q_norm, layer.self_attn.k_norm = ref_layer.self_attn.q_norm, ref_layer.self_attn.k_norm
+    ids, labels = batch()
+    before = op_calls("qk_norm_rope")
+    loss, _ = _loss_and_grads(model, ids, labels)
+    assert op_calls("qk_norm_rope") == before
+    torch.testing.assert_close(loss, _loss_and_grads(hf, ids, labels)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_ready_on_the_installed_transformers():
+    """The fused forward computes transformers' LlamaAttention.forward of the version it was written against; a
+    transformers whose Llama forward differs gets the class forward, and this test says the fused one is off."""
+    model = tiny_model("qwen3")
+    tigon.patch(model)
+    assert tigon_attention.qk_norm_rope_ready(model.model.layers[0].self_attn) == ""
+    llama = tiny_model("llama")
+    tigon.patch(llama)
+    assert "no q/k norms" in tigon_attention.qk_norm_rope_ready(llama.model.layers[0].self_attn)
