@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from tests._grid import DTYPES, U32, UNIT_ROUNDOFF, KernelSpy, err, fp64_copy, grads, randn, sum_ulps
+from tests._grid import DTYPES, U32, UNIT_ROUNDOFF, KernelSpy, err, fp64_copy, grads, sum_ulps
+from tests._grid import randn as _randn
 from tigon import ops
 from tigon.ops import _launch, _library, reference
 from tigon.ops._config import QKNormRopeConfig, RopeConfig
@@ -21,6 +22,19 @@ mod = sys.modules["tigon.ops.qk_norm_rope"]  # the module: tigon.ops.qk_norm_rop
 OP = "tigon.ops.qk_norm_rope"
 MODES = [("llama", 0.0), ("gemma", 1.0), ("none", 0.0)]
 NAMES = ("dq", "dk", "dq_weight", "dk_weight")
+# Where the `device` fixture runs the kernels: CUDA on a GPU machine, else the CPU under the interpreter. Every
+# tensor of this file is made there (the reference-path cases pass their CPU device explicitly).
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def randn(*shape, device=None, **kw):
+    return _randn(*shape, device=device or torch.get_default_device(), **kw)
+
+
+@pytest.fixture(autouse=True)
+def _factories_on_the_kernels_device():
+    with torch.device(DEV):  # torch.randn / ones / zeros / *_like without a device
+        yield
 
 
 def _heads(B, T, H, D, dtype, layout):
@@ -37,10 +51,15 @@ def _heads(B, T, H, D, dtype, layout):
 
 
 def _inputs(B, T, Hq, Hk, D, dtype, *, layout="bthd", w_dtype=None, k_dtype=None, Bc=1, cs_dtype=torch.float32,
-            strided_cs=False, grad=True):
+            strided_cs=False, grad=True, device=None):
     """q, k (requiring grad), q_weight, k_weight (requiring grad), cos, sin. layout "fused_qkv": q and k are slices
     of one qkv projection output [B, T, (Hq + 2 Hk) D] viewed to heads. cos / sin [Bc, T, D] random, their halves
     different (so a swapped half shows); strided_cs: transposed views of [Bc, D, T] (stride T on D)."""
+    with torch.device(device or DEV):
+        return _make_inputs(B, T, Hq, Hk, D, dtype, layout, w_dtype, k_dtype, Bc, cs_dtype, strided_cs, grad)
+
+
+def _make_inputs(B, T, Hq, Hk, D, dtype, layout, w_dtype, k_dtype, Bc, cs_dtype, strided_cs, grad):
     if layout == "fused_qkv":
         qkv = randn(B, T, (Hq + 2 * Hk) * D, dtype=dtype)
         q, k = qkv[..., :Hq * D].view(B, T, Hq, D), qkv[..., Hq * D:(Hq + Hk) * D].view(B, T, Hk, D)
@@ -284,7 +303,8 @@ def test_small_tiles(device, monkeypatch, dtype, D, tile_elems, rows):
     _check(*_inputs(1, 7, 3, 1, D, dtype), config=cfg)
     assert [c["BLOCK_M"] for c in fwd.calls + bwd.calls] == [rows, rows]
     q_tiles, k_tiles = -(-21 // rows), -(-7 // rows)
-    assert fwd.grids == [(q_tiles + k_tiles,)] and bwd.grids == [(min(q_tiles, 4),)]
+    n_prog = _launch.num_programs(DEV, q_tiles, per_sm=cfg.bwd_per_sm)  # 4 on the interpreter
+    assert fwd.grids == [(q_tiles + k_tiles,)] and bwd.grids == [(n_prog,)]
 
 
 def test_config_reaches_both_launches(device, monkeypatch):
@@ -551,7 +571,7 @@ def test_reference_path_gives_the_kernels_results(path):
     # accepted input: the path runs (its dispatch count moves) and gives the kernel path's values
     device, expected = path
     torch.manual_seed(15)
-    q, k, wq, wk, cos, sin = _inputs(1, 3, 3, 1, 8, torch.float32, layout="fused_qkv")
+    q, k, wq, wk, cos, sin = _inputs(1, 3, 3, 1, 8, torch.float32, layout="fused_qkv", device=device)
     before = ops.dispatch_counts[("qk_norm_rope", expected)]
     outs = ops.qk_norm_rope(q, k, wq, wk, cos, sin, offset=1.0, casting_mode="gemma")
     assert ops.dispatch_counts[("qk_norm_rope", expected)] == before + 1
