@@ -289,20 +289,25 @@ class _GridSpy(KernelSpy):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D,tile_elems,rows", [(8, 32, 4), (6, 16, 2), (64, 64, 1)])
-def test_small_tiles(device, monkeypatch, dtype, D, tile_elems, rows):
-    # q: 1 * 7 * 3 = 21 rows, k: 7. With 4 rows a tile: 6 q tiles (the last of one row; tiles cut a token's
-    # heads apart) and 2 k tiles; the backward's 4 interpreter programs loop over q's tiles (two of them twice),
-    # then k's (two programs without a k tile store a zero partial row of dw_k). With 2 rows (head_dim 6: halves
-    # of 3 padded to 4): 11 and 4 tiles; with 1 row (head_dim 64): 21 and 7, each program 5 or 6 q tiles.
+@pytest.mark.parametrize("D,tile_elems,blocks", [(8, 32, (1, 4, 4, 1)), (8, 64, (2, 4, 8, 1)), (6, 16, (1, 2, 2, 1)),
+                                                 (64, 64, (1, 1, 1, 1))])
+def test_small_tiles(device, monkeypatch, dtype, D, tile_elems, blocks):
+    # q: 7 tokens x 3 heads, k: 7 x 1. A tile is (tokens, heads) of one tensor: blocks = (tokens, heads) of q's
+    # tiles, then k's. (8, 32): q a token a tile (3 heads in a block of 4), k 4 tokens (the last tile 3);
+    # (8, 64): q 2 tokens (the last tile one), k all 7 in one tile of 8; (6, 16): halves of 3 padded to 4, q's
+    # heads in blocks of 2 (the second block one head), 14 tiles; (64, 64): one head a tile, 21 and 7. The
+    # backward's programs (4 on the interpreter) loop over q's tiles, then k's (programs without a k tile store
+    # a zero partial row of dw_k).
     fwd, bwd = _GridSpy(mod._qk_norm_rope_fwd_kernel), _GridSpy(mod._qk_norm_rope_bwd_kernel)
     monkeypatch.setattr(mod, "_qk_norm_rope_fwd_kernel", fwd)
     monkeypatch.setattr(mod, "_qk_norm_rope_bwd_kernel", bwd)
     torch.manual_seed(D)
     cfg = QKNormRopeConfig(tile_elems=tile_elems)
     _check(*_inputs(1, 7, 3, 1, D, dtype), config=cfg)
-    assert [c["BLOCK_M"] for c in fwd.calls + bwd.calls] == [rows, rows]
-    q_tiles, k_tiles = -(-21 // rows), -(-7 // rows)
+    names = ("BLOCK_TQ", "BLOCK_HQ", "BLOCK_TK", "BLOCK_HK")
+    assert [tuple(c[n] for n in names) for c in fwd.calls + bwd.calls] == [blocks, blocks]
+    tq, hq, tk, hk = blocks
+    q_tiles, k_tiles = -(-7 // tq) * -(-3 // hq), -(-7 // tk) * -(-1 // hk)
     n_prog = _launch.num_programs(DEV, q_tiles, per_sm=cfg.bwd_per_sm)  # 4 on the interpreter
     assert fwd.grids == [(q_tiles + k_tiles,)] and bwd.grids == [(n_prog,)]
 
@@ -334,8 +339,10 @@ def test_config_reaches_both_launches(device, monkeypatch):
                 outs = torch.ops.tigon.qk_norm_rope_fwd(*xs, cos, sin, 1e-6, 0.0, 0, None if c is None else c.ints())
             results.append((*outs, *grads(outs, xs, go)))
         assert [c["num_warps"] for c in fwd.calls] == [4, 2] and [c["num_warps"] for c in bwd.calls] == [8, 16]
-        # rows of 8: halves of 4, 4096 // 8 = 512 rows a tile by default, 32 // 8 = 4 with the config
-        assert [c["BLOCK_M"] for c in fwd.calls] == [512, 4] and [c["BLOCK_M"] for c in bwd.calls] == [512, 4]
+        # heads of 8: the 3 q heads (a block of 4) of 128 tokens a tile by default (4096 elements), of 1 token
+        # with the config's 32; the k head of 512 and 4 tokens
+        blocks = [(c["BLOCK_TQ"], c["BLOCK_HQ"], c["BLOCK_TK"], c["BLOCK_HK"]) for c in fwd.calls + bwd.calls]
+        assert blocks == [(128, 4, 512, 1), (1, 4, 4, 1)] * 2
         assert per_sm == [4, 3]
         for name, a, b in zip(("q_embed", "k_embed") + NAMES, *results, strict=True):
             if name.startswith("dq_") or name.startswith("dk_"):

@@ -33,56 +33,63 @@ _OP = "tigon.ops.qk_norm_rope"
 
 
 @triton.jit
-def _rows(X, COS, SIN, tile, M, H, T, sxb, sxt, sxh, scb, sct, scd, ssb, sst, ssd, HALF,
-          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The tile's rows (b, t, h) of one tensor: (row offsets int64, row mask, element mask, pointers to the rows'
-    first halves in X, and the four halves of cos / sin at the rows' tokens, fp32 [BLOCK_M, BLOCK_R])."""
-    o_m = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    m_m = o_m < M
-    h = o_m % H
-    bt = o_m // H
-    b = bt // T
-    t = bt % T
+def _tile(X, G, COS, SIN, tile, n_tok, H, T, sxb, sxt, sxh, sgb, sgt, sgh, scb, sct, scd, ssb, sst, ssd, HALF,
+          BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A tile of one tensor: BLOCK_T tokens x BLOCK_H heads x the two halves of head_dim. Returns (the dense row
+    index of each (token, head) [BLOCK_T, BLOCK_H, 1], the element mask, pointers to the first halves in X and in
+    G (a second tensor of the same shape, its own strides; the backward's output gradient), and the four halves of
+    cos / sin at the tokens, fp32 [BLOCK_T, 1, BLOCK_R]: read once a token, not once a head)."""
+    n_hb = tl.cdiv(H, BLOCK_H)
+    o_t = tl.cast(tile // n_hb, tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    o_h = tl.cast(tile % n_hb, tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H).to(tl.int64)
     o_r = tl.arange(0, BLOCK_R)
-    m = m_m[:, None] & (o_r < HALF)[None, :]
-    p_x = X + (b * sxb + t * sxt + h * sxh)[:, None] + o_r[None, :]
+    b = o_t // T
+    t = o_t % T
+    m_t = o_t < n_tok
+    m_r = o_r < HALF
+    m = (m_t[:, None] & (o_h < H)[None, :])[:, :, None] & m_r[None, None, :]
+    row = (o_t[:, None] * H + o_h[None, :])[:, :, None]
+    p_x = X + ((b * sxb + t * sxt)[:, None] + (o_h * sxh)[None, :])[:, :, None] + o_r[None, None, :]
+    p_g = G + ((b * sgb + t * sgt)[:, None] + (o_h * sgh)[None, :])[:, :, None] + o_r[None, None, :]
+    m_cs = m_t[:, None] & m_r[None, :]
     p_c = COS + (b * scb + t * sct)[:, None] + o_r[None, :] * scd
     p_s = SIN + (b * ssb + t * sst)[:, None] + o_r[None, :] * ssd
-    c1 = tl.load(p_c, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(p_c + HALF * scd, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(p_s, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(p_s + HALF * ssd, mask=m, other=0.0).to(tl.float32)
-    return o_m, m, p_x, c1, c2, s1, s2
+    c1 = tl.load(p_c, mask=m_cs, other=0.0).to(tl.float32)[:, None, :]
+    c2 = tl.load(p_c + HALF * scd, mask=m_cs, other=0.0).to(tl.float32)[:, None, :]
+    s1 = tl.load(p_s, mask=m_cs, other=0.0).to(tl.float32)[:, None, :]
+    s2 = tl.load(p_s + HALF * ssd, mask=m_cs, other=0.0).to(tl.float32)[:, None, :]
+    return row, m, p_x, p_g, c1, c2, s1, s2
 
 
 @triton.jit
-def _normed(X, p_x, m, W, o_r, m_r, D, eps, offset, CASTING: tl.constexpr):
-    """x's halves, rstd, n's halves (n = x * rstd in fp32) and the weight's halves (offset added)."""
+def _normed(p_x, m, W, D, eps, offset, BLOCK_R: tl.constexpr):
+    """rstd [T, H, 1], n's halves (n = x * rstd in fp32) and the weight's halves (offset added) [1, 1, BLOCK_R]."""
     HALF = D // 2
+    o_r = tl.arange(0, BLOCK_R)
+    m_r = o_r < HALF
     x1 = tl.load(p_x, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(p_x + HALF, mask=m, other=0.0).to(tl.float32)
-    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-    rstd = 1.0 / tl.sqrt(tl.math.div_rn(ss, tl.cast(D, tl.float32)) + eps)
+    ss = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)
+    rstd = (1.0 / tl.sqrt(tl.math.div_rn(ss, tl.cast(D, tl.float32)) + eps))[:, :, None]
     w1 = tl.load(W + o_r, mask=m_r, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
     w2 = tl.load(W + HALF + o_r, mask=m_r, other=0.0).to(tl.float32) + tl.cast(offset, tl.float32)
-    return x1, x2, rstd, x1 * rstd[:, None], x2 * rstd[:, None], w1, w2
+    return rstd, x1 * rstd, x2 * rstd, w1[None, None, :], w2[None, None, :]
 
 
 @triton.jit
-def _fwd_tile(X, W, Y, COS, SIN, tile, M, H, T, sxb, sxt, sxh, scb, sct, scd, ssb, sst, ssd, D, eps, offset,
-              CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+def _fwd_tile(X, W, Y, COS, SIN, tile, n_tok, H, T, sxb, sxt, sxh, scb, sct, scd, ssb, sst, ssd, D, eps, offset,
+              CASTING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
     HALF = D // 2
-    o_m, m, p_x, c1, c2, s1, s2 = _rows(X, COS, SIN, tile, M, H, T, sxb, sxt, sxh, scb, sct, scd, ssb, sst, ssd,
-                                        HALF, BLOCK_M, BLOCK_R)
-    o_r = tl.arange(0, BLOCK_R)
-    _, _, _, n1, n2, w1, w2 = _normed(X, p_x, m, W, o_r, o_r < HALF, D, eps, offset, CASTING)
+    row, m, p_x, _, c1, c2, s1, s2 = _tile(X, X, COS, SIN, tile, n_tok, H, T, sxb, sxt, sxh, sxb, sxt, sxh, scb, sct,
+                                           scd, ssb, sst, ssd, HALF, BLOCK_T, BLOCK_H, BLOCK_R)
+    _, n1, n2, w1, w2 = _normed(p_x, m, W, D, eps, offset, BLOCK_R)
     if CASTING == 0:  # llama: the normalized x rounded to x.dtype before the weight
         n1 = n1.to(X.dtype.element_ty).to(tl.float32)
         n2 = n2.to(X.dtype.element_ty).to(tl.float32)
     # the norm's output, rounded as rms_norm stores it, then rotated in fp32
-    y1 = (n1 * w1[None, :]).to(Y.dtype.element_ty).to(tl.float32)
-    y2 = (n2 * w2[None, :]).to(Y.dtype.element_ty).to(tl.float32)
-    p_y = Y + o_m[:, None] * D + o_r[None, :]
+    y1 = (n1 * w1).to(Y.dtype.element_ty).to(tl.float32)
+    y2 = (n2 * w2).to(Y.dtype.element_ty).to(tl.float32)
+    p_y = Y + row * D + tl.arange(0, BLOCK_R)[None, None, :]
     tl.store(p_y, (y1 * c1 - y2 * s1).to(Y.dtype.element_ty), mask=m)
     tl.store(p_y + HALF, (y2 * c2 + y1 * s2).to(Y.dtype.element_ty), mask=m)
 
@@ -90,85 +97,98 @@ def _fwd_tile(X, W, Y, COS, SIN, tile, M, H, T, sxb, sxt, sxh, scb, sct, scd, ss
 @triton.jit
 def _qk_norm_rope_fwd_kernel(
     Q, K, WQ, WK, QO, KO, COS, SIN,  # q [B, T, Hq, D], k [B, T, Hk, D] any strides, unit on D; outputs dense
-    Mq, Mk, Hq, Hk, T, D,  # rows (B * T * heads), heads, tokens a sequence, head dim
+    n_tok, Hq, Hk, T, D,  # tokens (B * T), heads, tokens a sequence, head dim
     sqb, sqt, sqh, skb, skt, skh,  # q / k strides (batch, token, head)
     scb, sct, scd, ssb, sst, ssd,  # cos / sin strides (batch stride 0 when shared)
     eps, offset,
-    CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    CASTING: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_TQ: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_HK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    q_tiles = tl.cdiv(Mq, BLOCK_M)
+    q_tiles = tl.cdiv(n_tok, BLOCK_TQ) * tl.cdiv(Hq, BLOCK_HQ)
     if pid < q_tiles:
-        _fwd_tile(Q, WQ, QO, COS, SIN, pid, Mq, Hq, T, sqb, sqt, sqh, scb, sct, scd, ssb, sst, ssd, D, eps, offset,
-                  CASTING, BLOCK_M, BLOCK_R)
+        _fwd_tile(Q, WQ, QO, COS, SIN, pid, n_tok, Hq, T, sqb, sqt, sqh, scb, sct, scd, ssb, sst, ssd, D, eps, offset,
+                  CASTING, BLOCK_TQ, BLOCK_HQ, BLOCK_R)
     else:
-        _fwd_tile(K, WK, KO, COS, SIN, pid - q_tiles, Mk, Hk, T, skb, skt, skh, scb, sct, scd, ssb, sst, ssd, D, eps,
-                  offset, CASTING, BLOCK_M, BLOCK_R)
+        _fwd_tile(K, WK, KO, COS, SIN, pid - q_tiles, n_tok, Hk, T, skb, skt, skh, scb, sct, scd, ssb, sst, ssd, D,
+                  eps, offset, CASTING, BLOCK_TK, BLOCK_HK, BLOCK_R)
 
 
 @triton.jit
-def _bwd_tiles(DO, X, W, DX, COS, SIN, DW_PART, pid, n_prog, M, H, T, sdb, sdt, sdh, sxb, sxt, sxh,
-               scb, sct, scd, ssb, sst, ssd, D, eps, offset,
-               COMPUTE_DW: tl.constexpr, CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+def _bwd_tiles(DO, X, W, DX, COS, SIN, DW_PART, pid, n_prog, n_tok, H, T, sdb, sdt, sdh, sxb, sxt, sxh,
+               scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW: tl.constexpr, CASTING: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
     """This program's tiles (pid, pid + n_prog, ...) of one tensor; stores its partial dw row."""
     HALF = D // 2
     o_r = tl.arange(0, BLOCK_R)
-    m_r = o_r < HALF
     inv_d = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.cast(D, tl.float32))
     dw1 = tl.zeros([BLOCK_R], dtype=tl.float32)
     dw2 = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for tile in range(pid, tl.cdiv(M, BLOCK_M), n_prog):
-        o_m, m, p_x, c1, c2, s1, s2 = _rows(X, COS, SIN, tile, M, H, T, sxb, sxt, sxh, scb, sct, scd, ssb, sst, ssd,
-                                            HALF, BLOCK_M, BLOCK_R)
-        _, _, rstd, n1, n2, w1, w2 = _normed(X, p_x, m, W, o_r, m_r, D, eps, offset, CASTING)
-        h = o_m % H
-        bt = o_m // H
-        p_do = DO + ((bt // T) * sdb + (bt % T) * sdt + h * sdh)[:, None] + o_r[None, :]
+    n_tiles = tl.cdiv(n_tok, BLOCK_T) * tl.cdiv(H, BLOCK_H)
+    for tile in range(pid, n_tiles, n_prog):
+        row, m, p_x, p_do, c1, c2, s1, s2 = _tile(X, DO, COS, SIN, tile, n_tok, H, T, sxb, sxt, sxh, sdb, sdt, sdh,
+                                                  scb, sct, scd, ssb, sst, ssd, HALF, BLOCK_T, BLOCK_H, BLOCK_R)
+        rstd, n1, n2, w1, w2 = _normed(p_x, m, W, D, eps, offset, BLOCK_R)
         do1 = tl.load(p_do, mask=m, other=0.0).to(tl.float32)
         do2 = tl.load(p_do + HALF, mask=m, other=0.0).to(tl.float32)
         dy1 = do1 * c1 + do2 * s2  # the rotation's transpose
         dy2 = do2 * c2 - do1 * s1
         if COMPUTE_DW:
             if CASTING == 0:
-                dw1 += tl.sum(dy1 * n1.to(X.dtype.element_ty).to(tl.float32), axis=0)
-                dw2 += tl.sum(dy2 * n2.to(X.dtype.element_ty).to(tl.float32), axis=0)
+                dw1 += tl.sum(tl.sum(dy1 * n1.to(X.dtype.element_ty).to(tl.float32), axis=1), axis=0)
+                dw2 += tl.sum(tl.sum(dy2 * n2.to(X.dtype.element_ty).to(tl.float32), axis=1), axis=0)
             else:
-                dw1 += tl.sum(dy1 * n1, axis=0)
-                dw2 += tl.sum(dy2 * n2, axis=0)
-        dn1 = dy1 * w1[None, :]
-        dn2 = dy2 * w2[None, :]
-        dot = (tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1)) * inv_d
-        p_dx = DX + o_m[:, None] * D + o_r[None, :]
-        tl.store(p_dx, (rstd[:, None] * (dn1 - n1 * dot[:, None])).to(DX.dtype.element_ty), mask=m)
-        tl.store(p_dx + HALF, (rstd[:, None] * (dn2 - n2 * dot[:, None])).to(DX.dtype.element_ty), mask=m)
+                dw1 += tl.sum(tl.sum(dy1 * n1, axis=1), axis=0)
+                dw2 += tl.sum(tl.sum(dy2 * n2, axis=1), axis=0)
+        dn1 = dy1 * w1
+        dn2 = dy2 * w2
+        dot = ((tl.sum(dn1 * n1, axis=2) + tl.sum(dn2 * n2, axis=2)) * inv_d)[:, :, None]
+        p_dx = DX + row * D + o_r[None, None, :]
+        tl.store(p_dx, (rstd * (dn1 - n1 * dot)).to(DX.dtype.element_ty), mask=m)
+        tl.store(p_dx + HALF, (rstd * (dn2 - n2 * dot)).to(DX.dtype.element_ty), mask=m)
     if COMPUTE_DW:
         p_dw = DW_PART + tl.cast(pid, tl.int64) * D + o_r
-        tl.store(p_dw, dw1, mask=m_r)
-        tl.store(p_dw + HALF, dw2, mask=m_r)
+        tl.store(p_dw, dw1, mask=o_r < HALF)
+        tl.store(p_dw + HALF, dw2, mask=o_r < HALF)
 
 
 @triton.jit
 def _qk_norm_rope_bwd_kernel(
     DQO, DKO, Q, K, WQ, WK, DQ, DK, COS, SIN, DWQ_PART, DWK_PART,
-    Mq, Mk, Hq, Hk, T, D,
+    n_tok, Hq, Hk, T, D,
     sdqb, sdqt, sdqh, sdkb, sdkt, sdkh,  # strides of the output gradients (batch, token, head)
     sqb, sqt, sqh, skb, skt, skh,
     scb, sct, scd, ssb, sst, ssd,
     eps, offset,
-    COMPUTE_DW: tl.constexpr, CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, CASTING: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_TQ: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_HK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
-    _bwd_tiles(DQO, Q, WQ, DQ, COS, SIN, DWQ_PART, pid, n_prog, Mq, Hq, T, sdqb, sdqt, sdqh, sqb, sqt, sqh,
-               scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW, CASTING, BLOCK_M, BLOCK_R)
-    _bwd_tiles(DKO, K, WK, DK, COS, SIN, DWK_PART, pid, n_prog, Mk, Hk, T, sdkb, sdkt, sdkh, skb, skt, skh,
-               scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW, CASTING, BLOCK_M, BLOCK_R)
+    _bwd_tiles(DQO, Q, WQ, DQ, COS, SIN, DWQ_PART, pid, n_prog, n_tok, Hq, T, sdqb, sdqt, sdqh, sqb, sqt, sqh,
+               scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW, CASTING, BLOCK_TQ, BLOCK_HQ, BLOCK_R)
+    _bwd_tiles(DKO, K, WK, DK, COS, SIN, DWK_PART, pid, n_prog, n_tok, Hk, T, sdkb, sdkt, sdkh, skb, skt, skh,
+               scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW, CASTING, BLOCK_TK, BLOCK_HK, BLOCK_R)
 
 
-def _plan(D, config):
+def _blocks(H, block_r, tile_elems):
+    """(tokens, heads) of a tile of `tile_elems` elements of one tensor with H heads of 2 * block_r: all heads of
+    a token where they fit (cos / sin read once a token), else a power-of-two block of them."""
+    block_h = min(_launch.next_power_of_2(max(H, 1)), max(1, tile_elems // (2 * block_r)))
+    return max(1, tile_elems // (2 * block_r * block_h)), block_h
+
+
+def _plan(Hq, Hk, D, config):
+    """(tiles of q, the launch's block constexprs, forward warps, backward warps, backward programs per SM)."""
     tile_elems, fwd_warps, bwd_warps, per_sm = config or _DEFAULT
     block_r = _launch.next_power_of_2(D // 2)
-    return max(1, tile_elems // (2 * block_r)), block_r, fwd_warps, bwd_warps, per_sm
+    (tq, hq), (tk, hk) = _blocks(Hq, block_r, tile_elems), _blocks(Hk, block_r, tile_elems)
+    blocks = dict(BLOCK_R=block_r, BLOCK_TQ=tq, BLOCK_HQ=hq, BLOCK_TK=tk, BLOCK_HK=hk)
+    return blocks, fwd_warps, bwd_warps, per_sm
+
+
+def _n_tiles(n_tok, H, block_t, block_h):
+    return _launch.cdiv(n_tok, block_t) * _launch.cdiv(H, block_h)
 
 
 def _bth(t):
@@ -189,15 +209,15 @@ def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps, offset, casting, config
     Hk = k.shape[2]
     qo = torch.empty(q.shape, dtype=_out_dtype(q, q_weight, casting), device=q.device)
     ko = torch.empty(k.shape, dtype=_out_dtype(k, k_weight, casting), device=k.device)
-    Mq, Mk = B * T * Hq, B * T * Hk
-    if Mq + Mk == 0 or D == 0:
+    n_tok = B * T
+    if n_tok * (Hq + Hk) == 0 or D == 0:
         return qo, ko
-    rows, block_r, fwd_warps, _, _ = _plan(D, config)
-    grid = (_launch.cdiv(Mq, rows) + _launch.cdiv(Mk, rows),)
+    blocks, fwd_warps, _, _ = _plan(Hq, Hk, D, config)
+    grid = (_n_tiles(n_tok, Hq, blocks["BLOCK_TQ"], blocks["BLOCK_HQ"])
+            + _n_tiles(n_tok, Hk, blocks["BLOCK_TK"], blocks["BLOCK_HK"]),)
     _qk_norm_rope_fwd_kernel[grid](
-        q, k, q_weight, k_weight, qo, ko, cos, sin, Mq, Mk, Hq, Hk, T, D, *_bth(q), *_bth(k),
-        *_cos_sin_strides(cos, sin), eps, offset,
-        CASTING=casting, BLOCK_M=rows, BLOCK_R=block_r, num_warps=fwd_warps,
+        q, k, q_weight, k_weight, qo, ko, cos, sin, n_tok, Hq, Hk, T, D, *_bth(q), *_bth(k),
+        *_cos_sin_strides(cos, sin), eps, offset, CASTING=casting, num_warps=fwd_warps, **blocks,
     )
     return qo, ko
 
@@ -206,20 +226,21 @@ def _bwd_launch(dqo, dko, q, k, q_weight, k_weight, cos, sin, eps, offset, casti
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
     dq, dk = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    Mq, Mk = B * T * Hq, B * T * Hk
-    rows, block_r, _, bwd_warps, per_sm = _plan(D, config)
-    n_prog = _launch.num_programs(q.device, max(_launch.cdiv(Mq, rows), 1), per_sm=per_sm)
+    n_tok = B * T
+    blocks, _, bwd_warps, per_sm = _plan(Hq, Hk, D, config)
+    q_tiles = _n_tiles(n_tok, Hq, blocks["BLOCK_TQ"], blocks["BLOCK_HQ"])
+    n_prog = _launch.num_programs(q.device, max(q_tiles, 1), per_sm=per_sm)
     parts = torch.empty((2, n_prog, D), dtype=torch.float32, device=q.device) if compute_dw else q.new_empty(0)
-    if Mq + Mk > 0 and D > 0:
+    if n_tok * (Hq + Hk) > 0 and D > 0:
         _qk_norm_rope_bwd_kernel[(n_prog,)](
             dqo, dko, q, k, q_weight, k_weight, dq, dk, cos, sin,
             parts[0] if compute_dw else parts, parts[1] if compute_dw else parts,
-            Mq, Mk, Hq, Hk, T, D, *_bth(dqo), *_bth(dko), *_bth(q), *_bth(k), *_cos_sin_strides(cos, sin),
-            eps, offset, COMPUTE_DW=compute_dw, CASTING=casting, BLOCK_M=rows, BLOCK_R=block_r, num_warps=bwd_warps,
+            n_tok, Hq, Hk, T, D, *_bth(dqo), *_bth(dko), *_bth(q), *_bth(k), *_cos_sin_strides(cos, sin),
+            eps, offset, COMPUTE_DW=compute_dw, CASTING=casting, num_warps=bwd_warps, **blocks,
         )
     if not compute_dw:
         return dq, dk, q.new_empty(0), q.new_empty(0)
-    if Mq + Mk == 0:
+    if n_tok * (Hq + Hk) == 0:
         parts.zero_()
     # fixed-order sums of the programs' rows; two tensors (a custom op's outputs may not alias each other)
     return dq, dk, parts[0].sum(0).to(q_weight.dtype), parts[1].sum(0).to(k_weight.dtype)
