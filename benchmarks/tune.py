@@ -111,7 +111,7 @@ def tune_rms_norm_heads(ctx):
 # qk_norm_rope at Qwen3's attention input: 8 x 2048 tokens, 32 q heads, 8 kv heads (q, k views of the projections)
 QK_SHAPE = dict(B=8, T=2048, Hq=32, Hk=8)
 QK_HEAD_DIMS = (64, 128)
-QK_TILES, QK_WARPS, QK_PER_SM = (2048, 4096, 8192), (4, 8), (2, 4, 8)
+QK_TILES, QK_WARPS, QK_PER_SM = (1024, 2048, 4096), (4, 8), (1, 2, 3, 4)
 
 
 def tune_qk_norm_rope(ctx):

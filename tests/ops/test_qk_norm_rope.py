@@ -339,11 +339,11 @@ def test_config_reaches_both_launches(device, monkeypatch):
                 outs = torch.ops.tigon.qk_norm_rope_fwd(*xs, cos, sin, 1e-6, 0.0, 0, None if c is None else c.ints())
             results.append((*outs, *grads(outs, xs, go)))
         assert [c["num_warps"] for c in fwd.calls] == [4, 2] and [c["num_warps"] for c in bwd.calls] == [8, 16]
-        # heads of 8: the 3 q heads (a block of 4) of 128 tokens a tile by default (4096 elements), of 1 token
-        # with the config's 32; the k head of 512 and 4 tokens
+        # heads of 8: the 3 q heads (a block of 4) of 64 tokens a tile by default (2048 elements), of 1 token
+        # with the config's 32; the k head of 256 and 4 tokens
         blocks = [(c["BLOCK_TQ"], c["BLOCK_HQ"], c["BLOCK_TK"], c["BLOCK_HK"]) for c in fwd.calls + bwd.calls]
-        assert blocks == [(128, 4, 512, 1), (1, 4, 4, 1)] * 2
-        assert per_sm == [4, 3]
+        assert blocks == [(64, 4, 256, 1), (1, 4, 4, 1)] * 2
+        assert per_sm == [QKNormRopeConfig().bwd_per_sm, 3]
         for name, a, b in zip(("q_embed", "k_embed") + NAMES, *results, strict=True):
             if name.startswith("dq_") or name.startswith("dk_"):
                 assert (a - b).abs().max() <= 2 * U32 * sum_ulps(21) * 21 * b.abs().max(), name

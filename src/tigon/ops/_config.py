@@ -157,10 +157,10 @@ class QKNormRopeConfig:
     backward warps, backward programs per SM (each loops over tiles and keeps one fp32 partial row of each
     weight's gradient)."""
 
-    tile_elems: int = 4096
+    tile_elems: int = 2048
     fwd_warps: int = 4
     bwd_warps: int = 8
-    bwd_per_sm: int = 4
+    bwd_per_sm: int = 2
 
     def __post_init__(self):
         _check_fields(self, powers_of_two=("tile_elems", "fwd_warps", "bwd_warps"))
