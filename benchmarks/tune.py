@@ -111,15 +111,15 @@ def tune_rms_norm_heads(ctx):
 # qk_norm_rope at Qwen3's attention input: 8 x 2048 tokens, 32 q heads, 8 kv heads (q, k views of the projections)
 QK_SHAPE = dict(B=8, T=2048, Hq=32, Hk=8)
 QK_HEAD_DIMS = (64, 128)
-QK_TILES, QK_WARPS, QK_PER_SM = (1024, 2048, 4096), (4, 8), (1, 2, 3, 4)
+QK_TILES, QK_WARPS = (1024, 2048, 4096, 8192), (2, 4, 8)
 
 
 def tune_qk_norm_rope(ctx):
     """qk_norm_rope's QKNormRopeConfig at head_dim 64 and 128. The forward and backward are separate kernels that
-    share only tile_elems, so the grid is factored: "fwd" rows time the forward alone over tile x fwd_warps (6),
-    "bwd" rows time fwd and fwd+bwd over tile x bwd_warps x bwd_per_sm (18, fwd_warps at its default; the backward
-    is fb_us - fwd_us); "best" is the tile whose best forward + best backward is lowest, timed as one config beside
-    the "default" row (the first). 26 settings a head size instead of the full product's 36."""
+    share only tile_elems, so the grid is factored: "fwd" rows time the forward alone over tile x fwd_warps (12),
+    "bwd" rows time fwd and fwd+bwd over tile x bwd_warps (12, fwd_warps at its default; the backward is fb_us -
+    fwd_us); "best" is the tile whose best forward + best backward is lowest, timed as one config beside the
+    "default" row (the first). 26 settings a head size instead of the full product's 36."""
     m = importlib.import_module("tigon.ops.qk_norm_rope")
     dev = ctx.device
     g = torch.Generator(device=dev).manual_seed(0)
@@ -144,8 +144,8 @@ def tune_qk_norm_rope(ctx):
         rows = sweep(ctx, QKNormRopeConfig, [{}], make, tag={"stage": "default"})
         rows += sweep(ctx, QKNormRopeConfig, {"tile_elems": QK_TILES, "fwd_warps": QK_WARPS}, make, fb=False,
                       tag={"stage": "fwd"})
-        rows += sweep(ctx, QKNormRopeConfig, {"tile_elems": QK_TILES, "bwd_warps": QK_WARPS,
-                                              "bwd_per_sm": QK_PER_SM}, make, tag={"stage": "bwd"})
+        rows += sweep(ctx, QKNormRopeConfig, {"tile_elems": QK_TILES, "bwd_warps": QK_WARPS}, make,
+                      tag={"stage": "bwd"})
         for r in rows:
             if r["stage"] == "bwd" and "fb_us" in r:
                 r["bwd_us"] = r["fb_us"] - r["fwd_us"]
@@ -170,8 +170,7 @@ def _qk_best(rows):
         b = min(bwd, key=lambda r: r["bwd_us"])
         predicted = f["fwd_us"] + b["bwd_us"]
         if best is None or predicted < best[1]:
-            best = (dict(tile_elems=tile, fwd_warps=f["fwd_warps"], bwd_warps=b["bwd_warps"],
-                         bwd_per_sm=b["bwd_per_sm"]), predicted)
+            best = (dict(tile_elems=tile, fwd_warps=f["fwd_warps"], bwd_warps=b["bwd_warps"]), predicted)
     return best
 
 

@@ -15,7 +15,7 @@ import torch
 from tests._grid import DTYPES, U32, UNIT_ROUNDOFF, KernelSpy, err, fp64_copy, grads, sum_ulps
 from tests._grid import randn as _randn
 from tigon import ops
-from tigon.ops import _launch, _library, reference
+from tigon.ops import _library, reference
 from tigon.ops._config import QKNormRopeConfig, RopeConfig
 
 mod = sys.modules["tigon.ops.qk_norm_rope"]  # the module: tigon.ops.qk_norm_rope is the function
@@ -270,7 +270,10 @@ def test_non_contiguous_output_gradient(device, grad_layout):
     want = torch.autograd.grad((qo, ko), (q, k, wq, wk),
                                (g_q.transpose(1, 2).contiguous(), g_k.transpose(1, 2).contiguous()))
     for name, a, b in zip(NAMES, got, want, strict=True):
-        assert torch.equal(a, b), name
+        if device.type == "cuda":  # a stride of 0 or 1 compiles another specialization: FMAs may contract apart
+            torch.testing.assert_close(a, b, rtol=8 * U32, atol=8 * U32 * b.abs().max().item(), msg=name)
+        else:
+            assert torch.equal(a, b), name
 
 
 # 4. tiles: several forward tiles and backward programs, tile edges off the heads and tokens
@@ -295,9 +298,8 @@ def test_small_tiles(device, monkeypatch, dtype, D, tile_elems, blocks):
     # q: 7 tokens x 3 heads, k: 7 x 1. A tile is (tokens, heads) of one tensor: blocks = (tokens, heads) of q's
     # tiles, then k's. (8, 32): q a token a tile (3 heads in a block of 4), k 4 tokens (the last tile 3);
     # (8, 64): q 2 tokens (the last tile one), k all 7 in one tile of 8; (6, 16): halves of 3 padded to 4, q's
-    # heads in blocks of 2 (the second block one head), 14 tiles; (64, 64): one head a tile, 21 and 7. The
-    # backward's programs (4 on the interpreter) loop over q's tiles, then k's (programs without a k tile store
-    # a zero partial row of dw_k).
+    # heads in blocks of 2 (the second block one head), 14 tiles; (64, 64): one head a tile, 21 and 7. Forward
+    # and backward run a program a tile; the backward's partial dw rows, one a tile, are summed after.
     fwd, bwd = _GridSpy(mod._qk_norm_rope_fwd_kernel), _GridSpy(mod._qk_norm_rope_bwd_kernel)
     monkeypatch.setattr(mod, "_qk_norm_rope_fwd_kernel", fwd)
     monkeypatch.setattr(mod, "_qk_norm_rope_bwd_kernel", bwd)
@@ -308,28 +310,24 @@ def test_small_tiles(device, monkeypatch, dtype, D, tile_elems, blocks):
     assert [tuple(c[n] for n in names) for c in fwd.calls + bwd.calls] == [blocks, blocks]
     tq, hq, tk, hk = blocks
     q_tiles, k_tiles = -(-7 // tq) * -(-3 // hq), -(-7 // tk) * -(-1 // hk)
-    n_prog = _launch.num_programs(DEV, q_tiles, per_sm=cfg.bwd_per_sm)  # 4 on the interpreter
-    assert fwd.grids == [(q_tiles + k_tiles,)] and bwd.grids == [(n_prog,)]
+    assert fwd.grids == bwd.grids == [(q_tiles + k_tiles,)]
 
 
 def test_config_reaches_both_launches(device, monkeypatch):
     # The warps, programs per SM and tile of a QKNormRopeConfig reach the forward and backward launches on the
-    # eager (autograd.Function) and the custom-op path. The interpreter ignores warps and runs 4 programs at
-    # most, and a tile groups rows without changing their math: the outputs and dq / dk are the default's bits;
-    # dw sums other partial rows (the default's 1 program, the config's 4), so it is the default's within the
-    # fp32 error of a sum of 21 rows.
-    fwd, bwd, per_sm = KernelSpy(mod._qk_norm_rope_fwd_kernel), KernelSpy(mod._qk_norm_rope_bwd_kernel), []
+    # eager (autograd.Function) and the custom-op path. The interpreter ignores warps, and a tile groups rows
+    # without changing their math: the outputs and dq / dk are the default's bits; dw sums other partial rows
+    # (the default's 2 tiles, the config's 9), so it is the default's within the fp32 error of a sum of 21 rows.
+    fwd, bwd = KernelSpy(mod._qk_norm_rope_fwd_kernel), KernelSpy(mod._qk_norm_rope_bwd_kernel)
     monkeypatch.setattr(mod, "_qk_norm_rope_fwd_kernel", fwd)
     monkeypatch.setattr(mod, "_qk_norm_rope_bwd_kernel", bwd)
-    programs = _launch.num_programs
-    monkeypatch.setattr(_launch, "num_programs", lambda d, rows, per_sm_=None, **kw: per_sm.append(
-        kw.get("per_sm", per_sm_)) or programs(d, rows, kw.get("per_sm", per_sm_)))
-    cfg = QKNormRopeConfig(tile_elems=32, fwd_warps=2, bwd_warps=16, bwd_per_sm=3)
+    cfg = QKNormRopeConfig(tile_elems=32, fwd_warps=2, bwd_warps=16)
+    default = QKNormRopeConfig()
     torch.manual_seed(9)
     q, k, wq, wk, cos, sin = _inputs(1, 7, 3, 1, 8, torch.float32)
     go = (torch.randn(q.shape), torch.randn(k.shape))
     for path in ("function", "custom_op"):
-        fwd.calls.clear(), bwd.calls.clear(), per_sm.clear()
+        fwd.calls.clear(), bwd.calls.clear()
         results = []
         for c in (None, cfg):
             xs = [t.detach().clone().requires_grad_() for t in (q, k, wq, wk)]
@@ -338,12 +336,12 @@ def test_config_reaches_both_launches(device, monkeypatch):
             else:
                 outs = torch.ops.tigon.qk_norm_rope_fwd(*xs, cos, sin, 1e-6, 0.0, 0, None if c is None else c.ints())
             results.append((*outs, *grads(outs, xs, go)))
-        assert [c["num_warps"] for c in fwd.calls] == [4, 2] and [c["num_warps"] for c in bwd.calls] == [8, 16]
-        # heads of 8: the 3 q heads (a block of 4) of 64 tokens a tile by default (2048 elements), of 1 token
-        # with the config's 32; the k head of 256 and 4 tokens
+        assert [c["num_warps"] for c in fwd.calls] == [default.fwd_warps, 2]
+        assert [c["num_warps"] for c in bwd.calls] == [default.bwd_warps, 16]
+        # heads of 8: the 3 q heads (a block of 4) of tile_elems / 32 tokens a tile by default, of 1 token with
+        # the config's 32; the k head of tile_elems / 8 and 4 tokens
         blocks = [(c["BLOCK_TQ"], c["BLOCK_HQ"], c["BLOCK_TK"], c["BLOCK_HK"]) for c in fwd.calls + bwd.calls]
-        assert blocks == [(64, 4, 256, 1), (1, 4, 4, 1)] * 2
-        assert per_sm == [QKNormRopeConfig().bwd_per_sm, 3]
+        assert blocks == [(default.tile_elems // 32, 4, default.tile_elems // 8, 1), (1, 4, 4, 1)] * 2
         for name, a, b in zip(("q_embed", "k_embed") + NAMES, *results, strict=True):
             if name.startswith("dq_") or name.startswith("dk_"):
                 assert (a - b).abs().max() <= 2 * U32 * sum_ulps(21) * 21 * b.abs().max(), name
@@ -543,7 +541,7 @@ REFUSED_KW = [
     ("casting_mode", ValueError, "casting_mode must be one of", dict(casting_mode="qwen3")),
     ("config_type", TypeError, "config must be a tigon.ops._config.QKNormRopeConfig or None, got RopeConfig",
      dict(config=RopeConfig())),
-    ("config_ints", TypeError, "config must be .*got list", dict(config=[4096, 4, 8, 4])),
+    ("config_ints", TypeError, "config must be .*got list", dict(config=[4096, 4, 4])),
 ]
 
 
@@ -570,8 +568,8 @@ def test_bad_keyword(path, name, exc, arg, kw):
 def test_config_refuses_bad_fields():
     with pytest.raises(ValueError, match="QKNormRopeConfig: tile_elems must be a power of two"):
         QKNormRopeConfig(tile_elems=48)
-    with pytest.raises(ValueError, match="QKNormRopeConfig: bwd_per_sm must be an int >= 1"):
-        QKNormRopeConfig(bwd_per_sm=0)
+    with pytest.raises(ValueError, match="QKNormRopeConfig: bwd_warps must be an int >= 1"):
+        QKNormRopeConfig(bwd_warps=0)
 
 
 def test_reference_path_gives_the_kernels_results(path):
@@ -658,7 +656,7 @@ def test_double_backward(path):
     def penalty(fn, ins):
         leaves = [t.detach().clone().requires_grad_() for t in ins]
         outs = fn(*leaves)
-        g = torch.Generator().manual_seed(1)
+        g = torch.Generator(device=DEV).manual_seed(1)
         loss = sum((o * torch.randn(o.shape, generator=g).to(o) + o.square() / 2).sum() for o in outs)
         first = torch.autograd.grad(loss, leaves, create_graph=True)
         second = torch.autograd.grad(sum(f.pow(2).sum() for f in first), leaves)
@@ -681,7 +679,7 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.tigon.qk_norm_rope_fwd, (q, k, wq, wk, cos, sin, 1e-6, 0.0, 0))
     qb, kb, wqb, wkb, cb, sb = _inputs(1, 3, 3, 1, 8, torch.bfloat16, layout="bhtd", w_dtype=torch.float32,
                                        strided_cs=True)
-    torch.library.opcheck(torch.ops.tigon.qk_norm_rope_fwd, (qb, kb, wqb, wkb, cb, sb, 1e-5, 1.0, 1, [32, 4, 8, 4]))
+    torch.library.opcheck(torch.ops.tigon.qk_norm_rope_fwd, (qb, kb, wqb, wkb, cb, sb, 1e-5, 1.0, 1, [32, 4, 8]))
     torch.library.opcheck(torch.ops.tigon.qk_norm_rope_fwd, (qb, kb, wqb, wkb, cb, sb, 1e-5, 0.0, 0))
     for x, w, c, s in (((q, k), (wq, wk), cos, sin), ((qb, kb), (wqb, wkb), cb, sb)):
         x = [t.detach() for t in x]
@@ -693,7 +691,7 @@ def test_opcheck(device):
         # an output gradient with its own strides
         do_t = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in do]
         torch.library.opcheck(torch.ops.tigon.qk_norm_rope_bwd,
-                              (*do_t, *x, *w, c, s, 1e-6, 1.0, 2, True, [16, 4, 8, 4]))
+                              (*do_t, *x, *w, c, s, 1e-6, 1.0, 2, True, [16, 4, 8]))
 
 
 def test_compile_fullgraph_aot_eager(device):

@@ -153,14 +153,13 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class QKNormRopeConfig:
-    """The launches of `qk_norm_rope`: heads (rows of head_dim) in tiles of `tile_elems` elements, forward and
-    backward warps, backward programs per SM (each loops over tiles and keeps one fp32 partial row of each
-    weight's gradient)."""
+    """The launches of `qk_norm_rope`: tiles of `tile_elems` elements of one tensor (tokens x heads x head_dim, all
+    heads of a token where they fit), one a program, forward and backward warps (the backward writes one fp32
+    partial row of dw a tile, summed after)."""
 
-    tile_elems: int = 2048
+    tile_elems: int = 4096
     fwd_warps: int = 4
-    bwd_warps: int = 8
-    bwd_per_sm: int = 2
+    bwd_warps: int = 4
 
     def __post_init__(self):
         _check_fields(self, powers_of_two=("tile_elems", "fwd_warps", "bwd_warps"))

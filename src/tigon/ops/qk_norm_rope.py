@@ -10,9 +10,12 @@ Backward, per row: dy = the transposed rotation of do (dy1 = do1 c1 + do2 s2, dy
 then the norm's backward (dx = rstd (dn - n mean(dn n)), dn = dy (offset + w), dw = sum over rows of dy * n);
 rstd is recomputed from x, which the backward reads anyway.
 
-Rows go in tiles of `tile_elems` elements (QKNormRopeConfig); the forward launches one program per tile of q and
-of k, the backward a persistent grid that loops over q's tiles, then k's, each program keeping one partial row of
-dw_q and dw_k (summed in a fixed order after: deterministic). Against the two ops run one after the other, the
+A tile is `tile_elems` elements of one tensor (QKNormRopeConfig): tokens x heads x head_dim, all heads of a token
+where they fit, so cos / sin are read once a token. Forward and backward launch one program a tile of q and of k;
+each backward program also writes its tile's partial row of dw_q or dw_k, summed in a fixed order after
+(deterministic; 1/32 of the traffic of x at head_dim 64 and 4096-element tiles). A persistent backward (programs
+looping over tiles, one partial row each) ran 1.5x slower on the H200: its few resident programs, each loading a
+tile only after storing the last, kept too few bytes in flight. Against the two ops run one after the other, the
 normalized heads never travel through HBM: one write and one read of q and k saved each way. The math and the
 byte model are in docs/ops/qk_norm_rope.md.
 """
@@ -115,46 +118,41 @@ def _qk_norm_rope_fwd_kernel(
 
 
 @triton.jit
-def _bwd_tiles(DO, X, W, DX, COS, SIN, DW_PART, pid, n_prog, n_tok, H, T, sdb, sdt, sdh, sxb, sxt, sxh,
-               scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW: tl.constexpr, CASTING: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
-    """This program's tiles (pid, pid + n_prog, ...) of one tensor; stores its partial dw row."""
+def _bwd_tile(DO, X, W, DX, COS, SIN, DW_PART, tile, n_tok, H, T, sdb, sdt, sdh, sxb, sxt, sxh,
+              scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW: tl.constexpr, CASTING: tl.constexpr,
+              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One tile of one tensor: dx, and the tile's partial dw row at DW_PART[tile]."""
     HALF = D // 2
     o_r = tl.arange(0, BLOCK_R)
-    inv_d = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.cast(D, tl.float32))
-    dw1 = tl.zeros([BLOCK_R], dtype=tl.float32)
-    dw2 = tl.zeros([BLOCK_R], dtype=tl.float32)
-    n_tiles = tl.cdiv(n_tok, BLOCK_T) * tl.cdiv(H, BLOCK_H)
-    for tile in range(pid, n_tiles, n_prog):
-        row, m, p_x, p_do, c1, c2, s1, s2 = _tile(X, DO, COS, SIN, tile, n_tok, H, T, sxb, sxt, sxh, sdb, sdt, sdh,
-                                                  scb, sct, scd, ssb, sst, ssd, HALF, BLOCK_T, BLOCK_H, BLOCK_R)
-        rstd, n1, n2, w1, w2 = _normed(p_x, m, W, D, eps, offset, BLOCK_R)
-        do1 = tl.load(p_do, mask=m, other=0.0).to(tl.float32)
-        do2 = tl.load(p_do + HALF, mask=m, other=0.0).to(tl.float32)
-        dy1 = do1 * c1 + do2 * s2  # the rotation's transpose
-        dy2 = do2 * c2 - do1 * s1
-        if COMPUTE_DW:
-            if CASTING == 0:
-                dw1 += tl.sum(tl.sum(dy1 * n1.to(X.dtype.element_ty).to(tl.float32), axis=1), axis=0)
-                dw2 += tl.sum(tl.sum(dy2 * n2.to(X.dtype.element_ty).to(tl.float32), axis=1), axis=0)
-            else:
-                dw1 += tl.sum(tl.sum(dy1 * n1, axis=1), axis=0)
-                dw2 += tl.sum(tl.sum(dy2 * n2, axis=1), axis=0)
-        dn1 = dy1 * w1
-        dn2 = dy2 * w2
-        dot = ((tl.sum(dn1 * n1, axis=2) + tl.sum(dn2 * n2, axis=2)) * inv_d)[:, :, None]
-        p_dx = DX + row * D + o_r[None, None, :]
-        tl.store(p_dx, (rstd * (dn1 - n1 * dot)).to(DX.dtype.element_ty), mask=m)
-        tl.store(p_dx + HALF, (rstd * (dn2 - n2 * dot)).to(DX.dtype.element_ty), mask=m)
+    row, m, p_x, p_do, c1, c2, s1, s2 = _tile(X, DO, COS, SIN, tile, n_tok, H, T, sxb, sxt, sxh, sdb, sdt, sdh,
+                                              scb, sct, scd, ssb, sst, ssd, HALF, BLOCK_T, BLOCK_H, BLOCK_R)
+    rstd, n1, n2, w1, w2 = _normed(p_x, m, W, D, eps, offset, BLOCK_R)
+    do1 = tl.load(p_do, mask=m, other=0.0).to(tl.float32)
+    do2 = tl.load(p_do + HALF, mask=m, other=0.0).to(tl.float32)
+    dy1 = do1 * c1 + do2 * s2  # the rotation's transpose
+    dy2 = do2 * c2 - do1 * s1
     if COMPUTE_DW:
-        p_dw = DW_PART + tl.cast(pid, tl.int64) * D + o_r
+        if CASTING == 0:
+            dw1 = tl.sum(tl.sum(dy1 * n1.to(X.dtype.element_ty).to(tl.float32), axis=1), axis=0)
+            dw2 = tl.sum(tl.sum(dy2 * n2.to(X.dtype.element_ty).to(tl.float32), axis=1), axis=0)
+        else:
+            dw1 = tl.sum(tl.sum(dy1 * n1, axis=1), axis=0)
+            dw2 = tl.sum(tl.sum(dy2 * n2, axis=1), axis=0)
+        p_dw = DW_PART + tl.cast(tile, tl.int64) * D + o_r
         tl.store(p_dw, dw1, mask=o_r < HALF)
         tl.store(p_dw + HALF, dw2, mask=o_r < HALF)
+    dn1 = dy1 * w1
+    dn2 = dy2 * w2
+    inv_d = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.cast(D, tl.float32))
+    dot = ((tl.sum(dn1 * n1, axis=2) + tl.sum(dn2 * n2, axis=2)) * inv_d)[:, :, None]
+    p_dx = DX + row * D + o_r[None, None, :]
+    tl.store(p_dx, (rstd * (dn1 - n1 * dot)).to(DX.dtype.element_ty), mask=m)
+    tl.store(p_dx + HALF, (rstd * (dn2 - n2 * dot)).to(DX.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _qk_norm_rope_bwd_kernel(
-    DQO, DKO, Q, K, WQ, WK, DQ, DK, COS, SIN, DWQ_PART, DWK_PART,
+    DQO, DKO, Q, K, WQ, WK, DQ, DK, COS, SIN, DWQ_PART, DWK_PART,  # DW*_PART [tiles, D] fp32
     n_tok, Hq, Hk, T, D,
     sdqb, sdqt, sdqh, sdkb, sdkt, sdkh,  # strides of the output gradients (batch, token, head)
     sqb, sqt, sqh, skb, skt, skh,
@@ -164,11 +162,13 @@ def _qk_norm_rope_bwd_kernel(
     BLOCK_TQ: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_HK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    _bwd_tiles(DQO, Q, WQ, DQ, COS, SIN, DWQ_PART, pid, n_prog, n_tok, Hq, T, sdqb, sdqt, sdqh, sqb, sqt, sqh,
-               scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW, CASTING, BLOCK_TQ, BLOCK_HQ, BLOCK_R)
-    _bwd_tiles(DKO, K, WK, DK, COS, SIN, DWK_PART, pid, n_prog, n_tok, Hk, T, sdkb, sdkt, sdkh, skb, skt, skh,
-               scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW, CASTING, BLOCK_TK, BLOCK_HK, BLOCK_R)
+    q_tiles = tl.cdiv(n_tok, BLOCK_TQ) * tl.cdiv(Hq, BLOCK_HQ)
+    if pid < q_tiles:
+        _bwd_tile(DQO, Q, WQ, DQ, COS, SIN, DWQ_PART, pid, n_tok, Hq, T, sdqb, sdqt, sdqh, sqb, sqt, sqh,
+                  scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW, CASTING, BLOCK_TQ, BLOCK_HQ, BLOCK_R)
+    else:
+        _bwd_tile(DKO, K, WK, DK, COS, SIN, DWK_PART, pid - q_tiles, n_tok, Hk, T, sdkb, sdkt, sdkh, skb, skt, skh,
+                  scb, sct, scd, ssb, sst, ssd, D, eps, offset, COMPUTE_DW, CASTING, BLOCK_TK, BLOCK_HK, BLOCK_R)
 
 
 def _blocks(H, block_r, tile_elems):
@@ -179,12 +179,12 @@ def _blocks(H, block_r, tile_elems):
 
 
 def _plan(Hq, Hk, D, config):
-    """(tiles of q, the launch's block constexprs, forward warps, backward warps, backward programs per SM)."""
-    tile_elems, fwd_warps, bwd_warps, per_sm = config or _DEFAULT
+    """(the launches' block constexprs, forward warps, backward warps)."""
+    tile_elems, fwd_warps, bwd_warps = config or _DEFAULT
     block_r = _launch.next_power_of_2(D // 2)
     (tq, hq), (tk, hk) = _blocks(Hq, block_r, tile_elems), _blocks(Hk, block_r, tile_elems)
     blocks = dict(BLOCK_R=block_r, BLOCK_TQ=tq, BLOCK_HQ=hq, BLOCK_TK=tk, BLOCK_HK=hk)
-    return blocks, fwd_warps, bwd_warps, per_sm
+    return blocks, fwd_warps, bwd_warps
 
 
 def _n_tiles(n_tok, H, block_t, block_h):
@@ -212,7 +212,7 @@ def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps, offset, casting, config
     n_tok = B * T
     if n_tok * (Hq + Hk) == 0 or D == 0:
         return qo, ko
-    blocks, fwd_warps, _, _ = _plan(Hq, Hk, D, config)
+    blocks, fwd_warps, _ = _plan(Hq, Hk, D, config)
     grid = (_n_tiles(n_tok, Hq, blocks["BLOCK_TQ"], blocks["BLOCK_HQ"])
             + _n_tiles(n_tok, Hk, blocks["BLOCK_TK"], blocks["BLOCK_HK"]),)
     _qk_norm_rope_fwd_kernel[grid](
@@ -227,23 +227,21 @@ def _bwd_launch(dqo, dko, q, k, q_weight, k_weight, cos, sin, eps, offset, casti
     Hk = k.shape[2]
     dq, dk = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
     n_tok = B * T
-    blocks, _, bwd_warps, per_sm = _plan(Hq, Hk, D, config)
+    blocks, _, bwd_warps = _plan(Hq, Hk, D, config)
     q_tiles = _n_tiles(n_tok, Hq, blocks["BLOCK_TQ"], blocks["BLOCK_HQ"])
-    n_prog = _launch.num_programs(q.device, max(q_tiles, 1), per_sm=per_sm)
-    parts = torch.empty((2, n_prog, D), dtype=torch.float32, device=q.device) if compute_dw else q.new_empty(0)
-    if n_tok * (Hq + Hk) > 0 and D > 0:
-        _qk_norm_rope_bwd_kernel[(n_prog,)](
-            dqo, dko, q, k, q_weight, k_weight, dq, dk, cos, sin,
-            parts[0] if compute_dw else parts, parts[1] if compute_dw else parts,
+    k_tiles = _n_tiles(n_tok, Hk, blocks["BLOCK_TK"], blocks["BLOCK_HK"])
+    dwq_part = torch.empty((q_tiles, D), dtype=torch.float32, device=q.device) if compute_dw else q.new_empty(0)
+    dwk_part = torch.empty((k_tiles, D), dtype=torch.float32, device=q.device) if compute_dw else q.new_empty(0)
+    if q_tiles + k_tiles > 0:
+        _qk_norm_rope_bwd_kernel[(q_tiles + k_tiles,)](
+            dqo, dko, q, k, q_weight, k_weight, dq, dk, cos, sin, dwq_part, dwk_part,
             n_tok, Hq, Hk, T, D, *_bth(dqo), *_bth(dko), *_bth(q), *_bth(k), *_cos_sin_strides(cos, sin),
             eps, offset, COMPUTE_DW=compute_dw, CASTING=casting, num_warps=bwd_warps, **blocks,
         )
     if not compute_dw:
         return dq, dk, q.new_empty(0), q.new_empty(0)
-    if n_tok * (Hq + Hk) == 0:
-        parts.zero_()
-    # fixed-order sums of the programs' rows; two tensors (a custom op's outputs may not alias each other)
-    return dq, dk, parts[0].sum(0).to(q_weight.dtype), parts[1].sum(0).to(k_weight.dtype)
+    # fixed-order sums of the tiles' rows (an empty sum is zeros); two tensors: a custom op's outputs may not alias
+    return dq, dk, dwq_part.sum(0).to(q_weight.dtype), dwk_part.sum(0).to(k_weight.dtype)
 
 
 @torch.library.custom_op("tigon::qk_norm_rope_fwd", mutates_args=())
