@@ -13,9 +13,10 @@ rstd is recomputed from x, which the backward reads anyway.
 A tile is `tile_elems` elements of one tensor (QKNormRopeConfig): tokens x heads x head_dim, all heads of a token
 where they fit, so cos / sin are read once a token. Forward and backward launch one program a tile of q and of k;
 each backward program also writes its tile's partial row of dw_q or dw_k, summed in a fixed order after
-(deterministic; 1/32 of the traffic of x at head_dim 64 and 4096-element tiles). A persistent backward (programs
-looping over tiles, one partial row each) ran 1.5x slower on the H200: its few resident programs, each loading a
-tile only after storing the last, kept too few bytes in flight. Against the two ops run one after the other, the
+(deterministic; 1/16 of the traffic of x at head_dim 64 and 2048-element tiles). A persistent backward (programs
+looping over tiles, one partial row each) ran 1.4x slower on the H200 at head_dim 64 (175 vs 125 us, the best
+setting of each): its few resident programs, each loading a tile only after storing the last, kept too few bytes
+in flight. Against the two ops run one after the other, the
 normalized heads never travel through HBM: one write and one read of q and k saved each way. The math and the
 byte model are in docs/ops/qk_norm_rope.md.
 """
