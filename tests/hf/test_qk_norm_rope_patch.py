@@ -103,3 +103,48 @@ def test_ready_on_the_installed_transformers():
     llama = tiny_model("llama")
     tigon.patch(llama)
     assert "no q/k norms" in tigon_attention.qk_norm_rope_ready(llama.model.layers[0].self_attn)
+
+
+@pytest.mark.parametrize("patch_first", [True, False], ids=["patch_then_peft", "peft_then_patch"])
+def test_peft_lora_on_the_projections(patch_first):
+    """PEFT LoRA on q/k/v/o of a patched Qwen3: the fused forward calls the adapters' projections; the loss and the
+    adapters' gradients are PEFT's on the unpatched model's."""
+    peft = pytest.importorskip("peft")
+    cfg = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+               init_lora_weights=False)
+
+    def build(patched):
+        model = tiny_model("qwen3")
+        _norm_weights_off_one(model)
+        if patched and patch_first:
+            tigon.patch(model)
+        torch.manual_seed(3)  # the same adapter init either way
+        model = peft.get_peft_model(model, peft.LoraConfig(**cfg))
+        if patched and not patch_first:
+            tigon.patch(model)
+        return model
+
+    model, ref = build(True), build(False)
+    ids, labels = batch()
+    before = op_calls("qk_norm_rope")
+    loss, grads = _loss_and_grads(model, ids, labels)
+    assert op_calls("qk_norm_rope") - before == 2
+    ref_loss, ref_grads = _loss_and_grads(ref, ids, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys() and any("lora_A" in n for n in grads)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_qwen3_moe_fuses():
+    hf = tiny_model("qwen3_moe")
+    _norm_weights_off_one(hf)
+    model = copy.deepcopy(hf)
+    report = tigon.patch(model)
+    assert report.replaced["Qwen3MoeAttention q/k norms + RoPE in one kernel (this instance)"] == 2, str(report)
+    ids, labels = batch()
+    loss, grads = _loss_and_grads(model, ids, labels)
+    ref_loss, ref_grads = _loss_and_grads(hf, ids, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
