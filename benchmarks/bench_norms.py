@@ -27,7 +27,8 @@ SWEEP_ELEMS = 64 * 2**20
 # qk_norm_rope: Qwen3's attention input, 8 x 2048 tokens, 32 q heads and 8 kv heads; head_dim 64 (the 1.5B training
 # body) and 128 (Qwen3-8B's heads)
 QK_CASES = (dict(B=8, T=2048, Hq=32, Hk=8, D=64, label="Qwen3 1.5B"),
-            dict(B=8, T=2048, Hq=32, Hk=8, D=128, label="Qwen3-8B heads"))
+            dict(B=8, T=2048, Hq=32, Hk=8, D=128, label="Qwen3-8B heads"),
+            dict(B=8, T=2048, Hq=8, Hk=4, D=256, label="Gemma-3 4B heads"))
 QK_QUICK_CASES = (dict(B=1, T=8, Hq=4, Hk=2, D=16, label="quick"),)
 QWEN3_THETA = 1_000_000.0
 BF16 = torch.bfloat16

@@ -156,7 +156,7 @@ class QKNormRopeConfig:
     """The launches of `qk_norm_rope`: tiles of `tile_elems` elements of one tensor (tokens x heads x head_dim, all
     heads of a token where they fit), one a program, forward and backward warps (the backward writes one fp32
     partial row of dw a tile, summed after). 0 (every default): from the shape, as swept on the H200
-    (`qk_norm_rope._plan`: 32 heads a tile, a forward warp per 1024 elements, 2 backward warps)."""
+    (`qk_norm_rope._plan`: 32 heads a tile up to 4096 elements, a forward warp per 1024 elements, 2 backward warps)."""
 
     tile_elems: int = 0
     fwd_warps: int = 0

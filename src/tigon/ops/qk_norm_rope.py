@@ -181,13 +181,14 @@ def _blocks(H, block_r, tile_elems):
 
 def _plan(Hq, Hk, D, config):
     """(the launches' block constexprs, forward warps, backward warps): the config's where it sets them, else tiles
-    of 32 heads, a forward warp per 1024 elements and 2 backward warps. From the H200 sweep at Qwen3's shape (8 x
-    2048 tokens, 32 q / 8 k heads; tune.py --ops qk_norm_rope): fwd+bwd 184.6 us at head_dim 64 (2048-element
-    tiles; 4096 x 4 warps both ways: 229.4) and 404.5 at 128 (4096; the backward 125 / 289 us with 2 warps, 167 /
-    298 with 4)."""
+    of 32 heads (at most 4096 elements), a forward warp per 1024 elements and 2 backward warps. From the H200 sweep
+    at Qwen3's shape (8 x 2048 tokens, 32 q / 8 k heads; tune.py --ops qk_norm_rope): fwd+bwd 184.6 us at head_dim
+    64 (2048-element tiles; 4096 x 4 warps both ways: 229.4) and 404.5 at 128 (4096; the backward 125 / 289 us with
+    2 warps, 167 / 298 with 4). The cap keeps wider heads in the measured envelope: 2 backward warps over 4096
+    elements already take 255 registers a thread (sm_90)."""
     tile_elems, fwd_warps, bwd_warps = config or _DEFAULT
     block_r = _launch.next_power_of_2(D // 2)
-    tile_elems = tile_elems or 64 * block_r
+    tile_elems = tile_elems or min(64 * block_r, 4096)
     fwd_warps, bwd_warps = fwd_warps or max(1, min(8, tile_elems // 1024)), bwd_warps or 2
     (tq, hq), (tk, hk) = _blocks(Hq, block_r, tile_elems), _blocks(Hk, block_r, tile_elems)
     blocks = dict(BLOCK_R=block_r, BLOCK_TQ=tq, BLOCK_HQ=hq, BLOCK_TK=tk, BLOCK_HK=hk)
