@@ -82,8 +82,14 @@ def check_shape(op: str, arg: str, t: torch.Tensor, expected: tuple) -> None:
         raise ValueError(f"{op}: {arg} must have shape {tuple(expected)}, got {tuple(t.shape)}")
 
 
+def finite(v) -> bool:
+    """v is not inf or NaN, by comparisons: under torch.compile(dynamic=True) a Python float argument arrives as a
+    SymFloat, which math.isfinite cannot take in a traced graph (a graph break), while a comparison guards on it."""
+    return -math.inf < v < math.inf
+
+
 def check_eps(op: str, eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, torch.SymFloat)) or not finite(eps) or eps <= 0:
         raise ValueError(f"{op}: eps must be a finite number > 0, got {eps!r}")
     return float(eps)
 
@@ -94,7 +100,7 @@ def check_number(op: str, name: str, v, lo: float = -math.inf, hi: float = math.
     where = "" if (lo, hi) == (-math.inf, math.inf) else f" in [{lo}, {hi}]"
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{op}: {name} must be a Python number{where}, got {type(v).__name__}")
-    if not math.isfinite(v) or not lo <= v <= hi:
+    if not finite(v) or not lo <= v <= hi:
         raise ValueError(f"{op}: {name} must be a finite number{where}, got {v!r}")
     return float(v)
 

@@ -337,13 +337,13 @@ def _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softc
         raise ValueError(f"{op}: q_pos must have shape ({B},), (1,) or (), got {tuple(q_pos.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.SymFloat)) or not _launch.finite(scale):
         raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
     if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                        or sliding_window < 1):
         raise ValueError(f"{op}: sliding_window must be an int >= 1 or None, got {sliding_window!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not math.isfinite(softcap) or softcap <= 0):
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float, torch.SymFloat))
+                                or not _launch.finite(softcap) or softcap <= 0):
         raise ValueError(f"{op}: softcap must be a finite number > 0 or None, got {softcap!r}")
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
         raise RuntimeError(f"{op}: inference only, no backward; call it under torch.no_grad() or on detached "
