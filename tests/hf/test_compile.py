@@ -115,6 +115,21 @@ def test_compiled_patched_model_trains_and_evaluates_like_eager(model_type):
     _assert_within("eval logits", _logits(compiled, IDS), logits_eager, logits_exact)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_dynamic_shapes_fullgraph_trains_like_eager(model_type):
+    """dynamic=True: the sequence length symbolic and the ops' float arguments SymFloats; one graph for two lengths,
+    each step as the eager patched model's."""
+    torch._dynamo.reset()
+    base = _tiny(model_type)
+    model = copy.deepcopy(base)
+    tigon.patch(model)
+    compiled = torch.compile(model, backend=CPU_BACKEND, dynamic=True, fullgraph=True)
+    for t in (6, 9):
+        ids, labels = batch(b=1, t=t, ignore_tail=1)
+        exact = _exact_step(base, ids, labels)
+        _check_step(_step(compiled, ids, labels), _step(model, ids, labels), exact)
+
+
 def test_lm_head_forward_survives_copies_and_unpatch():
     """patch() gives the lm_head its loss forward once (a plain nn.Linear becomes causal_lm.LossHeadLinear); a
     deepcopy and a pickled copy keep it and compute the same loss; without the keyword it is nn.Linear's forward
