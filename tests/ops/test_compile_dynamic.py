@@ -21,6 +21,13 @@ CASES = {
                       lambda x, t, f: ops.cross_entropy(x, t, label_smoothing=f * 1e4, z_loss_scale=f, softcap=30.0)),
     "linear_cross_entropy": (lambda n: (randn(n, 8), randn(11, 8), torch.randint(0, 11, (n,))),
                              lambda h, w, t, f: ops.linear_cross_entropy(h, w, t, label_smoothing=f * 1e4)),
+    "fused_linear_simpo": (lambda n: (randn(4, n, 8), randn(11, 8), torch.randint(0, 11, (4, n))),
+                           lambda h, w, t, f: ops.fused_linear_simpo(h, w, t, beta=f * 1e4)[0]),
+    "fused_linear_grpo": (lambda n: (randn(2, n, 8), randn(11, 8), torch.randint(0, 11, (2, n)),
+                                     torch.ones(2, n, dtype=torch.long), randn(2)),
+                          lambda h, w, ids, m, adv, f: ops.fused_linear_grpo(h, w, ids, m, adv, beta=f * 1e4)[0]),
+    "fused_linear_jsd": (lambda n: (randn(n, 8), randn(11, 8), randn(n, 8), randn(11, 8), torch.randint(0, 11, (n,))),
+                         lambda s, sw, t, tw, y, f: ops.fused_linear_jsd(s, sw, t, tw, y, beta=f * 1e4)[0]),
 }
 
 
