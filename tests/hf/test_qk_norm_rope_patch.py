@@ -76,6 +76,7 @@ def test_unpatch_and_unrouted_norms():
     # norms left as Hugging Face's: RoPE is routed, the norms and RoPE stay apart
     report = tigon.patch(model, rms_norm=False)
     assert FUSED not in report.replaced and tigon_attention.ROPE in attn.__dict__
+    assert report.skipped.count((FUSED, "rms_norm=False")) == 1, report.skipped  # said once, not once a layer
     assert tigon_attention.QK_NORM_ROPE not in attn.__dict__
     tigon.unpatch(model)
 
@@ -101,7 +102,7 @@ def test_ready_on_the_installed_transformers():
     tigon.patch(model)
     assert tigon_attention.qk_norm_rope_ready(model.model.layers[0].self_attn) == ""
     llama = tiny_model("llama")
-    tigon.patch(llama)
+    assert not any("q/k norms" in piece for piece, _ in tigon.patch(llama).skipped)  # nothing to fuse: not named
     assert "no q/k norms" in tigon_attention.qk_norm_rope_ready(llama.model.layers[0].self_attn)
 
 

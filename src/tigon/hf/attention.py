@@ -280,6 +280,12 @@ def sliding_window_of(module):
     return None
 
 
+def has_qk_norm_form(module) -> bool:
+    """The module's class forward is Llama-form with q_norm / k_norm (False for any other forward)."""
+    form = rope_on_write_form(type(module))
+    return form is not None and form.qk_norm
+
+
 def has_qk_norm(module) -> bool:
     """The Llama-form module applies q_norm / k_norm on the head dim before RoPE (Qwen3)."""
     return rope_on_write_form(type(module)).qk_norm
@@ -328,8 +334,7 @@ def _norms_fusable(q_norm, k_norm, head_dim) -> bool:
 def qk_norm_rope_ready(module) -> str:
     """"" when the q/k norms and the RoPE of this attention module can run as one `tigon.ops.qk_norm_rope`
     kernel (`_qk_norm_rope_forward`), else why not."""
-    form = rope_on_write_form(type(module))
-    if form is None or not form.qk_norm:
+    if not has_qk_norm_form(module):
         return "no q/k norms on the head dim before RoPE in a Llama-form forward"
     code = _llama_code("LlamaAttention.forward") or ""
     if hashlib.sha256(code.encode()).hexdigest()[:16] != _LLAMA_FORWARD_SHA:

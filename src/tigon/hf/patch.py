@@ -311,8 +311,12 @@ def _instance_patch(model, family, report, spec):
                 if not routed:
                     undo.append((m, tigon_attention.ROPE, None))
                 report.add(piece)
-                if spec["rms_norm"] and not tigon_attention.fuse_qk_norm_rope(m):
-                    report.add(f"{type(m).__name__} q/k norms + RoPE in one kernel (this instance)")
+                fused = f"{type(m).__name__} q/k norms + RoPE in one kernel (this instance)"
+                why = tigon_attention.fuse_qk_norm_rope(m) if spec["rms_norm"] else "rms_norm=False"
+                if not why:
+                    report.add(fused)
+                elif tigon_attention.has_qk_norm_form(m) and (fused, why) not in report.skipped:
+                    report.skip(fused, why)
     if spec["lora"]:
         _lora_patch(hf, undo, report)
     cls = type(hf)
