@@ -117,6 +117,12 @@ def check_min_dim(op: str, name: str, t: torch.Tensor, n: int = 1) -> None:
                          f"got shape {tuple(t.shape)}")
 
 
+def unit_last(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy when its last dim is strided: the kernels read the last dim at unit stride and every
+    other dim through its stride."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def is_leafish(t: torch.Tensor) -> bool:
     """A leaf, or a view of one: its storage belongs to the caller, so an op must not write over it.
     (is_leaf and _base, not grad_fn: torch.compile traces these)"""

@@ -211,10 +211,6 @@ def _validate(key, value, cos, sin, k_cache, v_cache, slots, query, op="rope_kv_
                            "tensors")
 
 
-def _unit_last(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, *, query=None):
     """Write RoPE(key) and value into the cache slots `slots` in one kernel; returns RoPE(query) or None.
 
@@ -227,8 +223,8 @@ def rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, *, query=None):
     _validate(key, value, cos, sin, k_cache, v_cache, slots, query)
     if not _library.use_kernels("rope_kv_write", key):
         return reference.rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, query=query)
-    key, value = _unit_last(key), _unit_last(value)
-    query = _unit_last(query) if query is not None else None
+    key, value = _launch.unit_last(key), _launch.unit_last(value)
+    query = _launch.unit_last(query) if query is not None else None
     q_embed = _library.dispatch(torch.ops.tigon.rope_kv_write, None, _fwd_launch, key, value, cos, sin, k_cache,
                                 v_cache, slots, query)
     return q_embed if query is not None else None
@@ -284,8 +280,8 @@ def rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_posit
     if not _library.use_kernels("rope_kv_append", key):
         return reference.rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position,
                                         sink=sink, query=query)
-    key, value = _unit_last(key), _unit_last(value)
-    query = _unit_last(query) if query is not None else None
+    key, value = _launch.unit_last(key), _launch.unit_last(value)
+    query = _launch.unit_last(query) if query is not None else None
     next_position = next_position.reshape(1)
     q_embed = _library.dispatch(torch.ops.tigon.rope_kv_append, None, _append_launch, key, value, cos, sin, k_cache,
                                 v_cache, positions, next_position, sink, query)

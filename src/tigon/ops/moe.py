@@ -119,17 +119,13 @@ def _geometry(device, H):
     return block, warps
 
 
-def _unit(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def combine_launch(y, weights, pos, n_rows):
     T, K = pos.shape
     S, H = y.shape
     out = torch.empty((T, H), dtype=y.dtype, device=y.device)
     if T * H == 0:
         return out
-    y, pos = _unit(y), pos.contiguous()
+    y, pos = _launch.unit_last(y), pos.contiguous()
     w = weights.contiguous() if weights is not None else pos
     block, warps = _geometry(y.device, H)
     _moe_combine_kernel[(T,)](
@@ -151,8 +147,8 @@ def scatter_launch(dout, y, weights, pos, n_rows, need_dw, out_dtype):
         if dw is not None:
             dw.zero_()
         return dy, dw
-    dout, pos = _unit(dout), pos.contiguous()
-    y = _unit(y) if need_dw else dout
+    dout, pos = _launch.unit_last(dout), pos.contiguous()
+    y = _launch.unit_last(y) if need_dw else dout
     w = weights.contiguous() if weights is not None else pos
     block, warps = _geometry(dout.device, H)
     _moe_scatter_kernel[(T,)](
@@ -262,7 +258,7 @@ class _Permute(torch.autograd.Function):
         pos, n_rows = ctx.saved_tensors
         if _library.double_backward():
             return torch.ops.tigon.moe_combine(dx_g, None, pos, n_rows), None, None
-        return combine_launch(_unit(dx_g), None, pos, n_rows), None, None
+        return combine_launch(_launch.unit_last(dx_g), None, pos, n_rows), None, None
 
 
 class _Combine(torch.autograd.Function):

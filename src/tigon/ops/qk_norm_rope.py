@@ -292,10 +292,6 @@ def _setup(ctx, inputs, output):
     ctx.config, ctx.n_inputs = (inputs[9] if len(inputs) > 9 else None), len(inputs)
 
 
-def _unit_last(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _backward(ctx, dqo, dko, bwd=None):
     q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
     needs = ctx.needs_input_grad[:4]
@@ -308,8 +304,8 @@ def _backward(ctx, dqo, dko, bwd=None):
         return tuple(grads) + (None,) * (ctx.n_inputs - 4)
     compute_dw = bool(needs[2] or needs[3])
     dq, dk, dwq, dwk = (bwd or torch.ops.tigon.qk_norm_rope_bwd)(
-        _unit_last(dqo), _unit_last(dko), q, k, q_weight, k_weight, cos, sin, ctx.eps, ctx.offset, ctx.casting,
-        compute_dw, ctx.config,
+        _launch.unit_last(dqo), _launch.unit_last(dko), q, k, q_weight, k_weight, cos, sin, ctx.eps, ctx.offset,
+        ctx.casting, compute_dw, ctx.config,
     )
     grads = (dq, dk, dwq if compute_dw else None, dwk if compute_dw else None)
     return tuple(g if n else None for g, n in zip(grads, needs)) + (None,) * (ctx.n_inputs - 4)
@@ -379,7 +375,7 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, *, offset=0.0, ca
     if not _library.use_kernels("qk_norm_rope", q):
         return reference.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, offset=offset,
                                       casting_mode=casting_mode)
-    args = (_unit_last(q), _unit_last(k), q_weight.contiguous(), k_weight.contiguous(), cos, sin, eps, offset,
-            _CASTING[casting_mode], None if config is None else config.ints())
+    args = (_launch.unit_last(q), _launch.unit_last(k), q_weight.contiguous(), k_weight.contiguous(), cos, sin, eps,
+            offset, _CASTING[casting_mode], None if config is None else config.ints())
     return _library.dispatch(torch.ops.tigon.qk_norm_rope_fwd, QKNormRopeFunction, _fwd_launch, *args,
                              grad_from=(q, k, q_weight, k_weight))

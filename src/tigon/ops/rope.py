@@ -194,16 +194,12 @@ def _setup(ctx, inputs, output):
     ctx.config, ctx.n_inputs = (inputs[5] if len(inputs) > 5 else None), len(inputs)
 
 
-def _unit_last(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _backward(ctx, dq_embed, dk_embed):
     cos, sin = ctx.saved_tensors
     need_q, need_k = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     # The backward is the same linear map transposed, through the same op: double backward comes free.
     dq, dk = torch.ops.tigon.rope(
-        _unit_last(dq_embed) if need_q else None, _unit_last(dk_embed) if need_k else None, cos, sin,
+        _launch.unit_last(dq_embed) if need_q else None, _launch.unit_last(dk_embed) if need_k else None, cos, sin,
         not ctx.transpose, ctx.config,
     )
     return ((dq if need_q else None), (dk if need_k else None)) + (None,) * (ctx.n_inputs - 2)
@@ -263,8 +259,9 @@ def apply_rope(q, k, cos, sin, unsqueeze_dim=1, *, config=None):
         return reference.apply_rope(q, k, cos, sin, unsqueeze_dim)
     if unsqueeze_dim == 2:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q_embed, k_embed = _library.dispatch(torch.ops.tigon.rope, None, rope_launch, _unit_last(q), _unit_last(k), cos,
-                                         sin, False, None if config is None else config.ints(), grad_from=(q, k))
+    q_embed, k_embed = _library.dispatch(torch.ops.tigon.rope, None, rope_launch, _launch.unit_last(q),
+                                         _launch.unit_last(k), cos, sin, False,
+                                         None if config is None else config.ints(), grad_from=(q, k))
     if unsqueeze_dim == 2:
         q_embed, k_embed = q_embed.transpose(1, 2), k_embed.transpose(1, 2)
     return q_embed, k_embed

@@ -197,10 +197,6 @@ def _launch_bwd(dy, g, u, dg, du, act, y=None, config=None):
                           BLOCK_N=block_n, STORE_Y=y is not None, num_warps=warps)
 
 
-def _unit_stride(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def glu_fwd_launch(gate, up, act, inplace_backward=False, config=None):
     g, u = _halves(gate, up)
     y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
@@ -240,7 +236,7 @@ def _bwd_out_of_place(dy, gate, up, act, y=None, config=None):
     dgate, dup = _new_grads(gate, up)
     g, u = _halves(gate, up)
     dg, du = _halves(dgate, dup if up is not None else None)
-    _launch_bwd(_unit_stride(dy), g, u, dg, du, act, y=y, config=config)
+    _launch_bwd(_launch.unit_last(dy), g, u, dg, du, act, y=y, config=config)
     return dgate, dup
 
 
@@ -254,7 +250,7 @@ def glu_bwd_inplace(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Ten
                     config: Optional[list[int]] = None) -> None:
     """Overwrites gate with dgate and up with dup (no new memory); gate and up must not overlap."""
     g, u = _halves(gate, up)
-    _launch_bwd(_unit_stride(dy), g, u, g, u, act, config=config)
+    _launch_bwd(_launch.unit_last(dy), g, u, g, u, act, config=config)
 
 
 @glu_bwd_inplace.register_fake
