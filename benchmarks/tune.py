@@ -17,6 +17,7 @@ import pstats
 import time
 
 import _harness as H
+import bench_norms
 import torch
 
 from tigon.ops._config import (
@@ -130,10 +131,7 @@ def tune_qk_norm_rope(ctx):
         kp = torch.randn(B, T, Hk * D, device=dev, generator=g).to(BF16).requires_grad_()
         wq = (1 + 0.1 * torch.randn(D, device=dev, generator=g)).to(BF16).requires_grad_()
         wk = (1 + 0.1 * torch.randn(D, device=dev, generator=g)).to(BF16).requires_grad_()
-        inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
-        emb = torch.outer(torch.arange(T, device=dev, dtype=torch.float32), inv_freq)
-        emb = torch.cat((emb, emb), -1)[None].expand(B, T, D)
-        cos, sin = emb.cos().to(BF16).contiguous(), emb.sin().to(BF16).contiguous()
+        cos, sin = bench_norms._qwen3_cos_sin(ctx, B, T, D)
         dq = torch.randn(B, T, Hq, D, device=dev, generator=g).to(BF16)
         dk = torch.randn(B, T, Hk, D, device=dev, generator=g).to(BF16)
 
@@ -154,7 +152,7 @@ def tune_qk_norm_rope(ctx):
             fields, predicted = best
             rows += sweep(ctx, QKNormRopeConfig, [fields], make, tag={"stage": "best", "predicted_fb_us": predicted})
         out[f"head_{D}"] = rows
-        del qp, kp, wq, wk, cos, sin, dq, dk, emb
+        del qp, kp, wq, wk, cos, sin, dq, dk
     return out
 
 
