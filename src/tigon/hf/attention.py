@@ -280,15 +280,11 @@ def sliding_window_of(module):
     return None
 
 
-def has_qk_norm_form(module) -> bool:
-    """The module's class forward is Llama-form with q_norm / k_norm (False for any other forward)."""
+def has_qk_norm(module) -> bool:
+    """The module's class forward is Llama-form and applies q_norm / k_norm on the head dim before RoPE (Qwen3);
+    False for any other forward."""
     form = rope_on_write_form(type(module))
     return form is not None and form.qk_norm
-
-
-def has_qk_norm(module) -> bool:
-    """The Llama-form module applies q_norm / k_norm on the head dim before RoPE (Qwen3)."""
-    return rope_on_write_form(type(module)).qk_norm
 
 
 def is_tigon_forward(module) -> bool:
@@ -325,6 +321,13 @@ _LLAMA_FORWARD_SHA = "edb09e4cdb72174c"
 QK_NORM_ROPE = "_tigon_qk_norm_rope"
 
 
+@functools.cache
+def _llama_forward_mirrored() -> bool:
+    """The installed LlamaAttention.forward is the one `_qk_norm_rope_forward` reproduces (read once a process)."""
+    code = _llama_code("LlamaAttention.forward") or ""
+    return hashlib.sha256(code.encode()).hexdigest()[:16] == _LLAMA_FORWARD_SHA
+
+
 def _norms_fusable(q_norm, k_norm, head_dim) -> bool:
     return (isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm) and q_norm.weight is not None
             and k_norm.weight is not None and q_norm.weight.shape == k_norm.weight.shape == (head_dim,)
@@ -334,10 +337,9 @@ def _norms_fusable(q_norm, k_norm, head_dim) -> bool:
 def qk_norm_rope_ready(module) -> str:
     """"" when the q/k norms and the RoPE of this attention module can run as one `tigon.ops.qk_norm_rope`
     kernel (`_qk_norm_rope_forward`), else why not."""
-    if not has_qk_norm_form(module):
+    if not has_qk_norm(module):
         return "no q/k norms on the head dim before RoPE in a Llama-form forward"
-    code = _llama_code("LlamaAttention.forward") or ""
-    if hashlib.sha256(code.encode()).hexdigest()[:16] != _LLAMA_FORWARD_SHA:
+    if not _llama_forward_mirrored():
         return "transformers' LlamaAttention.forward is not the version the fused forward computes"
     if not _norms_fusable(getattr(module, "q_norm", None), getattr(module, "k_norm", None), module.head_dim):
         return "q_norm / k_norm are not Tigon RMSNorms of head_dim with the same settings"

@@ -315,7 +315,7 @@ def _instance_patch(model, family, report, spec):
                 why = tigon_attention.fuse_qk_norm_rope(m) if spec["rms_norm"] else "rms_norm=False"
                 if not why:
                     report.add(fused)
-                elif tigon_attention.has_qk_norm_form(m) and (fused, why) not in report.skipped:
+                elif tigon_attention.has_qk_norm(m) and (fused, why) not in report.skipped:
                     report.skip(fused, why)
     if spec["lora"]:
         _lora_patch(hf, undo, report)
