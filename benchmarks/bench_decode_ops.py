@@ -415,6 +415,52 @@ def sweep_attention(s: Model, batches, capacity, quick):
     return rows
 
 
+def sweep_attention_splits(s: Model, batches, capacities, ceiling):
+    """decode_attention's time against its split count (and 2 or 4 warps) at each batch and capacity, the
+    caches full; GB/s of K+V read per layer against the copy ceiling. The library's rule is the `default` row."""
+    from tigon import ops
+    da = importlib.import_module("tigon.ops.decode_attention")
+
+    rows = []
+    dt = torch.bfloat16
+    for b, cap in itertools.product(batches, capacities):
+        kv_bytes = 2 * b * s.kv_heads * cap * s.head_dim * 2
+        layers = max(2, min(s.layers, -(-REPLICA_BYTES // kv_bytes)))  # distinct caches: cold L2
+        calls = []
+        for _ in range(layers):
+            kc = torch.randn(b, s.kv_heads, cap, s.head_dim, dtype=dt, device="cuda")
+            calls.append((torch.randn(b, s.q_heads, 1, s.head_dim, dtype=dt, device="cuda"), kc,
+                          torch.randn_like(kc), torch.arange(cap, device="cuda"),
+                          torch.full((b,), cap, device="cuda")))
+
+        def fns(cfg, calls=calls):
+            return [lambda a=a: ops.decode_attention(*a, config=cfg) for a in calls]
+
+        blk = da._block_n(torch.device("cuda"), s.head_dim, DecodeAttentionConfig())
+        times = {"default": _graph_time(fns(None))}
+        per_wave = {f"{k[-1]} warps": v for k, v in da._PER_WAVE.items()}  # read off the compiled kernels
+        pick = da._launch_shape(*calls[0][:3], cap, b * s.kv_heads, blk, DecodeAttentionConfig(), None)  # cached
+        for n in (1, 2, 3, 4, 5, 6, 8, 10, 11, 12, 16, 17, 22, 24, 32, 33, 44, 47, 48, 64, 66, 96, 99, 128, 132):
+            if n > -(-cap // blk):
+                continue
+            for w in (2, 4):
+                cfg = DecodeAttentionConfig(n_splits=n, num_warps=w, max_splits=max(64, n))
+                times[f"{n}/{w}"] = _graph_time(fns(cfg))
+        best = min((k for k in times if k != "default"), key=times.get)
+        row = dict(op="decode_attention_splits", batch=b, capacity=cap, head_dim=s.head_dim,
+                   programs_per_split=b * s.kv_heads, per_wave=per_wave, default_warps_splits=pick,
+                   kv_MB_per_layer=round(kv_bytes / 1e6, 2), bound_us=round(kv_bytes / ceiling / 1e3, 2),
+                   default_us=round(1e3 * times["default"], 2), best=best, best_us=round(1e3 * times[best], 2),
+                   default_frac_copy=round(kv_bytes / (1e6 * times["default"]) / ceiling, 3),
+                   best_frac_copy=round(kv_bytes / (1e6 * times[best]) / ceiling, 3),
+                   us={k: round(1e3 * t, 2) for k, t in times.items()})
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del calls
+        torch.cuda.empty_cache()
+    return rows
+
+
 def picks_literal(rows, meta, min_gain) -> str:
     """The winners that beat the default by `min_gain` (a fraction of its time), as a dict literal for
     MEASURED_PICKS[gpu]; the first batch of a bucket is kept where several share one."""
@@ -539,6 +585,8 @@ def build_parser():
                     help="only time the fused norm's cost (with / without norm_weight at the default launch)")
     ap.add_argument("--stats-elems", default="0",
                     help="--norm-cost: statistics steps to time, comma-separated (0: the default launch's)")
+    ap.add_argument("--attention-splits", default="",
+                    help="only time decode_attention against its split count at these capacities (comma-separated)")
     ap.add_argument("--emit-picks", metavar="FILE", help="write the winners as a MEASURED_PICKS dict literal")
     ap.add_argument("--min-gain", type=float, default=0.02,
                     help="--emit-picks keeps a winner this fraction faster than the default (default 0.02)")
@@ -559,6 +607,13 @@ def main(argv=None):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 copy_GBps=ceiling, model=model, shapes=_shapes(MODELS[model]), commit=_commit(),
                 command=" ".join(sys.argv))
+    if args.attention_splits:
+        with torch.no_grad():
+            rows = sweep_attention_splits(MODELS[model], batches,
+                                          [int(c) for c in args.attention_splits.split(",")], ceiling)
+        with open(os.path.join(args.out, f"decode_attention_splits_{model}.json"), "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
+        return
     if args.norm_cost:
         with torch.no_grad():
             res = dict(meta, rows=norm_cost(model, batches, [int(v) for v in args.stats_elems.split(",")]))

@@ -297,19 +297,71 @@ def test_config_is_a_frozen_validated_value():
         decode_attention(q, k, v, sp, qp, config=dict(n_splits=2))
 
 
+@pytest.mark.parametrize("programs,per_wave,C,want", [
+    (64, 396, 8448, 6),  # Llama-3-8B batch 8 at two warps (3 programs an SM x 132): 384 programs, one full wave
+    (64, 396, 33024, 6),
+    (64, 264, 8448, 4),  # four warps (2 an SM): 256 programs
+    (8, 396, 33024, 47),  # batch 1: 376 programs, the last wave 95% full (48 and 49 splits round to 47)
+    (8, 396, 8448, 44),  # 352 of 396; the next candidates (66, 33) fill 67%
+    (8, 264, 768, 12),  # a short cache: every split count underfills; the most splits (64 slots each)
+    (64, 660, 8448, 10),  # the 1.5B's head 64 at two warps (5 an SM): 640 programs
+])
+def test_split_count_fills_the_last_wave(programs, per_wave, C, want):
+    """The split rule against the H200 sweep's shapes (bench_decode_ops --attention-splits): a candidate gives
+    every split a whole number of 64-slot steps; the fewest splits within 5% of the best last-wave fill."""
+    from tigon.ops.decode_attention import _splits_for
+
+    cfg = DecodeAttentionConfig()
+    n = _splits_for(C, 64, programs, per_wave, cfg)
+    assert n == want
+    chunk = math.ceil(math.ceil(C / n) / 64) * 64
+    assert math.ceil(C / chunk) == n  # the launch's rounding keeps the pick
+    assert n <= cfg.max_splits and chunk >= cfg.min_split_slots
+    assert _splits_for(C, 64, programs, per_wave, DecodeAttentionConfig(max_splits=4)) <= 4
+    assert _splits_for(60, 64, programs, per_wave, cfg) == 1  # a cache of one step
+    assert _splits_for(100, 64, programs, per_wave, DecodeAttentionConfig(min_split_slots=128)) == 1
+
+
+@pytest.mark.parametrize("regs,shared,warps,want", [
+    (255, 73728, 2, 3),  # the split kernel at head 128, two warps (ptxas for sm_90): shared memory limits
+    (203, 41984, 4, 2),  # four warps: registers limit (208 x 32 x 4 a program)
+    (151, 38912, 2, 5),  # head 64, two warps
+    (32, 0, 1, 32),  # the most blocks an SM holds
+])
+def test_programs_per_sm_from_the_compiled_kernel(monkeypatch, regs, shared, warps, want):
+    from tigon.ops import _launch
+
+    class Compiled:  # what triton.compile's kernel carries once loaded
+        n_regs = regs
+        metadata = type("Meta", (), {"shared": shared})
+
+        def _init_handles(self):
+            pass
+
+    monkeypatch.setattr(_launch, "_sm_limits", lambda index: (65536, 233472, 2048))  # an H100 / H200 SM
+    assert _launch.programs_per_sm(Compiled(), 0, warps) == want
+    assert _launch.programs_per_sm(object(), 0, warps) == 0  # a kernel that does not say
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("C", [4096, 8448])
 @pytest.mark.parametrize("kw", [{}, dict(sliding_window=1024, softcap=50.0)])
-def test_llama_decode_shapes_gpu(batch, kw):
-    """Llama-3-8B decode in bf16: 32 query heads on 8 kv heads, D = 128, a 4096-slot ring wrapped ~1.5 times;
-    the heuristic's splits; no host sync; bitwise deterministic; compiled with inductor."""
-    dtype, C = torch.bfloat16, 4096
+def test_llama_decode_shapes_gpu(batch, C, kw):
+    """Llama-3-8B decode in bf16: 32 query heads on 8 kv heads, D = 128, a ring of 4096 slots wrapped ~1.5 times
+    or of 8448 (an 8k prompt); the default launch (splits and warps from the compiled occupancy); no host sync;
+    bitwise deterministic; compiled with inductor."""
+    from tigon.ops.decode_attention import _PER_WAVE
+
+    dtype = torch.bfloat16
     q, k, v, sp, qp = _inputs(dtype, 128, C, "wrapped", q_pos=(6000, 4200, 5000, 100, 4095, 4096, 7777, 12),
                               device="cuda", b=batch, hq=32, hkv=8)
     _check(f"gpu B={batch} {kw}", q, k, v, sp, qp, dtype, **kw)
     assert_no_sync_and_deterministic(lambda: (decode_attention(q, k, v, sp, qp, **kw),))
     compiled = torch.compile(lambda *a: decode_attention(*a, **kw), fullgraph=True)
     assert torch.equal(compiled(q, k, v, sp, qp), decode_attention(q, k, v, sp, qp, **kw))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert _PER_WAVE and all(w % sms == 0 and w >= sms for w in _PER_WAVE.values())  # read off compiled kernels
 
 
 @pytest.mark.xfail(torch.cuda.is_available(), strict=False,

@@ -52,27 +52,35 @@ class DecodeLinearConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
-    """The launch of `tigon.ops.decode_attention`. n_splits 0: `min(cdiv(splits_per_sm * SMs, programs),
-    cdiv(C, min_split_slots), max_splits)` on a GPU, 2 on the interpreter; block_n 0: 64 slots a loop step for
-    a head dim <= 128 on a GPU, 32 above, 16 on the interpreter (several steps on small test caches)."""
+    """The launch of `tigon.ops.decode_attention`. n_splits 0: on a GPU the split count that fills the last wave
+    of programs best at the kernel's compiled occupancy (`decode_attention._splits_for`: within `wave_slack_pct`
+    percent of the best fill, the fewest splits; each split at least `min_split_slots` slots, at most
+    `max_splits`), 2 on the interpreter. num_warps 0: 2 a program, 4 when the grid stays under one program per
+    SM. block_n 0: 64 slots a loop step for a head dim <= 128 on a GPU, 32 above, 16 on the interpreter
+    (several steps on small test caches)."""
 
     n_splits: int = 0
     block_n: int = 0
-    num_warps: int = 4
+    num_warps: int = 0
     num_stages: int = 3
-    splits_per_sm: int = 2
+    # Swept on an H200 (bench_decode_ops --attention-splits, h200_decode_attention_splits_*.json): the rule's pick
+    # against every split count at 2 and 4 warps, batch 1 and 8, caches of 768 to 33024 slots.
+    wave_slack_pct: int = 5
     # A split reads >= 64 slots: swept on an H200 (bench_decode_ops, 1.5B Llama shapes, C = 768): 256 -> 64 took
     # the step's attention from 9.3 to 5.4 us per layer at batch 1 (more programs in flight for a short cache).
     min_split_slots: int = 64
     max_splits: int = 64
 
     def __post_init__(self):
-        _check_fields(self, powers_of_two=("block_n", "num_warps"), zero_ok=("n_splits", "block_n"))
+        _check_fields(self, powers_of_two=("block_n", "num_warps"), zero_ok=("n_splits", "block_n", "num_warps",
+                                                                             "wave_slack_pct"))
         if self.block_n and self.block_n < 16:
             raise ValueError(f"DecodeAttentionConfig: block_n must be 0 or >= 16 (tl.dot), got {self.block_n}")
+        if self.wave_slack_pct >= 100:
+            raise ValueError(f"DecodeAttentionConfig: wave_slack_pct must be < 100, got {self.wave_slack_pct}")
 
     def ints(self) -> list[int]:
-        return [self.n_splits, self.block_n, self.num_warps, self.num_stages, self.splits_per_sm,
+        return [self.n_splits, self.block_n, self.num_warps, self.num_stages, self.wave_slack_pct,
                 self.min_split_slots, self.max_splits]
 
 

@@ -23,6 +23,31 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_limits(device_index: int) -> tuple[int, int, int]:
+    """(registers, bytes of shared memory, threads) one SM holds: the CUDA occupancy rule's budgets."""
+    props = torch.cuda.get_device_properties(device_index)
+    return (getattr(props, "regs_per_multiprocessor", 65536),
+            getattr(props, "shared_memory_per_multiprocessor", 228 << 10),
+            getattr(props, "max_threads_per_multi_processor", 2048))
+
+
+def programs_per_sm(compiled, device_index: int, num_warps: int) -> int:
+    """How many programs of a compiled Triton kernel one SM runs at once, from its registers (allocated per warp
+    in 256-register units), its shared memory (plus the 1 KiB the driver reserves a block) and its warps; 0 when
+    the compiled kernel does not say (an older Triton)."""
+    load = getattr(compiled, "_init_handles", None)
+    if load is not None:
+        load()  # loads the module: the register count is known from here
+    regs, shared = getattr(compiled, "n_regs", None), getattr(getattr(compiled, "metadata", None), "shared", None)
+    if not regs or shared is None:
+        return 0
+    sm_regs, sm_shared, sm_threads = _sm_limits(device_index)
+    per_warp = -(-regs * 32 // 256) * 256
+    return max(1, min(sm_regs // (per_warp * num_warps), sm_shared // (shared + 1024), sm_threads // (32 * num_warps),
+                      32))
+
+
 def num_programs(device: torch.device, rows: int, per_sm: int) -> int:
     """Programs for a persistent (row-looping) kernel: enough to fill the GPU, never more than rows."""
     if device.type == "cuda":

@@ -211,16 +211,57 @@ def _block_n(device, d_block: int, cfg: DecodeAttentionConfig) -> int:
     return 64 if d_block <= 128 else 32  # [64, 128] bf16 K and V tiles: 32 KiB in flight per stage
 
 
-def _num_splits(device, C: int, programs: int, block_n: int, cfg: DecodeAttentionConfig) -> int:
-    if cfg.n_splits:
-        n = cfg.n_splits
-    elif device.type == "cuda":
-        target = _launch.sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        n = min(_launch.cdiv(target * cfg.splits_per_sm, programs), _launch.cdiv(C, cfg.min_split_slots),
-                cfg.max_splits)
-    else:
-        n = 2  # the interpreter pays ~1 ms per program
-    return max(1, min(n, _launch.cdiv(C, block_n)))
+def _splits_for(C: int, block_n: int, programs: int, per_wave: int, cfg: DecodeAttentionConfig) -> int:
+    """The split count whose programs fill their last wave best: a memory-bound grid of `programs * s` programs
+    runs in ceil(programs * s / per_wave) waves, and a last wave that is a quarter full costs a whole wave's
+    time at a quarter of the bandwidth. Candidates give every split a whole number of `block_n` steps, at least
+    `min_split_slots` slots, at most `max_splits` splits; of those within `wave_slack_pct` percent of the best
+    fill, the fewest splits (the least partial-sum traffic and merge work)."""
+    steps = _launch.cdiv(C, block_n)
+    least = _launch.cdiv(cfg.min_split_slots, block_n)
+    fills = {}
+    for per_split in range(min(least, steps), steps + 1):
+        s = _launch.cdiv(steps, per_split)
+        if s <= cfg.max_splits and s not in fills:
+            waves = programs * s / per_wave
+            fills[s] = waves / math.ceil(waves)
+    if not fills:
+        return cfg.max_splits
+    best = max(fills.values())
+    return min(s for s, f in fills.items() if 100 * f >= (100 - cfg.wave_slack_pct) * best)
+
+
+_PER_WAVE: dict = {}  # launch key -> programs of the split kernel the GPU runs at once
+
+
+def _per_wave(key, device_index: int, compile_kernel) -> int:
+    """Programs of the split kernel resident on the whole GPU at once, from its compiled registers and shared
+    memory (compiled once per key, ahead of its first launch; two programs an SM if the kernel does not say)."""
+    found = _PER_WAVE.get(key)
+    if found is None:
+        per_sm = _launch.programs_per_sm(compile_kernel(), device_index, key[-1]) or 2
+        found = _PER_WAVE[key] = per_sm * _launch.sm_count(device_index)
+    return found
+
+
+def _launch_shape(q, k_cache, v_cache, C, programs, block_n, cfg, compile_kernel) -> tuple[int, int]:
+    """(num_warps, n_splits) of the split kernel. On a GPU: the split count from `_splits_for` at the launch's
+    compiled occupancy, with two warps a program, or four where two warps' pick leaves fewer programs than SMs
+    (a short cache at batch 1: more loads in flight a program). The interpreter: the config's (4 warps, 2
+    splits)."""
+    if q.device.type != "cuda":
+        n = cfg.n_splits or 2  # the interpreter pays ~1 ms per program
+        return cfg.num_warps or 4, max(1, min(n, _launch.cdiv(C, block_n)))
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    spec = (index, q.dtype, block_n, cfg.num_stages, tuple(
+        v % 16 == 0 for v in (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.stride(0), q.stride(1),
+                              *k_cache.stride()[:3], *v_cache.stride()[:3])))
+    for warps in (cfg.num_warps,) if cfg.num_warps else (2, 4):
+        n = cfg.n_splits or _splits_for(C, block_n, programs,
+                                        _per_wave((*spec, warps), index, lambda w=warps: compile_kernel(w)), cfg)
+        if cfg.num_warps or programs * n >= _launch.sm_count(index):
+            break
+    return warps, max(1, min(n, _launch.cdiv(C, block_n)))
 
 
 def _dot_precision(dtype, interp: bool) -> str:
@@ -245,42 +286,51 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
     block_g = min(max(16, _launch.next_power_of_2(G)), _MAX_GROUP_BLOCK)
     n_gblk = _launch.cdiv(G, block_g)
     block_n = _block_n(q.device, block_d, cfg)
-    n_splits = _num_splits(q.device, C, B * Hkv * n_gblk, block_n, cfg)
+    interp = q.device.type != "cuda"
+    pdl = _pdl.enabled(q.device)
+    shared_pos = slot_pos.dim() == 1
+
+    def split_kernel(grid, chunk, n_splits, one, warps, parts, warmup=False):
+        m_part, l_part, acc_part = parts
+        kernel = _decode_attention_split_kernel.warmup if warmup else _decode_attention_split_kernel[grid]
+        return kernel(
+            q, k_cache, v_cache, slot_pos, q_pos, out, m_part, l_part, acc_part,
+            q.stride(0), q.stride(1), q.stride(3),
+            *k_cache.stride(), *v_cache.stride(),
+            0 if shared_pos else slot_pos.stride(0), slot_pos.stride(-1),
+            q_pos.stride(0),
+            out.stride(0), out.stride(1),
+            Hq, Hkv, G, C, D, chunk, n_splits, n_gblk, scale, window, softcap if softcap else 1.0,
+            HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), ONE_SPLIT=one,
+            UPCAST=interp, SPLIT_P=q.dtype != torch.float32, DOT_PRECISION=_dot_precision(q.dtype, interp),
+            BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, PDL=pdl,
+            num_warps=warps, num_stages=cfg.num_stages, **_pdl.launch_options(pdl), **(
+                dict(grid=grid) if warmup else {}))
+
+    programs = B * Hkv * n_gblk
+    # the multi-split kernel compiled (not launched) for its occupancy: these arguments, stand-in partials
+    warps, n_splits = _launch_shape(q, k_cache, v_cache, C, programs, block_n, cfg, lambda w: split_kernel(
+        (programs, 2), block_n, 2, False, w, (torch.empty(4, dtype=torch.float32, device=q.device),) * 3, warmup=True))
     chunk = _launch.cdiv(_launch.cdiv(C, n_splits), block_n) * block_n
     n_splits = _launch.cdiv(C, chunk)  # no split without slots
     one = n_splits == 1
     if one:
-        m_part = l_part = acc_part = out
+        parts = (out, out, out)
     else:
         # Per-split partials from one pinned buffer of the arena (a stable address for a captured decode step,
         # nothing allocated per step once it fits): m and l [B Hq, n_splits], then acc [B Hq, n_splits, D].
         n = B * Hq * n_splits
         part = _ws.workspace(q.device).pinned("decode_attention.partials", n * (D + 2), torch.float32)
-        m_part, l_part = part[:n].view(B * Hq, n_splits), part[n:2 * n].view(B * Hq, n_splits)
-        acc_part = part[2 * n:n * (D + 2)].view(B * Hq, n_splits, D)
-    interp = q.device.type != "cuda"
-    pdl = _pdl.enabled(q.device)
-    shared_pos = slot_pos.dim() == 1
-    _decode_attention_split_kernel[(B * Hkv * n_gblk, n_splits)](
-        q, k_cache, v_cache, slot_pos, q_pos, out, m_part, l_part, acc_part,
-        q.stride(0), q.stride(1), q.stride(3),
-        *k_cache.stride(), *v_cache.stride(),
-        0 if shared_pos else slot_pos.stride(0), slot_pos.stride(-1),
-        q_pos.stride(0),
-        out.stride(0), out.stride(1),
-        Hq, Hkv, G, C, D, chunk, n_splits, n_gblk, scale, window, softcap if softcap else 1.0,
-        HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), ONE_SPLIT=one,
-        UPCAST=interp, SPLIT_P=q.dtype != torch.float32, DOT_PRECISION=_dot_precision(q.dtype, interp),
-        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl.launch_options(pdl),
-    )
+        parts = (part[:n].view(B * Hq, n_splits), part[n:2 * n].view(B * Hq, n_splits),
+                 part[2 * n:n * (D + 2)].view(B * Hq, n_splits, D))
+    split_kernel((programs, n_splits), chunk, n_splits, one, warps, parts)
     if not one:
         adv = advance if advance is not None else q_pos
         _decode_attention_merge_kernel[(B * Hq,)](
-            m_part, l_part, acc_part, out, adv, out.stride(0), out.stride(1), Hq, D, n_splits,
+            *parts, out, adv, out.stride(0), out.stride(1), Hq, D, n_splits,
             adv.numel(), adv.stride(0) if adv.dim() else 1,
             ADVANCE=advance is not None, BLOCK_S=_launch.next_power_of_2(n_splits), BLOCK_D=block_d,
-            BLOCK_P=_launch.next_power_of_2(max(adv.numel(), 1)), PDL=pdl, num_warps=cfg.num_warps,
+            BLOCK_P=_launch.next_power_of_2(max(adv.numel(), 1)), PDL=pdl, num_warps=4,
             **_pdl.launch_options(pdl),
         )
     elif advance is not None:  # no merge kernel to carry it
