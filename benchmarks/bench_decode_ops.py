@@ -417,7 +417,8 @@ def sweep_attention(s: Model, batches, capacity, quick):
 
 def sweep_attention_splits(s: Model, batches, capacities, ceiling):
     """decode_attention's time against its split count (and 2 or 4 warps) at each batch and capacity, the
-    caches full; GB/s of K+V read per layer against the copy ceiling. The library's rule is the `default` row."""
+    caches full; GB/s of K+V read per layer against the copy ceiling. The library's rule is the `default` row;
+    `launches` times the rule's splits and warps at other slot tiles (block_n) and pipeline stages."""
     from tigon import ops
     da = importlib.import_module("tigon.ops.decode_attention")
 
@@ -440,20 +441,26 @@ def sweep_attention_splits(s: Model, batches, capacities, ceiling):
         times = {"default": _graph_time(fns(None))}
         per_wave = {f"{k[-1]} warps": v for k, v in da._PER_WAVE.items()}  # read off the compiled kernels
         pick = da._launch_shape(*calls[0][:3], cap, b * s.kv_heads, blk, DecodeAttentionConfig(), None)  # cached
+        for bn, st in itertools.product((32, 64, 128), (2, 3, 4)):  # the rule's splits and warps at each tile
+            try:
+                times[f"block_n {bn} stages {st}"] = _graph_time(fns(DecodeAttentionConfig(block_n=bn, num_stages=st)))
+            except Exception as e:  # out of shared memory: not a launch
+                print(f"block_n {bn} stages {st}: {type(e).__name__}", flush=True)
         for n in (1, 2, 3, 4, 5, 6, 8, 10, 11, 12, 16, 17, 22, 24, 32, 33, 44, 47, 48, 64, 66, 96, 99, 128, 132):
             if n > -(-cap // blk):
                 continue
             for w in (2, 4):
                 cfg = DecodeAttentionConfig(n_splits=n, num_warps=w, max_splits=max(64, n))
                 times[f"{n}/{w}"] = _graph_time(fns(cfg))
-        best = min((k for k in times if k != "default"), key=times.get)
+        best = min((k for k in times if "/" in k), key=times.get)  # of the split counts
+        launches = {k: round(1e3 * t, 2) for k, t in times.items() if k.startswith("block_n")}
         row = dict(op="decode_attention_splits", batch=b, capacity=cap, head_dim=s.head_dim,
                    programs_per_split=b * s.kv_heads, per_wave=per_wave, default_warps_splits=pick,
                    kv_MB_per_layer=round(kv_bytes / 1e6, 2), bound_us=round(kv_bytes / ceiling / 1e3, 2),
                    default_us=round(1e3 * times["default"], 2), best=best, best_us=round(1e3 * times[best], 2),
                    default_frac_copy=round(kv_bytes / (1e6 * times["default"]) / ceiling, 3),
                    best_frac_copy=round(kv_bytes / (1e6 * times[best]) / ceiling, 3),
-                   us={k: round(1e3 * t, 2) for k, t in times.items()})
+                   launches=launches, us={k: round(1e3 * t, 2) for k, t in times.items()})
         print(json.dumps(row), flush=True)
         rows.append(row)
         del calls
