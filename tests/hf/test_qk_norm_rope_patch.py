@@ -149,3 +149,101 @@ def test_qwen3_moe_fuses():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+CLASS_FUSED = "Qwen3Attention.forward (q/k norms + RoPE in one kernel)"
+
+
+@pytest.mark.parametrize("then_instance", [False, True], ids=["class", "class_then_instance"])
+def test_class_level_patch_fuses_models_built_after(then_instance, device):
+    """tigon.patch(model_type="qwen3") (Liger's apply_liger_kernel_to_qwen3 path, before the model is built): every
+    Qwen3 built afterwards runs its q/k norms and RoPE as one kernel, trains and generates as HF's, also with an
+    instance patch on top (the Trainer's); transformers' forward stays readable for the decode wing; unpatch
+    restores it."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    cls = modeling_qwen3.Qwen3Attention
+    hf_forward = cls.forward
+    ref = tiny_model("qwen3").to(device)
+    _norm_weights_off_one(ref)
+    report = tigon.patch(model_type="qwen3")
+    try:
+        assert report.replaced[CLASS_FUSED] == 1, str(report)
+        model = tiny_model("qwen3").to(device)
+        model.load_state_dict(ref.state_dict())
+        if then_instance:
+            tigon.patch(model)
+        attn = model.model.layers[0].self_attn
+        assert tigon_attention.hf_class_forward(cls) is hf_forward and tigon_attention.has_qk_norm(attn)
+        ids, labels = (t.to(device) for t in batch())
+        before = op_calls("qk_norm_rope")
+        loss, grads = _loss_and_grads(model, ids, labels)
+        assert op_calls("qk_norm_rope") - before == 2
+        ref_loss, ref_grads = _loss_and_grads(ref, ids, labels)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+        assert grads.keys() == ref_grads.keys()
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+        with torch.no_grad():
+            out = model.generate(ids[:1, :5], max_new_tokens=3, do_sample=False, pad_token_id=0)
+            assert torch.equal(out, ref.generate(ids[:1, :5], max_new_tokens=3, do_sample=False, pad_token_id=0))
+        # HF's norms put back behind the patch's back: transformers' forward, same loss
+        for layer, ref_layer in zip(model.model.layers, ref.model.layers):
+            layer.self_attn.q_norm, layer.self_attn.k_norm = ref_layer.self_attn.q_norm, ref_layer.self_attn.k_norm
+        before = op_calls("qk_norm_rope")
+        torch.testing.assert_close(_loss_and_grads(model, ids, labels)[0], ref_loss, rtol=1e-5, atol=1e-5)
+        assert op_calls("qk_norm_rope") == before
+    finally:
+        tigon.unpatch(model_type="qwen3")
+    assert cls.forward is hf_forward
+
+
+def test_class_level_patch_without_tigon_norms_keeps_the_forward():
+    from transformers.models.qwen3 import modeling_qwen3
+
+    hf_forward = modeling_qwen3.Qwen3Attention.forward
+    report = tigon.patch(model_type="qwen3", rms_norm=False)
+    try:
+        assert (CLASS_FUSED, "rms_norm=False") in report.skipped and CLASS_FUSED not in report.replaced
+        assert modeling_qwen3.Qwen3Attention.forward is hf_forward
+    finally:
+        tigon.unpatch(model_type="qwen3")
+    llama = tigon.patch(model_type="llama")  # no q/k norms: nothing to fuse, nothing said
+    tigon.unpatch(model_type="llama")
+    assert not any("q/k norms" in piece for piece in [*llama.replaced, *(p for p, _ in llama.skipped)])
+
+
+def test_class_level_patch_compiles_fullgraph():
+    """The class forward is a closure over transformers' forward: torch.compile(fullgraph=True) traces it."""
+    ref = tiny_model("qwen3")
+    _norm_weights_off_one(ref)
+    tigon.patch(model_type="qwen3")
+    try:
+        model = tiny_model("qwen3")
+        model.load_state_dict(ref.state_dict())
+        ids, labels = batch()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        loss = compiled(ids, labels=labels).loss
+        loss.backward()
+    finally:
+        tigon.unpatch(model_type="qwen3")
+    torch.testing.assert_close(loss.detach(), ref(ids, labels=labels).loss.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_instance_patch_then_class_level_patch():
+    """An instance fused first, then the class patched: the instance's forward still reads transformers' module
+    (its attention functions), not the class-level closure's."""
+    hf = tiny_model("qwen3")
+    _norm_weights_off_one(hf)
+    model = copy.deepcopy(hf)
+    tigon.patch(model)
+    tigon.patch(model_type="qwen3")
+    try:
+        ids, labels = batch()
+        before = op_calls("qk_norm_rope")
+        loss, _ = _loss_and_grads(model, ids, labels)
+        assert op_calls("qk_norm_rope") - before == 2
+    finally:
+        tigon.unpatch(model_type="qwen3")
+        tigon.unpatch(model)
+    torch.testing.assert_close(loss, _loss_and_grads(hf, ids, labels)[0], rtol=1e-5, atol=1e-5)

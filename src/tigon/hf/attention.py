@@ -195,10 +195,10 @@ def _forward_body(fn):
     return ast.Module(body=body, type_ignores=[])
 
 
-def _code(fn):
-    """The source of `fn` (a kernels function module read as the function it wraps) as normalized code, or
-    None."""
-    body = _forward_body(hub_function(fn)) if fn is not None else None
+def _code(fn, defined=False):
+    """The source of `fn` (a kernels function module read as the function it wraps; `defined`: also after
+    kernelize gave it a hub forward, `hub_function`) as normalized code, or None."""
+    body = _forward_body(hub_function(fn, defined)) if fn is not None else None
     return ast.unparse(body) if body is not None else None
 
 
@@ -231,7 +231,7 @@ def _llama_code(name):
     obj = importlib.import_module(_LLAMA)
     for part in name.split("."):
         obj = getattr(obj, part)
-    return _code(obj)
+    return _code(obj, defined=True)  # the reference: Llama's source even where a kernelize replaced what runs
 
 
 def _rotate_half_rope(fn) -> bool:
@@ -245,6 +245,14 @@ def _rotate_half_rope(fn) -> bool:
             and _code(getattr(rope, "__globals__", {}).get("rotate_half")) == _llama_code("rotate_half"))
 
 
+_HF_FORWARD: dict = {}  # attention class -> the forward transformers defined on it, kept when a class patch replaces it
+
+
+def hf_class_forward(cls):
+    """The forward transformers defined on `cls` (kept from before a class-level patch replaced it), or None."""
+    return _HF_FORWARD.get(cls) or cls.__dict__.get("forward")
+
+
 @functools.cache
 def rope_on_write_form(cls):
     """`RopeOnWrite` when `cls.forward` is transformers' own (defined on the class, not replaced by another
@@ -252,7 +260,7 @@ def rope_on_write_form(cls):
     and its apply_rotary_pos_emb is rotate-half; else None. That is the computation `_rope_on_write` fuses; any
     other line (softcapping, a norm on the whole projection, a NoPE switch, a fused qkv projection) or an
     interleaved RoPE keeps the module's forward."""
-    fn = cls.__dict__.get("forward")
+    fn = hf_class_forward(cls)
     if (fn is None or not getattr(fn, "__module__", "").startswith("transformers.models.")
             or getattr(fn, "__qualname__", "") != f"{cls.__name__}.forward"):
         return None
@@ -349,14 +357,22 @@ def qk_norm_rope_ready(module) -> str:
 def _qk_norm_rope_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                           **kwargs):
     """The class forward (Llama's with Qwen3's q/k norms, `rope_on_write_form`) with the two norms and RoPE in one
-    `tigon.ops.qk_norm_rope` kernel: the normalized q and k never go through memory. Where that cannot run
-    (norms swapped since, a partial rotary table) the class forward runs, with Tigon's RoPE."""
-    cls_forward = type(self).forward
+    `tigon.ops.qk_norm_rope` kernel, on an instance `fuse_qk_norm_rope` fused."""
+    cls = type(self)  # transformers' forward, also where a class-level patch came after this instance's
+    return _qk_norm_rope_compute(self, _HF_FORWARD.get(cls) or cls.forward, self.__dict__.get(QK_NORM_ROPE),
+                                 hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+
+
+def _qk_norm_rope_compute(self, hf_forward, window_source, hidden_states, position_embeddings, attention_mask,
+                          past_key_values, **kwargs):
+    """transformers' forward `hf_forward` with the q/k norms and RoPE in one kernel: the normalized q and k never go
+    through memory. `window_source` says where it reads its sliding window ("module", "config", "": none). Where
+    the kernel cannot run (norms swapped since, a partial rotary table) `hf_forward` runs, with Tigon's RoPE."""
     q_norm, k_norm = self.q_norm, self.k_norm
     cos, sin = position_embeddings
     if not _norms_fusable(q_norm, k_norm, self.head_dim) or cos.shape[-1] != self.head_dim:
-        return _rope_routed(cls_forward)(self, hidden_states, position_embeddings, attention_mask, past_key_values,
-                                         **kwargs)
+        return _rope_routed(hf_forward)(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                        **kwargs)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     q = self.q_proj(hidden_states).view(hidden_shape)
@@ -367,15 +383,41 @@ def _qk_norm_rope_forward(self, hidden_states, position_embeddings=None, attenti
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)
-    names = cls_forward.__globals__  # the modeling module's attention functions, as the class forward reads them
+    names = hf_forward.__globals__  # the modeling module's attention functions, as the class forward reads them
     attention = names["ALL_ATTENTION_FUNCTIONS"].get_interface(self.config._attn_implementation,
                                                                names["eager_attention_forward"])
-    source = self.__dict__.get(QK_NORM_ROPE)  # where the class forward reads its sliding window ("": none)
-    window = {"sliding_window": self.sliding_window if source == "module" else
-              getattr(self.config, "sliding_window", None)} if source else {}
+    window = {"sliding_window": self.sliding_window if window_source == "module" else
+              getattr(self.config, "sliding_window", None)} if window_source else {}
     out, weights = attention(self, q, k, v, attention_mask, dropout=0.0 if not self.training else
                              self.attention_dropout, scaling=self.scaling, **window, **kwargs)
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def qk_norm_rope_class_forward(cls):
+    """A forward for the attention class `cls` (Llama-form with Qwen3's q/k norms, `qk_norm_rope_class_ready`)
+    running its q/k norms and RoPE as one kernel for every instance whose norms are Tigon's (the others run
+    transformers' forward), for a class-level patch; `hf_class_forward(cls)` keeps transformers' forward."""
+    hf_forward = hf_class_forward(cls)
+    _HF_FORWARD.setdefault(cls, hf_forward)
+    window_source = rope_on_write_form(cls).window or ""
+
+    @functools.wraps(hf_forward)  # the signature, which the call-shape check and generate() inspect
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        return _qk_norm_rope_compute(self, hf_forward, window_source, hidden_states, position_embeddings,
+                                     attention_mask, past_key_values, **kwargs)
+
+    forward.__tigon__ = True
+    return forward
+
+
+def qk_norm_rope_class_ready(cls) -> str:
+    """"" when the class forward of `cls` can run its q/k norms and RoPE as one kernel, else why not."""
+    form = rope_on_write_form(cls)
+    if form is None or not form.qk_norm:
+        return "no q/k norms on the head dim before RoPE in a Llama-form forward"
+    if not _llama_forward_mirrored():
+        return "transformers' LlamaAttention.forward is not the version the fused forward computes"
+    return ""
 
 
 def fuse_qk_norm_rope(module) -> str:
@@ -383,6 +425,8 @@ def fuse_qk_norm_rope(module) -> str:
     Returns "" when done (or already), else why not. `unroute_rope` undoes it too."""
     if not module.__dict__.get(ROPE):
         return "RoPE is not routed to Tigon's on this instance"
+    if getattr(type(module).forward, "__tigon__", False):
+        return ""  # a class-level patch fused the class forward: every instance runs it
     why = qk_norm_rope_ready(module)
     if not why:  # the window's source, read here: the forward traced by torch.compile then reads a plain str
         module.__dict__[QK_NORM_ROPE] = rope_on_write_form(type(module)).window or ""
@@ -440,7 +484,7 @@ def _rope_routed(fn):
 def calls_rope(cls, modeling: str) -> bool:
     """The class forward is a function of the `modeling` module that calls that module's apply_rotary_pos_emb
     (and can be routed to Tigon's)."""
-    fn = getattr(cls, "forward", None)
+    fn = _HF_FORWARD.get(cls) or getattr(cls, "forward", None)
     return (getattr(fn, "__globals__", {}).get("__name__") == modeling and _rope_routed(fn) is not fn)
 
 

@@ -169,10 +169,26 @@ def _class_patch(family, report, spec):
              f"{layer_cls.__name__}.forward (residual add fused into the norm)")
     if spec["rope"] and family.rope:
         swap(modeling, "apply_rotary_pos_emb", tigon_attention.apply_rotary_pos_emb, "function apply_rotary_pos_emb")
+        _fuse_qk_norm_rope_class(family, modeling, spec, swap, report)
     if spec["lora"]:
         report.skip("lora", "PEFT LoRA projections run through tigon.ops.lora_linear on an instance patch "
                             "(tigon.patch(model)); a class-level patch leaves them to PEFT")
     _patch_causal_lm_class(family, modeling, spec, swap, report)
+
+
+def _fuse_qk_norm_rope_class(family, modeling, spec, swap, report):
+    """A family whose attention is Llama's with Qwen3's q/k norms gets a class forward running the norms and RoPE
+    as one kernel (for instances whose norms are Tigon's: rms_norm=True builds them so)."""
+    cls = getattr(modeling, f"{family.prefix}Attention", None)
+    if cls is None or tigon_attention.rope_on_write_form(cls) is None or \
+            not tigon_attention.rope_on_write_form(cls).qk_norm:
+        return
+    piece = f"{cls.__name__}.forward (q/k norms + RoPE in one kernel)"
+    why = tigon_attention.qk_norm_rope_class_ready(cls) if spec["rms_norm"] else "rms_norm=False"
+    if why:
+        report.skip(piece, why)
+    else:
+        swap(cls, "forward", tigon_attention.qk_norm_rope_class_forward(cls), piece)
 
 
 def _patch_offset_norm_init(family, modeling, report):

@@ -34,16 +34,21 @@ def unwrap_model(model, caller="tigon.patch"):
                     "config.model_type); Tigon patches transformers models and PEFT/other wrappers of one")
 
 
-def hub_function(obj):
+def hub_function(obj, defined=False):
     """The plain function behind a `kernels` function module, else `obj` itself.
 
     With the `kernels` package installed, transformers' `use_kernel_forward_from_hub` turns a decorated function
     (5.17: `apply_rotary_pos_emb` of Llama and most rotate-half families) into an instance of a class made for it
     (`kernels.layer._create_func_module`) whose forward calls the function. That instance is the function
-    unless `kernels.kernelize` gave it a hub layer's forward (set on the instance): then it is returned as is."""
+    unless `kernels.kernelize` gave it a hub layer's forward (set on the instance): then it is returned as is
+    (what runs is the hub's), or, with `defined=True`, the function transformers defined all the same (what the
+    source says: a process that kernelized a model once still reads Llama's code as Llama's)."""
     cls = type(obj)
     forward = getattr(cls, "forward", None)
-    if (not isinstance(obj, torch.nn.Module) or not hasattr(cls, "kernel_layer_name") or "forward" in obj.__dict__
+    # kernelize without a hub layer for it ("defaulting to original forward") sets the class's own forward, bound
+    own = getattr(obj, "__dict__", {}).get("forward")
+    hub = own is not None and getattr(own, "__func__", None) is not forward
+    if (not isinstance(obj, torch.nn.Module) or not hasattr(cls, "kernel_layer_name") or (hub and not defined)
             or not hasattr(forward, "__code__")):
         return obj
     cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
