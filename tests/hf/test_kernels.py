@@ -109,8 +109,11 @@ def test_hub_function_is_the_function_a_kernels_function_module_wraps():
     assert hub_function(double) is double and hub_function(None) is None
     norm = torch.nn.RMSNorm(4)
     assert hub_function(norm) is norm
+    wrapped.forward = type(wrapped).forward.__get__(wrapped)  # kernelize without a hub layer for it: the same
+    assert hub_function(wrapped) is double
     wrapped.forward = lambda x: 3 * x  # what kernelize does with a hub layer: no longer the function
     assert hub_function(wrapped) is wrapped
+    assert hub_function(wrapped, defined=True) is double  # the source transformers defined, all the same
 
 
 def test_from_pretrained_use_kernels_runs_tigon_on_cpu(tmp_path):
