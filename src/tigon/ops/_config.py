@@ -62,7 +62,7 @@ class DecodeAttentionConfig:
     n_splits: int = 0
     block_n: int = 0
     num_warps: int = 0
-    num_stages: int = 3
+    num_stages: int = 2
     # Swept on an H200 (bench_decode_ops --attention-splits, h200_decode_attention_splits_*.json): the rule's pick
     # against every split count at 2 and 4 warps, batch 1 and 8, caches of 768 to 33024 slots.
     wave_slack_pct: int = 5
