@@ -439,8 +439,10 @@ def sweep_attention_splits(s: Model, batches, capacities, ceiling):
 
         blk = da._block_n(torch.device("cuda"), s.head_dim, DecodeAttentionConfig())
         times = {"default": _graph_time(fns(None))}
-        per_wave = {f"{k[-1]} warps": v for k, v in da._PER_WAVE.items()}  # read off the compiled kernels
-        pick = da._launch_shape(*calls[0][:3], cap, b * s.kv_heads, blk, DecodeAttentionConfig(), None)  # cached
+        per_wave = {f"D {k[4]}, block_n {k[2]}, {k[3]} stages, {k[-1]} warps": v  # read off the compiled kernels
+                    for k, v in da._PER_WAVE.items()}
+        key = (s.head_dim, 16, False, False)  # the split kernel's head-dim and group tiles; no window, softcap
+        pick = da._launch_shape(*calls[0][:3], cap, b * s.kv_heads, blk, key, DecodeAttentionConfig(), None)  # cached
         for bn, st in itertools.product((32, 64, 128), (2, 3, 4)):  # the rule's splits and warps at each tile
             try:
                 times[f"block_n {bn} stages {st}"] = _graph_time(fns(DecodeAttentionConfig(block_n=bn, num_stages=st)))

@@ -20,6 +20,7 @@ softmax over its slots and writes (max, sum, unnormalized output) in fp32. Kerne
 The math and the byte model are in docs/ops/decode_attention.md.
 """
 
+import functools
 import math
 
 import torch
@@ -211,6 +212,7 @@ def _block_n(device, d_block: int, cfg: DecodeAttentionConfig) -> int:
     return 64 if d_block <= 128 else 32  # [64, 128] bf16 K and V tiles: 32 KiB in flight per stage
 
 
+@functools.lru_cache(maxsize=256)  # one loop over the cache's steps per shape, not per call
 def _splits_for(C: int, block_n: int, programs: int, per_wave: int, cfg: DecodeAttentionConfig) -> int:
     """The split count whose programs fill their last wave best: a memory-bound grid of `programs * s` programs
     runs in ceil(programs * s / per_wave) waves, and a last wave that is a quarter full costs a whole wave's
@@ -244,16 +246,17 @@ def _per_wave(key, device_index: int, compile_kernel) -> int:
     return found
 
 
-def _launch_shape(q, k_cache, v_cache, C, programs, block_n, cfg, compile_kernel) -> tuple[int, int]:
+def _launch_shape(q, k_cache, v_cache, C, programs, block_n, kernel_key, cfg, compile_kernel) -> tuple[int, int]:
     """(num_warps, n_splits) of the split kernel. On a GPU: the split count from `_splits_for` at the launch's
     compiled occupancy, with two warps a program, or four where two warps' pick leaves fewer programs than SMs
-    (a short cache at batch 1: more loads in flight a program). The interpreter: the config's (4 warps, 2
+    (a short cache at batch 1: more loads in flight a program). `kernel_key`: the split kernel's other
+    compile-time settings (head-dim and group tiles, window, softcap). The interpreter: the config's (4 warps, 2
     splits)."""
     if q.device.type != "cuda":
         n = cfg.n_splits or 2  # the interpreter pays ~1 ms per program
         return cfg.num_warps or 4, max(1, min(n, _launch.cdiv(C, block_n)))
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    spec = (index, q.dtype, block_n, cfg.num_stages, tuple(
+    spec = (index, q.dtype, block_n, cfg.num_stages, *kernel_key, tuple(  # what selects the compiled kernel
         v % 16 == 0 for v in (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.stride(0), q.stride(1),
                               *k_cache.stride()[:3], *v_cache.stride()[:3])))
     for warps in (cfg.num_warps,) if cfg.num_warps else (2, 4):
@@ -309,7 +312,8 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
 
     programs = B * Hkv * n_gblk
     # the multi-split kernel compiled (not launched) for its occupancy: these arguments, stand-in partials
-    warps, n_splits = _launch_shape(q, k_cache, v_cache, C, programs, block_n, cfg, lambda w: split_kernel(
+    kernel_key = (block_d, block_g, bool(window), bool(softcap))
+    warps, n_splits = _launch_shape(q, k_cache, v_cache, C, programs, block_n, kernel_key, cfg, lambda w: split_kernel(
         (programs, 2), block_n, 2, False, w, (torch.empty(4, dtype=torch.float32, device=q.device),) * 3, warmup=True))
     chunk = _launch.cdiv(_launch.cdiv(C, n_splits), block_n) * block_n
     n_splits = _launch.cdiv(C, chunk)  # no split without slots
