@@ -35,7 +35,9 @@ def _sm_limits(device_index: int) -> tuple[int, int, int]:
 def programs_per_sm(compiled, device_index: int, num_warps: int) -> int:
     """How many programs of a compiled Triton kernel one SM runs at once, from its registers (allocated per warp
     in 256-register units), its shared memory (plus the 1 KiB the driver reserves a block) and its warps; 0 when
-    the compiled kernel does not say (an older Triton)."""
+    the compiled kernel does not say (an older Triton) or the rule is not CUDA's (ROCm: 64-lane wavefronts)."""
+    if torch.version.hip is not None:
+        return 0
     load = getattr(compiled, "_init_handles", None)
     if load is not None:
         load()  # loads the module: the register count is known from here
