@@ -247,3 +247,28 @@ def test_instance_patch_then_class_level_patch():
         tigon.unpatch(model_type="qwen3")
         tigon.unpatch(model)
     torch.testing.assert_close(loss, _loss_and_grads(hf, ids, labels)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_class_level_patched_qwen3_through_tigon_generate():
+    """The decode wing on a class-patched Qwen3: the direct prefill and the RoPE-on-write decode steps read
+    transformers' forward for the Llama-form check (the class forward is Tigon's closure); greedy tokens are HF's."""
+    from tigon.decode import loop as gen
+
+    ref = tiny_model("qwen3").eval()
+    _norm_weights_off_one(ref)
+    ids = batch()[0][:1, :6]
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    tigon.patch(model_type="qwen3")
+    try:
+        model = tiny_model("qwen3").eval()
+        model.load_state_dict(ref.state_dict())
+        model.generation_config.eos_token_id = None
+        assert tigon_attention.has_qk_norm(model.model.layers[0].self_attn)
+        before = op_calls("decode_attention"), op_calls("rope_kv_append")
+        got, stats = gen.generate(model, ids, max_new_tokens=3, return_stats=True)
+        steps = op_calls("decode_attention") - before[0]
+        assert steps == 2 * 2 and op_calls("rope_kv_append") - before[1] >= steps  # both layers' decode steps
+    finally:
+        tigon.unpatch(model_type="qwen3")
+    assert stats["attention"] == "tigon" and torch.equal(got, want)
