@@ -248,9 +248,10 @@ def _rotate_half_rope(fn) -> bool:
 _HF_FORWARD: dict = {}  # attention class -> the forward transformers defined on it, kept when a class patch replaces it
 
 
-def hf_class_forward(cls):
-    """The forward transformers defined on `cls` (kept from before a class-level patch replaced it), or None."""
-    return _HF_FORWARD.get(cls) or cls.__dict__.get("forward")
+def hf_class_forward(cls, inherited=False):
+    """The forward transformers defined on `cls` (kept from before a class-level patch replaced it), or None;
+    `inherited`: else the one `cls` inherits."""
+    return _HF_FORWARD.get(cls) or (getattr(cls, "forward", None) if inherited else cls.__dict__.get("forward"))
 
 
 @functools.cache
@@ -345,10 +346,9 @@ def _norms_fusable(q_norm, k_norm, head_dim) -> bool:
 def qk_norm_rope_ready(module) -> str:
     """"" when the q/k norms and the RoPE of this attention module can run as one `tigon.ops.qk_norm_rope`
     kernel (`_qk_norm_rope_forward`), else why not."""
-    if not has_qk_norm(module):
-        return "no q/k norms on the head dim before RoPE in a Llama-form forward"
-    if not _llama_forward_mirrored():
-        return "transformers' LlamaAttention.forward is not the version the fused forward computes"
+    why = qk_norm_rope_class_ready(type(module))
+    if why:
+        return why
     if not _norms_fusable(getattr(module, "q_norm", None), getattr(module, "k_norm", None), module.head_dim):
         return "q_norm / k_norm are not Tigon RMSNorms of head_dim with the same settings"
     return ""
@@ -358,8 +358,8 @@ def _qk_norm_rope_forward(self, hidden_states, position_embeddings=None, attenti
                           **kwargs):
     """The class forward (Llama's with Qwen3's q/k norms, `rope_on_write_form`) with the two norms and RoPE in one
     `tigon.ops.qk_norm_rope` kernel, on an instance `fuse_qk_norm_rope` fused."""
-    cls = type(self)  # transformers' forward, also where a class-level patch came after this instance's
-    return _qk_norm_rope_compute(self, _HF_FORWARD.get(cls) or cls.forward, self.__dict__.get(QK_NORM_ROPE),
+    hf_forward = hf_class_forward(type(self), inherited=True)  # also where a class patch came after this instance's
+    return _qk_norm_rope_compute(self, hf_forward, self.__dict__.get(QK_NORM_ROPE),
                                  hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
 
 
@@ -410,11 +410,15 @@ def qk_norm_rope_class_forward(cls):
     return forward
 
 
+NO_QK_NORM = "no q/k norms on the head dim before RoPE in a Llama-form forward"
+
+
 def qk_norm_rope_class_ready(cls) -> str:
-    """"" when the class forward of `cls` can run its q/k norms and RoPE as one kernel, else why not."""
+    """"" when the class forward of `cls` can run its q/k norms and RoPE as one kernel (whatever an instance's
+    norms are), else why not (`NO_QK_NORM` where there is nothing to fuse)."""
     form = rope_on_write_form(cls)
     if form is None or not form.qk_norm:
-        return "no q/k norms on the head dim before RoPE in a Llama-form forward"
+        return NO_QK_NORM
     if not _llama_forward_mirrored():
         return "transformers' LlamaAttention.forward is not the version the fused forward computes"
     return ""
@@ -484,7 +488,7 @@ def _rope_routed(fn):
 def calls_rope(cls, modeling: str) -> bool:
     """The class forward is a function of the `modeling` module that calls that module's apply_rotary_pos_emb
     (and can be routed to Tigon's)."""
-    fn = _HF_FORWARD.get(cls) or getattr(cls, "forward", None)
+    fn = hf_class_forward(cls, inherited=True)
     return (getattr(fn, "__globals__", {}).get("__name__") == modeling and _rope_routed(fn) is not fn)
 
 

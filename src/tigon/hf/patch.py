@@ -180,11 +180,11 @@ def _fuse_qk_norm_rope_class(family, modeling, spec, swap, report):
     """A family whose attention is Llama's with Qwen3's q/k norms gets a class forward running the norms and RoPE
     as one kernel (for instances whose norms are Tigon's: rms_norm=True builds them so)."""
     cls = getattr(modeling, f"{family.prefix}Attention", None)
-    if cls is None or tigon_attention.rope_on_write_form(cls) is None or \
-            not tigon_attention.rope_on_write_form(cls).qk_norm:
-        return
+    why = tigon_attention.qk_norm_rope_class_ready(cls) if cls is not None else tigon_attention.NO_QK_NORM
+    if why == tigon_attention.NO_QK_NORM:
+        return  # nothing to fuse: not named
     piece = f"{cls.__name__}.forward (q/k norms + RoPE in one kernel)"
-    why = tigon_attention.qk_norm_rope_class_ready(cls) if spec["rms_norm"] else "rms_norm=False"
+    why = why or ("" if spec["rms_norm"] else "rms_norm=False")
     if why:
         report.skip(piece, why)
     else:

@@ -227,8 +227,6 @@ def _splits_for(C: int, block_n: int, programs: int, per_wave: int, cfg: DecodeA
         if s <= cfg.max_splits and s not in fills:
             waves = programs * s / per_wave
             fills[s] = waves / math.ceil(waves)
-    if not fills:
-        return cfg.max_splits
     best = max(fills.values())
     return min(s for s, f in fills.items() if 100 * f >= (100 - cfg.wave_slack_pct) * best)
 
@@ -236,12 +234,12 @@ def _splits_for(C: int, block_n: int, programs: int, per_wave: int, cfg: DecodeA
 _PER_WAVE: dict = {}  # launch key -> programs of the split kernel the GPU runs at once
 
 
-def _per_wave(key, device_index: int, compile_kernel) -> int:
+def _per_wave(key, device_index: int, warps: int, compile_kernel) -> int:
     """Programs of the split kernel resident on the whole GPU at once, from its compiled registers and shared
     memory (compiled once per key, ahead of its first launch; two programs an SM if the kernel does not say)."""
     found = _PER_WAVE.get(key)
     if found is None:
-        per_sm = _launch.programs_per_sm(compile_kernel(), device_index, key[-1]) or 2
+        per_sm = _launch.programs_per_sm(compile_kernel(), device_index, warps) or 2
         found = _PER_WAVE[key] = per_sm * _launch.sm_count(device_index)
     return found
 
@@ -250,18 +248,18 @@ def _launch_shape(q, k_cache, v_cache, C, programs, block_n, kernel_key, cfg, co
     """(num_warps, n_splits) of the split kernel. On a GPU: the split count from `_splits_for` at the launch's
     compiled occupancy, with two warps a program, or four where two warps' pick leaves fewer programs than SMs
     (a short cache at batch 1: more loads in flight a program). `kernel_key`: the split kernel's other
-    compile-time settings (head-dim and group tiles, window, softcap). The interpreter: the config's (4 warps, 2
-    splits)."""
-    if q.device.type != "cuda":
-        n = cfg.n_splits or 2  # the interpreter pays ~1 ms per program
-        return cfg.num_warps or 4, max(1, min(n, _launch.cdiv(C, block_n)))
+    compile-time settings (head-dim and group tiles, window, softcap). The interpreter, or a config that gives
+    both: the config's (else 4 warps, 2 splits)."""
+    if q.device.type != "cuda" or (cfg.n_splits and cfg.num_warps):  # the interpreter pays ~1 ms a program
+        return cfg.num_warps or 4, max(1, min(cfg.n_splits or 2, _launch.cdiv(C, block_n)))
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     spec = (index, q.dtype, block_n, cfg.num_stages, *kernel_key, tuple(  # what selects the compiled kernel
         v % 16 == 0 for v in (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.stride(0), q.stride(1),
                               *k_cache.stride()[:3], *v_cache.stride()[:3])))
     for warps in (cfg.num_warps,) if cfg.num_warps else (2, 4):
         n = cfg.n_splits or _splits_for(C, block_n, programs,
-                                        _per_wave((*spec, warps), index, lambda w=warps: compile_kernel(w)), cfg)
+                                        _per_wave((*spec, warps), index, warps, lambda w=warps: compile_kernel(w)),
+                                        cfg)
         if cfg.num_warps or programs * n >= _launch.sm_count(index):
             break
     return warps, max(1, min(n, _launch.cdiv(C, block_n)))
