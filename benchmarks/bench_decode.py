@@ -594,7 +594,7 @@ def ttft_phase_lines(rows):
 
 def profile_lines(rows):
     """The --profile section: per decode step and per TTFT, kernel time by bucket."""
-    done = [r for r in rows if r.get("profile")]
+    done = [r for r in rows if isinstance(r.get("profile"), dict)]  # a failed variant's row keeps its spec's True
     if not done:
         return []
     names = [name for name, _ in BUCKETS]

@@ -171,6 +171,21 @@ def test_decode_bench_quick_profile_writes_the_section(tmp_path, harness, monkey
     assert "| llama-toy | tigon | 1 |" in md.split("### Decode-step profile")[1]
 
 
+def test_decode_bench_profile_section_with_failed_rows(harness):
+    # A variant that failed keeps its spec's `profile=True` (a bool, no profile dict): the section skips it, where
+    # it once raised "argument of type 'bool' is not iterable" and lost the whole run's tables; a row whose
+    # profiling failed (a dict with an error) gets its line.
+    import bench_decode as core
+
+    failed = dict(model="llama-1.5b", family="llama", quick=False, window=None, variant="tigon", batch=1, prompt=8,
+                  profile=True, error="ModuleNotFoundError")
+    assert core.profile_lines([failed]) == []
+    broken = dict(failed, profile=dict(error="RuntimeError: no trace"))
+    del broken["error"]
+    lines = core.profile_lines([failed, broken])
+    assert any("profile failed: RuntimeError: no trace" in line for line in lines)
+
+
 def test_decode_bench_profile_buckets_and_plan(harness):
     import bench_decode as core
     import decode_profile as profiling
