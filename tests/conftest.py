@@ -45,12 +45,23 @@ def nan_poisoned_allocations(monkeypatch):
     yield
 
 
-# Process-wide numeric switches a library may flip for the rest of the process. accelerate's AcceleratorState turns
-# TF32 matmuls on for a CUDA Trainer with torch_compile and no mixed precision: every later fp32 test on that xdist
-# worker then compared TF32 results (relative error ~1e-3) against an fp64 spec, and the fp32 error bounds of
-# tests/hf/test_packed_attention.py failed by chance on the H200. Read and written through the legacy attributes,
-# the API such libraries use (mixing it with torch's fp32_precision API makes the legacy getters raise).
-_NUMERIC_FLAGS = {
+# Process-wide numeric switches a library may flip for the rest of the process. transformers' TrainingArguments with
+# torch_compile=True on a machine with an Ampere+ GPU (use_cpu or not) sets torch.backends.fp32_precision = "tf32"
+# (torch's newer API); accelerate sets torch.backends.cuda.matmul.allow_tf32 = True (the legacy one) for a CUDA
+# Trainer compiled without mixed precision. Every later fp32 test on that xdist worker then compared TF32 matmuls
+# (relative error ~1e-3) against an fp64 spec: on the H200 the packed-flex fp32 bounds of
+# tests/hf/test_packed_attention.py failed in the whole suite and passed alone. Both APIs are read and set back,
+# the legacy switches first: torch's legacy getters raise while its two APIs disagree (a newer-API value over a
+# legacy write, or torch.backends.fp32_precision = "tf32" under legacy defaults), and a legacy write undone by a
+# legacy write leaves the newer value "ieee" where it was "none", which the newer-API pass then sets back.
+_PRECISION_OWNERS = {full: owner for full, owner in (
+    ("torch.backends", torch.backends),
+    ("torch.backends.cuda.matmul", torch.backends.cuda.matmul),
+    ("torch.backends.cudnn", torch.backends.cudnn),
+    ("torch.backends.cudnn.conv", getattr(torch.backends.cudnn, "conv", None)),
+    ("torch.backends.cudnn.rnn", getattr(torch.backends.cudnn, "rnn", None)),
+) if owner is not None and hasattr(owner, "fp32_precision")}
+_LEGACY_FLAGS = {
     "torch.backends.cuda.matmul.allow_tf32": (torch.backends.cuda.matmul, "allow_tf32"),
     "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction":
         (torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
@@ -60,22 +71,38 @@ _NUMERIC_FLAGS = {
 }
 
 
+def _legacy(owner, name):
+    try:
+        return getattr(owner, name)
+    except RuntimeError:  # torch's legacy and newer precision APIs disagree: the legacy getter refuses
+        return None
+
+
 def numeric_flags() -> dict:
-    return {full: getattr(owner, name) for full, (owner, name) in _NUMERIC_FLAGS.items()}
+    flags = {f"{full}.fp32_precision": owner.fp32_precision for full, owner in _PRECISION_OWNERS.items()}
+    flags.update({full: _legacy(owner, name) for full, (owner, name) in _LEGACY_FLAGS.items()})
+    return flags
 
 
 def restore_numeric_flags(saved: dict) -> list[str]:
-    """Set back the switches that differ from `saved`; returns their names."""
-    changed = [full for full, value in saved.items() if getattr(*_NUMERIC_FLAGS[full]) != value]
-    for full in changed:
-        setattr(*_NUMERIC_FLAGS[full], saved[full])
+    """Set back what differs from `saved` (numeric_flags() taken before); returns the names that differed."""
+    changed = [k for k, v in numeric_flags().items() if v != saved[k]]
+    if not changed:
+        return []
+    now = numeric_flags()
+    for full, (owner, name) in _LEGACY_FLAGS.items():  # a legacy write (accelerate) is undone by one
+        if now[full] is not None and saved[full] is not None and now[full] != saved[full]:
+            setattr(owner, name, saved[full])
+    for full, owner in _PRECISION_OWNERS.items():  # then the newer API's values; torch.backends first
+        if owner.fp32_precision != saved[f"{full}.fp32_precision"]:
+            owner.fp32_precision = saved[f"{full}.fp32_precision"]
     return changed
 
 
 @pytest.fixture(autouse=True)
 def numeric_flags_restored(request):
-    """A test (or a library it runs) that flips TF32 or reduced-precision reductions does not leave them flipped
-    for the tests after it on the same worker; a warning names the test."""
+    """A test (or a library it runs) that turns TF32 or reduced-precision reductions on does not leave them on for
+    the tests after it on the same worker; a warning names the test."""
     import warnings
 
     saved = numeric_flags()

@@ -1,20 +1,41 @@
-"""tests/conftest.py's guard of process-wide numeric switches: what a test flips is set back, through the legacy
-attributes, and torch's precision getters still answer afterwards (no legacy / new API mix)."""
+"""tests/conftest.py's guard of process-wide numeric switches: a switch a test flips is set back through the API
+that flipped it, and torch's legacy getters still answer afterwards (its two precision APIs agree again)."""
 
 import torch
 
 from tests.conftest import numeric_flags, restore_numeric_flags
 
 
-def test_a_flipped_tf32_switch_is_set_back():
-    saved = numeric_flags()
-    assert saved["torch.backends.cuda.matmul.allow_tf32"] is False  # torch's default, and every test's start
+def _effective():
+    """What fp32 matmuls and the legacy getters say; raises if torch's two APIs disagree."""
+    return (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+
+
+def test_a_legacy_tf32_switch_is_set_back():
+    """accelerate's write: torch.backends.cuda.matmul.allow_tf32 = True."""
+    saved, before = numeric_flags(), _effective()
+    assert before[0] == "highest" and before[1] is False  # torch's defaults, and every test's start
     try:
-        torch.backends.cuda.matmul.allow_tf32 = True  # what accelerate's AcceleratorState does
-        torch.backends.cudnn.allow_tf32 = not saved["torch.backends.cudnn.allow_tf32"]
-        assert restore_numeric_flags(saved) == ["torch.backends.cuda.matmul.allow_tf32",
-                                                "torch.backends.cudnn.allow_tf32"]
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = not before[3]
+        assert _effective()[0] == "high"
+        changed = restore_numeric_flags(saved)
+        assert {"torch.backends.cuda.matmul.allow_tf32", "torch.backends.cuda.matmul.fp32_precision",
+                "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction"} <= set(changed), changed
+        assert _effective() == before
     finally:
         restore_numeric_flags(saved)
-    assert numeric_flags() == saved and restore_numeric_flags(saved) == []
-    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_a_newer_api_tf32_switch_is_set_back():
+    """transformers' write under TrainingArguments(torch_compile=True): torch.backends.fp32_precision = "tf32"."""
+    saved, before = numeric_flags(), _effective()
+    try:
+        torch.backends.fp32_precision = "tf32"
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert "torch.backends.fp32_precision" in restore_numeric_flags(saved)
+        assert _effective() == before and numeric_flags() == saved
+    finally:
+        torch.backends.fp32_precision = saved["torch.backends.fp32_precision"]
+    assert restore_numeric_flags(saved) == []
