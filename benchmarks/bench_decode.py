@@ -155,6 +155,13 @@ def ttft_repeats(spec) -> int:
     return QUICK["ttft_repeats"] if spec["quick"] else TTFT_REPEATS
 
 
+def new_length_prompts(spec, ids):
+    """The prompts of the TTFT calls at new lengths: the first P - 1, ..., P - n tokens of the row's prompt
+    (spec["ttft_new_lengths"] = n), shapes this process has not run: what a server's next request with another
+    prompt length pays (cuDNN plans, Triton specializations, recompiles), where the repeats measure a warm shape."""
+    return [ids[:, :ids.shape[1] - k] for k in range(1, spec.get("ttft_new_lengths", 0) + 1)]
+
+
 def _child_hf(spec, model, ids):
     import torch
     from transformers import StoppingCriteria
@@ -196,9 +203,14 @@ def _child_hf(spec, model, ids):
         t_r = time.perf_counter()
         model.generate(ids, stopping_criteria=[stamp], **dict(kw, max_new_tokens=1, min_new_tokens=1))
         repeats.append(stamp.t[0] - t_r)
-    return dict(ttft_s=ts[0] - t0, ttft_repeats_s=repeats, step_s=steps, total_s=t1 - t0, peak_gib=_peak_gib(device),
-                warmup_s=warmup_s,
-                cuda_graph=None, stats=None)
+    fresh = []
+    for short in new_length_prompts(spec, ids):
+        stamp = Stamp()
+        t_r = time.perf_counter()
+        model.generate(short, stopping_criteria=[stamp], **dict(kw, max_new_tokens=1, min_new_tokens=1))
+        fresh.append(stamp.t[0] - t_r)
+    return dict(ttft_s=ts[0] - t0, ttft_repeats_s=repeats, ttft_new_length_s=fresh, step_s=steps, total_s=t1 - t0,
+                peak_gib=_peak_gib(device), warmup_s=warmup_s, cuda_graph=None, stats=None)
 
 
 def _child_tigon(spec, model, ids):
@@ -223,7 +235,10 @@ def _child_tigon(spec, model, ids):
     assert seqs.shape == (ids.shape[0], ids.shape[1] + spec["new"]), seqs.shape
     peak = stats["peak_memory_bytes"]
     repeats = [tigon.generate(model, ids, **dict(kw, max_new_tokens=1))[1]["ttft_s"] for _ in range(ttft_repeats(spec))]
-    out = dict(ttft_s=stats["ttft_s"], ttft_repeats_s=repeats, step_s=list(stats["step_s"]), total_s=t1 - t0,
+    fresh = [tigon.generate(model, short, **dict(kw, max_new_tokens=1))[1]["ttft_s"]
+             for short in new_length_prompts(spec, ids)]
+    out = dict(ttft_s=stats["ttft_s"], ttft_repeats_s=repeats, ttft_new_length_s=fresh, step_s=list(stats["step_s"]),
+               total_s=t1 - t0,
                peak_gib=peak / 2**30 if peak is not None else None, warmup_s=warmup_s,
                cuda_graph=stats["cuda_graph"], attention=stats["attention"], stats=stats,
                patch=report.splitlines()[0] if report else None)
@@ -250,12 +265,15 @@ def child(spec):
     mean = sum(steps) / len(steps) if steps else float("nan")
     wall_step = (r["total_s"] - r["ttft_s"]) / len(steps) if steps else None
     rep = sorted(r.get("ttft_repeats_s") or [])
+    fresh = r.get("ttft_new_length_s") or []
     row = dict(spec, ttft_ms=1e3 * r["ttft_s"], ttft_median_ms=1e3 * rep[len(rep) // 2] if rep else None,
                ttft_repeats_ms=[round(1e3 * v, 2) for v in rep], p50_ms=1e3 * percentile(ordered, 0.5),
                p99_ms=1e3 * percentile(ordered, 0.99), mean_ms=1e3 * mean, tokens_per_s=spec["batch"] / mean,
                wall_ms_per_step=1e3 * wall_step if wall_step else None, total_s=r["total_s"],
                peak_gib=r["peak_gib"], warmup_s=r["warmup_s"], cuda_graph=r["cuda_graph"],
                attention=r.get("attention"), step_ms=[round(1e3 * s, 4) for s in steps])
+    if fresh:
+        row["ttft_new_length_ms"] = [round(1e3 * v, 2) for v in fresh]
     if r.get("patch"):
         row["patch"] = r["patch"]
     if r.get("profile"):
@@ -265,11 +283,13 @@ def child(spec):
     return row
 
 
-def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profile=False, model=DEFAULT_MODEL):
+def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profile=False, model=DEFAULT_MODEL,
+         ttft_new_lengths=0):
     """One spec per (prompt, variant, batch), prompt outermost; `prompt` is one length or a list. The swa-*
     variants use the Mistral form of the model's config, the long prompt (once, whatever `prompt` is) and
     `swa_batches` (default: `batches`). A variant "name@1+8" runs at batches 1 and 8 only. `profile` marks the
-    tigon variants for `profile_tigon`; `model` is a key of MODELS."""
+    tigon variants for `profile_tigon`; `model` is a key of MODELS; `ttft_new_lengths` n > 0 adds n TTFT calls at
+    the prompt lengths P - 1 ... P - n to every row (`new_length_prompts`)."""
     if model not in MODELS:
         raise SystemExit(f"bench_decode: unknown model {model!r}; choose from {', '.join(MODELS)}")
     window = QUICK["window"] if quick else WINDOW
@@ -298,6 +318,11 @@ def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profil
                             device=device, model=model)
                 if profile and "tigon" in v:
                     spec["profile"] = True
+                if ttft_new_lengths:
+                    if ttft_new_lengths >= spec["prompt"]:
+                        raise SystemExit(f"bench_decode: --ttft-new-lengths {ttft_new_lengths} must be below the "
+                                         f"prompt length {spec['prompt']}")
+                    spec["ttft_new_lengths"] = ttft_new_lengths
                 specs.append(spec)
     return specs
 
@@ -559,6 +584,7 @@ def markdown(rows, meta):
               "max_new_tokens=1; one call's TTFT moves with the host's noise). wall ms/step: host clock around "
               "the timed call minus TTFT, over the decode steps (a cross-check of the per-step timer). The graph "
               "path's first decode step includes the CUDA-graph capture."]
+    lines += new_length_lines(rows)
     if skipped:
         names = ", ".join(f"{r['variant']} b{r['batch']}" for r in skipped)
         lines.append(f"Skipped for the time budget: {names}.")
@@ -566,6 +592,20 @@ def markdown(rows, meta):
         lines += bound_lines(rows, meta["copy_ceiling"])
     lines += ttft_phase_lines(rows) + profile_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def new_length_lines(rows):
+    """The TTFT calls at prompt lengths the process had not run, beside the warm median (--ttft-new-lengths)."""
+    done = [r for r in rows if r.get("ttft_new_length_ms")]
+    if not done:
+        return []
+    lines = ["", "TTFT at new prompt lengths (P - 1, P - 2, ...: shapes the process had not run; ms):", "",
+             "| model | variant | batch | prompt | warm median | at new lengths | worst / warm |", "|" + "---|" * 7]
+    for r in done:
+        fresh, warm = r["ttft_new_length_ms"], _ttft(r)
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | {_num(warm, '.1f')} | "
+                     f"{', '.join(f'{v:.1f}' for v in fresh)} | {_num(max(fresh) / warm, '.2f')} |")
+    return lines
 
 
 def ttft_phase_lines(rows):
@@ -708,6 +748,9 @@ def build_parser(prog="bench_decode"):
     p.add_argument("--prometheus", default=None, help="also write the tigon rows' stats in the Prometheus text format")
     p.add_argument("--profile", action="store_true", help="also profile each tigon variant's decode step and TTFT "
                    "(torch.profiler, kernel time by bucket; a section in decode.md)")
+    p.add_argument("--ttft-new-lengths", type=int, default=0, metavar="N",
+                   help="after the TTFT repeats, N prefill-only calls at prompt lengths P-1 ... P-N, each a shape "
+                        "the process has not run (default 0: none)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -755,7 +798,10 @@ def main(argv=None, log=print, prog="bench_decode"):
     out = a.out or os.environ.get("OUT") or "tigon-bench-out"
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
-    specs = plan(variants, batches, prompts, new, quick, device, swa_batches, profile=a.profile, model=model)
+    if a.ttft_new_lengths < 0:
+        raise SystemExit(f"bench_decode: --ttft-new-lengths takes an integer >= 0, got {a.ttft_new_lengths}")
+    specs = plan(variants, batches, prompts, new, quick, device, swa_batches, profile=a.profile, model=model,
+                 ttft_new_lengths=a.ttft_new_lengths)
     rows = run_plan(specs, a.budget, a.timeout, log=log, inline=quick and device == "cpu")
     name = "" if model == DEFAULT_MODEL or quick else f", {model}"
     meta = dict(title="tigon.generate vs HF generate" + name + (" (quick toy on " + device + ")" if quick else ""),

@@ -129,6 +129,7 @@ LONG_FIRST = (
     "tests/test_benchmarks_smoke.py::test_quick_bench",
     "tests/hf/test_training_extras.py::test_trl_sft_trainer",
     "tests/test_bench_lora_smoke.py",
+    "tests/test_benchmarks_smoke.py::test_decode_bench_ttft_at_new_prompt_lengths",
 )
 
 

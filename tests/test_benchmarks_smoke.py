@@ -216,6 +216,30 @@ def test_decode_bench_profile_buckets_and_plan(harness):
         core.plan(["tigon@x"], [1], 512, 256, quick=False, device="cuda")
 
 
+def test_decode_bench_ttft_at_new_prompt_lengths(tmp_path, harness):
+    # --ttft-new-lengths N: after the repeats, N prefill-only calls at P - 1 ... P - N tokens, per row, and a
+    # table of them beside the warm median.
+    import bench_decode as core
+
+    out = tmp_path / "decode"
+    argv = ["--quick", "--device", "cpu", "--out", str(out), "--variants", "tigon,hf-eager", "--batches", "1",
+            "--new", "3", "--ttft-new-lengths", "2"]
+    assert core.main(argv, log=lambda s: None) == 0
+    rows = json.loads((out / "decode.json").read_text())["rows"]
+    assert sorted(r["variant"] for r in rows) == ["hf-eager", "tigon"] and not [r for r in rows if "error" in r]
+    for r in rows:
+        assert r["ttft_new_lengths"] == 2 and len(r["ttft_new_length_ms"]) == 2
+        assert all(v > 0 for v in r["ttft_new_length_ms"])
+    md = (out / "decode.md").read_text()
+    assert "TTFT at new prompt lengths" in md and "| llama-toy | tigon | 1 | 16 |" in md
+    prompts = [p.shape[1] for p in core.new_length_prompts({"ttft_new_lengths": 3}, torch.zeros(2, 16))]
+    assert prompts == [15, 14, 13] and core.new_length_prompts({}, torch.zeros(2, 16)) == []
+    with pytest.raises(SystemExit, match="must be below the prompt length 16"):
+        core.plan(["tigon"], [1], 16, 4, quick=True, device="cpu", ttft_new_lengths=16)
+    with pytest.raises(SystemExit, match=">= 0"):
+        core.main(argv[:-1] + ["-1"], log=lambda s: None)
+
+
 def test_decode_bench_child_process_runs_this_file(harness):
     # Off --quick-on-a-CPU each variant is a child process: `python benchmarks/bench_decode.py --child SPEC`,
     # with PYTHONPATH carrying the tigon package's folder and benchmarks/ (not `python -m tigon...`).
