@@ -748,11 +748,22 @@ def build_parser(prog="bench_decode"):
     p.add_argument("--prometheus", default=None, help="also write the tigon rows' stats in the Prometheus text format")
     p.add_argument("--profile", action="store_true", help="also profile each tigon variant's decode step and TTFT "
                    "(torch.profiler, kernel time by bucket; a section in decode.md)")
-    p.add_argument("--ttft-new-lengths", type=int, default=0, metavar="N",
+    p.add_argument("--ttft-new-lengths", type=count, default=0, metavar="N",
                    help="after the TTFT repeats, N prefill-only calls at prompt lengths P-1 ... P-N, each a shape "
                         "the process has not run (default 0: none)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p
+
+
+def count(text) -> int:
+    """An integer >= 0 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"an integer >= 0, got {text!r}")
+    return value
 
 
 def int_list(text, flag):
@@ -798,8 +809,6 @@ def main(argv=None, log=print, prog="bench_decode"):
     out = a.out or os.environ.get("OUT") or "tigon-bench-out"
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
-    if a.ttft_new_lengths < 0:
-        raise SystemExit(f"bench_decode: --ttft-new-lengths takes an integer >= 0, got {a.ttft_new_lengths}")
     specs = plan(variants, batches, prompts, new, quick, device, swa_batches, profile=a.profile, model=model,
                  ttft_new_lengths=a.ttft_new_lengths)
     rows = run_plan(specs, a.budget, a.timeout, log=log, inline=quick and device == "cpu")
