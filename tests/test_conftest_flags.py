@@ -3,7 +3,7 @@ that flipped it, and torch's legacy getters still answer afterwards (its two pre
 
 import torch
 
-from tests.conftest import numeric_flags, restore_numeric_flags
+from tests.conftest import loosened, numeric_flags, restore_numeric_flags
 
 
 def _effective():
@@ -20,6 +20,7 @@ def test_a_legacy_tf32_switch_is_set_back():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = not before[3]
         assert _effective()[0] == "high"
+        assert "torch.backends.cuda.matmul.allow_tf32" in loosened(saved, numeric_flags())
         changed = restore_numeric_flags(saved)
         assert {"torch.backends.cuda.matmul.allow_tf32", "torch.backends.cuda.matmul.fp32_precision",
                 "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction"} <= set(changed), changed
@@ -34,8 +35,22 @@ def test_a_newer_api_tf32_switch_is_set_back():
     try:
         torch.backends.fp32_precision = "tf32"
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert "torch.backends.fp32_precision" in loosened(saved, numeric_flags())
         assert "torch.backends.fp32_precision" in restore_numeric_flags(saved)
         assert _effective() == before and numeric_flags() == saved
     finally:
         torch.backends.fp32_precision = saved["torch.backends.fp32_precision"]
     assert restore_numeric_flags(saved) == []
+
+
+def test_an_explicit_exact_setting_is_set_back_without_being_called_looser():
+    """benchmarks/_harness.py's `allow_tf32 = False`: the newer API then reads "ieee" where it read "none"."""
+    saved = numeric_flags()
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        now = numeric_flags()
+        assert loosened(saved, now) == []
+        assert restore_numeric_flags(saved) == [k for k in saved if now[k] != saved[k]]
+        assert numeric_flags() == saved
+    finally:
+        restore_numeric_flags(saved)
