@@ -241,6 +241,16 @@ def test_decode_bench_ttft_at_new_prompt_lengths(tmp_path, harness):
     assert usage.value.code == 2
 
 
+def test_sdpa_new_shapes_layouts_and_cpu_refusal(harness, capsys):
+    # benchmarks/sdpa_new_shapes.py times CUDA kernels only: on a CPU it says so and exits 2. Its three K/V layouts
+    # at one prompt length: contiguous, and the first P slots of rings of P + 1 and P + 256 slots.
+    import sdpa_new_shapes as script
+
+    assert [slots for _, slots in script.layouts(512)] == [512, 513, 768]
+    if not torch.cuda.is_available():
+        assert script.main([]) == 2 and "needs a CUDA GPU" in capsys.readouterr().out
+
+
 def test_decode_bench_child_process_runs_this_file(harness):
     # Off --quick-on-a-CPU each variant is a child process: `python benchmarks/bench_decode.py --child SPEC`,
     # with PYTHONPATH carrying the tigon package's folder and benchmarks/ (not `python -m tigon...`).
