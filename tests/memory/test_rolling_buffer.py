@@ -176,6 +176,39 @@ def test_reserve(device):
         ws.reserve(-5)
 
 
+def test_a_block_over_keep_bytes_goes_back_when_its_last_loan_returns(device):
+    """A fused loss's chunk of logits is not held through the backward pass: a block larger than keep_bytes is
+    freed when its last loan returns (a block that still holds a loan stays); one within
+    keep_bytes stays, with its addresses; reserve() keeps what it asks for."""
+    ws = RollingBuffer(device, keep_bytes=4096)
+    with ws.borrow((256, torch.float32)) as (small,):  # 1 KiB: kept
+        first = small.data_ptr()
+    assert ws.stats()["blocks"] == 1
+    with ws.borrow((256, torch.float32)) as (small,):
+        assert small.data_ptr() == first and ws.stats()["grows"] == 1
+    with ws.borrow((4096, torch.float32)) as (big,):  # 16 KiB: the arena grows past keep_bytes
+        assert ws.stats()["grows"] == 2 and ws.stats()["blocks"] == 1  # the idle 1 KiB block is freed on growth
+        with ws.borrow((256, torch.float32)) as (inner,):  # does not fit: a third block, the second retired
+            big.fill_(1.0)
+            inner.fill_(2.0)
+            assert ws.stats()["grows"] == 3 and ws.stats()["blocks"] == 2
+        assert ws.stats()["blocks"] == 1 and ws.stats()["reserved_bytes"] >= 16384  # the outer loan's block stays
+    stats = ws.stats()
+    assert stats["blocks"] == 0 and stats["reserved_bytes"] == 0 and stats["in_use_bytes"] == 0
+    with ws.borrow((4096, torch.float32)) as (big,):  # the next call takes a block again
+        big.fill_(2.0)
+    assert ws.stats()["grows"] == 4 and ws.stats()["blocks"] == 0
+    ws.reserve(1 << 16)  # asked for: kept between loans from now on
+    assert ws.keep_bytes == 1 << 16
+    with ws.borrow((4096, torch.float32)):
+        pass
+    assert ws.stats()["blocks"] == 1 and ws.stats()["grows"] == 5
+    hinted = RollingBuffer(device, size_hint_bytes=1 << 15, keep_bytes=0)
+    with hinted.borrow((4096, torch.float32)):
+        pass
+    assert hinted.keep_bytes == 1 << 15 and hinted.stats()["blocks"] == 1 and hinted.stats()["grows"] == 1
+
+
 def test_zero_size_loans(device):
     ws = RollingBuffer(device)
     with ws.borrow(((0, 5), torch.float32), (0, torch.bfloat16)) as (a, b):
@@ -205,6 +238,7 @@ def test_bad_specs(device, spec, exc, match):
 @pytest.mark.parametrize("kw,match", [
     (dict(size_hint_bytes=-1), "size_hint_bytes"), (dict(size_hint_bytes=1.5), "size_hint_bytes"),
     (dict(alignment=100), "alignment"), (dict(alignment=8), "alignment"), (dict(alignment=True), "alignment"),
+    (dict(keep_bytes=-1), "keep_bytes"), (dict(keep_bytes=True), "keep_bytes"), (dict(keep_bytes=2.0), "keep_bytes"),
 ])
 def test_bad_constructor_args(device, kw, match):
     with pytest.raises(ValueError, match=rf"RollingBuffer: {match}"):

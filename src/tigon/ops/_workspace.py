@@ -9,6 +9,11 @@ Scratch is stream-ordered on the stream current when the loan is used: a returne
 the next kernel at once, which is safe on one stream (kernels run in order); work on another stream
 must synchronize before the loan is returned. Imports torch and the stdlib only (`tigon.ops` uses it).
 
+A block larger than `keep_bytes` (64 MiB by default: a chunk of logits, not a kernel's partial sums) goes back to
+PyTorch's caching allocator when its last loan returns, so that the backward pass's activations can use the bytes
+the fused loss's chunk held; the next call takes them from the allocator's cache. `reserve` and `size_hint_bytes`
+keep what they ask for.
+
 A loan's bytes may go to the next borrower, and an outgrown block is freed when its last loan returns: neither
 holds for scratch that a CUDA graph captures (a replay writes the captured address long after the loan) or that
 keeps state between calls (decode_linear's split-K arrival counters, zero between calls). Those are `pinned`
@@ -116,19 +121,22 @@ class RollingBuffer:
     """A workspace arena on `device` that lends views by (shape, dtype) inside a `with` block.
 
     `size_hint_bytes` preallocates the first block (0: allocate on the first borrow). Every view starts on
-    an `alignment`-byte boundary (a power of two >= 16). Thread-safe; addresses are repeatable for a
-    repeated sequence of borrows from one thread at a time.
+    an `alignment`-byte boundary (a power of two >= 16). A block larger than `keep_bytes` (and than what
+    `reserve` or `size_hint_bytes` asked for) is freed when its last loan returns. Thread-safe; addresses are
+    repeatable for a repeated sequence of borrows from one thread at a time that stay within `keep_bytes`.
     """
 
-    def __init__(self, device, size_hint_bytes: int = 0, alignment: int = 256):
+    def __init__(self, device, size_hint_bytes: int = 0, alignment: int = 256, keep_bytes: int = 64 << 20):
         self.device = _canonical(device)
         if isinstance(size_hint_bytes, bool) or not isinstance(size_hint_bytes, int) or size_hint_bytes < 0:
             raise ValueError(f"{_NAME}: size_hint_bytes must be an int >= 0, got {size_hint_bytes!r}")
+        if isinstance(keep_bytes, bool) or not isinstance(keep_bytes, int) or keep_bytes < 0:
+            raise ValueError(f"{_NAME}: keep_bytes must be an int >= 0, got {keep_bytes!r}")
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 16 or (
             alignment & (alignment - 1)
         ):
             raise ValueError(f"{_NAME}: alignment must be a power of two >= 16, got {alignment!r}")
-        self.alignment = alignment
+        self.alignment, self.keep_bytes = alignment, keep_bytes
         self._lock = threading.Lock()
         self._block: _Block | None = None
         self._retired: list = []  # outgrown blocks kept alive until their last loan returns
@@ -145,10 +153,12 @@ class RollingBuffer:
         return _Loan(self, [_parse_spec(i, s) for i, s in enumerate(specs)])
 
     def reserve(self, nbytes: int) -> None:
-        """Grow now, outside any hot loop or graph capture, so that borrows of up to `nbytes` in all fit."""
+        """Grow now, outside any hot loop or graph capture, so that borrows of up to `nbytes` in all fit; the
+        arena keeps that much between loans from then on (`keep_bytes` rises to it)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"{_NAME}.reserve: nbytes must be an int >= 0, got {nbytes!r}")
         with self._lock:
+            self.keep_bytes = max(self.keep_bytes, nbytes)
             if self._block is None or self._block.capacity - self._block.top() < nbytes:
                 self._grow(nbytes)
 
@@ -270,9 +280,14 @@ class RollingBuffer:
         with self._lock:
             block.frames.remove((start, end))
             self._in_use -= end - start
-            if not block.frames and block is not self._block:
+            if block.frames:
+                return
+            if block is not self._block:
                 self._retired.remove(block)  # its last loan is back: the outgrown block can go
                 self._drop(block)
+            elif block.capacity > self.keep_bytes:  # large scratch goes back to the caching allocator
+                self._drop(block)
+                self._block = None
 
 
 def _canonical(device) -> torch.device:
