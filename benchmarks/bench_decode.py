@@ -197,18 +197,16 @@ def _child_hf(spec, model, ids):
     t1 = time.perf_counter()
     ts = stamp.t
     steps = [b - a for a, b in zip(ts, ts[1:])]
-    repeats = []
-    for _ in range(ttft_repeats(spec)):  # the first token alone, again: one call's TTFT is host-noise sensitive
+
+    def first_token_s(prompt):  # a prefill-only call's TTFT
         stamp = Stamp()
         t_r = time.perf_counter()
-        model.generate(ids, stopping_criteria=[stamp], **dict(kw, max_new_tokens=1, min_new_tokens=1))
-        repeats.append(stamp.t[0] - t_r)
-    fresh = []
-    for short in new_length_prompts(spec, ids):
-        stamp = Stamp()
-        t_r = time.perf_counter()
-        model.generate(short, stopping_criteria=[stamp], **dict(kw, max_new_tokens=1, min_new_tokens=1))
-        fresh.append(stamp.t[0] - t_r)
+        model.generate(prompt, stopping_criteria=[stamp], **dict(kw, max_new_tokens=1, min_new_tokens=1))
+        return stamp.t[0] - t_r
+
+    # the first token alone, again: one call's TTFT is host-noise sensitive
+    repeats = [first_token_s(ids) for _ in range(ttft_repeats(spec))]
+    fresh = [first_token_s(short) for short in new_length_prompts(spec, ids)]
     return dict(ttft_s=ts[0] - t0, ttft_repeats_s=repeats, ttft_new_length_s=fresh, step_s=steps, total_s=t1 - t0,
                 peak_gib=_peak_gib(device), warmup_s=warmup_s, cuda_graph=None, stats=None)
 
@@ -234,9 +232,9 @@ def _child_tigon(spec, model, ids):
     t1 = time.perf_counter()
     assert seqs.shape == (ids.shape[0], ids.shape[1] + spec["new"]), seqs.shape
     peak = stats["peak_memory_bytes"]
-    repeats = [tigon.generate(model, ids, **dict(kw, max_new_tokens=1))[1]["ttft_s"] for _ in range(ttft_repeats(spec))]
-    fresh = [tigon.generate(model, short, **dict(kw, max_new_tokens=1))[1]["ttft_s"]
-             for short in new_length_prompts(spec, ids)]
+    first_token_s = lambda prompt: tigon.generate(model, prompt, **dict(kw, max_new_tokens=1))[1]["ttft_s"]  # noqa: E731
+    repeats = [first_token_s(ids) for _ in range(ttft_repeats(spec))]
+    fresh = [first_token_s(short) for short in new_length_prompts(spec, ids)]
     out = dict(ttft_s=stats["ttft_s"], ttft_repeats_s=repeats, ttft_new_length_s=fresh, step_s=list(stats["step_s"]),
                total_s=t1 - t0,
                peak_gib=peak / 2**30 if peak is not None else None, warmup_s=warmup_s,
