@@ -84,12 +84,13 @@ def numeric_flags() -> dict:
     return flags
 
 
-def restore_numeric_flags(saved: dict) -> list[str]:
-    """Set back what differs from `saved` (numeric_flags() taken before); returns the names that differed."""
-    changed = [k for k, v in numeric_flags().items() if v != saved[k]]
+def restore_numeric_flags(saved: dict, now: dict | None = None) -> list[str]:
+    """Set back what differs from `saved` (numeric_flags() taken before; `now`, the current ones if already
+    read); returns the names that differed."""
+    now = numeric_flags() if now is None else now
+    changed = [k for k, v in now.items() if v != saved[k]]
     if not changed:
         return []
-    now = numeric_flags()
     for full, (owner, name) in _LEGACY_FLAGS.items():  # a legacy write (accelerate) is undone by one
         if now[full] is not None and saved[full] is not None and now[full] != saved[full]:
             setattr(owner, name, saved[full])
@@ -113,8 +114,9 @@ def numeric_flags_restored(request):
 
     saved = numeric_flags()
     yield
-    looser = loosened(saved, numeric_flags())
-    restore_numeric_flags(saved)
+    now = numeric_flags()
+    looser = loosened(saved, now)
+    restore_numeric_flags(saved, now)
     if looser:
         warnings.warn(f"{request.node.nodeid} turned on {looser}; set back", RuntimeWarning, stacklevel=1)
 
