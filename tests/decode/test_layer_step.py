@@ -79,7 +79,9 @@ def test_the_norms_are_fused_below_separate_norm_rows_and_launched_from_it(monke
     monkeypatch.setattr(layer_step, "rms_norm_rows", counting)
     got = tigon.generate(patched, ids, max_new_tokens=3, cuda_graph=False)
     assert torch.equal(got, want)
-    decode_norms = rows.count(b)  # the prefill's norms see b * 9 rows
+    # the prefill's norms see b * 9 rows, but for its last layer's second norm (the last position only: b rows)
+    assert rows[:4] == [b * 9, b * 9, b * 9, b]
+    decode_norms = rows[4:].count(b)
     assert decode_norms == (0 if b < 2 else 2 * patched.config.num_hidden_layers * 2)
 
 
@@ -157,6 +159,63 @@ def test_direct_prefill_runs_for_a_first_unpadded_chunk(monkeypatch, model_type,
     ran = _count_prefill(monkeypatch)
     got = tigon.generate(patched, ids, max_new_tokens=2)  # the prefill's token, and one decode step that reads it
     assert ran == [True] * patched.config.num_hidden_layers
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=2, do_sample=False))
+
+
+@pytest.mark.parametrize("model_type,overrides", CASES[:3], ids=[c[0] for c in CASES[:3]])
+def test_last_position_only_prefill_computes_the_last_row_of_the_last_layer(monkeypatch, model_type, overrides):
+    # RollingKVCache.last_position_only: the last layer computes q, attention, o_proj and the MLP for the last
+    # position only. Its logits equal the full prefill's last row up to fp32 summation order (the GEMMs see 1 row
+    # instead of t: hidden 64, intermediate 96, two layers, so a few hundred roundings of 2**-24 relative, far below
+    # 1e-4), every layer's cache holds the same keys and values, and the model's output has one position.
+    from tigon.hf.attention import use_tigon_attention
+
+    _, patched = _pair(model_type, overrides, "cpu")
+    use_tigon_attention(patched)  # as tigon.generate switches it for its call
+    ids = _ids(2, 7, "cpu")
+    ran = _count_prefill(monkeypatch)
+    outs, caches = [], []
+    for last_only in (False, True):
+        cache = RollingKVCache(patched.config, batch_size=2, capacity=12)
+        cache.last_position_only = last_only
+        with torch.no_grad():
+            outs.append(patched(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits)
+        caches.append(cache)
+    assert ran == [True] * (2 * patched.config.num_hidden_layers)
+    assert outs[0].shape == outs[1].shape == (2, 1, patched.config.vocab_size)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    for full, last in zip(caches[0].layers, caches[1].layers):
+        assert full.seen == last.seen == 7
+        assert torch.equal(full.keys[:, :, :7], last.keys[:, :, :7])
+        assert torch.equal(full.values[:, :, :7], last.values[:, :, :7])
+    with torch.no_grad():  # the whole hidden sequence without the setting
+        full = patched.model(input_ids=ids, past_key_values=RollingKVCache(patched.config, batch_size=2, capacity=12),
+                             use_cache=True).last_hidden_state
+        cache = RollingKVCache(patched.config, batch_size=2, capacity=12)
+        cache.last_position_only = True
+        last = patched.model(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state
+    assert full.shape == (2, 7, 64) and last.shape == (2, 1, 64)
+    torch.testing.assert_close(last, full[:, -1:], rtol=1e-4, atol=1e-4)
+
+
+def test_generate_prefills_the_last_layer_for_the_last_position_and_clears_the_setting(monkeypatch):
+    from tigon.decode import layer_step
+
+    ref, patched = _pair("llama", {}, "cpu")
+    shapes, caches = [], []
+    original = layer_step.prefill_layer_step
+
+    def recording(layer, hidden, mask, cache, pos):
+        out = original(layer, hidden, mask, cache, pos)
+        shapes.append(tuple(out.shape))
+        caches.append(cache)
+        return out
+
+    monkeypatch.setattr(layer_step, "prefill_layer_step", recording)
+    ids = _ids(2, 7, "cpu")
+    got = tigon.generate(patched, ids, max_new_tokens=2)
+    assert shapes == [(2, 7, 64), (2, 1, 64)]
+    assert caches[0].last_position_only is False  # set back after the prefill
     assert torch.equal(got, ref.generate(ids, max_new_tokens=2, do_sample=False))
 
 

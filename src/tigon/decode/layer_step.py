@@ -133,7 +133,13 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     The same kernels and cuBLAS calls as the module-by-module forward (RMSNorm, q/k/v, RoPE, the cache write,
     HF's sdpa attention with is_causal, o_proj, the fused residual add and norm, the MLP), called directly: a
     prefill of a 1-2 B model is bound by the host's time per op, and the module calls, the attention
-    interface and the cache dispatch around ~20 kernels a layer cost as much as the kernels themselves."""
+    interface and the cache dispatch around ~20 kernels a layer cost as much as the kernels themselves.
+
+    The model's last layer, when the cache says its caller reads the last position only
+    (`RollingKVCache.last_position_only`, set by tigon.generate around its prefill), writes every position's
+    keys and values but computes the query, attention, o_proj and the MLP for the last position alone, and
+    returns `[b, 1, hidden]`: the rest of that layer's rows feed nothing the caller reads (1/n_layers of the
+    prefill's FLOPs)."""
     attn = _tigon_attention(layer, position_embeddings)
     if (attn is None or attention_mask is not None or not isinstance(past_key_values, RollingKVCache)
             or torch.is_grad_enabled() or attn.config._attn_implementation != NAME):
@@ -152,28 +158,40 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     _, gate, up, down, act = found
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    last_only = past_key_values.last_position_only and idx == len(past_key_values.layers) - 1
     # The norms and the GLU through their unchecked row entries: `_weights` checked the modules and dtypes,
     # and every tensor here is a fresh contiguous [b * t, ...] product of this function.
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
     rows = b * t
     h, _ = rms_norm_rows(hidden_states.view(rows, -1), ln1.weight, ln1.eps)
     shape = (b, t, -1, attn.head_dim)  # of each [rows, N] projection of h
-    q = F.linear(h, attn.q_proj.weight).view(shape)
+    residual = hidden_states.view(rows, -1)
+    cos, sin = position_embeddings
     k = F.linear(h, attn.k_proj.weight).view(shape)
     v = F.linear(h, attn.v_proj.weight).view(shape)
-    if has_qk_norm(attn):  # Qwen3: RMSNorm on the head dim before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    cos, sin = position_embeddings
-    keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2))
+    if last_only:  # one query row a sequence: RoPE at the last position, attention over every key (no mask)
+        residual = hidden_states[:, -1]
+        q = F.linear(h.view(b, t, -1)[:, -1], attn.q_proj.weight).view(b, 1, -1, attn.head_dim)
+        if has_qk_norm(attn):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        keys, values, _ = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin)
+        q = q.transpose(1, 2)
+        q, _ = ops.apply_rope(q, q, cos[:, -1:], sin[:, -1:])
+        rows = b
+    else:
+        q = F.linear(h, attn.q_proj.weight).view(shape)
+        if has_qk_norm(attn):  # Qwen3: RMSNorm on the head dim before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2))
     out, _ = sdpa_attention_forward(attn, q, keys, values, None, dropout=0.0, scaling=attn.scaling)
     o = F.linear(out.reshape(rows, -1), attn.o_proj.weight)
-    normed, h2 = rms_norm_rows(o, ln2.weight, ln2.eps, residual=hidden_states.view(rows, -1))
+    normed, h2 = rms_norm_rows(o, ln2.weight, ln2.eps, residual=residual.contiguous())
     # the MLP's inference forward without its four module calls: the same GEMMs and GLU kernel
     if layer.mlp.fused_gate_up:
         m = glu_rows(F.linear(normed, layer.mlp.gate_up_proj.weight), None, act)
     else:
         m = glu_rows(F.linear(normed, gate), F.linear(normed, up), act)
-    return (h2 + F.linear(m, down)).view(b, t, -1)
+    return (h2 + F.linear(m, down)).view(b, rows // b, -1)
 
 
 def _normed_projection(x, norm, weights, activation=None):

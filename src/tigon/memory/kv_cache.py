@@ -395,6 +395,9 @@ class RollingKVCache(Cache):
                   for i in range(len(rings))]
         super().__init__(layers=layers)
         self.capacity, self.sink_tokens = capacity, sink_tokens
+        # Set by a caller whose prefill reads the last position's output only (tigon.generate, logits_to_keep=1):
+        # the fused prefill's last layer then computes that row alone (tigon.decode.layer_step.prefill_layer_step).
+        self.last_position_only = False
 
     @property
     def dtype(self):
