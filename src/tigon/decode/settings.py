@@ -28,7 +28,7 @@ class DecodeSettings:
     flash_prefill_tokens: on CUDA, a prompt of at most this many tokens prefills with SDPA's backends in the order
         FlashAttention-2, cuDNN, memory-efficient, math (0: SDPA's own order, cuDNN first on Hopper). cuDNN builds
         an execution plan for every new prompt length and K/V stride, 45-80 ms on the H200 at 508-8191 tokens,
-        where flash takes 0.2-4 ms; warm, flash costs 1.2x cuDNN's attention at ~512 tokens and 1.9x at 8191
+        where flash takes 0.2-4 ms; warm, flash costs 1.3-1.6x cuDNN's attention at ~510 tokens and 1.9x at 8191
         (benchmarks/sdpa_new_shapes.py, docs/generation.md). Default 2048.
     on_capture: called with no arguments right after the decode step's CUDA graph is captured, before its
         first replay (a profiler starts its trace there: it must never run over a capturing stream).
