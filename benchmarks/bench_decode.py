@@ -23,8 +23,7 @@ one timed call with the peak-memory counter reset just before it (weights includ
   attention ("auto": the "tigon" attention implementation for the call); its steps are CUDA events recorded
   after each step, read once at the end (no sync in the loop). The first decode step of the graph path
   includes the capture. `wall_ms_per_step` (host clock around the whole call, minus TTFT) is a cross-check of
-  the events. `*-hf-attn` is the same with `attention="hf"` (HF's sdpa in the loop), for comparison;
-  `tigon-cudnn-prefill` with `DecodeSettings(flash_prefill_tokens=0)`: SDPA's own backend order in every prefill.
+  the events. `*-hf-attn` is the same with `attention="hf"` (HF's sdpa in the loop), for comparison.
 - `swa-*`: Mistral with sliding_window 1024 and a 4096-token prompt (every layer's ring wraps): swa-tigon
   replays a CUDA graph (the tigon attention), swa-tigon-hf-attn cannot (HF's mask past the ring) and runs
   eagerly; `swa-tigon-full` is the same model with the window off, so every layer holds all 4352 tokens (no
@@ -76,8 +75,8 @@ MODELS = {"llama-1.5b": LLAMA_1B5, "llama3-8b": LLAMA3_8B}
 DEFAULT_MODEL = "llama-1.5b"
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=512, max_position_embeddings=256)
-VARIANTS = ("hf-eager", "hf-static-compile", "tigon", "tigon-nograph", "tigon-hf-attn", "tigon-cudnn-prefill",
-            "swa-hf-static-compile", "swa-tigon", "swa-tigon-full", "swa-tigon-hf-attn")
+VARIANTS = ("hf-eager", "hf-static-compile", "tigon", "tigon-nograph", "tigon-hf-attn", "swa-hf-static-compile",
+            "swa-tigon", "swa-tigon-full", "swa-tigon-hf-attn")
 DEFAULT_VARIANTS = ("tigon,hf-static-compile,tigon-nograph,hf-eager,swa-tigon,swa-tigon-full,swa-hf-static-compile,"
                     "tigon-hf-attn,swa-tigon-hf-attn")
 DEFAULT_VARIANTS_BY_MODEL = {"llama3-8b": "tigon,hf-static-compile"}
@@ -220,8 +219,6 @@ def _child_tigon(spec, model, ids):
     variant = spec["variant"]
     kw = dict(max_new_tokens=spec["new"], cuda_graph=not variant.endswith("nograph"), return_stats=True,
               attention="hf" if variant.endswith("hf-attn") else "auto")
-    if variant == "tigon-cudnn-prefill":
-        kw["settings"] = tigon.DecodeSettings(flash_prefill_tokens=0)
     device = ids.device
     t = time.perf_counter()
     warm = dict(kw, max_new_tokens=QUICK["warmup_new"]) if spec["quick"] and ids.device.type == "cpu" else kw

@@ -623,48 +623,10 @@ def test_settings_are_one_checked_value():
         DecodeSettings(rotary_table=1)
     with pytest.raises(TypeError, match="DecodeSettings: on_capture must be a callable or None"):
         DecodeSettings(on_capture="start")
-    with pytest.raises(ValueError, match="DecodeSettings: flash_prefill_tokens must be an int >= 0, got -1"):
-        DecodeSettings(flash_prefill_tokens=-1)
-    with pytest.raises(ValueError, match="DecodeSettings: flash_prefill_tokens must be an int >= 0, got 1.5"):
-        DecodeSettings(flash_prefill_tokens=1.5)
     with pytest.raises(AttributeError):
         DecodeSettings().eos_check_every = 2  # frozen: passed in, never flipped
     with pytest.raises(TypeError, match="generate: settings must be a tigon.decode.DecodeSettings, got dict"):
         gen.generate(_model("llama"), _ids(1, 5), max_new_tokens=2, settings={"rotary_table": False})
-
-
-def test_short_cuda_prompts_prefill_with_flash_first():
-    from torch.nn.attention import SDPBackend
-
-    from tigon.decode.loop import prefill_backends
-
-    order = prefill_backends(torch.device("cuda"), 2048, DecodeSettings())
-    assert order[0] == SDPBackend.FLASH_ATTENTION and len(set(order)) == 4  # every backend stays allowed
-    assert prefill_backends("cuda", 2049, DecodeSettings()) is None  # past it cuDNN's warm speed wins
-    assert prefill_backends("cuda", 5, DecodeSettings(flash_prefill_tokens=0)) is None
-    assert prefill_backends(torch.device("cpu"), 5, DecodeSettings()) is None
-
-
-@pytest.mark.gpu
-def test_gpu_flash_prefill_runs_flash_and_agrees_with_cudnn():
-    # The prefill's kernels, profiled: FlashAttention-2's forward runs with flash first and not with SDPA's own
-    # order (cuDNN on Hopper). bf16 attention outputs of the two backends round differently (an ulp, 2**-8
-    # relative, here and there), so the greedy tokens agree almost everywhere, not bit for bit.
-    from torch.profiler import ProfilerActivity, profile
-
-    model = _gpu_model()
-    ids = torch.randint(0, 32000, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    flash_kernels = []
-    for tokens in (2048, 0):
-        settings = DecodeSettings(flash_prefill_tokens=tokens)
-        gen.generate(model, ids, max_new_tokens=1, settings=settings)  # warm: Triton JIT, cuDNN's plan
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            gen.generate(model, ids, max_new_tokens=1, settings=settings)
-        flash_kernels.append(sum("flash_fwd" in e.name for e in prof.events()))
-    assert flash_kernels[0] >= model.config.num_hidden_layers and flash_kernels[1] == 0
-    flash = gen.generate(model, ids, max_new_tokens=8, settings=DecodeSettings(flash_prefill_tokens=2048))
-    cudnn = gen.generate(model, ids, max_new_tokens=8, settings=DecodeSettings(flash_prefill_tokens=0))
-    assert (flash == cudnn).float().mean() > 0.9
 
 
 def test_nearest_rank_percentile():

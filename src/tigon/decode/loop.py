@@ -32,7 +32,6 @@ host integer that grows every step), so such a generation runs eagerly.
 import contextlib
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import hf_graph, inputs, sampling
 from .layer_step import fused_decode
@@ -58,14 +57,6 @@ def _cache_class():
             return super().get_query_offset(layer_idx)
 
     return _DecodeCache
-
-
-def prefill_backends(device, prompt_tokens, settings):
-    """SDPA's backends in priority order for the prefill (`DecodeSettings.flash_prefill_tokens`), or None: its
-    own order."""
-    if torch.device(device).type != "cuda" or prompt_tokens > settings.flash_prefill_tokens:
-        return None
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _switch_attention(model, attention):
@@ -272,12 +263,10 @@ def _decode_loop(model, input_ids, clock, scope, settings, *, max_new_tokens, at
                      use_cache=True, logits_to_keep=1).logits[:, -1]
 
     clock.phase("prompt_setup")
-    backends = prefill_backends(device, p, settings)
     cache.last_position_only = True  # the last layer's other rows feed nothing read here
     try:
-        with contextlib.nullcontext() if backends is None else sdpa_kernel(backends, set_priority=True):
-            logits = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions,
-                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]
     finally:
         cache.last_position_only = False
     clock.phase("prefill")

@@ -1,7 +1,6 @@
 """DecodeSettings: how `tigon.generate` runs its loop, one frozen value passed in (`settings=`).
 
-None of these changes the math: they trade host syncs, kernels per step, attention backends and tracing hooks
-(a backend rounds differently; bf16 logits may then break a near-tie another way). What to generate
+None of these changes the tokens: they trade host syncs, kernels per step and tracing hooks. What to generate
 (lengths, sampling, stop ids, the ring size, whether to replay a CUDA graph) stays in generate's arguments.
 """
 
@@ -25,11 +24,6 @@ class DecodeSettings:
     fused_layers: install the fused decoder-layer step (`tigon.decode.layer_step`) on the layers of a patched
         model for the call (a model patched by `tigon.patch(model)` has it already). False runs the layers'
         module-by-module forward.
-    flash_prefill_tokens: on CUDA, a prompt of at most this many tokens prefills with SDPA's backends in the order
-        FlashAttention-2, cuDNN, memory-efficient, math (0: SDPA's own order, cuDNN first on Hopper). cuDNN builds
-        an execution plan for every new prompt length and K/V stride, 45-80 ms on the H200 at 508-8191 tokens,
-        where flash takes 0.2-4 ms; warm, flash costs 1.3-1.6x cuDNN's attention at ~510 tokens and 1.9x at 8191
-        (benchmarks/sdpa_new_shapes.py, docs/generation.md). Default 2048.
     on_capture: called with no arguments right after the decode step's CUDA graph is captured, before its
         first replay (a profiler starts its trace there: it must never run over a capturing stream).
     """
@@ -37,15 +31,11 @@ class DecodeSettings:
     eos_check_every: int = 16
     rotary_table: bool = True
     fused_layers: bool = True
-    flash_prefill_tokens: int = 2048
     on_capture: Callable[[], None] | None = None
 
     def __post_init__(self):
         if not _is_int(self.eos_check_every) or self.eos_check_every < 1:
             raise ValueError(f"DecodeSettings: eos_check_every must be an int >= 1, got {self.eos_check_every!r}")
-        if not _is_int(self.flash_prefill_tokens) or self.flash_prefill_tokens < 0:
-            raise ValueError(f"DecodeSettings: flash_prefill_tokens must be an int >= 0, got "
-                             f"{self.flash_prefill_tokens!r}")
         for name in ("rotary_table", "fused_layers"):
             value = getattr(self, name)
             if not isinstance(value, bool):
