@@ -219,6 +219,42 @@ def test_generate_prefills_the_last_layer_for_the_last_position_and_clears_the_s
     assert torch.equal(got, ref.generate(ids, max_new_tokens=2, do_sample=False))
 
 
+def test_model_generate_prefills_the_last_position_only_unless_hidden_states_are_asked(monkeypatch):
+    # HF's generate keeps one logits row (logits_to_keep=1): tigon's CausalLM forward tells the RollingKVCache, so
+    # the fused prefill's last layer computes the last position only. Asked for hidden states, the whole sequence
+    # goes through, and the prefill's hidden states equal the unpatched model's.
+    from tigon.decode import layer_step
+    from tigon.hf.attention import restore_attention, use_tigon_attention
+
+    ref, patched = _pair("llama", {}, "cpu")
+    ids = _ids(2, 7, "cpu")
+    shapes, original = [], layer_step.prefill_layer_step
+
+    def recording(*args):
+        out = original(*args)
+        shapes.append(None if out is None else tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(layer_step, "prefill_layer_step", recording)
+    kw = dict(max_new_tokens=3, do_sample=False)
+    want = ref.generate(ids, **kw, output_hidden_states=True, return_dict_in_generate=True)
+    use_tigon_attention(patched)
+    try:
+        cache = RollingKVCache(patched.config, batch_size=2, capacity=16)
+        got = patched.generate(ids, **kw, past_key_values=cache)
+        assert shapes == [(2, 7, 64), (2, 1, 64)] and cache.last_position_only is False
+        shapes.clear()
+        cache = RollingKVCache(patched.config, batch_size=2, capacity=16)
+        full = patched.generate(ids, **kw, past_key_values=cache, output_hidden_states=True,
+                                return_dict_in_generate=True)
+        assert len(shapes) == 2 and (2, 1, 64) not in shapes  # (the direct prefill or the module forward)
+    finally:
+        restore_attention(patched)
+    assert torch.equal(got, want.sequences) and torch.equal(full.sequences, want.sequences)
+    for mine, theirs in zip(full.hidden_states[0], want.hidden_states[0]):  # the prefill's, every layer
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
 def test_direct_prefill_declines_padding_and_a_prompt_past_the_window(monkeypatch):
     ref, patched = _pair("mistral", dict(sliding_window=8), "cpu")
     ran = _count_prefill(monkeypatch)

@@ -5,7 +5,9 @@ and the lm_head, and the output's `logits` is None (a [tokens, vocab] fp32 tenso
 and a 128k vocab). "Only the loss" follows Liger-Kernel's `skip_logits` forward argument: by default in
 training with labels; `skip_logits=True` asks for it in eval too (the Trainer's `prediction_loss_only`
 evaluation), `skip_logits=False` forces the logits. Otherwise the model's own forward runs and returns logits
-exactly as Hugging Face does.
+exactly as Hugging Face does; a prefill over a RollingKVCache that keeps one logits row and no hidden states
+(`model.generate`'s) tells the cache so (`last_position_only`), and the fused prefill's last layer then computes
+that position alone.
 """
 
 import functools
@@ -152,6 +154,21 @@ def _inner_model_kwargs(inner, past_key_values, cache):
     return {"past_key_values": value}
 
 
+def _reads_last_position_only(model, cache, logits_to_keep, labels, kwargs) -> bool:
+    """The forward's caller reads the last position only: one logits row kept (`logits_to_keep=1`, as
+    `model.generate` asks), no labels, no hidden states or attentions returned, over a RollingKVCache (the only
+    cache whose prefill reads `last_position_only`)."""
+    from ..memory.kv_cache import RollingKVCache
+
+    if not (isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and logits_to_keep == 1
+            and isinstance(cache, RollingKVCache)):
+        return False
+    config = model.config
+    return (labels is None and kwargs.get("shift_labels") is None
+            and not (kwargs.get("output_hidden_states") or getattr(config, "output_hidden_states", False))
+            and not (kwargs.get("output_attentions") or getattr(config, "output_attentions", False)))
+
+
 def fused_causal_lm_forward(
     self,
     input_ids=None,
@@ -184,11 +201,16 @@ def fused_causal_lm_forward(
         if cache is not None:
             kwargs.update(_inner_model_kwargs(self.model, None, cache))
             past_key_values = kwargs.pop("past_key_values", past_key_values)
-        return hf_forward(self)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-            logits_to_keep=logits_to_keep, **kwargs,
-        )
+        hf_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                         use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        if not _reads_last_position_only(self, past_key_values, logits_to_keep, labels, kwargs):
+            return hf_forward(self)(**hf_kwargs)
+        before, past_key_values.last_position_only = past_key_values.last_position_only, True
+        try:
+            return hf_forward(self)(**hf_kwargs)
+        finally:
+            past_key_values.last_position_only = before
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     if router:
