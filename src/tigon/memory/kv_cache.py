@@ -94,7 +94,10 @@ def _layer_storage(batch, heads, head_dim, rings, sinks, dtype, device):
     host-to-device copy per distinct ring shape (a Python scalar operand would be a fresh 8-byte tensor per op)."""
     per = [batch * heads * r * head_dim for r in rings]
     kv = torch.zeros(2 * sum(per), dtype=dtype, device=device)
-    pos = torch.full((sum(rings),), -1, dtype=torch.int64, device=device)
+    # Each layer's positions start 16-byte aligned (an even int64 offset): Triton specializes a pointer argument on
+    # 16-byte alignment, so an odd ring size would compile the kernels that take them once more at a new capacity.
+    spans = [r + r % 2 for r in rings]
+    pos = torch.full((sum(spans),), -1, dtype=torch.int64, device=device)
     state = torch.zeros((len(rings), 2), dtype=torch.int64, device=device)
     consts = {}
     out, k_off, p_off = [], 0, 0
@@ -104,7 +107,7 @@ def _layer_storage(batch, heads, head_dim, rings, sinks, dtype, device):
         keys = kv[k_off:k_off + n].view(batch, heads, r, head_dim)
         values = kv[k_off + n:k_off + 2 * n].view(batch, heads, r, head_dim)
         out.append((keys, values, pos[p_off:p_off + r], state[i, 0:1], state[i, 1:2], consts[r, sink]))
-        k_off, p_off = k_off + 2 * n, p_off + r
+        k_off, p_off = k_off + 2 * n, p_off + r + r % 2
     return out
 
 

@@ -50,9 +50,10 @@ def _ring_slot(p, sink, recent):
     return p - laps * recent
 
 
-# C (the ring's capacity) is not specialized: Triton would compile again when C % 16 changes, and every generate
-# call sizes its ring from its prompt and max_new_tokens (one 0.6-1.0 s TTFT in each benchmark's repeats).
-@triton.jit(do_not_specialize=["C"])
+# C (the ring's capacity) and T (the chunk's tokens: a prefill's prompt length) are not specialized: Triton would
+# compile again when C % 16 or T % 16 changes, and every generate call sizes its ring from its prompt and
+# max_new_tokens (one 0.6-1.0 s TTFT in each benchmark's repeats).
+@triton.jit(do_not_specialize=["C", "T"])
 def _rope_kv_write_kernel(
     K,  # [B, Hkv, T, D] new keys before RoPE, unit stride on D
     V,  # [B, Hkv, T, D] new values, unit stride on D

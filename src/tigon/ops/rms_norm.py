@@ -22,7 +22,9 @@ _CASTING = {"llama": 0, "gemma": 1, "none": 2}
 _DEFAULT = tuple(RMSNormConfig().ints())
 
 
-@triton.jit
+# M (rows) is not specialized: a prefill's M is its prompt length, and M % 16 changing would compile the kernel
+# again in the middle of a request (measured with tests/decode/test_specializations.py's launch recorder).
+@triton.jit(do_not_specialize=["M"])
 def _rms_norm_fwd_kernel(
     X,  # [M, H] input rows
     R,  # [M, H] residual rows (read when HAS_RESIDUAL)
