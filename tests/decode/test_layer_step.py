@@ -297,3 +297,18 @@ def test_the_step_is_installed_by_patch_and_held_by_generate():
     finally:
         tigon.unpatch(model_type="llama")
     assert torch.equal(got, ref.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+def test_the_direct_prefill_checks_the_rotary_tables_it_writes_with():
+    # prefill_rope skips rope_kv_append's checks, so the layer step declines (the module forward runs) unless
+    # cos/sin are [1 or b, t, rd], rd even and <= head_dim, floating, on the hidden states' device.
+    from tigon.decode.layer_step import _rotary_ok
+
+    cos = torch.zeros(1, 7, 16)
+    assert _rotary_ok((cos, cos), 2, 7, 16, cos.device)
+    assert _rotary_ok((torch.zeros(2, 7, 8),) * 2, 2, 7, 16, cos.device)
+    shapes = [(3, 7, 16), (1, 6, 16), (1, 7, 18), (1, 7, 5)]  # batch, tokens, rd > head_dim, odd rd
+    bad_tables = [(torch.zeros(shape),) * 2 for shape in shapes] + [(torch.zeros(1, 7, 16, dtype=torch.int64),) * 2]
+    for bad in bad_tables + [(cos,), (cos, torch.zeros(1, 7, 14)), (cos, cos.double()), None]:
+        assert not _rotary_ok(bad, 2, 7, 16, cos.device), bad
+    assert not _rotary_ok((cos, cos), 2, 7, 16, torch.device("meta"))

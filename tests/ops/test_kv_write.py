@@ -300,6 +300,47 @@ def test_append_all_but_one_slot_are_sinks(device, next_pos, T):
     assert slots == [min(p, 7) for p in range(next_pos, next_pos + T)]
 
 
+@pytest.mark.parametrize("with_query", [True, False])
+def test_append_rows_equals_the_checked_op(device, with_query):
+    # rope_kv_append_rows: the same launch without the argument checks (the fused prefill's write): bitwise the
+    # public op's cache, positions and rotated query, on a chunk that wraps past 1 sink slot, partial rotary.
+    from tigon.ops.kv_write import rope_kv_append_rows
+
+    args = _append_inputs(torch.bfloat16, C=5, T=3, next_pos=3, B=2, D=10, rd=6, device=device)
+    key, value, cos, sin, kc, vc, pos, nxt, query = args
+    query = query if with_query else None
+    kc2, vc2, pos2 = kc.clone(), vc.clone(), pos.clone()
+    want = rope_kv_append(key, value, cos, sin, kc, vc, pos, nxt, sink=1, query=query)
+    before = ops.dispatch_counts[("rope_kv_append", "triton")] + ops.dispatch_counts[("rope_kv_append", "reference")]
+    got = rope_kv_append_rows(key, value, cos, sin, kc2, vc2, pos2, nxt, 1, query)
+    after = ops.dispatch_counts[("rope_kv_append", "triton")] + ops.dispatch_counts[("rope_kv_append", "reference")]
+    assert after == before + 1  # counted like the op (tests count the prefill's writes)
+    assert (got is None) == (query is None) and (got is None or _same(got, want))
+    assert _same(kc2, kc) and _same(vc2, vc) and torch.equal(pos2, pos)
+
+
+def test_rolling_cache_prefill_rope_equals_update_rope(device):
+    """RollingKVLayer.prefill_rope (the fused prefill's unchecked write) leaves the ring, positions and counters
+    as update_rope does, and takes only a first chunk that fits."""
+    from tests.hf._tiny import tiny_config
+    from tigon.memory.kv_cache import RollingKVCache
+
+    config = tiny_config("llama", num_hidden_layers=1)
+    ours, ref = (RollingKVCache(config, batch_size=2, capacity=7, dtype=torch.float32, device=device).layers[0]
+                 for _ in range(2))
+    k, v, q = (randn(2, n, 5, 16, device=device) for n in (2, 2, 4))
+    ang = torch.rand(1, 5, 8, device=device) * 6.0
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+    got, want = ours.prefill_rope(k, v, cos, sin, q), ref.update_rope(k, v, cos, sin, q)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert ours.seen == ref.seen == 5 and torch.equal(ours.positions, ref.positions)
+    assert torch.equal(ours._next, ref._next)
+    with pytest.raises(ValueError, match=r"prefill_rope: the first chunk of a layer that holds nothing, at most 7 "
+                                         r"tokens; this layer holds 5 and the chunk has 1"):
+        ours.prefill_rope(k[:, :, :1], v[:, :, :1], cos[:, :1], sin[:, :1])
+
+
 def test_append_without_query_partial_rotary_and_per_batch_cos(device):
     # fp16, B = 3 with one cos row per sequence, rotary dim 6 of D = 10, no query; the chunk wraps past C.
     args = _append_inputs(torch.float16, C=5, T=2, next_pos=4, B=3, D=10, rd=6, cos_batch=3, device=device)

@@ -127,6 +127,37 @@ def _tigon_attention(layer, position_embeddings):
     return attn if is_tigon_forward(attn) else None
 
 
+def _rotary_ok(position_embeddings, b, t, head_dim, device) -> bool:
+    """cos, sin `[1 or b, t, rd]`, rd even and <= head_dim, floating, on `device`: what the ring's unchecked
+    write (`RollingKVLayer.prefill_rope`) reads."""
+    if not isinstance(position_embeddings, (tuple, list)) or len(position_embeddings) != 2:
+        return False
+    cos, sin = position_embeddings
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.dim() != 3:
+        return False
+    rd = cos.shape[2]
+    return (cos.shape[0] in (1, b) and cos.shape[1] == t and sin.shape == cos.shape and 0 < rd <= head_dim
+            and rd % 2 == 0 and cos.is_floating_point() and sin.dtype == cos.dtype and cos.device == device
+            and sin.device == device)
+
+
+# torch >= 2.5 attends grouped K/V heads in SDPA itself (`enable_gqa`); before, HF's function repeats them.
+_SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
+
+def _causal_attention(attn, q, keys, values):
+    """HF's sdpa attention without a mask, `[b, t, heads, head_dim]` out: what `sdpa_attention_forward` calls
+    where SDPA takes grouped heads itself (head_dim <= 256, as HF decides), without its ~12 us of host time a
+    call; elsewhere that function. Causal from 2 query rows (one query row: the last position, every key)."""
+    if _SDPA_GQA and keys.shape[-1] <= 256 and getattr(attn, "is_causal", True):
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=q.shape[2] > 1, scale=attn.scaling,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
+        return out.transpose(1, 2)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(attn, q, keys, values, None, dropout=0.0, scaling=attn.scaling)[0]
+
+
 def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):
     """The layer's output for a first, unpadded prompt chunk that fits the ring, or None (its own forward).
 
@@ -153,10 +184,10 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     if ring.seen != 0 or t > ring.ring or b > ring.batch_size or (window and t > window):
         return None  # a later chunk, a chunk past the ring or the window: HF's masks are needed
     found = _weights(layer, hidden_states.dtype)
-    if found is None or not hidden_states.is_contiguous():
+    if found is None or not hidden_states.is_contiguous() or not _rotary_ok(position_embeddings, b, t, attn.head_dim,
+                                                                           hidden_states.device):
         return None
     _, gate, up, down, act = found
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     last_only = past_key_values.last_position_only and idx == len(past_key_values.layers) - 1
     # The norms and the GLU through their unchecked row entries: `_weights` checked the modules and dtypes,
@@ -174,7 +205,7 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
         q = F.linear(h.view(b, t, -1)[:, -1], attn.q_proj.weight).view(b, 1, -1, attn.head_dim)
         if has_qk_norm(attn):
             q, k = attn.q_norm(q), attn.k_norm(k)
-        keys, values, _ = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin)
+        keys, values, _ = ring.prefill_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin)
         q = q.transpose(1, 2)
         q, _ = ops.apply_rope(q, q, cos[:, -1:], sin[:, -1:])
         rows = b
@@ -182,8 +213,8 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
         q = F.linear(h, attn.q_proj.weight).view(shape)
         if has_qk_norm(attn):  # Qwen3: RMSNorm on the head dim before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
-        keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2))
-    out, _ = sdpa_attention_forward(attn, q, keys, values, None, dropout=0.0, scaling=attn.scaling)
+        keys, values, q = ring.prefill_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2))
+    out = _causal_attention(attn, q, keys, values)
     o = F.linear(out.reshape(rows, -1), attn.o_proj.weight)
     normed, h2 = rms_norm_rows(o, ln2.weight, ln2.eps, residual=residual.contiguous())
     # the MLP's inference forward without its four module calls: the same GEMMs and GLU kernel

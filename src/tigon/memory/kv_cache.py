@@ -288,6 +288,26 @@ class RollingKVLayer(CacheLayerMixin):
             self._next.add_(self._one_t)
         return keys, values, q_embed
 
+    def prefill_rope(self, key_states, value_states, cos, sin, query_states=None):
+        """`update_rope` for the fused prefill (`tigon.decode.layer_step`): the first chunk, which fits the ring,
+        with key, value and query views of the caller's own projections and cos/sin `[1 or batch, chunk,
+        rotary_dim]` (rotary_dim even, <= head_dim) checked by the caller, so the write skips
+        `rope_kv_append`'s argument checks (`tigon.ops.kv_write.rope_kv_append_rows`; they cost more host time
+        than the launch). Returns (keys, values, rotated query or None), as update_rope."""
+        from ..ops.kv_write import rope_kv_append_rows
+
+        self._check(key_states, value_states)
+        b, q = key_states.shape[0], key_states.shape[2]
+        if self.seen != 0 or not 0 < q <= self.ring:
+            raise ValueError(f"{_NAME}.prefill_rope: the first chunk of a layer that holds nothing, at most "
+                             f"{self.ring} tokens; this layer holds {self.seen} and the chunk has {q}")
+        keys, values = self._views(b)
+        self.seen = q
+        q_embed = rope_kv_append_rows(key_states, value_states, cos, sin, keys, values, self.positions, self._next,
+                                      self.sink, query_states)
+        self._next.add_(q)
+        return keys[:, :, :q], values[:, :, :q], q_embed
+
     def decode_positions(self):
         """(slot positions `[ring]`, next position `[1]`), both int64 device tensors kept by the layer.
 

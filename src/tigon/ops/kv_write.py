@@ -250,6 +250,23 @@ def _(key, value, cos, sin, k_cache, v_cache, positions, next_position, sink, qu
     return torch.empty_like(query) if query is not None else cos.new_empty(0)
 
 
+def rope_kv_append_rows(key, value, cos, sin, k_cache, v_cache, positions, next_position, sink, query):
+    """`rope_kv_append` for a caller whose tensors are its own, without the argument checks: the ring layer of a
+    RollingKVCache (k_cache, v_cache, positions, next_position, sink: built with the cache; key and value checked
+    by its `_check`) writing the fused prefill's q/k/v (`tigon.decode.layer_step`: views of its own projections,
+    cos/sin the model's rotary output for the chunk's positions, which the layer step checks). No autograd. The
+    public op's checks cost more host time than its launch (~36 us a call on a 2-core x86 CPU, kernels aside);
+    the prefill makes one a layer."""
+    if not _library.use_kernels("rope_kv_append", key):
+        return reference.rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position,
+                                        sink=sink, query=query)
+    key, value = _launch.unit_last(key), _launch.unit_last(value)
+    query = _launch.unit_last(query) if query is not None else None
+    q_embed = _library.dispatch(torch.ops.tigon.rope_kv_append, None, _append_launch, key, value, cos, sin, k_cache,
+                                v_cache, positions, next_position.reshape(1), sink, query)
+    return q_embed if query is not None else None
+
+
 def rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position, *, sink=0, query=None):
     """`rope_kv_write` for a ring-buffer cache whose slot is computed on the device: token t of the chunk has
     position `p = next_position + t` and goes to slot p while p < sink, else `sink + (p - sink) % (C - sink)`;
