@@ -59,6 +59,7 @@ from ..modules import RMSNorm
 from ..modules.mlp import GeGLUMLP, SwiGLUMLP, member, plain_linear
 from ..ops._launch import DECODE_ROWS
 from ..ops.rms_norm import rms_norm_rows
+from ..ops.rope import check_cos_sin
 from ..ops.swiglu import glu_rows
 
 _ACT = {SwiGLUMLP: "silu", GeGLUMLP: "gelu_tanh"}
@@ -128,17 +129,19 @@ def _tigon_attention(layer, position_embeddings):
 
 
 def _rotary_ok(position_embeddings, b, t, head_dim, device) -> bool:
-    """cos, sin `[1 or b, t, rd]`, rd even and <= head_dim, floating, on `device`: what the ring's unchecked
-    write (`RollingKVLayer.prefill_rope`) reads."""
+    """cos, sin as `ops.rope.check_cos_sin` takes them (`[1 or b, t, rd]`, rd even and <= head_dim), floating,
+    of one dtype, on `device`: what the ring's unchecked write (`RollingKVLayer.prefill_rope`) reads."""
     if not isinstance(position_embeddings, (tuple, list)) or len(position_embeddings) != 2:
         return False
     cos, sin = position_embeddings
-    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.dim() != 3:
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.is_floating_point()
+            and sin.dtype == cos.dtype and cos.device == device and sin.device == device):
         return False
-    rd = cos.shape[2]
-    return (cos.shape[0] in (1, b) and cos.shape[1] == t and sin.shape == cos.shape and 0 < rd <= head_dim
-            and rd % 2 == 0 and cos.is_floating_point() and sin.dtype == cos.dtype and cos.device == device
-            and sin.device == device)
+    try:
+        check_cos_sin("prefill_layer_step", cos, sin, b, t, head_dim)
+    except ValueError:
+        return False
+    return True
 
 
 # torch >= 2.5 attends grouped K/V heads in SDPA itself (`enable_gqa`); before, HF's function repeats them.

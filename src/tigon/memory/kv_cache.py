@@ -101,13 +101,13 @@ def _layer_storage(batch, heads, head_dim, rings, sinks, dtype, device):
     state = torch.zeros((len(rings), 2), dtype=torch.int64, device=device)
     consts = {}
     out, k_off, p_off = [], 0, 0
-    for i, (r, n, sink) in enumerate(zip(rings, per, sinks)):
+    for i, (r, span, n, sink) in enumerate(zip(rings, spans, per, sinks)):
         if (r, sink) not in consts:
             consts[r, sink] = torch.tensor([sink, r - sink, 1], dtype=torch.int64, device=device)
         keys = kv[k_off:k_off + n].view(batch, heads, r, head_dim)
         values = kv[k_off + n:k_off + 2 * n].view(batch, heads, r, head_dim)
         out.append((keys, values, pos[p_off:p_off + r], state[i, 0:1], state[i, 1:2], consts[r, sink]))
-        k_off, p_off = k_off + 2 * n, p_off + r + r % 2
+        k_off, p_off = k_off + 2 * n, p_off + span
     return out
 
 

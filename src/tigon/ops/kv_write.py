@@ -295,12 +295,4 @@ def rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_posit
     _launch.check_same_device(op, "key", key, positions=positions, next_position=next_position)
     if isinstance(sink, bool) or not isinstance(sink, int) or not 0 <= sink < C:
         raise ValueError(f"{op}: sink must be an int in [0, {C}), got {sink!r}")
-    if not _library.use_kernels("rope_kv_append", key):
-        return reference.rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position,
-                                        sink=sink, query=query)
-    key, value = _launch.unit_last(key), _launch.unit_last(value)
-    query = _launch.unit_last(query) if query is not None else None
-    next_position = next_position.reshape(1)
-    q_embed = _library.dispatch(torch.ops.tigon.rope_kv_append, None, _append_launch, key, value, cos, sin, k_cache,
-                                v_cache, positions, next_position, sink, query)
-    return q_embed if query is not None else None
+    return rope_kv_append_rows(key, value, cos, sin, k_cache, v_cache, positions, next_position, sink, query)
