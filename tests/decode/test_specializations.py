@@ -79,12 +79,12 @@ def test_new_prompt_lengths_add_no_specialization(cuda_specializations):
 
 
 def _compiled_binaries():
-    """Compiled binaries over the loaded Tigon kernels (Triton 3.x's JITFunction.device_caches), or None."""
+    """Compiled binaries per loaded Tigon kernel (Triton 3.x's JITFunction.device_caches), or None."""
     import sys
 
     from triton.runtime.jit import JITFunction
 
-    total, found = 0, False
+    counts, found = collections.Counter(), False
     for name, module in list(sys.modules.items()):
         if not name.startswith("tigon.") or module is None:
             continue
@@ -98,8 +98,8 @@ def _compiled_binaries():
             for entry in caches.values():
                 if not isinstance(entry, tuple) or not isinstance(entry[0], dict):
                     return None
-                total += len(entry[0])
-    return total if found else None
+                counts[f"{value.fn.__module__}.{value.fn.__name__}"] += len(entry[0])
+    return counts if found else None
 
 
 @pytest.mark.gpu
@@ -111,4 +111,5 @@ def test_gpu_new_prompt_lengths_compile_nothing():
         pytest.skip("this Triton keeps its compiled kernels in another structure than JITFunction.device_caches")
     for p in NEW:
         _generate(model, p, 3)
-    assert _compiled_binaries() == before
+        added = _compiled_binaries() - before
+        assert not added, f"prompt {p}: new binaries of {dict(added)}"

@@ -148,17 +148,19 @@ def _rotary_ok(position_embeddings, b, t, head_dim, device) -> bool:
 _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
-def _causal_attention(attn, q, keys, values):
+def _causal_attention(attn, q, keys, values, key_mask=None):
     """HF's sdpa attention without a mask, `[b, t, heads, head_dim]` out: what `sdpa_attention_forward` calls
     where SDPA takes grouped heads itself (head_dim <= 256, as HF decides), without its ~12 us of host time a
-    call; elsewhere that function. Causal from 2 query rows (one query row: the last position, every key)."""
+    call; elsewhere that function. Causal from 2 query rows (one query row: the last position, every key, or the
+    keys where `key_mask` `[keys]` is true)."""
+    mask = None if key_mask is None else key_mask.view(1, 1, 1, -1)
     if _SDPA_GQA and keys.shape[-1] <= 256 and getattr(attn, "is_causal", True):
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=q.shape[2] > 1, scale=attn.scaling,
-                                             enable_gqa=q.shape[1] != keys.shape[1])
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=q.shape[2] > 1,
+                                             scale=attn.scaling, enable_gqa=q.shape[1] != keys.shape[1])
         return out.transpose(1, 2)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    return sdpa_attention_forward(attn, q, keys, values, None, dropout=0.0, scaling=attn.scaling)[0]
+    return sdpa_attention_forward(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling)[0]
 
 
 def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):
@@ -203,21 +205,34 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     cos, sin = position_embeddings
     k = F.linear(h, attn.k_proj.weight).view(shape)
     v = F.linear(h, attn.v_proj.weight).view(shape)
+    key_mask = None
     if last_only:  # one query row a sequence: RoPE at the last position, attention over every key (no mask)
-        residual = hidden_states[:, -1]
-        q = F.linear(h.view(b, t, -1)[:, -1], attn.q_proj.weight).view(b, 1, -1, attn.head_dim)
+        real = past_key_values.prefill_rows
+        if real is None:
+            def pick(x):  # [b, t, ...] -> the last row, [b, 1, ...]
+                return x[:, -1:]
+        else:  # a chunk padded on the right: its last real row, and the keys before it
+            at = real - 1
+
+            def pick(x):
+                return x.index_select(1, at)
+
+            key_mask = torch.arange(t, device=real.device) < real
+        residual = pick(hidden_states).view(b, -1)
+        q = F.linear(pick(h.view(b, t, -1)).view(b, -1), attn.q_proj.weight).view(b, 1, -1, attn.head_dim)
         if has_qk_norm(attn):
             q, k = attn.q_norm(q), attn.k_norm(k)
         keys, values, _ = ring.prefill_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin)
         q = q.transpose(1, 2)
-        q, _ = ops.apply_rope(q, q, cos[:, -1:], sin[:, -1:])
+        q, _ = ops.apply_rope(q, q, pick(cos), pick(sin))
         rows = b
     else:
         q = F.linear(h, attn.q_proj.weight).view(shape)
         if has_qk_norm(attn):  # Qwen3: RMSNorm on the head dim before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         keys, values, q = ring.prefill_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2))
-    out = _causal_attention(attn, q, keys, values)
+    out = _causal_attention(attn, q, keys, values, key_mask)
+    past_key_values.fused_prefill_layers += 1
     o = F.linear(out.reshape(rows, -1), attn.o_proj.weight)
     normed, h2 = rms_norm_rows(o, ln2.weight, ln2.eps, residual=residual.contiguous())
     # the MLP's inference forward without its four module calls: the same GEMMs and GLU kernel

@@ -33,7 +33,7 @@ import contextlib
 
 import torch
 
-from . import hf_graph, inputs, sampling
+from . import hf_graph, inputs, prefill_graph, sampling
 from .layer_step import fused_decode
 from .rotary_table import cached_rotary
 from .settings import DEFAULT, DecodeSettings
@@ -203,14 +203,40 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
 
 def _decode_loop(model, input_ids, clock, scope, settings, *, max_new_tokens, attention_mask, capacity, cuda_graph,
                  tigon, return_stats, sampling_args, eos, pad):
-    do_sample, temperature, top_k, top_p, generator = sampling_args
     b, p = input_ids.shape
     total = p + max_new_tokens
-    capacity = total if capacity is None else capacity
     device = model.device
     if return_stats and device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    cache = _cache_class()(model.config, batch_size=b, capacity=capacity, dtype=model.dtype, device=device)
+    # A short unpadded prompt prefills through a recorded CUDA graph over a cache kept with the model
+    # (`prefill_graph`); the first call of a shape records it.
+    plan = None
+    if cuda_graph and tigon and attention_mask is None and _graphs_available(device):
+        plan = prefill_graph.plan(model, settings, batch=b, prompt=p, total=total, capacity=capacity,
+                                  dtype=model.dtype, device=device)
+    try:
+        return _decode_loop_on(model, input_ids, clock, scope, settings, plan, max_new_tokens=max_new_tokens,
+                               attention_mask=attention_mask, capacity=capacity, cuda_graph=cuda_graph,
+                               tigon=tigon, return_stats=return_stats, sampling_args=sampling_args, eos=eos, pad=pad)
+    finally:
+        if plan is not None:
+            plan.release()
+
+
+def _decode_loop_on(model, input_ids, clock, scope, settings, plan, *, max_new_tokens, attention_mask, capacity,
+                    cuda_graph, tigon, return_stats, sampling_args, eos, pad):
+    do_sample, temperature, top_k, top_p, generator = sampling_args
+    b, p = input_ids.shape
+    total = p + max_new_tokens
+    device = model.device
+    replaying = plan is not None and plan.recording is not None
+    if replaying:
+        cache = plan.recording.cache
+        cache.device_offset = False
+    else:
+        ring = plan.ring if plan is not None else total if capacity is None else capacity
+        cache = _cache_class()(model.config, batch_size=b, capacity=ring, dtype=model.dtype, device=device)
+    capacity = total if capacity is None else capacity
     if capacity < p and not all(cache.is_sliding):
         raise ValueError(f"{NAME}: capacity ({capacity}) is smaller than the prompt ({p} tokens) and the "
                          "model has full-attention layers, which would drop prompt tokens; pass capacity >= "
@@ -221,9 +247,11 @@ def _decode_loop(model, input_ids, clock, scope, settings, *, max_new_tokens, at
                  and (tigon or total <= min(layer.ring for layer in cache.layers)))
 
     ids = input_ids.to(device=device, dtype=torch.int64)
-    rotary_tables = 0
-    if settings.rotary_table:  # positions stay < total: left padding only lowers them
-        rotary_tables = scope.enter_context(cached_rotary(model, total, dtype=model.dtype, device=device))
+    rotary_tables, tables = 0, []
+    if settings.rotary_table:  # positions stay < total (left padding only lowers them), or < the padded prompt
+        length = total if plan is None else max(total, plan.length)
+        rotary_tables = scope.enter_context(cached_rotary(model, length, dtype=model.dtype, device=device,
+                                                          keep=tables))
     out = torch.full((b, total), pad, dtype=torch.int64, device=device)
     out[:, :p].copy_(ids)
     if attention_mask is not None:
@@ -263,12 +291,22 @@ def _decode_loop(model, input_ids, clock, scope, settings, *, max_new_tokens, at
                      use_cache=True, logits_to_keep=1).logits[:, -1]
 
     clock.phase("prompt_setup")
-    cache.last_position_only = True  # the last layer's other rows feed nothing read here
-    try:
-        logits = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1]
-    finally:
-        cache.last_position_only = False
+    logits, prefilled = None, None
+    if replaying:
+        logits, prefilled = prefill_graph.replay(plan.recording, ids, p), "replayed"
+    elif plan is not None:
+        recorded = prefill_graph.record(plan, model, cache, ids, p, tables)
+        if recorded is None:  # not every layer ran the fused step: the padded result is not used
+            cache.reset()
+        else:
+            logits, prefilled = recorded[0], "recorded" if recorded[1] is not None else None
+    if logits is None:
+        cache.last_position_only = True  # the last layer's other rows feed nothing read here
+        try:
+            logits = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        finally:
+            cache.last_position_only = False
     clock.phase("prefill")
     emit(logits, 0)
     clock.marks.append(clock.phase("first_token"))  # the TTFT end: the phases sum to ttft_s
@@ -298,8 +336,10 @@ def _decode_loop(model, input_ids, clock, scope, settings, *, max_new_tokens, at
     sequences = out[:, :p + steps]
     if not return_stats:
         return sequences, None
-    return sequences, summary(clock, batch=b, new_tokens=steps, device=device, cuda_graph=graph is not None,
-                              rotary_tables=rotary_tables)
+    stats = summary(clock, batch=b, new_tokens=steps, device=device, cuda_graph=graph is not None,
+                    rotary_tables=rotary_tables)
+    stats["prefill_graph"] = prefilled
+    return sequences, stats
 
 
 def _graphs_available(device) -> bool:

@@ -82,11 +82,12 @@ def _table_forward(original, tables, dtype, device):
 
 
 @contextlib.contextmanager
-def cached_rotary(model, length, dtype=None, device=None):
+def cached_rotary(model, length, dtype=None, device=None, keep=None):
     """Within the block, every eligible rotary module of `model` (see the module docstring) reads cos/sin for
     positions `< length` from a table built here by its own forward (x of `dtype`/`device`, default the model's);
     the others are left alone. Yields the number of tables built. The class forward is back on exit (also on an
-    exception), and nothing stays on the model."""
+    exception), and nothing stays on the model. `keep`: a list that receives every table (a CUDA graph captured
+    in the block reads them after it)."""
     patched, count = [], 0
     try:
         with torch.no_grad():
@@ -110,6 +111,8 @@ def cached_rotary(model, length, dtype=None, device=None):
                 if len(tables) != len(kinds):
                     continue
                 module.forward = _table_forward(original, tables, dtype, device)
+                if keep is not None:
+                    keep.extend(tables.values())
                 patched.append(module)
                 count += len(tables)
         yield count

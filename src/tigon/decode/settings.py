@@ -24,6 +24,11 @@ class DecodeSettings:
     fused_layers: install the fused decoder-layer step (`tigon.decode.layer_step`) on the layers of a patched
         model for the call (a model patched by `tigon.patch(model)` has it already). False runs the layers'
         module-by-module forward.
+    prefill_graphs: how many recorded prefills (`tigon.decode.prefill_graph`: a CUDA graph of the prefill of a
+        short unpadded prompt, its padded length and cache kept with the model, replayed by later calls of that
+        shape) a model keeps; 0 records none. Each holds its cache (the ring's K/V) and the graph's activations.
+    prefill_graph_tokens: the largest padded prompt, over the batch (batch x length rounded up to 64), that is
+        recorded. Past ~2k tokens at 8B the prefill's kernels outlast the host's launches and a graph gains little.
     on_capture: called with no arguments right after the decode step's CUDA graph is captured, before its
         first replay (a profiler starts its trace there: it must never run over a capturing stream).
     """
@@ -31,9 +36,15 @@ class DecodeSettings:
     eos_check_every: int = 16
     rotary_table: bool = True
     fused_layers: bool = True
+    prefill_graphs: int = 2
+    prefill_graph_tokens: int = 2048
     on_capture: Callable[[], None] | None = None
 
     def __post_init__(self):
+        for name in ("prefill_graphs", "prefill_graph_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"DecodeSettings: {name} must be an int >= 0, got {value!r}")
         if not _is_int(self.eos_check_every) or self.eos_check_every < 1:
             raise ValueError(f"DecodeSettings: eos_check_every must be an int >= 1, got {self.eos_check_every!r}")
         for name in ("rotary_table", "fused_layers"):

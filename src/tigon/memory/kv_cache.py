@@ -86,8 +86,9 @@ def _positive_int(name: str, value, minimum: int) -> int:
 
 
 def _layer_storage(batch, heads, head_dim, rings, sinks, dtype, device):
-    """Per layer i (ring_i slots, sinks_i of them kept): (keys, values, positions, next, slot, consts), views of
-    one buffer of each kind (a few kernels to build a cache, not six per layer). keys and values are zeros, not
+    """(per layer, (positions, state)): per layer i (ring_i slots, sinks_i of them kept) (keys, values, positions,
+    next, slot, consts), views of one buffer of each kind (a few kernels to build a cache, not six per layer), and
+    the whole positions and `[layers, (next, slot)]` state buffers. keys and values are zeros, not
     garbage: HF's attention over the whole ring (attention="hf") multiplies masked slots by 0; positions are
     -1 (empty); next (the next absolute position) and slot (the decode step's) are zero counters updated in
     place; consts are the decode step's int64 constants (sink, recent, 1) as device tensors, one
@@ -108,7 +109,7 @@ def _layer_storage(batch, heads, head_dim, rings, sinks, dtype, device):
         values = kv[k_off + n:k_off + 2 * n].view(batch, heads, r, head_dim)
         out.append((keys, values, pos[p_off:p_off + r], state[i, 0:1], state[i, 1:2], consts[r, sink]))
         k_off, p_off = k_off + 2 * n, p_off + span
-    return out
+    return out, (pos, state)
 
 
 class RollingKVLayer(CacheLayerMixin):
@@ -135,7 +136,7 @@ class RollingKVLayer(CacheLayerMixin):
                              f"its first update), got dtype={dtype!r}, device={device!r}")
         if storage is None and dtype is not None:
             # a layer on its own; RollingKVCache hands its layers views of shared buffers
-            storage = _layer_storage(batch_size, kv_heads, head_dim, [ring], [sink_tokens], dtype, device)[0]
+            storage = _layer_storage(batch_size, kv_heads, head_dim, [ring], [sink_tokens], dtype, device)[0][0]
         if storage is not None:
             self._adopt(storage)
 
@@ -161,7 +162,7 @@ class RollingKVLayer(CacheLayerMixin):
         if not dtype.is_floating_point:
             raise TypeError(f"{_NAME}.update: key_states must be floating point, got {dtype}")
         storage = _layer_storage(self.batch_size, self.num_heads, self.head_dim, [self.ring], [self.sink], dtype,
-                                 device)[0]
+                                 device)[0][0]
         self.dtype, self.device = dtype, device
         self._adopt(storage)
 
@@ -409,9 +410,9 @@ class RollingKVCache(Cache):
         rings = [min(capacity, window) if sliding else capacity for sliding in slidings]
         sinks = [0 if sliding else sink_tokens for sliding in slidings]
         if lazy:
-            storage = [None] * len(rings)
+            storage, self._counters = [None] * len(rings), None
         else:
-            storage = _layer_storage(batch_size, kv_heads, head_dim, rings, sinks, dtype, device)
+            storage, self._counters = _layer_storage(batch_size, kv_heads, head_dim, rings, sinks, dtype, device)
         layers = [RollingKVLayer(layer_idx=i, batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim,
                                  ring=rings[i], sink_tokens=sinks[i], sliding=slidings[i], dtype=dtype,
                                  device=device, storage=storage[i])
@@ -421,6 +422,11 @@ class RollingKVCache(Cache):
         # Set by a caller whose prefill reads the last position's output only (tigon.generate, logits_to_keep=1):
         # the fused prefill's last layer then computes that row alone (tigon.decode.layer_step.prefill_layer_step).
         self.last_position_only = False
+        # Set by a caller that pads the first chunk on the right (tigon.decode.prefill_graph): an int64 device
+        # tensor [1], the chunk's real rows; the last layer under last_position_only then computes row
+        # `prefill_rows - 1` and attends to the keys before `prefill_rows` only.
+        self.prefill_rows = None
+        self.fused_prefill_layers = 0  # layers whose prefill ran tigon.decode.layer_step's (a host count)
 
     @property
     def dtype(self):
@@ -442,3 +448,24 @@ class RollingKVCache(Cache):
         """Bytes of K/V storage allocated (fixed once every layer is allocated; 0 for a cache that follows the model,
         before its first update)."""
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)
+
+    def rewind(self) -> None:
+        """Empty again by its counters, for a first chunk written next (a recorded prefill,
+        `tigon.decode.prefill_graph`): the device's next positions 0 (one kernel) and the host counts 0. Slots keep
+        their keys, values and positions until that chunk overwrites them and `keep_first` drops the rest. A
+        cache allocated at construction only."""
+        if self._counters is None:
+            raise RuntimeError(f"{_NAME}.rewind: a cache built with dtype= or device= only (this one allocates each "
+                               "ring at its first update)")
+        self._counters[1][:, 0].zero_()
+        for layer in self.layers:
+            layer.seen = 0
+
+    def keep_first(self, rows: torch.Tensor) -> None:
+        """After a first chunk written padded on the right: every slot past the first `rows` positions (an int64
+        device tensor `[1]`) is empty again and each layer's next position is `rows` (two kernels over the
+        shared buffers, nothing on the host: the caller sets `seen`). The state of a cache whose first chunk
+        was `rows` tokens long, where the chunk fitted every ring."""
+        positions, state = self._counters
+        positions.masked_fill_(positions >= rows, -1)
+        state[:, 0].copy_(rows.expand(state.shape[0]))

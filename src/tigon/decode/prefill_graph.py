@@ -1,0 +1,205 @@
+"""Recorded prefills: a short prompt's prefill replayed from a CUDA graph over a cache kept with the model.
+
+A prefill of a few hundred tokens is bound by the host: at Llama-3-8B / 512 tokens / batch 1 the fused prefill
+(`layer_step.prefill_layer_step`) takes ~12 ms of kernels and ~26 ms of Python to launch them (docs/
+generation.md). `tigon.generate` therefore records such a prefill once per shape and replays it:
+
+- the prompt is padded on the right to a multiple of `BUCKET` tokens (`L`), so prompts of nearby lengths share
+  one recording. Causal attention keeps the real rows blind to the padding; the padded rows' keys and values land
+  in ring slots past the prompt, and `RollingKVCache.keep_first` empties those slots again at the end of the
+  graph. The model's last layer computes the last real row only (`RollingKVCache.prefill_rows`, a device count);
+- the recording owns its inputs (ids `[B, L]`, positions, the real-row count), its logits and its cache (a ring of
+  `capacity` slots, or the call's length rounded up to `BUCKET`), all reused by every replay: a replay is one
+  copy of the ids, one fill of the count, the graph, and the host counters set to the prompt length;
+- a recording is made only where the whole prefill runs the fused layer step (every layer: nothing else is known
+  to be free of host syncs, and the padded rows must not reach a layer that computes the last position by
+  shape). Its first call runs the same function eagerly (that is the call's result) and then captures it.
+
+A recording is valid while the model's weights stay where they were recorded (`data_ptr` of every parameter and
+buffer), its attention implementation and fused layer steps are the same, and the call's settings match; a call
+that finds one stale records again. Recordings (and their caches and graph memory) stay with the model until
+`release(model)`; at most `DecodeSettings.prefill_graphs` per model, least recently used first out. One call at
+a time uses a recording; a concurrent call on the same model runs the eager prefill.
+"""
+
+import collections
+
+import torch
+
+from .layer_step import LAYER_STEP
+
+BUCKET = 64  # prompt tokens are padded up to a multiple of this
+_POOL = "_tigon_prefill_graphs"  # the model's recordings, in its __dict__
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class _Recording:
+    """One recorded prefill: its static inputs and outputs, its cache and its graph (None while refused)."""
+
+    def __init__(self, cache, ids, positions, rows, layers, tables):
+        self.cache, self.ids, self.positions, self.rows = cache, ids, positions, rows
+        self.layers = layers  # the layers holding a fused step when recorded
+        self.tables = list(tables)  # the rotary tables the graph reads: kept alive with it
+        self.graph = self.logits = None
+        self.busy = False
+
+
+class _Pool:
+    def __init__(self):
+        self.recordings = collections.OrderedDict()  # key -> _Recording, least recently used first
+        self.refused = {}  # key -> fingerprint of a model whose prefill cannot be recorded
+        self.memory = None  # one CUDA graph memory pool for the model's prefill graphs (replayed one at a time)
+
+
+def release(model) -> int:
+    """Drop `model`'s recorded prefills (their caches and graph memory); returns how many there were."""
+    pool = model.__dict__.pop(_POOL, None)
+    return 0 if pool is None else len(pool.recordings)
+
+
+def _fingerprint(model, layers):
+    return (getattr(model.config, "_attn_implementation", None),
+            tuple(t.data_ptr() for t in model.parameters()), tuple(t.data_ptr() for t in model.buffers()),
+            tuple(layer.__dict__.get(LAYER_STEP) for layer in layers))
+
+
+def _decoder_layers(model):
+    return [m for m in model.modules() if LAYER_STEP in m.__dict__]
+
+
+class Plan:
+    """How one generate call prefills through a recording: `length` (the padded prompt), `ring` (its cache's
+    capacity), the recording when one is ready (else `record` makes it)."""
+
+    def __init__(self, pool, key, length, ring, recording, limit):
+        self.pool, self.key, self.length, self.ring, self.recording = pool, key, length, ring, recording
+        self.limit = limit  # recordings kept per model
+        self.held = recording  # the recording this call uses (busy until `release`)
+        if recording is not None:
+            recording.busy = True
+
+    def release(self) -> None:
+        """The call is over: its recording may serve the next one."""
+        if self.held is not None:
+            self.held.busy = False
+            self.held = None
+
+
+def plan(model, settings, *, batch, prompt, total, capacity, dtype, device):
+    """The Plan of a call whose prompt is unpadded and whose attention is tigon's, or None (the eager prefill):
+    None when recordings are off (`settings.prefill_graphs == 0`), the padded prompt exceeds
+    `settings.prefill_graph_tokens` tokens over the batch, or the ring would not hold the padded prompt."""
+    if settings.prefill_graphs == 0 or not settings.fused_layers:
+        return None
+    length = _round_up(prompt, BUCKET)
+    if batch * length > settings.prefill_graph_tokens:
+        return None
+    ring = _round_up(total, BUCKET) if capacity is None else capacity
+    window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
+    if ring < length or (isinstance(window, int) and window < length):
+        return None  # the padded prompt must fit every ring, sliding ones included
+    pool = model.__dict__.get(_POOL)
+    if pool is None:
+        pool = model.__dict__[_POOL] = _Pool()
+    key = (batch, length, ring, dtype, device, settings.rotary_table)
+    recording = pool.recordings.get(key)
+    if recording is not None:
+        if recording.busy:
+            return None
+        if recording.fingerprint != _fingerprint(model, recording.layers):
+            del pool.recordings[key]
+            recording = None
+        else:
+            pool.recordings.move_to_end(key)
+    if recording is None and key in pool.refused:
+        layers = _decoder_layers(model)
+        if pool.refused[key] == _fingerprint(model, layers):
+            return None
+        del pool.refused[key]
+    return Plan(pool, key, length, ring, recording, settings.prefill_graphs)
+
+
+def replay(recording, ids, prompt):
+    """The prefill of `ids` `[B, prompt]` through `recording` (held by the caller: `busy`): the logits `[B, vocab]`
+    of the last prompt position (the recording's own tensor, rewritten by its next replay)."""
+    recording.ids[:, :prompt].copy_(ids)
+    recording.rows.fill_(prompt)
+    recording.graph.replay()
+    for layer in recording.cache.layers:  # replay runs no Python: the host counts of a `prompt`-token prefill
+        layer.seen = prompt
+    return recording.logits
+
+
+def _prefill_function(model, cache, ids, positions, rows):
+    """The recorded function: the cache rewound, the padded prompt through the model with its last layer on the
+    last real row, the padded rows' slots emptied again."""
+
+    def prefill():
+        cache.rewind()
+        cache.last_position_only, cache.prefill_rows, cache.fused_prefill_layers = True, rows, 0
+        try:
+            logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                           logits_to_keep=1).logits[:, -1]
+        finally:
+            cache.last_position_only, cache.prefill_rows = False, None
+        cache.keep_first(rows)
+        return logits
+
+    return prefill
+
+
+def _capture(prefill, memory):
+    """CUDA graph of `prefill` (run once eagerly before, on the stream it captures on): (graph, its logits)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=memory):
+        logits = prefill()
+    return graph, logits
+
+
+def record(plan, model, cache, ids, prompt, tables):
+    """Record the prefill of `ids` `[B, prompt]` for `plan` over `cache` (a fresh one of `plan.ring` slots) and
+    return (this call's logits, the recording, held: `busy`); the recording is None where the capture failed (the
+    logits stand), and the whole result None where not every layer ran the fused step (the padded rows may have
+    reached a layer that takes the last row by shape): the caller then resets the cache and prefills eagerly.
+    Either way the key is refused while the model stays as it is. `tables`: the rotary tables of the call, which
+    the graph reads."""
+    b, device = ids.shape[0], ids.device
+    static_ids = torch.zeros((b, plan.length), dtype=torch.int64, device=device)
+    static_ids[:, :prompt].copy_(ids)
+    positions = torch.arange(plan.length, device=device).expand(b, -1)
+    rows = torch.full((1,), prompt, dtype=torch.int64, device=device)
+    recording = _Recording(cache, static_ids, positions, rows, _decoder_layers(model), tables)
+    recording.fingerprint = _fingerprint(model, recording.layers)
+    prefill = _prefill_function(model, cache, static_ids, positions, rows)
+    cuda = device.type == "cuda"
+    if cuda:  # the warm-up on a side stream, as graph capture wants (cuBLAS workspaces exist before it)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            logits = prefill()
+        torch.cuda.current_stream().wait_stream(stream)
+    else:
+        logits = prefill()
+    if cache.fused_prefill_layers != len(cache.layers):
+        plan.pool.refused[plan.key] = recording.fingerprint
+        return None
+    pool = plan.pool
+    if cuda and pool.memory is None:
+        pool.memory = torch.cuda.graph_pool_handle()
+    try:
+        recording.graph, recording.logits = _capture(prefill, pool.memory)
+    except RuntimeError:  # an op that syncs or is not capturable; the warm-up's result stands
+        pool.refused[plan.key] = recording.fingerprint
+        recording = None
+    for layer in cache.layers:  # the capture ran the Python once more: the counts of this call's prefill
+        layer.seen = prompt
+    if recording is None:
+        return logits, None
+    recording.busy, plan.held = True, recording
+    pool.recordings[plan.key] = recording
+    while len(pool.recordings) > plan.limit:
+        pool.recordings.popitem(last=False)
+    return logits, recording
