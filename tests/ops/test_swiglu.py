@@ -116,6 +116,9 @@ def test_gpu_tile_heuristic():
     assert glu_mod._tiles(cuda, 2, 16384, 11008, cfg) == (2, 1024, 4)
     assert glu_mod._tiles(cuda, 4, 16384, 14336, cfg) == (1, 1024, 4)
     assert glu_mod._tiles(cuda, 2, 1, 16384 * 14336, cfg) == (1, 2048, 4)  # contiguous: one flat row
+    # A flat row's tiles do not follow its length (M * I, M a prefill's prompt length: a new BLOCK_N would compile
+    # the kernel again at a new prompt length)
+    assert {glu_mod._tiles(cuda, 2, 1, m * 96, cfg) for m in range(22, 600)} == {(1, 2048, 4)}
     assert glu_mod._tiles(cuda, 2, 3, 7, cfg) == (4, 8, 4)
     for cols in (1, 7, 200, 1000, 4097, 11008, 14336, 28672):
         bm, bn, _ = glu_mod._tiles(cuda, 2, 16384, cols, cfg)

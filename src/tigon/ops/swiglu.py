@@ -149,11 +149,13 @@ def _tiles(device: torch.device, elem_bytes: int, rows: int, cols: int, config=N
         block_n = min(_launch.next_power_of_2(max(cols, 1)), cpu_tile)
         return min(_launch.next_power_of_2(max(rows, 1)), max(1, cpu_tile // block_n)), block_n, 1
     tile = tile_bytes // elem_bytes
-    # The widest power of two up to the tile whose last column tile wastes <= 1/16 of the row
+    # Rows: the widest power of two up to the tile whose last column tile wastes <= 1/16 of the row
     # (14336 -> 2048, 11008 -> 1024), so few lanes idle on masked columns; 128 bf16 = 256 bytes per row
-    # piece still fills whole 32-byte sectors.
+    # piece still fills whole 32-byte sectors. One row (a contiguous pass is one flat row of M * I) wastes at most
+    # one tile, and its width must not follow M: a prefill's M is the prompt length, and a BLOCK_N that changed
+    # with it (45 x 96 -> 256, 48 x 96 -> 512) compiled the kernel again at a new prompt length.
     block_n = min(_launch.next_power_of_2(max(cols, 1)), tile)
-    while block_n > 128 and _launch.cdiv(cols, block_n) * block_n * 16 > cols * 17:
+    while rows > 1 and block_n > 128 and _launch.cdiv(cols, block_n) * block_n * 16 > cols * 17:
         block_n //= 2
     block_m = min(_launch.next_power_of_2(max(rows, 1)), max(1, tile // block_n))
     return block_m, block_n, num_warps
