@@ -13,7 +13,7 @@ import torch
 
 import tigon
 from tests.hf._tiny import tiny_model
-from tigon.decode import DecodeSettings, prefill_graph
+from tigon.decode import DecodeSettings, kept, prefill_graph
 from tigon.decode import loop as gen
 from tigon.memory import RollingKVCache
 
@@ -70,8 +70,8 @@ def test_recorded_then_replayed_prefills_match_hf(graphs):
         got, stats = _run(patched, ids)
         assert stats["prefill_graph"] == how
         assert torch.equal(got, ref.generate(ids, max_new_tokens=2, do_sample=False))
-    assert prefill_graph.release(patched) == 1
-    assert prefill_graph.release(patched) == 0
+    assert tigon.decode.release(patched) == 1
+    assert tigon.decode.release(patched) == 0
 
 
 def test_a_replay_leaves_the_cache_of_an_unpadded_prefill(graphs):
@@ -82,17 +82,17 @@ def test_a_replay_leaves_the_cache_of_an_unpadded_prefill(graphs):
     ids = _ids(1, 6, seed=5)
     _, stats = _run(patched, ids, new=1)
     assert stats["prefill_graph"] == "replayed"
-    (recording,) = patched.__dict__[prefill_graph._POOL].recordings.values()
-    kept = recording.cache
+    (recording,) = kept.kept(patched).recordings.values()
+    kept_cache = recording.cache
     assert not recording.busy
-    ref = RollingKVCache(patched.config, batch_size=1, capacity=kept.capacity)
+    ref = RollingKVCache(patched.config, batch_size=1, capacity=kept_cache.capacity)
     from tigon.hf.attention import restore_attention, use_tigon_attention
 
     use_tigon_attention(patched)
     with torch.no_grad():
         patched(input_ids=ids, past_key_values=ref, use_cache=True, logits_to_keep=1)
     restore_attention(patched)
-    for got, want in zip(kept.layers, ref.layers):
+    for got, want in zip(kept_cache.layers, ref.layers):
         assert got.seen == want.seen == 6
         assert torch.equal(got.positions, want.positions) and int(got._next) == 6
         torch.testing.assert_close(got.keys[:, :, :6], want.keys[:, :, :6], rtol=1e-5, atol=1e-5)
@@ -104,7 +104,7 @@ def test_new_weights_record_again_and_the_lru_keeps_the_limit(graphs):
     settings = DecodeSettings(prefill_graphs=1)
     assert _run(patched, _ids(1, 5), settings=settings)[1]["prefill_graph"] == "recorded"
     assert _run(patched, _ids(1, 70), new=1, settings=settings)[1]["prefill_graph"] == "recorded"  # bucket 128
-    assert len(patched.__dict__[prefill_graph._POOL].recordings) == 1  # the 64-token one is out
+    assert len(kept.kept(patched).recordings) == 1  # the 64-token one is out
     assert _run(patched, _ids(1, 5), settings=settings)[1]["prefill_graph"] == "recorded"
     # a weight replaced (not copied into): the graph would read the old storage, so the call records again
     weight = patched.lm_head.weight
@@ -126,10 +126,10 @@ def test_when_no_recording_is_made(graphs):
                dict(attention="hf"), dict(cuda_graph=False)):
         got, stats = _run(patched, ids, **kw)
         assert stats["prefill_graph"] is None and torch.equal(got, want), kw
-    assert prefill_graph._POOL not in patched.__dict__ or not patched.__dict__[prefill_graph._POOL].recordings
+    assert not kept.kept(patched).recordings
     # a recording in use by another call: this one prefills eagerly
     _run(patched, ids)
-    (recording,) = patched.__dict__[prefill_graph._POOL].recordings.values()
+    (recording,) = kept.kept(patched).recordings.values()
     recording.busy = True
     got, stats = _run(patched, ids)
     assert stats["prefill_graph"] is None and torch.equal(got, want)
@@ -146,7 +146,7 @@ def test_a_model_without_the_fused_layer_step_is_refused_and_prefills_eagerly(gr
         got, stats = _run(model, ids)
         assert stats["prefill_graph"] is None
         assert torch.equal(got, ref.generate(ids, max_new_tokens=2, do_sample=False))
-    pool = model.__dict__[prefill_graph._POOL]
+    pool = kept.kept(model)
     assert not pool.recordings and len(pool.refused) == 1
     tigon.patch(model)  # now every layer runs the fused step: the same shape records
     assert _run(model, _ids(1, 5))[1]["prefill_graph"] == "recorded"
@@ -182,4 +182,4 @@ def test_gpu_replayed_prefill_matches_the_eager_one():
         got, stats = _run(patched, ids, new=4)
         want, _ = _run(patched, ids, new=4, settings=off)
         assert stats["prefill_graph"] == how and torch.equal(got, want), p
-    prefill_graph.release(patched)
+    tigon.decode.release(patched)

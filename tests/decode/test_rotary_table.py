@@ -188,3 +188,27 @@ def test_listed_classes_compute_the_elementwise_forward():
         src = _source(getattr(modeling, name))
         assert src in forms, name
         assert ("layer_type" in src.split(":")[0]) == per_type, name
+
+
+def test_a_store_reuses_the_tables_until_the_frequencies_change():
+    # tigon.generate's store (tigon.decode.kept): the modules found once, each module's tables reused while long
+    # enough and built from the same inv_freq (storage and in-place version) and attributes.
+    model = _model("llama")
+    rotary = model.model.rotary_emb
+    store, seen = {}, []
+    positions = torch.arange(5)[None]
+    for length, change in ((12, None), (8, None), (20, None), (20, "inplace"), (20, "scaling")):
+        if change == "inplace":
+            rotary.inv_freq.mul_(1.5)
+        elif change == "scaling":
+            rotary.attention_scaling = 0.5
+        with cached_rotary(model, length, store=store) as count:
+            assert count == 1
+            seen.append(store["tables"][id(rotary)][2][None])
+            got = rotary(torch.empty(0), positions)
+        assert "forward" not in rotary.__dict__  # the class forward is back after the block
+        want = rotary(torch.empty(0), positions)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert store["modules"] == [rotary]
+    # 12 built, 8 reuses it, 20 builds a longer one, an in-place inv_freq change and a new scaling rebuild
+    assert seen[1] is seen[0] and seen[2] is not seen[1] and seen[3] is not seen[2] and seen[4] is not seen[3]

@@ -8,6 +8,8 @@ Modules, in the order a decode call meets them:
     settings.py     DecodeSettings: how the loop runs (one frozen value passed in; the tokens never depend on it)
     inputs.py       argument checks, and the stop ids (explicit, else model.generation_config)
     loop.py         generate: the attention switch, the prefill, the decode steps, the CUDA graph
+    prefill_graph.py recorded prefills: a short prompt's prefill replayed from a CUDA graph
+    kept.py         what generate keeps with a model between calls (its last cache, the recordings); release()
     layer_step.py   the fused decoder-layer step (decode: 6 kernels; prefill: the direct op calls) and how a
                     model gets it (install / uninstall / fused_decode)
     rotary_table.py the per-call cos/sin table the rotary module reads
@@ -29,6 +31,7 @@ Layering: this package imports ops, memory, modules and hf; tigon/api.py, cli an
 """
 
 from . import hf_graph
+from .kept import release
 from .layer_step import fused_decode, install, uninstall
 from .loop import generate
 from .metrics import (
@@ -44,5 +47,5 @@ from .settings import DecodeSettings
 from .stats import TTFT_PHASES, percentile
 
 __all__ = ["DecodeSettings", "GenerationMetrics", "LATENCY_BUCKETS", "MetricsServer", "StatsCollector", "TTFT_BUCKETS",
-           "TTFT_PHASES", "fused_decode", "generate", "hf_graph", "install", "percentile", "prometheus_text", "serve",
-           "uninstall"]
+           "TTFT_PHASES", "fused_decode", "generate", "hf_graph", "install", "percentile", "prometheus_text", "release",
+           "serve", "uninstall"]

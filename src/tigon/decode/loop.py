@@ -33,7 +33,7 @@ import contextlib
 
 import torch
 
-from . import hf_graph, inputs, prefill_graph, sampling
+from . import hf_graph, inputs, kept, prefill_graph, sampling
 from .layer_step import fused_decode
 from .rotary_table import cached_rotary
 from .settings import DEFAULT, DecodeSettings
@@ -230,12 +230,18 @@ def _decode_loop_on(model, input_ids, clock, scope, settings, plan, *, max_new_t
     total = p + max_new_tokens
     device = model.device
     replaying = plan is not None and plan.recording is not None
+    spare = None  # the key of a cache this call keeps with the model for the next one (`kept`)
     if replaying:
         cache = plan.recording.cache
         cache.device_offset = False
     else:
         ring = plan.ring if plan is not None else total if capacity is None else capacity
-        cache = _cache_class()(model.config, batch_size=b, capacity=ring, dtype=model.dtype, device=device)
+        if tigon and plan is None:  # a recording makes its own; HF's attention gets zeroed rings
+            spare = (b, ring, model.dtype, device, id(model.config))
+            cache = kept.take_cache(model, spare)
+        if spare is None or cache is None:
+            cache = _cache_class()(model.config, batch_size=b, capacity=ring, dtype=model.dtype, device=device)
+        cache.device_offset = False
     capacity = total if capacity is None else capacity
     if capacity < p and not all(cache.is_sliding):
         raise ValueError(f"{NAME}: capacity ({capacity}) is smaller than the prompt ({p} tokens) and the "
@@ -251,7 +257,7 @@ def _decode_loop_on(model, input_ids, clock, scope, settings, plan, *, max_new_t
     if settings.rotary_table:  # positions stay < total (left padding only lowers them), or < the padded prompt
         length = total if plan is None else max(total, plan.length)
         rotary_tables = scope.enter_context(cached_rotary(model, length, dtype=model.dtype, device=device,
-                                                          keep=tables))
+                                                          keep=tables, store=kept.kept(model).rotary))
     out = torch.full((b, total), pad, dtype=torch.int64, device=device)
     out[:, :p].copy_(ids)
     if attention_mask is not None:
@@ -331,6 +337,8 @@ def _decode_loop_on(model, input_ids, clock, scope, settings, plan, *, max_new_t
         clock.mark()
         steps += 1
 
+    if spare is not None:
+        kept.keep_cache(model, spare, cache)
     if eos_t is not None:
         steps = int(lengths.max())  # the one sync of a run without stats: trim like model.generate
     sequences = out[:, :p + steps]

@@ -17,19 +17,17 @@ generation.md). `tigon.generate` therefore records such a prefill once per shape
 
 A recording is valid while the model's weights stay where they were recorded (`data_ptr` of every parameter and
 buffer), its attention implementation and fused layer steps are the same, and the call's settings match; a call
-that finds one stale records again. Recordings (and their caches and graph memory) stay with the model until
-`release(model)`; at most `DecodeSettings.prefill_graphs` per model, least recently used first out. One call at
-a time uses a recording; a concurrent call on the same model runs the eager prefill.
+that finds one stale records again. Recordings (and their caches and graph memory) stay with the model
+(`kept.py`) until `tigon.decode.release(model)`; at most `DecodeSettings.prefill_graphs` per model, least recently
+used first out. One call at a time uses a recording; a concurrent call on the same model runs the eager prefill.
 """
-
-import collections
 
 import torch
 
+from .kept import kept
 from .layer_step import LAYER_STEP
 
 BUCKET = 64  # prompt tokens are padded up to a multiple of this
-_POOL = "_tigon_prefill_graphs"  # the model's recordings, in its __dict__
 
 
 def _round_up(n: int, to: int) -> int:
@@ -45,19 +43,6 @@ class _Recording:
         self.tables = list(tables)  # the rotary tables the graph reads: kept alive with it
         self.graph = self.logits = None
         self.busy = False
-
-
-class _Pool:
-    def __init__(self):
-        self.recordings = collections.OrderedDict()  # key -> _Recording, least recently used first
-        self.refused = {}  # key -> fingerprint of a model whose prefill cannot be recorded
-        self.memory = None  # one CUDA graph memory pool for the model's prefill graphs (replayed one at a time)
-
-
-def release(model) -> int:
-    """Drop `model`'s recorded prefills (their caches and graph memory); returns how many there were."""
-    pool = model.__dict__.pop(_POOL, None)
-    return 0 if pool is None else len(pool.recordings)
 
 
 def _fingerprint(model, layers):
@@ -101,9 +86,7 @@ def plan(model, settings, *, batch, prompt, total, capacity, dtype, device):
     window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
     if ring < length or (isinstance(window, int) and window < length):
         return None  # the padded prompt must fit every ring, sliding ones included
-    pool = model.__dict__.get(_POOL)
-    if pool is None:
-        pool = model.__dict__[_POOL] = _Pool()
+    pool = kept(model)
     key = (batch, length, ring, dtype, device, settings.rotary_table)
     recording = pool.recordings.get(key)
     if recording is not None:

@@ -18,6 +18,10 @@ Applies only where the result depends on the positions alone:
 - per call, the dtype and device the table was built for, int32/int64 `[B, T]` positions on that device;
   anything else runs the module's own forward.
 
+Between calls: `tigon.generate` passes a `store` (`tigon.decode.kept`) that keeps the modules found and each
+module's tables, rebuilt when a call needs more positions or the frequencies (their storage or in-place version),
+the module's plain attributes, the dtype or the device changed.
+
 Positions >= length: the table is sized so that generate never passes one (prompt + max_new_tokens covers every
 position it uses; left padding only lowers positions). `index_select` checks its indices, so a wrong position
 raises (a RuntimeError on a CPU, a device-side assert on CUDA) instead of reading outside the table.
@@ -81,35 +85,57 @@ def _table_forward(original, tables, dtype, device):
     return forward
 
 
+def _signature(module, kinds, length, dtype, device):
+    """What a module's tables depend on, besides the positions: the frequencies (storage and in-place version of
+    each `inv_freq`), the module's plain attributes (`attention_scaling`, the rope type...), dtype, device."""
+    freqs = [getattr(module, "inv_freq" if k is None else f"{k}_inv_freq") for k in kinds]
+    plain = tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str))))
+    return tuple((t.data_ptr(), t._version) for t in freqs), plain, dtype, device
+
+
 @contextlib.contextmanager
-def cached_rotary(model, length, dtype=None, device=None, keep=None):
+def cached_rotary(model, length, dtype=None, device=None, keep=None, store=None):
     """Within the block, every eligible rotary module of `model` (see the module docstring) reads cos/sin for
     positions `< length` from a table built here by its own forward (x of `dtype`/`device`, default the model's);
     the others are left alone. Yields the number of tables built. The class forward is back on exit (also on an
-    exception), and nothing stays on the model. `keep`: a list that receives every table (a CUDA graph captured
-    in the block reads them after it)."""
+    exception). `keep`: a list that receives every table (a CUDA graph captured in the block reads them after it).
+    `store`: a dict the caller keeps between calls (`tigon.decode.kept`): the rotary modules found by the first
+    call's walk over the model (a module that replaced one since runs its own forward) and each module's tables,
+    reused while long enough and built from the same frequencies, attributes, dtype and device."""
     patched, count = [], 0
     try:
         with torch.no_grad():
             x = torch.empty(0, dtype=model.dtype if dtype is None else dtype,
                             device=model.device if device is None else device)
             dtype, device = x.dtype, x.device  # "cuda" -> "cuda:0": compared with the devices of the calls
-            positions = torch.arange(length, device=device)[None]
-            for module in model.modules():
-                if not type(module).__name__.endswith("RotaryEmbedding"):
-                    continue
+            store = {} if store is None else store
+            modules = store.get("modules")
+            if modules is None:
+                modules = store["modules"] = [m for m in model.modules()
+                                              if type(m).__name__.endswith("RotaryEmbedding")]
+            built = store.setdefault("tables", {})
+            positions = None
+            for module in modules:
                 kinds = _layer_types(module)
                 if kinds is None:
                     continue
                 original = module.forward
-                tables = {}
-                for kind in kinds:
-                    cos, sin = original(x, positions) if kind is None else original(x, positions, kind)
-                    if cos.dim() != 3 or cos.shape[:2] != (1, length) or sin.shape != cos.shape:
-                        break
-                    tables[kind] = torch.stack((cos[0], sin[0]))  # [2, length, rd] in the dtype the module returns
-                if len(tables) != len(kinds):
-                    continue
+                signature = _signature(module, kinds, length, dtype, device)
+                held = built.get(id(module))
+                if held is not None and held[0] == signature and held[1] >= length:
+                    tables = held[2]
+                else:
+                    if positions is None:
+                        positions = torch.arange(length, device=device)[None]
+                    tables = {}
+                    for kind in kinds:
+                        cos, sin = original(x, positions) if kind is None else original(x, positions, kind)
+                        if cos.dim() != 3 or cos.shape[:2] != (1, length) or sin.shape != cos.shape:
+                            break
+                        tables[kind] = torch.stack((cos[0], sin[0]))  # [2, length, rd], the module's dtype
+                    if len(tables) != len(kinds):
+                        continue
+                    built[id(module)] = (signature, length, tables)
                 module.forward = _table_forward(original, tables, dtype, device)
                 if keep is not None:
                     keep.extend(tables.values())

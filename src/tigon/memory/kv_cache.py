@@ -461,6 +461,15 @@ class RollingKVCache(Cache):
         for layer in self.layers:
             layer.seen = 0
 
+    def clear(self) -> None:
+        """Empty again for another sequence, by its counters: every slot's position -1, the next positions 0 (two
+        kernels over the shared buffers) and the host counts 0. Keys and values keep the old sequence's numbers,
+        which no attention reads (the tigon attention skips slots at position -1; HF's masks weigh them 0) until new
+        ones overwrite them. A cache allocated at construction only."""
+        self.rewind()
+        self._counters[0].fill_(-1)
+        self.last_position_only, self.prefill_rows = False, None
+
     def keep_first(self, rows: torch.Tensor) -> None:
         """After a first chunk written padded on the right: every slot past the first `rows` positions (an int64
         device tensor `[1]`) is empty again and each layer's next position is `rows` (two kernels over the
