@@ -58,3 +58,32 @@ def test_hf_attention_gets_a_fresh_zeroed_cache():
     got = tigon.generate(patched, ids, max_new_tokens=2, attention="hf")
     assert torch.equal(got, ref.generate(ids, max_new_tokens=2, do_sample=False))
     assert kept._KEPT not in patched.__dict__ or kept.kept(patched).cache is None
+
+
+def test_a_copy_or_pickle_of_the_model_keeps_nothing(monkeypatch):
+    # TRL deep-copies a policy into its reference model: the copy gets neither the kept cache nor a recording's
+    # CUDA graph (which would not copy or pickle).
+    import pickle
+
+    from tests.decode.test_prefill_graph import _fake_capture
+    from tigon.decode import loop as gen
+    from tigon.decode import prefill_graph
+
+    _, patched = _pair()
+    tigon.generate(patched, _ids(1, 5, 7), max_new_tokens=2)
+    assert kept.kept(patched).cache is not None
+    monkeypatch.setattr(gen, "_graphs_available", lambda device: True)
+    monkeypatch.setattr(prefill_graph, "_capture", _fake_capture)
+    tigon.generate(patched, _ids(1, 5, 7), max_new_tokens=1)
+    assert kept.kept(patched).recordings
+
+    class Unpicklable:  # what a torch.cuda.CUDAGraph is to pickle
+        def __reduce__(self):
+            raise TypeError("cannot pickle a graph")
+
+    next(iter(kept.kept(patched).recordings.values())).graph = Unpicklable()
+    twin = copy.deepcopy(patched)
+    state = kept.kept(twin)
+    assert state.cache is None and not state.recordings and not state.rotary
+    loaded = pickle.loads(pickle.dumps(kept.kept(patched)))  # (transformers' models themselves do not pickle)
+    assert loaded.cache is None and not loaded.recordings

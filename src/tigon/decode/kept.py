@@ -29,6 +29,14 @@ class Kept:
         self.refused = {}
         self.memory = None
 
+    # A copy or a pickle of the model (copy.deepcopy(model), as TRL builds a reference model; torch.save(model))
+    # gets nothing of it: caches and CUDA graphs belong to this model's storage, and graphs do not pickle.
+    def __deepcopy__(self, memo):
+        return Kept()
+
+    def __reduce__(self):
+        return Kept, ()
+
 
 def kept(model) -> Kept:
     """The model's Kept, made on first use."""
