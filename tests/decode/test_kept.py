@@ -7,7 +7,7 @@ import torch
 
 import tigon
 from tests.hf._tiny import tiny_model
-from tigon.decode import kept
+from tigon.decode import DecodeSettings, kept
 
 
 def _pair():
@@ -74,7 +74,7 @@ def test_a_copy_or_pickle_of_the_model_keeps_nothing(monkeypatch):
     assert kept.kept(patched).cache is not None
     monkeypatch.setattr(gen, "_graphs_available", lambda device: True)
     monkeypatch.setattr(prefill_graph, "_capture", _fake_capture)
-    tigon.generate(patched, _ids(1, 5, 7), max_new_tokens=1)
+    tigon.generate(patched, _ids(1, 5, 7), max_new_tokens=1, settings=DecodeSettings(prefill_graph_bucket=8))
     assert kept.kept(patched).recordings
 
     class Unpicklable:  # what a torch.cuda.CUDAGraph is to pickle

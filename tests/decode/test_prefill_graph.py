@@ -1,5 +1,6 @@
 """Recorded prefills (tigon.decode.prefill_graph): a short unpadded prompt prefills through a CUDA graph kept with
-the model, padded on the right to a multiple of 64 tokens.
+the model, padded on the right to a multiple of `DecodeSettings.prefill_graph_bucket` tokens (8 here: the
+interpreter runs a kernel program in ~1 ms; 64 by default, the GPU test).
 
 On the CPU the graph is a stand-in (`_fake_capture`) whose replay runs the recorded function again with its
 static inputs: the padding, the last real row, the cache kept between calls, the host counters and every rule of
@@ -57,15 +58,20 @@ def graphs(monkeypatch):
     monkeypatch.setattr(prefill_graph, "_capture", _fake_capture)
 
 
-def _run(model, ids, new=2, **kw):
-    return tigon.generate(model, ids, max_new_tokens=new, return_stats=True, **kw)
+SMALL = DecodeSettings(prefill_graph_bucket=8)
 
 
-def test_recorded_then_replayed_prefills_match_hf(graphs):
-    # 2 tokens: the prefill's, then a decode step that reads the cache the recording kept. Prompts 7 and 5 share
-    # the 64-token bucket: the second call replays the first one's graph with other ids and another real length.
-    ref, patched = _pair()
-    for p, seed, how in ((7, 1, "recorded"), (5, 2, "replayed"), (7, 3, "replayed")):
+def _run(model, ids, new=2, settings=SMALL, **kw):
+    return tigon.generate(model, ids, max_new_tokens=new, return_stats=True, settings=settings, **kw)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # Qwen3: the q/k norms on the last real row too
+def test_recorded_then_replayed_prefills_match_hf(graphs, model_type):
+    # 2 tokens: the prefill's, then a decode step that reads the cache the recording kept. Prompts 6 and 5 share
+    # the 8-token bucket and the 8-slot ring: the second call replays the first one's graph with other ids and
+    # another real length.
+    ref, patched = _pair(model_type)
+    for p, seed, how in ((6, 1, "recorded"), (5, 2, "replayed"), (6, 3, "replayed")):
         ids = _ids(2, p, seed)
         got, stats = _run(patched, ids)
         assert stats["prefill_graph"] == how
@@ -78,7 +84,7 @@ def test_a_replay_leaves_the_cache_of_an_unpadded_prefill(graphs):
     # After a replay the kept cache holds what a prefill of the real prompt writes: its keys and values in slots
     # < p (the padded rows' slots emptied: position -1), next position p on the device, seen p on the host.
     _, patched = _pair()
-    _run(patched, _ids(1, 9, seed=4), new=1)  # records (bucket 64), leaving positions of 9 slots
+    _run(patched, _ids(1, 7, seed=4), new=1)  # records (bucket 8, ring 8), leaving positions in 7 slots
     ids = _ids(1, 6, seed=5)
     _, stats = _run(patched, ids, new=1)
     assert stats["prefill_graph"] == "replayed"
@@ -101,10 +107,10 @@ def test_a_replay_leaves_the_cache_of_an_unpadded_prefill(graphs):
 
 def test_new_weights_record_again_and_the_lru_keeps_the_limit(graphs):
     ref, patched = _pair()
-    settings = DecodeSettings(prefill_graphs=1)
+    settings = DecodeSettings(prefill_graphs=1, prefill_graph_bucket=8)
     assert _run(patched, _ids(1, 5), settings=settings)[1]["prefill_graph"] == "recorded"
-    assert _run(patched, _ids(1, 70), new=1, settings=settings)[1]["prefill_graph"] == "recorded"  # bucket 128
-    assert len(kept.kept(patched).recordings) == 1  # the 64-token one is out
+    assert _run(patched, _ids(1, 10), new=1, settings=settings)[1]["prefill_graph"] == "recorded"  # bucket 16
+    assert len(kept.kept(patched).recordings) == 1  # the 8-token one is out
     assert _run(patched, _ids(1, 5), settings=settings)[1]["prefill_graph"] == "recorded"
     # a weight replaced (not copied into): the graph would read the old storage, so the call records again
     weight = patched.lm_head.weight
@@ -121,7 +127,7 @@ def test_when_no_recording_is_made(graphs):
     ids = _ids(1, 5)
     want = ref.generate(ids, max_new_tokens=2, do_sample=False)
     for kw in (dict(settings=DecodeSettings(prefill_graphs=0)),  # off
-               dict(settings=DecodeSettings(prefill_graph_tokens=63)),  # the padded prompt is longer
+               dict(settings=DecodeSettings(prefill_graph_tokens=7, prefill_graph_bucket=8)),  # padded: 8 tokens
                dict(attention_mask=torch.ones_like(ids)),  # a mask: the padded prompt path is for unmasked prompts
                dict(attention="hf"), dict(cuda_graph=False)):
         got, stats = _run(patched, ids, **kw)
@@ -154,15 +160,15 @@ def test_a_model_without_the_fused_layer_step_is_refused_and_prefills_eagerly(gr
 
 def test_a_sliding_window_shorter_than_the_padded_prompt_prefills_eagerly(graphs):
     ref, patched = _pair("mistral", sliding_window=8)
-    ids = _ids(1, 5)
+    ids = _ids(1, 9)  # padded to 16 > the window
     got, stats = _run(patched, ids)
     assert stats["prefill_graph"] is None
     assert torch.equal(got, ref.generate(ids, max_new_tokens=2, do_sample=False))
 
 
-@pytest.mark.parametrize("name", ["prefill_graphs", "prefill_graph_tokens"])
+@pytest.mark.parametrize("name", ["prefill_graphs", "prefill_graph_tokens", "prefill_graph_bucket"])
 def test_settings_are_checked(name):
-    for bad in (-1, 1.5, True):
+    for bad in (-1, 1.5, True) + ((0,) if name == "prefill_graph_bucket" else ()):
         with pytest.raises((ValueError, TypeError), match=f"DecodeSettings: {name}"):
             DecodeSettings(**{name: bad})
 
@@ -179,7 +185,7 @@ def test_gpu_replayed_prefill_matches_the_eager_one():
     off = DecodeSettings(prefill_graphs=0)
     for p, how in ((40, "recorded"), (33, "replayed"), (60, "replayed")):  # 64 slots: the call's 4 tokens fit
         ids = _ids(1, p, seed=p).cuda()
-        got, stats = _run(patched, ids, new=4)
+        got, stats = _run(patched, ids, new=4, settings=DecodeSettings())  # the default bucket, 64
         want, _ = _run(patched, ids, new=4, settings=off)
         assert stats["prefill_graph"] == how and torch.equal(got, want), p
     tigon.decode.release(patched)

@@ -4,12 +4,13 @@ A prefill of a few hundred tokens is bound by the host: at Llama-3-8B / 512 toke
 (`layer_step.prefill_layer_step`) takes ~12 ms of kernels and ~26 ms of Python to launch them (docs/
 generation.md). `tigon.generate` therefore records such a prefill once per shape and replays it:
 
-- the prompt is padded on the right to a multiple of `BUCKET` tokens (`L`), so prompts of nearby lengths share
-  one recording. Causal attention keeps the real rows blind to the padding; the padded rows' keys and values land
-  in ring slots past the prompt, and `RollingKVCache.keep_first` empties those slots again at the end of the
-  graph. The model's last layer computes the last real row only (`RollingKVCache.prefill_rows`, a device count);
+- the prompt is padded on the right to a multiple of `settings.prefill_graph_bucket` tokens (`L`, default 64), so
+  prompts of nearby lengths share one recording. Causal attention keeps the real rows blind to the padding; the
+  padded rows' keys and values land in ring slots past the prompt, and `RollingKVCache.keep_first` empties those
+  slots again at the end of the graph. The model's last layer computes the last real row only
+  (`RollingKVCache.prefill_rows`, a device count);
 - the recording owns its inputs (ids `[B, L]`, positions, the real-row count), its logits and its cache (a ring of
-  `capacity` slots, or the call's length rounded up to `BUCKET`), all reused by every replay: a replay is one
+  `capacity` slots, or the call's length rounded up to the bucket), all reused by every replay: a replay is one
   copy of the ids, one fill of the count, the graph, and the host counters set to the prompt length;
 - a recording is made only where the whole prefill runs the fused layer step (every layer: nothing else is known
   to be free of host syncs, and the padded rows must not reach a layer that computes the last position by
@@ -26,8 +27,6 @@ import torch
 
 from .kept import kept
 from .layer_step import LAYER_STEP
-
-BUCKET = 64  # prompt tokens are padded up to a multiple of this
 
 
 def _round_up(n: int, to: int) -> int:
@@ -79,10 +78,11 @@ def plan(model, settings, *, batch, prompt, total, capacity, dtype, device):
     `settings.prefill_graph_tokens` tokens over the batch, or the ring would not hold the padded prompt."""
     if settings.prefill_graphs == 0 or not settings.fused_layers:
         return None
-    length = _round_up(prompt, BUCKET)
+    bucket = settings.prefill_graph_bucket
+    length = _round_up(prompt, bucket)
     if batch * length > settings.prefill_graph_tokens:
         return None
-    ring = _round_up(total, BUCKET) if capacity is None else capacity
+    ring = _round_up(total, bucket) if capacity is None else capacity
     window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
     if ring < length or (isinstance(window, int) and window < length):
         return None  # the padded prompt must fit every ring, sliding ones included

@@ -27,8 +27,11 @@ class DecodeSettings:
     prefill_graphs: how many recorded prefills (`tigon.decode.prefill_graph`: a CUDA graph of the prefill of a
         short unpadded prompt, its padded length and cache kept with the model, replayed by later calls of that
         shape) a model keeps; 0 records none. Each holds its cache (the ring's K/V) and the graph's activations.
-    prefill_graph_tokens: the largest padded prompt, over the batch (batch x length rounded up to 64), that is
-        recorded. Past ~2k tokens at 8B the prefill's kernels outlast the host's launches and a graph gains little.
+    prefill_graph_tokens: the largest padded prompt, over the batch (batch x length rounded up to the bucket), that
+        is recorded. Past ~2k tokens at 8B the prefill's kernels outlast the host's launches and a graph gains little.
+    prefill_graph_bucket: a recorded prompt is padded on the right to a multiple of this many tokens (and a
+        recording's default ring to one of the call's length): larger, fewer recordings serve more lengths, at up to
+        bucket - 1 padded rows of prefill work.
     on_capture: called with no arguments right after the decode step's CUDA graph is captured, before its
         first replay (a profiler starts its trace there: it must never run over a capturing stream).
     """
@@ -38,13 +41,14 @@ class DecodeSettings:
     fused_layers: bool = True
     prefill_graphs: int = 2
     prefill_graph_tokens: int = 2048
+    prefill_graph_bucket: int = 64
     on_capture: Callable[[], None] | None = None
 
     def __post_init__(self):
-        for name in ("prefill_graphs", "prefill_graph_tokens"):
+        for name, least in (("prefill_graphs", 0), ("prefill_graph_tokens", 0), ("prefill_graph_bucket", 1)):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise ValueError(f"DecodeSettings: {name} must be an int >= 0, got {value!r}")
+            if not _is_int(value) or value < least:
+                raise ValueError(f"DecodeSettings: {name} must be an int >= {least}, got {value!r}")
         if not _is_int(self.eos_check_every) or self.eos_check_every < 1:
             raise ValueError(f"DecodeSettings: eos_check_every must be an int >= 1, got {self.eos_check_every!r}")
         for name in ("rotary_table", "fused_layers"):
