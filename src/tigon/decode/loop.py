@@ -4,7 +4,8 @@
     seqs = generate(model, input_ids, max_new_tokens=64)                    # greedy, like model.generate
     seqs, stats = generate(model, ids, max_new_tokens=64, do_sample=True, top_p=0.9, return_stats=True)
 
-One prefill with the model's own forward (`logits_to_keep=1`), then one token per step. Everything per step
+One prefill with the model's own forward (`logits_to_keep=1`; a short unpadded prompt's prefill replays a CUDA
+graph recorded by the first call of its shape, `prefill_graph`), then one token per step. Everything per step
 stays on the device: token choice (`sampling`), the `finished` mask of rows that emitted EOS (later tokens of
 those rows are the pad id), the output writes and the position counters. The host looks at `finished` only
 every `settings.eos_check_every` steps and once at the end to trim the output to the longest row, as
@@ -152,8 +153,11 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     step_s (one latency per later step), p50_step_s, p99_step_s (`stats.percentile`), tokens_per_s (B * n / total
     time), decode_tokens_per_s, peak_memory_bytes (CUDA only, else None), new_tokens, batch_size, cuda_graph
     (whether the replay path ran), attention ("tigon" or "hf"), rotary_tables (the cos/sin tables the rotary
-    modules read for the call; 0 = HF's modules computed them every step). `tigon.decode.metrics` exposes them
-    to Prometheus."""
+    modules read for the call; 0 = HF's modules computed them every step), prefill_graph ("recorded", "replayed"
+    or None: the eager prefill). `tigon.decode.metrics` exposes them to Prometheus.
+
+    Between calls the model keeps the last call's cache, its rotary tables and its recorded prefills
+    (`tigon.decode.kept`); `tigon.decode.release(model)` frees them."""
     inputs.check_model(model)
     vocab = inputs.vocab_size(model)
     inputs.check_int("max_new_tokens", max_new_tokens, 1)
@@ -230,18 +234,17 @@ def _decode_loop_on(model, input_ids, clock, scope, settings, plan, *, max_new_t
     total = p + max_new_tokens
     device = model.device
     replaying = plan is not None and plan.recording is not None
-    spare = None  # the key of a cache this call keeps with the model for the next one (`kept`)
+    spare = cache = None  # spare: the key of the cache this call leaves with the model for the next (`kept`)
     if replaying:
         cache = plan.recording.cache
-        cache.device_offset = False
     else:
         ring = plan.ring if plan is not None else total if capacity is None else capacity
         if tigon and plan is None:  # a recording makes its own; HF's attention gets zeroed rings
             spare = (b, ring, model.dtype, device, id(model.config))
             cache = kept.take_cache(model, spare)
-        if spare is None or cache is None:
+        if cache is None:
             cache = _cache_class()(model.config, batch_size=b, capacity=ring, dtype=model.dtype, device=device)
-        cache.device_offset = False
+    cache.device_offset = False  # a kept cache ended its last call with the decode steps' offset
     capacity = total if capacity is None else capacity
     if capacity < p and not all(cache.is_sliding):
         raise ValueError(f"{NAME}: capacity ({capacity}) is smaller than the prompt ({p} tokens) and the "
