@@ -25,12 +25,9 @@ used first out. One call at a time uses a recording; a concurrent call on the sa
 
 import torch
 
+from ..ops._launch import cdiv
 from .kept import kept
 from .layer_step import LAYER_STEP
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
 
 
 class _Recording:
@@ -56,20 +53,19 @@ def _decoder_layers(model):
 
 class Plan:
     """How one generate call prefills through a recording: `length` (the padded prompt), `ring` (its cache's
-    capacity), the recording when one is ready (else `record` makes it)."""
+    capacity), `recording`: the one this call replays, else None until `record` makes it (busy until `release`),
+    `state`: the model's `kept.Kept`."""
 
-    def __init__(self, pool, key, length, ring, recording, limit):
-        self.pool, self.key, self.length, self.ring, self.recording = pool, key, length, ring, recording
+    def __init__(self, state, key, length, ring, recording, limit):
+        self.state, self.key, self.length, self.ring, self.recording = state, key, length, ring, recording
         self.limit = limit  # recordings kept per model
-        self.held = recording  # the recording this call uses (busy until `release`)
         if recording is not None:
             recording.busy = True
 
     def release(self) -> None:
         """The call is over: its recording may serve the next one."""
-        if self.held is not None:
-            self.held.busy = False
-            self.held = None
+        if self.recording is not None:
+            self.recording.busy = False
 
 
 def plan(model, settings, *, batch, prompt, total, capacity, dtype, device):
@@ -79,30 +75,30 @@ def plan(model, settings, *, batch, prompt, total, capacity, dtype, device):
     if settings.prefill_graphs == 0 or not settings.fused_layers:
         return None
     bucket = settings.prefill_graph_bucket
-    length = _round_up(prompt, bucket)
+    length = cdiv(prompt, bucket) * bucket
     if batch * length > settings.prefill_graph_tokens:
         return None
-    ring = _round_up(total, bucket) if capacity is None else capacity
+    ring = cdiv(total, bucket) * bucket if capacity is None else capacity
     window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
     if ring < length or (isinstance(window, int) and window < length):
         return None  # the padded prompt must fit every ring, sliding ones included
-    pool = kept(model)
+    state = kept(model)
     key = (batch, length, ring, dtype, device, settings.rotary_table)
-    recording = pool.recordings.get(key)
+    recording = state.recordings.get(key)
     if recording is not None:
         if recording.busy:
             return None
         if recording.fingerprint != _fingerprint(model, recording.layers):
-            del pool.recordings[key]
+            del state.recordings[key]
             recording = None
         else:
-            pool.recordings.move_to_end(key)
-    if recording is None and key in pool.refused:
+            state.recordings.move_to_end(key)
+    if recording is None and key in state.refused:
         layers = _decoder_layers(model)
-        if pool.refused[key] == _fingerprint(model, layers):
+        if state.refused[key] == _fingerprint(model, layers):
             return None
-        del pool.refused[key]
-    return Plan(pool, key, length, ring, recording, settings.prefill_graphs)
+        del state.refused[key]
+    return Plan(state, key, length, ring, recording, settings.prefill_graphs)
 
 
 def replay(recording, ids, prompt):
@@ -167,22 +163,22 @@ def record(plan, model, cache, ids, prompt, tables):
     else:
         logits = prefill()
     if cache.fused_prefill_layers != len(cache.layers):
-        plan.pool.refused[plan.key] = recording.fingerprint
+        plan.state.refused[plan.key] = recording.fingerprint
         return None
-    pool = plan.pool
-    if cuda and pool.memory is None:
-        pool.memory = torch.cuda.graph_pool_handle()
+    state = plan.state
+    if cuda and state.memory is None:
+        state.memory = torch.cuda.graph_pool_handle()
     try:
-        recording.graph, recording.logits = _capture(prefill, pool.memory)
+        recording.graph, recording.logits = _capture(prefill, state.memory)
     except RuntimeError:  # an op that syncs or is not capturable; the warm-up's result stands
-        pool.refused[plan.key] = recording.fingerprint
+        state.refused[plan.key] = recording.fingerprint
         recording = None
     for layer in cache.layers:  # the capture ran the Python once more: the counts of this call's prefill
         layer.seen = prompt
     if recording is None:
         return logits, None
-    recording.busy, plan.held = True, recording
-    pool.recordings[plan.key] = recording
-    while len(pool.recordings) > plan.limit:
-        pool.recordings.popitem(last=False)
+    recording.busy, plan.recording = True, recording
+    state.recordings[plan.key] = recording
+    while len(state.recordings) > plan.limit:
+        state.recordings.popitem(last=False)
     return logits, recording

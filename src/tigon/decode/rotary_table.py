@@ -85,7 +85,7 @@ def _table_forward(original, tables, dtype, device):
     return forward
 
 
-def _signature(module, kinds, length, dtype, device):
+def _signature(module, kinds, dtype, device):
     """What a module's tables depend on, besides the positions: the frequencies (storage and in-place version of
     each `inv_freq`), the module's plain attributes (`attention_scaling`, the rope type...), dtype, device."""
     freqs = [getattr(module, "inv_freq" if k is None else f"{k}_inv_freq") for k in kinds]
@@ -120,7 +120,7 @@ def cached_rotary(model, length, dtype=None, device=None, keep=None, store=None)
                 if kinds is None:
                     continue
                 original = module.forward
-                signature = _signature(module, kinds, length, dtype, device)
+                signature = _signature(module, kinds, dtype, device)
                 held = built.get(id(module))
                 if held is not None and held[0] == signature and held[1] >= length:
                     tables = held[2]
