@@ -459,9 +459,8 @@ def test_gpu_cuda_graph_matches_eager(do_sample):
 
 
 def _sync_checked_replays(monkeypatch):
-    """From the first CUDA-graph replay on, sync-debug mode "error" (any host sync raises; the capture itself
-    synchronizes, so the mode cannot be on before it). Returns the list that counts the replays; the caller
-    resets the mode."""
+    """From the first CUDA-graph replay on, sync-debug mode "error" (any host sync raises). Returns the list that
+    counts the replays; the caller resets the mode."""
     replay = torch.cuda.CUDAGraph.replay
     calls = []
 
@@ -476,8 +475,8 @@ def _sync_checked_replays(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_replayed_steps_do_not_sync(monkeypatch):
-    # Every replayed step (replay + token choice + bookkeeping) runs under sync-debug "error"; capture itself
-    # synchronizes (torch.cuda.graph does), so the mode is switched on at the first replay.
+    # Every replayed step (replay + token choice + bookkeeping) runs under sync-debug "error", switched on at
+    # the first replay; test_gpu_capture_leaves_the_gpu_running covers the capture.
     model = _gpu_model()
     ids = torch.randint(0, 32000, (2, 50), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     calls = _sync_checked_replays(monkeypatch)
@@ -488,6 +487,22 @@ def test_gpu_replayed_steps_do_not_sync(monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     assert len(calls) == 38 and seqs.shape == (2, 90)
 
+
+
+@pytest.mark.gpu
+def test_gpu_capture_leaves_the_gpu_running(monkeypatch):
+    # The decode graph is captured without torch.cuda.graph's device synchronize and cache release
+    # (decode/capture.py): the queued prefill keeps the GPU busy while the host records. Tokens as eager.
+    model = _gpu_model()
+    ids = torch.randint(0, 32000, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    eager = gen.generate(model, ids, max_new_tokens=12, cuda_graph=False)
+    calls = []
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: calls.append(_n))
+    graphed, stats = gen.generate(model, ids, max_new_tokens=12, return_stats=True)
+    monkeypatch.undo()
+    assert stats["cuda_graph"] and calls == []
+    assert torch.equal(graphed, eager)
 
 
 @pytest.mark.gpu

@@ -32,7 +32,7 @@ def _ids(b, t, seed=1):  # no id 0: model.generate would take it for padding (th
     return torch.randint(1, 131, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-def _fake_capture(prefill, memory):
+def _fake_capture(prefill, memory, stream):
     """A 'graph' whose replay runs the recorded function again into its static logits (what a CUDA graph does
     on the device, its Python included: the host counters the replay sets afterwards are checked)."""
     logits = prefill()

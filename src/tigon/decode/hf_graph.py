@@ -49,6 +49,7 @@ from ..hf.attention import mark_unmasked
 from ..hf.bound import BoundForward
 from ..hf.unwrap import unwrap_model
 from ..memory.kv_cache import RollingKVCache
+from .capture import capture
 
 STATE = "_tigon_hf_graph"  # model.__dict__ key: the installed GraphForward's state
 _COMPILE_CHECK = "_valid_auto_compile_criteria"  # HF's method, overridden on the instance while installed
@@ -78,7 +79,7 @@ class CudaGraphs:
 
     def capture(self, fn):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
+        with capture(graph, self.stream):  # no device sync (decode/capture.py)
             out = fn()
         return graph.replay, out
 

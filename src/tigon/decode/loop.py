@@ -35,6 +35,7 @@ import contextlib
 import torch
 
 from . import hf_graph, inputs, kept, prefill_graph, sampling
+from .capture import capture
 from .layer_step import fused_decode
 from .rotary_table import cached_rotary
 from .settings import DEFAULT, DecodeSettings
@@ -368,7 +369,7 @@ def _capture(forward, cache):
     torch.cuda.current_stream().wait_stream(stream)
     seen = [layer.seen for layer in cache.layers]
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with capture(graph, stream):  # no device sync: the queued prefill and step keep the GPU's clocks up
         graph_logits = forward()
     for layer, count in zip(cache.layers, seen):
         layer.seen = count

@@ -26,6 +26,7 @@ used first out. One call at a time uses a recording; a concurrent call on the sa
 import torch
 
 from ..ops._launch import cdiv
+from .capture import capture
 from .kept import kept
 from .layer_step import LAYER_STEP
 
@@ -130,10 +131,10 @@ def _prefill_function(model, cache, ids, positions, rows):
     return prefill
 
 
-def _capture(prefill, memory):
-    """CUDA graph of `prefill` (run once eagerly before, on the stream it captures on): (graph, its logits)."""
+def _capture(prefill, memory, stream):
+    """CUDA graph of `prefill` (run once eagerly before, on `stream`, which it captures on): (graph, logits)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=memory):
+    with capture(graph, stream, memory):
         logits = prefill()
     return graph, logits
 
@@ -153,7 +154,7 @@ def record(plan, model, cache, ids, prompt, tables):
     recording = _Recording(cache, static_ids, positions, rows, _decoder_layers(model), tables)
     recording.fingerprint = _fingerprint(model, recording.layers)
     prefill = _prefill_function(model, cache, static_ids, positions, rows)
-    cuda = device.type == "cuda"
+    cuda, stream = device.type == "cuda", None
     if cuda:  # the warm-up on a side stream, as graph capture wants (cuBLAS workspaces exist before it)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -169,7 +170,7 @@ def record(plan, model, cache, ids, prompt, tables):
     if cuda and state.memory is None:
         state.memory = torch.cuda.graph_pool_handle()
     try:
-        recording.graph, recording.logits = _capture(prefill, state.memory)
+        recording.graph, recording.logits = _capture(prefill, state.memory, stream)
     except RuntimeError:  # an op that syncs or is not capturable; the warm-up's result stands
         state.refused[plan.key] = recording.fingerprint
         recording = None
