@@ -155,6 +155,17 @@ def ttft_repeats(spec) -> int:
     return QUICK["ttft_repeats"] if spec["quick"] else TTFT_REPEATS
 
 
+def idle_repeats(spec, first_token_s, ids):
+    """With spec["ttft_idle"] = S > 0: the prefill-only calls again, each after S seconds with the GPU idle. An
+    8k prefill runs at the power cap, and the cap follows the recent power draw: back to back, each prefill
+    starts throttled; after an idle second it starts at full clock (the power draw an isolated request sees)."""
+    out = []
+    for _ in range(ttft_repeats(spec) if spec.get("ttft_idle") else 0):
+        time.sleep(spec["ttft_idle"])
+        out.append(first_token_s(ids))
+    return out
+
+
 def new_length_prompts(spec, ids):
     """The prompts of the TTFT calls at new lengths: the first P - 1, ..., P - n tokens of the row's prompt
     (spec["ttft_new_lengths"] = n), shapes this process has not run: what a server's next request with another
@@ -206,8 +217,10 @@ def _child_hf(spec, model, ids):
 
     # the first token alone, again: one call's TTFT is host-noise sensitive
     repeats = [first_token_s(ids) for _ in range(ttft_repeats(spec))]
+    idle = idle_repeats(spec, first_token_s, ids)
     fresh = [first_token_s(short) for short in new_length_prompts(spec, ids)]
-    return dict(ttft_s=ts[0] - t0, ttft_repeats_s=repeats, ttft_new_length_s=fresh, step_s=steps, total_s=t1 - t0,
+    return dict(ttft_s=ts[0] - t0, ttft_repeats_s=repeats, ttft_idle_repeats_s=idle, ttft_new_length_s=fresh,
+                step_s=steps, total_s=t1 - t0,
                 peak_gib=_peak_gib(device), warmup_s=warmup_s, cuda_graph=None, stats=None)
 
 
@@ -234,8 +247,10 @@ def _child_tigon(spec, model, ids):
     peak = stats["peak_memory_bytes"]
     first_token_s = lambda prompt: tigon.generate(model, prompt, **dict(kw, max_new_tokens=1))[1]["ttft_s"]  # noqa: E731
     repeats = [first_token_s(ids) for _ in range(ttft_repeats(spec))]
+    idle = idle_repeats(spec, first_token_s, ids)
     fresh = [first_token_s(short) for short in new_length_prompts(spec, ids)]
-    out = dict(ttft_s=stats["ttft_s"], ttft_repeats_s=repeats, ttft_new_length_s=fresh, step_s=list(stats["step_s"]),
+    out = dict(ttft_s=stats["ttft_s"], ttft_repeats_s=repeats, ttft_idle_repeats_s=idle, ttft_new_length_s=fresh,
+               step_s=list(stats["step_s"]),
                total_s=t1 - t0,
                peak_gib=peak / 2**30 if peak is not None else None, warmup_s=warmup_s,
                cuda_graph=stats["cuda_graph"], attention=stats["attention"], stats=stats,
@@ -272,6 +287,10 @@ def child(spec):
                attention=r.get("attention"), step_ms=[round(1e3 * s, 4) for s in steps])
     if fresh:
         row["ttft_new_length_ms"] = [round(1e3 * v, 2) for v in fresh]
+    idle = sorted(r.get("ttft_idle_repeats_s") or [])
+    if idle:
+        row["ttft_idle_repeats_ms"] = [round(1e3 * v, 2) for v in idle]
+        row["ttft_idle_median_ms"] = 1e3 * idle[len(idle) // 2]
     if r.get("patch"):
         row["patch"] = r["patch"]
     if r.get("profile"):
@@ -282,12 +301,13 @@ def child(spec):
 
 
 def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profile=False, model=DEFAULT_MODEL,
-         ttft_new_lengths=0):
+         ttft_new_lengths=0, ttft_idle=0.0):
     """One spec per (prompt, variant, batch), prompt outermost; `prompt` is one length or a list. The swa-*
     variants use the Mistral form of the model's config, the long prompt (once, whatever `prompt` is) and
     `swa_batches` (default: `batches`). A variant "name@1+8" runs at batches 1 and 8 only. `profile` marks the
     tigon variants for `profile_tigon`; `model` is a key of MODELS; `ttft_new_lengths` n > 0 adds n TTFT calls at
-    the prompt lengths P - 1 ... P - n to every row (`new_length_prompts`)."""
+    the prompt lengths P - 1 ... P - n to every row (`new_length_prompts`); `ttft_idle` S > 0 repeats the
+    prefill-only calls each after S idle seconds (`idle_repeats`)."""
     if model not in MODELS:
         raise SystemExit(f"bench_decode: unknown model {model!r}; choose from {', '.join(MODELS)}")
     window = QUICK["window"] if quick else WINDOW
@@ -321,6 +341,8 @@ def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profil
                         raise SystemExit(f"bench_decode: --ttft-new-lengths {ttft_new_lengths} must be below the "
                                          f"prompt length {spec['prompt']}")
                     spec["ttft_new_lengths"] = ttft_new_lengths
+                if ttft_idle:
+                    spec["ttft_idle"] = ttft_idle
                 specs.append(spec)
     return specs
 
@@ -548,6 +570,10 @@ def _targets_8b(rows, r):
         ratio = _ttft(r) / _ttft(base)
         out.append((f"tigon {at} TTFT <= {t['ttft_over_hf']}x hf-static-compile's",
                     f"{ratio:.2f}x ({_ttft(r):.1f} vs {_ttft(base):.1f} ms)", ratio <= t["ttft_over_hf"]))
+        if r.get("ttft_idle_median_ms") and base.get("ttft_idle_median_ms"):
+            a, b = r["ttft_idle_median_ms"], base["ttft_idle_median_ms"]
+            out.append((f"tigon {at} TTFT after {r['ttft_idle']:g} s idle <= {t['ttft_over_hf']}x "
+                        "hf-static-compile's", f"{a / b:.2f}x ({a:.1f} vs {b:.1f} ms)", a / b <= t["ttft_over_hf"]))
     return out
 
 
@@ -582,7 +608,7 @@ def markdown(rows, meta):
               "max_new_tokens=1; one call's TTFT moves with the host's noise). wall ms/step: host clock around "
               "the timed call minus TTFT, over the decode steps (a cross-check of the per-step timer). The graph "
               "path's first decode step includes the CUDA-graph capture."]
-    lines += new_length_lines(rows)
+    lines += new_length_lines(rows) + idle_lines(rows)
     if skipped:
         names = ", ".join(f"{r['variant']} b{r['batch']}" for r in skipped)
         lines.append(f"Skipped for the time budget: {names}.")
@@ -590,6 +616,21 @@ def markdown(rows, meta):
         lines += bound_lines(rows, meta["copy_ceiling"])
     lines += ttft_phase_lines(rows) + profile_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def idle_lines(rows):
+    """The prefill-only calls made after an idle pause (--ttft-idle), beside the back-to-back median."""
+    done = [r for r in rows if r.get("ttft_idle_repeats_ms")]
+    if not done:
+        return []
+    lines = ["", f"TTFT of prefill-only calls each after {done[0]['ttft_idle']:g} s of idle GPU (ms; the median above "
+             "is of back-to-back calls):", "", "| model | variant | batch | prompt | back-to-back median | after idle, "
+             "sorted | median |", "|---|---|---|---|---|---|---|"]
+    for r in done:
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | "
+                     f"{_num(r.get('ttft_median_ms'), '.1f')} | {', '.join(map(str, r['ttft_idle_repeats_ms']))} | "
+                     f"{_num(r['ttft_idle_median_ms'], '.1f')} |")
+    return lines
 
 
 def new_length_lines(rows):
@@ -749,6 +790,9 @@ def build_parser(prog="bench_decode"):
     p.add_argument("--ttft-new-lengths", type=count, default=0, metavar="N",
                    help="after the TTFT repeats, N prefill-only calls at prompt lengths P-1 ... P-N, each a shape "
                         "the process has not run (default 0: none)")
+    p.add_argument("--ttft-idle", type=float, default=0.0, metavar="S",
+                   help="also repeat the prefill-only calls each after S seconds of idle GPU, beside the back-to-back "
+                        "ones (the power cap follows recent draw; default 0: not done)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -804,11 +848,13 @@ def main(argv=None, log=print, prog="bench_decode"):
     swa_batches = int_list(a.swa_batches or ("" if quick else "1"), "--swa-batches") or None
     prompts = prompt_lengths(a.prompt, a.prompts, model, quick)
     new = a.new or (QUICK["new"] if quick else 256)
+    if not a.ttft_idle >= 0:
+        raise SystemExit(f"bench_decode: --ttft-idle must be >= 0 seconds, got {a.ttft_idle}")
     out = a.out or os.environ.get("OUT") or "tigon-bench-out"
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     specs = plan(variants, batches, prompts, new, quick, device, swa_batches, profile=a.profile, model=model,
-                 ttft_new_lengths=a.ttft_new_lengths)
+                 ttft_new_lengths=a.ttft_new_lengths, ttft_idle=a.ttft_idle)
     rows = run_plan(specs, a.budget, a.timeout, log=log, inline=quick and device == "cpu")
     name = "" if model == DEFAULT_MODEL or quick else f", {model}"
     meta = dict(title="tigon.generate vs HF generate" + name + (" (quick toy on " + device + ")" if quick else ""),

@@ -273,7 +273,8 @@ def main(argv=None):
             print(table(results[-1:]), flush=True)
     if a.with_ckpt:
         for v in a.ckpt_variants.split(","):
-            results.append(run_variant(v, "llama", a.batch, a.seq, ckpt=True, clip=a.clip))
+            results.append(run_variant(v, "llama", a.batch, a.seq, ckpt=True, profile=a.profile and v != "eager",
+                                       clip=a.clip))
             print(table(results[-1:]), flush=True)
     longest = [_run_longest(v, a.longest_cap) for v in a.longest.split(",") if v]
     md = table(results)
