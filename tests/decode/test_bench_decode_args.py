@@ -124,6 +124,37 @@ def test_the_8b_targets_and_the_bound_section(core):
     assert "### Weight + KV read bound" not in core.markdown(rows, {})  # no ceiling measured, no section
 
 
+def test_ttft_after_idle_is_planned_checked_and_reported(core):
+    # --ttft-idle S: the specs carry S, the 8B targets get a line for the idle medians when both rows have them,
+    # and decode.md lists them beside the back-to-back median.
+    specs = core.plan(["tigon", "hf-static-compile"], [1], [8192], 8, False, "cuda", model="llama3-8b",
+                      ttft_idle=1.0)
+    assert [s["ttft_idle"] for s in specs] == [1.0, 1.0]
+    assert "ttft_idle" not in core.plan(["tigon"], [1], [8192], 8, False, "cuda", model="llama3-8b")[0]
+
+    def row(variant, median, idle):
+        r = dict(variant=variant, family="llama", batch=1, prompt=8192, new=8, window=None, quick=False,
+                 device="cuda", model="llama3-8b", ttft_ms=median, ttft_median_ms=median, ttft_repeats_ms=[median],
+                 p50_ms=5.0, p99_ms=5.2, mean_ms=5.0, tokens_per_s=200.0, wall_ms_per_step=5.0, peak_gib=20.0,
+                 cuda_graph=variant == "tigon", ttft_idle=1.0)
+        if idle:
+            r.update(ttft_idle_repeats_ms=idle, ttft_idle_median_ms=idle[len(idle) // 2])
+        return r
+
+    rows = [row("hf-static-compile", 250.0, [240.0, 245.0, 246.0]), row("tigon", 205.0, [192.0, 194.0, 196.0])]
+    checks = {t: (v, ok) for t, v, ok in core.targets(rows)}
+    assert checks["tigon batch 1 prompt 8192 TTFT <= 0.8x hf-static-compile's"] == ("0.82x (205.0 vs 250.0 ms)",
+                                                                                    False)
+    assert checks["tigon batch 1 prompt 8192 TTFT after 1 s idle <= 0.8x hf-static-compile's"] == (
+        "0.79x (194.0 vs 245.0 ms)", True)
+    md = core.markdown(rows, {})
+    assert "| llama3-8b | tigon | 1 | 8192 | 205.0 | 192.0, 194.0, 196.0 | 194.0 |" in md
+    rows[0].pop("ttft_idle_median_ms")
+    assert not any("idle" in t for t, _, _ in core.targets(rows))  # one side without it: no ratio
+    with pytest.raises(SystemExit, match="--ttft-idle must be >= 0"):
+        core.main(["--quick", "--ttft-idle", "-1"])
+
+
 def test_copy_ceiling_on_the_cpu_is_the_arithmetic(core):
     got = core.copy_ceiling("cpu", quick=True)
     assert got["bytes"] == 2 * 2 * (1 << 24) and got["ms"] > 0
