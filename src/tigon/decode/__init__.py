@@ -14,7 +14,7 @@ Modules, in the order a decode call meets them:
                     model gets it (install / uninstall / fused_decode)
     rotary_table.py the per-call cos/sin table the rotary module reads
     hf_graph.py     HF's own model.generate with a CUDA-graph decode step (tigon.patch(model, cuda_graph=True))
-    capture.py      CUDA-graph capture without torch.cuda.graph's device sync (the GPU keeps its clocks)
+    capture.py      the side-stream warm-up, then CUDA-graph capture without torch.cuda.graph's device sync
     sampling.py     token choice on the device (argmax, temperature / top-k / top-p)
     stats.py        the step clock, the TTFT phases, the one percentile rule, the stats dict
     metrics.py      the stats as Prometheus metrics: StatsCollector (the last call), GenerationMetrics (totals over

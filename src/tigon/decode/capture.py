@@ -14,6 +14,18 @@ import contextlib
 import torch
 
 
+def warm_up(fn):
+    """Run `fn()` once eagerly on a new side stream, ordered after the current stream's work and before its later
+    work, and return (that stream, fn's result). What capture wants first: cuBLAS's handle and workspace for the
+    stream exist, lazy initializations are done; the result is the step's real one."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return stream, out
+
+
 @contextlib.contextmanager
 def capture(graph, stream, pool=None):
     """Capture the CUDA work issued inside the block on `stream` (a side stream, never the default one) into

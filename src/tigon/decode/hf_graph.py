@@ -49,7 +49,7 @@ from ..hf.attention import mark_unmasked
 from ..hf.bound import BoundForward
 from ..hf.unwrap import unwrap_model
 from ..memory.kv_cache import RollingKVCache
-from .capture import capture
+from .capture import capture, warm_up
 
 STATE = "_tigon_hf_graph"  # model.__dict__ key: the installed GraphForward's state
 _COMPILE_CHECK = "_valid_auto_compile_criteria"  # HF's method, overridden on the instance while installed
@@ -70,11 +70,7 @@ class CudaGraphs:
         return device.type == "cuda"
 
     def warm(self, fn):
-        self.stream = torch.cuda.Stream()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            out = fn()
-        torch.cuda.current_stream().wait_stream(self.stream)
+        self.stream, out = warm_up(fn)
         return out
 
     def capture(self, fn):

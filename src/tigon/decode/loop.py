@@ -35,7 +35,7 @@ import contextlib
 import torch
 
 from . import hf_graph, inputs, kept, prefill_graph, sampling
-from .capture import capture
+from .capture import capture, warm_up
 from .layer_step import fused_decode
 from .rotary_table import cached_rotary
 from .settings import DEFAULT, DecodeSettings
@@ -362,11 +362,7 @@ def _capture(forward, cache):
     """First CUDA-graph step: run it eagerly on a side stream (the warm-up capture needs: cuBLAS handles and
     workspaces exist before capture; its logits are this step's real result), then capture the next step
     without running it. Capture runs the Python once, so the host counters it advanced are put back."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        logits = forward()
-    torch.cuda.current_stream().wait_stream(stream)
+    stream, logits = warm_up(forward)
     seen = [layer.seen for layer in cache.layers]
     graph = torch.cuda.CUDAGraph()
     with capture(graph, stream):  # no device sync: the queued prefill and step keep the GPU's clocks up

@@ -26,7 +26,7 @@ used first out. One call at a time uses a recording; a concurrent call on the sa
 import torch
 
 from ..ops._launch import cdiv
-from .capture import capture
+from .capture import capture, warm_up
 from .kept import kept
 from .layer_step import LAYER_STEP
 
@@ -154,15 +154,9 @@ def record(plan, model, cache, ids, prompt, tables):
     recording = _Recording(cache, static_ids, positions, rows, _decoder_layers(model), tables)
     recording.fingerprint = _fingerprint(model, recording.layers)
     prefill = _prefill_function(model, cache, static_ids, positions, rows)
-    cuda, stream = device.type == "cuda", None
-    if cuda:  # the warm-up on a side stream, as graph capture wants (cuBLAS workspaces exist before it)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            logits = prefill()
-        torch.cuda.current_stream().wait_stream(stream)
-    else:
-        logits = prefill()
+    cuda = device.type == "cuda"
+    # the warm-up on a side stream, as graph capture wants (cuBLAS workspaces exist before it)
+    stream, logits = warm_up(prefill) if cuda else (None, prefill())
     if cache.fused_prefill_layers != len(cache.layers):
         plan.state.refused[plan.key] = recording.fingerprint
         return None
