@@ -182,8 +182,7 @@ def child(variant, a):
         if i >= warmup:
             times.append(ms)
         losses.append(float(loss))
-    times.sort()
-    ms = times[len(times) // 2]
+    ms = sorted(times)[len(times) // 2]
     out.update(step_ms=round(ms, 1), tok_s=round(a.bs * a.seq / ms * 1e3),
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                weights_gib=round(weights / 2**30, 2) if cuda else None,

@@ -103,10 +103,11 @@ ROPE_KV_WRITE = RopeKVWriteConfig()
 @dataclasses.dataclass(frozen=True)
 class LinearCrossEntropyConfig:
     """The chunking of `tigon.ops.linear_cross_entropy`: rows = max(chunk_bytes / (V x itemsize), min_rows), a
-    multiple of 64, balanced over the chunks; or exactly `chunk_rows` rows when > 0. Each chunk's dW GEMM reads
-    and writes the whole [V, H] gradient once, whatever its rows: fewer, larger chunks move fewer bytes and cost
-    memory (peak extra = dh (N H b) + dW (V H b) + one chunk). min_rows keeps a large vocabulary, whose chunk_bytes
-    hold few rows, from paying that pass most often (docs/ops/cross_entropy.md has the model and the H200 sweeps)."""
+    multiple of 64, balanced over the chunks; or exactly `chunk_rows` rows when > 0. Each chunk's dW GEMM has
+    K = rows and adds into the whole [V, H] gradient, so short chunks run it below the full-size GEMM rate: fewer,
+    larger chunks are faster and cost memory (peak extra = dh (N H b) + dW (V H b) + one chunk). min_rows keeps a
+    large vocabulary, whose chunk_bytes hold few rows, from the shortest chunks (docs/ops/cross_entropy.md has the
+    model, the H200 sweeps and the measured floor)."""
 
     # H200 (benchmarks/results/h200_tune.json, flce_chunks; two calls): 768 rows at the Llama-3-8B head (192 MiB)
     # 79.9-82.5 ms at a 1.29 GiB peak against 84.4 ms at 1.23 GiB for 512 rows (128 MiB); at Gemma-3's head
