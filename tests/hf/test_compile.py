@@ -240,6 +240,22 @@ def test_compiled_patched_model_attends_causally_without_a_mask():
         [n.kwargs for n in calls]
 
 
+def test_compiled_patched_model_trains_without_a_cache_under_fullgraph():
+    """config.use_cache False (TRL sets it with gradient checkpointing): HF then looks for packed rows in the
+    position ids and, while dynamo traces, hands the mask builder an AND of the causal and packed-sequence
+    functions, whose closure dynamo cannot read. "tigon" leaves that mask to HF instead of failing the trace, and
+    the compiled step equals the eager one."""
+    torch._dynamo.reset()
+    model = _tiny("llama")
+    model.config._attn_implementation = "sdpa"
+    model.config.use_cache = False
+    exact = _exact_step(model, IDS, LABELS)
+    tigon.patch(model, attention=True)
+    model.train()
+    eager = _step(model, IDS, LABELS)
+    _check_step(_step(torch.compile(model, backend=CPU_BACKEND, fullgraph=True), IDS, LABELS), eager, exact)
+
+
 def test_compiled_peft_lora_on_patched_model():
     """PEFT LoRA adapters on the patched model, compiled without fullgraph (as PEFT users compile): the adapters'
     gradients match eager and the fp64 run within the bound."""

@@ -28,6 +28,7 @@ import inspect
 import math
 import sys
 import warnings
+from typing import Optional
 
 import torch
 
@@ -55,9 +56,15 @@ class TrainingMask:
         return f"TrainingMask(docs={shape}, window={self.window})"
 
 
-def _cells(fn) -> dict:
-    closure = getattr(fn, "__closure__", None) or ()
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in closure)))
+def _cells(fn) -> Optional[dict]:
+    """The closure of `fn` by variable name; None where it cannot be read: dynamo cannot read `__closure__` of a
+    function made while it traces (HF's packed-sequence AND mask, built under torch.compile when no cache is
+    passed), and the mask is then HF's to build."""
+    try:
+        closure = fn.__closure__ or ()
+        return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in closure)))
+    except AttributeError:
+        return None
 
 
 def _qualname(fn) -> str:
@@ -75,6 +82,8 @@ def _read_mask_function(fn, found: dict) -> bool:
         found["causal"] = True
         return True
     cells = _cells(fn) if hasattr(fn, "__code__") else {}
+    if cells is None:
+        return False
     if name == _AND:
         return all(_read_mask_function(f, found) for f in cells.get("mask_functions", ()))
     if name == _WINDOW and isinstance(cells.get("sliding_window"), int):
