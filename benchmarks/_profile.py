@@ -28,10 +28,18 @@ def kernel_bucket(name: str) -> str:
     return "other"
 
 
+def kernel_table(totals, min_ms=0.05):
+    """Every kernel of a step that took at least min_ms in all: totals as (name, launches, device us) ->
+    [(bucket, name, launches, ms)], longest first. The per-op breakdown behind the buckets."""
+    rows = [(kernel_bucket(n), n[:100], c, round(us / 1e3, 3)) for n, c, us in totals if us / 1e3 >= min_ms]
+    return sorted(rows, key=lambda r: -r[3])
+
+
 def profile_step(model, opt, ids, step_begin=None):
     """One step (forward with labels = ids, backward, optimizer step) under torch.profiler: kernel ms by bucket,
-    the top 15 kernels and the timeline. step_begin: called first (torch.compiler.cudagraph_mark_step_begin for a
-    model compiled with CUDA graphs, which would otherwise record new graphs inside the profiled step)."""
+    the top 15 kernels, every kernel of at least 0.05 ms (`kernels`) and the timeline. step_begin: called first
+    (torch.compiler.cudagraph_mark_step_begin for a model compiled with CUDA graphs, which would otherwise record
+    new graphs inside the profiled step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -49,8 +57,9 @@ def profile_step(model, opt, ids, step_begin=None):
     top = sorted(((ev.self_device_time_total / 1e3, ev.key) for ev in events), reverse=True)[:15]
     kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA]
+    table = kernel_table([(ev.key, ev.count, ev.self_device_time_total) for ev in events])
     return dict(buckets_ms={k: round(v, 2) for k, v in buckets.items()},
-                top=[(k[:90], round(ms, 2)) for ms, k in top], timeline=timeline(kernels))
+                top=[(k[:90], round(ms, 2)) for ms, k in top], kernels=table, timeline=timeline(kernels))
 
 
 def timeline(kernels, n_gaps=8):

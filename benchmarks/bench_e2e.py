@@ -293,6 +293,10 @@ def main(argv=None):
                f"the step's median {r.get('step_ms')} ms):\n\n| bucket | ms | share |\n|---|---|---|\n")
         md += "\n".join(f"| {k} | {v:.1f} | {100 * v / total:.0f}% |" for k, v in prof["buckets_ms"].items())
         md += "\n\nTop kernels:\n\n" + "\n".join(f"- {ms:.1f} ms {name}" for name, ms in prof["top"])
+        rest = [k for k in prof.get("kernels", ()) if k[0] not in ("gemm", "attention")]
+        if rest:
+            md += ("\n\nEvery other kernel of 0.05 ms or more (bucket, launches, ms):\n\n"
+                   + "\n".join(f"- {b}, {n}x, {ms:.2f} ms: {name}" for b, name, n, ms in rest))
         tl = prof.get("timeline")
         if tl:
             md += (f"\n\nTimeline of the profiled step: span {tl['span_ms']} ms, a kernel running {tl['busy_ms']} ms, "

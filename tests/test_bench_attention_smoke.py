@@ -4,22 +4,15 @@ backends say why they did not run, on a GPU they are timed too), the FLOP model 
 
 import importlib.util
 import json
-import os
-import sys
 
 import torch
 
+from tests._bench import bench_module
 from tigon.hf import training_attention as ta
-
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
 def _bench():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    import bench_training_attention
-
-    return bench_training_attention
+    return bench_module("bench_training_attention")
 
 
 def test_smoke_run_writes_every_mask_kind(tmp_path):

@@ -1,22 +1,16 @@
 """benchmarks/bench_lce_floor.py: its floor arithmetic, and a clear refusal without a GPU (the timing itself runs
 on the H200: benchmarks/results/h200_lce_floor.json)."""
 
-import os
-import sys
 
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+from tests._bench import bench_module
 
 
 @pytest.fixture(scope="module")
 def floor():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    import bench_lce_floor
-
-    return bench_lce_floor
+    return bench_module("bench_lce_floor")
 
 
 def test_chunk_floor_adds_the_chunk_gemms_and_the_row_bytes_at_the_ceiling(floor):

@@ -4,13 +4,12 @@ stepped in this process (2 tiny layers; tigon-qlora routes every 4-bit LoRA proj
 tigon-qlora-nolora none), liger-qlora built in its own subprocess as the bench runs it (Liger's kernels do not run
 on a CPU: no step), and the variant names. The H200 timing itself is the lead's."""
 
-import os
-import sys
 
 import pytest
 import torch
 
 import tigon
+from tests._bench import bench_module
 from tests.hf._tiny import op_calls
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -19,16 +18,9 @@ peft = pytest.importorskip("peft")
 # machine the bench itself runs (benchmarks/results/h200.md, the QLoRA table).
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke of bench_lora: a GPU runs the bench")
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-
-
 @pytest.fixture(scope="module")
 def bench():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    import bench_lora
-
-    return bench_lora
+    return bench_module("bench_lora")
 
 
 def _smoke_args(bench, variant):

@@ -4,20 +4,15 @@ GRPO and JSD sections run the same harness calls). A peer that cannot be importe
 the H200 image) is a row note, never an error."""
 
 import json
-import os
 import sys
 
 import torch
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+from tests._bench import bench_module
 
 
 def _bench():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    import bench_losses
-
-    return bench_losses
+    return bench_module("bench_losses")
 
 
 def test_bench_losses_smoke(tmp_path, monkeypatch):

@@ -3,21 +3,15 @@ provider runs fwd+bwd, agrees with the fp32 "eager" loop, and the md + json land
 lead's."""
 
 import json
-import os
-import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+from tests._bench import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    import bench_moe
-
-    return bench_moe
+    return bench_module("bench_moe")
 
 
 def test_smoke_run_writes_md_and_json(bench, tmp_path):

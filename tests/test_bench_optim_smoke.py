@@ -2,17 +2,12 @@
 with and without clipping, and the byte model behind its GB/s."""
 
 import json
-import os
-import sys
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+from tests._bench import bench_module
 
 
 def test_quick_optim_bench_writes_every_row(tmp_path, capsys):
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    import bench_optim
-
+    bench_optim = bench_module("bench_optim")
     out = tmp_path / "optim.json"
     assert bench_optim.main(["--quick", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]

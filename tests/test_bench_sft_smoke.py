@@ -2,22 +2,16 @@
 restarting, -100 at each example's start, TRL's cu_seq_lens / max_length) against the padded micro-batches, and
 the useful-token accounting (pads are waste). The GPU run itself is the lead's (benchmarks/run_gpu.sh sft)."""
 
-import os
-import sys
 
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+from tests._bench import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    import bench_sft_packed
-
-    return bench_sft_packed
+    return bench_module("bench_sft_packed")
 
 
 def test_steps_hold_whole_examples_of_the_log_normal_mix(bench):

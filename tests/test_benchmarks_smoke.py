@@ -3,23 +3,17 @@ through `tigon bench`, plus the harness's promise that a failing or missing prov
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
+from tests._bench import BENCH, bench_module
 from tigon import cli
-
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
 @pytest.fixture(scope="module")
 def harness():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    import _harness
-
-    return _harness
+    return bench_module("_harness")
 
 
 def test_quick_bench_writes_a_table_with_the_tigon_row(tmp_path, capsys, harness):
@@ -295,6 +289,18 @@ def test_decode_bench_budget_skips_and_targets(harness):
     checks = {t: (v, ok) for t, v, ok in core.targets(rows)}
     assert checks["tigon batch 1 TTFT <= 15 ms (prompt 512)"] == ("14.0 ms (median of 5 prefill-only calls)", True)
     assert "| 40.0 | 14.0 | 0.900 |" in core.markdown(rows, {})
+
+
+def test_training_step_kernel_table_keeps_every_kernel_over_the_threshold_by_bucket(harness):
+    from _profile import kernel_table
+
+    add = "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add>"
+    totals = [("_glu_bwd_kernel", 16, 6280.0), ("nvjet_sm90_tst_128x256_bz_NTN", 48, 41750.0), (add, 33, 1200.0),
+              ("Memset (Device)", 3, 40.0)]  # 0.04 ms: under the 0.05 ms threshold
+    assert kernel_table(totals) == [("gemm", "nvjet_sm90_tst_128x256_bz_NTN", 48, 41.75),
+                                    ("triton kernels", "_glu_bwd_kernel", 16, 6.28),
+                                    ("elementwise", add, 33, 1.2)]
+    assert kernel_table(totals, min_ms=0.0)[-1] == ("copy/memset", "Memset (Device)", 3, 0.04)
 
 
 def test_training_step_timeline_counts_overlaps_once_and_names_the_gaps(harness):
