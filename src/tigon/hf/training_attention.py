@@ -57,9 +57,9 @@ class TrainingMask:
 
 
 def _cells(fn) -> Optional[dict]:
-    """The closure of `fn` by variable name; None where it cannot be read: dynamo cannot read `__closure__` of a
-    function made while it traces (HF's packed-sequence AND mask, built under torch.compile when no cache is
-    passed), and the mask is then HF's to build."""
+    """The closure of `fn` by variable name, or None where it cannot be read: a callable with no code object, or
+    a function made while dynamo traces (HF's packed-sequence AND mask under torch.compile with no cache), whose
+    `__closure__` dynamo cannot read. The mask is then HF's to build."""
     try:
         closure = fn.__closure__ or ()
         return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in closure)))
@@ -81,7 +81,7 @@ def _read_mask_function(fn, found: dict) -> bool:
     if name == _CAUSAL:
         found["causal"] = True
         return True
-    cells = _cells(fn) if hasattr(fn, "__code__") else {}
+    cells = _cells(fn)
     if cells is None:
         return False
     if name == _AND:
