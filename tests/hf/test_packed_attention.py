@@ -236,11 +236,79 @@ def test_unpatch_restores_the_models_attention():
     assert model.config._attn_implementation == "sdpa" and "forward" not in model.model.__dict__
 
 
-def test_auto_keeps_hf_attention_where_nothing_is_measured():
+NO_KERNELS = dict(rms_norm=False, swiglu=False, rope=False, fused_linear_cross_entropy=False)
+
+
+def _logits_one_at_a_time(model, examples):
+    return torch.cat([model(input_ids=e[None]).logits[0] for e in examples])
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma2_softcap"])
+@pytest.mark.parametrize("attention", ["auto", False])
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("train", [True, False])
+def test_default_patch_confines_packed_rows_without_a_table(case, attention, use_cache, train, monkeypatch):
+    """tigon.patch(model) with no attention=True, on a device no table row names (the CPU, and the table emptied):
+    each example of a packed row gets the logits it gets alone, with the training cache on or off, in train and
+    eval mode, on "tigon" (attention="auto") and on the model's own implementation (attention=False)."""
+    from tigon.hf import attention_table
+
+    monkeypatch.setattr(attention_table, "MEASURED", {})
+    examples = _examples(4, (5, 7, 4))
+    model = _model(case)
+    ref64, hf32 = copy.deepcopy(model).double(), copy.deepcopy(model)
+    impl = model.config._attn_implementation
+    report = tigon.patch(model, attention=attention, **NO_KERNELS)
+    assert model.config._attn_implementation == ("tigon" if attention == "auto" else impl), report
+    for m in (model, ref64, hf32):
+        m.train(train)
+    batch = _packed(examples)
+    kwargs = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
+    with torch.no_grad():
+        got = model(input_ids=batch["input_ids"], use_cache=use_cache, **kwargs).logits[0]
+        want, want64 = _logits_one_at_a_time(hf32, examples), _logits_one_at_a_time(ref64, examples)
+    assert_bound("packed logits", got, want, want64, torch.float32, ulps=ULPS)
+
+
+def test_default_patch_trains_packed_rows_as_one_at_a_time_without_a_table(monkeypatch):
+    """The gradients too, with the default patch (attention="auto") and the training cache on (HF's default)."""
+    from tigon.hf import attention_table
+
+    monkeypatch.setattr(attention_table, "MEASURED", {})
+    examples = _examples(5, (6, 3, 8))
+    model = _model("mistral_window")
+    ref64, hf32 = copy.deepcopy(model).double(), copy.deepcopy(model)
+    tigon.patch(model, **NO_KERNELS)
+    assert model.config._attn_implementation == "tigon"
+    _, got = _packed_run(model, _packed(examples), examples, per_example=False)
+    _, want = _one_at_a_time(hf32, examples)
+    _, want64 = _one_at_a_time(ref64, examples)
+    for name in want64:
+        assert_bound(f"grad {name}", got[name], want[name], want64[name], torch.float32, ulps=ULPS)
+
+
+def test_unpacked_rows_keep_plain_causal_attention_where_hf_pick_runs(monkeypatch):
+    """A row given position_ids 0..T-1 (one example) is no packed row: where HF's pick runs, sdpa keeps is_causal
+    (no [T, T] mask), as HF's own packed-sequence check decides."""
+    from tigon.hf import training_attention as ta
+
     model = _model("llama")
-    report = tigon.patch(model)  # attention="auto" on a CPU: nothing measured faster than HF's pick
-    assert model.config._attn_implementation == "sdpa"
-    assert any(piece == "attention" and "keeps 'sdpa'" in why for piece, why in report.skipped), report.skipped
+    tigon.patch(model, **NO_KERNELS)
+    seen = []
+    real = ta.hf_attention
+    monkeypatch.setattr(ta, "hf_attention", lambda *a, **kw: seen.append(a[4]) or real(*a, **kw))
+    ids = torch.randint(0, 131, (2, 9))
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=torch.arange(9).expand(2, 9))
+    assert seen and all(mask is None for mask in seen), seen
+
+
+def test_auto_keeps_an_implementation_the_user_chose():
+    model = _model("llama")
+    model.config._attn_implementation = "flex_attention"
+    report = tigon.patch(model, **NO_KERNELS)
+    assert model.config._attn_implementation == "flex_attention"
+    assert any(piece == "attention" and "choice of the user's" in why for piece, why in report.skipped), report
     with pytest.raises(TypeError, match="attention must be True, False or 'auto'"):
         tigon.patch(model, attention="yes")
 

@@ -10,6 +10,9 @@ A (GPU, kind) with no row runs Hugging Face's own pick: SDPA for "causal" (cuDNN
 dense [T, T] boolean mask for packed and sliding-window rows, and the family's eager attention (the [T, T]
 scores) for softcapping, which SDPA cannot apply. So an unmeasured GPU is never slower than HF.
 
+The table chooses kernels, never semantics: every backend computes the same attention (tests compare each one
+with the examples run one at a time), and packed rows are confined on every device (tigon.patch).
+
 Mask kinds (training_attention.mask_kind): "causal", "packed" (documents confined), "sliding", "packed+sliding",
 each with "+softcap" when the layer caps its logits.
 """
@@ -30,10 +33,6 @@ MEASURED: dict = {
 def hf_pick(kind: str) -> str:
     """Hugging Face's own backend for a mask kind: eager where the logits are capped, else SDPA."""
     return "eager" if kind.endswith("+softcap") else "sdpa"
-
-
-def measured_gpus() -> set:
-    return {gpu for gpu, _ in MEASURED}
 
 
 def ranking(gpu: str | None, kind: str) -> tuple:

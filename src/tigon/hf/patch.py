@@ -375,26 +375,24 @@ def _model_device(hf):
 
 
 def _attention_patch(model, report, attention) -> None:
-    """Switch the model to "tigon" (attention=True, or "auto" where the table measured a faster backend), and
-    mark packed rows for its decoder model (training_attention.packed_model_forward)."""
-    hf = unwrap_model(model)
-    device = _model_device(hf)
-    plan = training_attention.layer_plan(hf.config, device)
-    from .attention_table import hf_pick
+    """Confine packed rows to their examples on every device, and choose the attention kernel.
 
-    faster = sorted({kind for kinds in plan.values() for kind, b in kinds.items() if b != hf_pick(kind)})
+    The semantics never depend on the GPU: the decoder model's forward is wrapped (training_attention.
+    packed_model_forward) so that a padding-free packed row (position_ids restarting per example, no
+    attention_mask) attends within each example whatever the implementation. The table
+    (hf/attention_table.py) only ranks the kernels of the "tigon" implementation; where it has no row, "tigon" runs
+    HF's own pick. attention=True or "auto" switch a model on HF's sdpa or eager to "tigon"; "auto" keeps an
+    implementation the user chose (flash_attention_2, flex_attention, a hub kernel) and attention=False keeps any:
+    there packed rows run HF's own packed-sequence mask (the wrapper turns the training cache off for them)."""
+    hf = unwrap_model(model)
     impl = hf.config._attn_implementation
-    if attention == "auto" and impl != tigon_attention.NAME:
-        where = training_attention.gpu_name(device) or device.type
-        why = (f"keeps {impl!r}: no mask kind of this model has a backend measured faster than HF's on {where} "
-               f"(tigon.hf.attention_table; attention=True switches anyway)" if not faster
-               else f"keeps {impl!r}, a choice of the user's" if impl not in ("sdpa", "eager") else "")
-        if why:
-            report.skip("attention", why)
-            return
-    for piece, n in tigon_attention.use_tigon_attention(model).items():
-        report.add(piece, n)
-    report.attention_backends = plan
+    if attention is True or (attention == "auto" and impl in ("sdpa", "eager", tigon_attention.NAME)):
+        for piece, n in tigon_attention.use_tigon_attention(model).items():
+            report.add(piece, n)
+        report.attention_backends = training_attention.layer_plan(hf.config, _model_device(hf))
+    else:
+        why = "attention=False" if attention is False else f"{impl!r} is a choice of the user's"
+        report.skip("attention", f"keeps {impl!r} ({why}); packed rows use HF's own packed-sequence mask")
     inner = hf.base_model if hf.base_model is not hf else hf
     if "forward" not in inner.__dict__:
         hf.__dict__.setdefault("_tigon_undo", []).append((inner, "forward", None))
@@ -457,13 +455,14 @@ def patch(
     """Swap Tigon's fused pieces into a model instance (that instance only), or, with model_type= (a string
     such as "llama", or a config), into a model family module-wide (models built afterwards come up fused).
 
-    attention=True (instance only) switches the model to the "tigon" attention implementation
-    (`tigon.hf.attention`: decode steps over a RollingKVCache run decode_attention on the ring; training and
-    prefill run `tigon.hf.training_attention`: packed rows confined to each example, sliding windows and
-    softcapping without a [T, T] mask, on the backend measured fastest for the GPU). attention="auto" (the
-    default) does so only for a model on a GPU whose table (hf/attention_table.py) names a backend faster than
-    HF's for one of the model's mask kinds, and whose attention implementation is HF's sdpa or eager; elsewhere the
-    model keeps its own, which computes the same. attention=False never switches.
+    Packed rows (instance only): a padding-free row (DataCollatorWithFlattening, position_ids restarting per
+    example, no attention_mask) attends within each example on every device and with every attention setting.
+    attention (instance only) chooses the implementation: True switches the model to "tigon" (`tigon.hf.attention`:
+    decode steps over a RollingKVCache run decode_attention on the ring; training and prefill run
+    `tigon.hf.training_attention`: sliding windows and softcapping without a [T, T] mask, on the backend the table
+    hf/attention_table.py measured fastest for the GPU, else HF's own pick). "auto" (the default) does so for a
+    model on HF's sdpa or eager and keeps an implementation the user chose; False never switches. The table picks
+    kernels only: every choice computes the same attention.
     lora=True (instance only) runs the model's PEFT LoRA Linear layers through tigon.ops.lora_linear, also those
     that get_peft_model adds after the patch (tigon.hf.lora); lora=False leaves them to PEFT.
     moe_experts (instance only) switches the model's routed experts (transformers' `@use_experts_implementation`
@@ -499,7 +498,7 @@ def patch(
         _instance_patch(model, family, report, spec)
     if attention is True and model is None:
         report.skip("attention", "the 'tigon' attention implementation is set on a model instance")
-    elif attention and model is not None:
+    elif model is not None:
         _attention_patch(model, report, attention)
     if moe_experts is True and model is None:
         report.skip("moe experts", "the 'tigon' experts implementation is set on a model instance")

@@ -122,17 +122,31 @@ def documents_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
+def _one_document_each(docs: torch.Tensor) -> bool:
+    """Whether every row of `docs` is one example, read on the host (a sync): only where HF's own pick runs,
+    whose packed-sequence check syncs the same way, so an unpacked row keeps sdpa's is_causal kernel."""
+    return not torch.compiler.is_compiling() and bool((docs[:, -1] == 0).all())
+
+
 def packed_model_forward(self, *args, **kwargs):
-    """Installed (by tigon.patch) on the instance of a decoder model (LlamaModel, ...) running "tigon": a call
-    given position_ids with no attention_mask and no cache is a packed (padding-free) row, whose document ids
-    travel to the attention layers as a kwarg, computed here once per forward on the device. HF's own packed
-    detection does not run there: the model makes a DynamicCache first when use_cache is on (the default),
-    and its sdpa path then attends across the examples."""
+    """Installed by tigon.patch on the instance of a decoder model (LlamaModel, ...): a call given position_ids
+    with no attention_mask and no cache is a packed (padding-free) row, attended within each example whatever the
+    attention implementation. HF's own packed detection does not run when the model makes its training-time
+    DynamicCache (use_cache, the default), and its sdpa path then attends across the examples. On "tigon" the
+    document ids travel to the attention layers as a kwarg, computed once per forward on the device (no sync where
+    the table ranks a kernel above HF's pick); on any other implementation the call runs without that cache, so
+    HF's own packed-sequence mask applies (past_key_values comes back None for such a row)."""
     position_ids = kwargs.get("position_ids")
+    attention_mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
     if (len(args) <= 2 and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
-            and kwargs.get("attention_mask") is None and kwargs.get("past_key_values") is None
-            and getattr(self.config, "_attn_implementation", None) == "tigon"):
-        kwargs[DOCUMENTS] = TrainingMask(documents_from_position_ids(position_ids), None)
+            and attention_mask is None and kwargs.get("past_key_values") is None):
+        if getattr(self.config, "_attn_implementation", None) == "tigon":
+            docs = documents_from_position_ids(position_ids)
+            hf_kernel = attention_table.pick(gpu_name(docs.device), "packed") == attention_table.hf_pick("packed")
+            if not (hf_kernel and _one_document_each(docs)):
+                kwargs[DOCUMENTS] = TrainingMask(docs, None)
+        else:
+            kwargs["use_cache"] = False
     return type(self).forward(self, *args, **kwargs)
 
 
@@ -535,11 +549,6 @@ def gpu_name(device) -> str | None:
     if index not in _GPU_NAMES:
         _GPU_NAMES[index] = torch.cuda.get_device_name(index)
     return _GPU_NAMES[index]
-
-
-def choose_backend(device, kind: str) -> str:
-    """The backend the table names for this device and mask kind (HF's pick where nothing is measured)."""
-    return attention_table.pick(gpu_name(device), kind)
 
 
 def _documents(attention_mask, packed, cu, query):
