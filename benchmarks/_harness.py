@@ -325,7 +325,7 @@ def measure(ctx: Context, op: str, case: str, providers, *, bytes_fwd=None, byte
         min_rep, rep_ms = min(min_rep, 3), min(rep_ms, 30.0)
         host_min_rep = min(host_min_rep or min_rep, 3)
     for name, factory in providers:
-        row = {"op": op, "case": case, "provider": name}
+        row = {"op": op, "case": case, "provider": name, "device": ctx.device.type}
         if group is not None:
             row.update(group=group, x=x)
         if extra:
@@ -420,7 +420,7 @@ def _measure_one(ctx, row, factory, *, bytes_fwd, bytes_fb, flops_fb, floor_us, 
 def record_floor(ctx: Context, op: str, case: str, gemms: dict, flops_fb: float, group=None, x=None,
                  min_rep=10, label="3-GEMM floor") -> float | None:
     """Time named GEMM callables (the matmul floor of an op) and add a `label` row; returns the floor in us."""
-    row = {"op": op, "case": case, "provider": label}
+    row = {"op": op, "case": case, "provider": label, "device": ctx.device.type}
     if group is not None:
         row.update(group=group, x=x)
     try:
@@ -583,10 +583,35 @@ def _tigon_fb(rows) -> float | None:
     return None
 
 
+CPU_NOTE = ("CPU run: each time is the median host wall time of one call on the CPU (Triton kernels through "
+            "the interpreter, or the PyTorch reference). These timings check that the harness runs; they are not "
+            "representative of Tigon on a GPU, and no GB/s, TFLOP/s or % of a ceiling is given.")
+
+
+def on_cpu(rows: list[dict]) -> bool:
+    """Whether these rows were measured on a CPU (rows of older runs carry no device: counted as GPU rows)."""
+    return bool(rows) and all(r.get("device") == "cpu" for r in rows)
+
+
+def timing_note(cpu: bool) -> str:
+    """The paragraph above the results: how the times were taken."""
+    if cpu:
+        return CPU_NOTE
+    return ("Times are medians of CUDA-event intervals with the L2 flushed and in-place inputs restored "
+            "before each call. fwd / fwd+bwd: GPU time with host run-ahead (a GPU spin queued first); "
+            "host-incl: fwd+bwd without the spin, from an idle GPU (launch latency included); host "
+            "enqueue: host time to enqueue one fwd+bwd. GB/s from the byte model over the fwd+bwd time, "
+            "% of the D2D copy ceiling (or, for FLCE, % of the 3-GEMM floor timed here). Peak: "
+            "max_memory_allocated during one call minus the allocation before it. vs tigon: this "
+            "provider's fwd+bwd time / tigon's (> 1: tigon is faster).")
+
+
 def op_table(rows: list[dict], ceilings: dict, unit: str = "us") -> list[str]:
     """The markdown table of one (op, case): one line per provider. Memory-bound ops get GB/s and % of
-    the copy ceiling; matmul-bound ones (rows with TFLOP/s and no byte model) TFLOP/s and % of the floor."""
+    the copy ceiling; matmul-bound ones (rows with TFLOP/s and no byte model) TFLOP/s and % of the floor.
+    On a CPU those rate cells say "n/a (CPU)": an interpreter's wall time says nothing about bandwidth."""
     scale = 1e-3 if unit == "ms" else 1.0
+    cpu = on_cpu(rows)
     flops = any(r.get("fb_TFLOPs") is not None for r in rows) and not any(r.get("fb_GBps") for r in rows)
     t_fb = _tigon_fb(rows)
 
@@ -606,6 +631,8 @@ def op_table(rows: list[dict], ceilings: dict, unit: str = "us") -> list[str]:
     else:
         cols += [("fwd GB/s", lambda r: num(r.get("fwd_GBps"))), ("fwd+bwd GB/s", lambda r: num(r.get("fb_GBps"))),
                  ("% of copy ceiling", lambda r: f"{num(r['fb_pct_ceiling'])}%" if r.get("fb_pct_ceiling") else "-")]
+    if cpu:
+        cols[5:] = [(head, lambda r: "n/a (CPU)") for head, _ in cols[5:]]
     cols += [("fwd peak MiB", lambda r: num(r.get("fwd_peak_MiB"))),
              ("fwd+bwd peak MiB", lambda r: num(r.get("fb_peak_MiB"))), ("errors (rel L2)", _err_cell),
              ("vs tigon", vs)]
@@ -639,7 +666,7 @@ def sweep_table(rows: list[dict], xlabel: str) -> list[str]:
             else:
                 us = r["fb_us"]
                 s = f"{num(us / 1e3)} ms" if us >= 1e4 else f"{num(us)} us"
-                if r.get("fb_GBps") is not None:
+                if r.get("fb_GBps") is not None and r.get("device") != "cpu":
                     s += f", {num(r['fb_GBps'])} GB/s"
                 if r.get("fb_peak_MiB") is not None:
                     s += f", {num(r['fb_peak_MiB'])} MiB"
@@ -658,7 +685,7 @@ def group_rows(rows: list[dict]):
 
 
 def markdown_tables(rows: list[dict], ceilings: dict) -> list[str]:
-    lines = []
+    lines = [CPU_NOTE, ""] if on_cpu(rows) else []
     for key, rs in group_rows(rows).items():
         if key[0] == "op":
             unit = "ms" if any((r.get("fb_us") or 0) > 2e4 for r in rs) else "us"

@@ -1,66 +1,207 @@
-"""`tigon env`, `tigon bench` without a benchmarks folder, `tigon demo` without tigon.demo, and bad option values
-(usage errors with exit status 2, never tracebacks)."""
+"""The `tigon` command: --version, usage, `tigon env`, `tigon bench` (its help, output folder, missing benchmarks
+folder, CPU wording), `tigon demo`, missing packages, and bad option values (usage errors with exit status 2,
+never tracebacks)."""
 
 import argparse
+import importlib
+import importlib.util
+import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
+import tigon
+from tests._bench import bench_module
 from tigon import cli
+from tigon.cli import bench, env
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
-def test_env_names_every_op_and_its_path(capsys):
+def _env(**extra) -> dict:
+    """This process's environment with src/ first on PYTHONPATH, for a `python -m tigon.cli` subprocess."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]), **extra}
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"tigon {tigon.__version__}"
+
+
+def test_bare_tigon_exits_2_with_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tigon") and "{env,bench,demo}" in err
+
+
+def test_env_names_every_public_op_its_path_and_launch(capsys):
+    from tigon import ops
+
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out
-    for word in ("torch", "triton", "tigon", "TRITON_INTERPRET"):
+    for word in ("torch", "triton", "tigon", "TRITON_INTERPRET", "training attention"):
         assert word in out
     assert ("no CUDA device" in out) or ("GPU 0" in out)
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  ")}
-    for op in cli.OPS:
+    public = [n for n in ops.__all__ if callable(getattr(ops, n)) and not isinstance(getattr(ops, n), type)]
+    assert set(env.public_ops()) == set(public) - {"backend_for"}
+    for op in env.public_ops():
         assert op in lines, f"{op} missing from `tigon env`"
         assert lines[op].split()[1] in ("triton", "reference")
+    assert "RMSNormConfig defaults" in lines["rms_norm"] and "rule" in lines["decode_linear"]
 
 
-def test_env_runs_as_a_command():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "tigon.cli", "env"], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "linear_cross_entropy" in r.stdout
+def test_env_names_measured_tables_for_a_measured_gpu():
+    assert "measured picks for NVIDIA H200" in env.launch_text("decode_linear", "NVIDIA H200")
+    assert "no measured picks" in env.launch_text("decode_linear", "NVIDIA A100-SXM4-80GB")
+    assert "hf/attention_table.py rows for NVIDIA H200" in env.attention_text("NVIDIA H200")
+    assert "Hugging Face's pick" in env.attention_text(None)
 
 
-@pytest.mark.parametrize("argv", [["bench", "--quick"], ["bench", "decode", "--quick", "--device", "cpu"]])
-def test_bench_without_benchmarks_folder_says_where_to_get_it(monkeypatch, capsys, argv):
+def test_env_path_text_names_the_backend():
+    import torch
+
+    assert "reference" in env.path_text("reference", torch.device("cpu"))
+    assert "interpreter" in env.path_text("triton", torch.device("cpu"))
+    assert "compiled" in env.path_text("triton", torch.device("cuda"))
+
+
+def test_env_without_torch_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail
+    assert cli.main(["env"]) == 1
+    captured = capsys.readouterr()
+    assert "tigon" in captured.out and "pip install torch" in captured.err and "Traceback" not in captured.err
+
+
+def test_env_piped_into_head_has_no_broken_pipe_traceback():
+    p = subprocess.Popen([sys.executable, "-m", "tigon.cli", "env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=_env())
+    assert p.stdout.readline().startswith(b"python")
+    p.stdout.close()  # what `head -1` does
+    err = p.stderr.read().decode()
+    p.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_bench_help_describes_its_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "decode" in out and "the decode benchmark" in out and "op benchmarks" in out
+    assert "tigon-bench-results" in out and "$OUT" not in out
+
+
+def test_bench_writes_to_a_named_folder_by_default(monkeypatch):
+    seen = {}
+
+    def fake_module(name):
+        if name == "gpu_check":
+            return types.SimpleNamespace(main=lambda argv: seen.setdefault("ops", argv) and 0)
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--out")
+        parser.add_argument("--quick", action="store_true")
+        return types.SimpleNamespace(build_parser=lambda prog: parser,
+                                     main=lambda argv, prog: seen.setdefault("decode", argv) and 0)
+
+    monkeypatch.setenv("OUT", "/somewhere/else")
+    monkeypatch.setattr(bench, "_benchmark_module", fake_module)
+    assert cli.main(["bench", "--quick"]) == 0 and cli.main(["bench", "decode", "--quick"]) == 0
+    assert seen["ops"][seen["ops"].index("--out") + 1] == "tigon-bench-results"
+    assert seen["decode"] == ["--quick", "--out", "tigon-bench-results"]
+    seen.clear()  # an explicit folder is kept
+    assert cli.main(["bench", "decode", "--out", "mine"]) == 0 and seen["decode"] == ["--out", "mine"]
+
+
+def test_bench_decode_options_go_after_decode(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--quick", "decode"])
+    assert e.value.code == 2 and "takes its options after `decode`" in capsys.readouterr().err
+
+
+def test_cpu_bench_report_says_its_timings_are_not_representative():
+    harness = bench_module("_harness")
+    row = dict(op="rms_norm", case="4x64", provider="tigon", device="cpu", fwd_us=10.0, fb_us=30.0,
+               fwd_GBps=1.0, fb_GBps=2.0, fb_pct_ceiling=3.0)
+    text = "\n".join(harness.markdown_tables([row], {}))
+    assert "not representative" in text and "CUDA event" not in text
+    assert "n/a (CPU)" in text and "| 2.00 |" not in text and "3.00%" not in text
+    assert "not representative" in harness.timing_note(True) and "CUDA-event" in harness.timing_note(False)
+    gpu_text = "\n".join(harness.markdown_tables([dict(row, device="cuda")], {}))
+    assert "n/a" not in gpu_text and "| 2.00 |" in gpu_text
+
+
+def test_bench_without_benchmarks_folder_says_where_to_get_it(monkeypatch, capsys):
     # An installed package: no benchmarks/ folder beside it, under the current directory or at $TIGON_BENCHMARKS.
-    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: None)
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert "tigon bench needs the benchmarks/ folder of a source checkout" in err and "git clone" in err
+    monkeypatch.setattr(bench, "benchmarks_dir", lambda: None)
+    for argv in (["bench", "--quick"], ["bench", "decode", "--quick", "--device", "cpu"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "tigon bench needs the benchmarks/ folder of a source checkout" in err and "git clone" in err
 
 
 def test_benchmarks_dir_is_the_checkouts_folder(monkeypatch, tmp_path):
     monkeypatch.delenv("TIGON_BENCHMARKS", raising=False)
-    assert cli._benchmarks_dir() == os.path.join(os.path.dirname(SRC), "benchmarks")
+    assert bench.benchmarks_dir() == os.path.join(os.path.dirname(SRC), "benchmarks")
     monkeypatch.setenv("TIGON_BENCHMARKS", str(tmp_path))  # a folder without the tools is passed over
-    assert cli._benchmarks_dir() == os.path.join(os.path.dirname(SRC), "benchmarks")
+    assert bench.benchmarks_dir() == os.path.join(os.path.dirname(SRC), "benchmarks")
 
 
 def test_import_tigon_loads_nothing_from_benchmarks():
-    env = dict(os.environ, PYTHONPATH=SRC)
     code = ("import sys, tigon, tigon.cli; bench = [m for m, v in list(sys.modules.items()) if 'benchmarks' in "
-            "str(getattr(v, '__file__', '') or '')]; print(bench); sys.exit(1 if bench else 0)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+            "str(getattr(v, '__file__', '') or '')]; heavy = [m for m in ('torch', 'transformers') if m in "
+            "sys.modules]; print(bench, heavy); sys.exit(1 if bench or heavy else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(PYTHONPATH=SRC),
+                       timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_demo_missing_module_is_a_clear_message(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "tigon.demo", None)  # makes `import tigon.demo` fail
+def test_demo_without_transformers_says_which_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     assert cli.main(["demo", "--steps", "1"]) == 2
-    assert "tigon.demo" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "tigon demo needs the 'transformers' package" in err and 'pip install "tigon[hf]"' in err
+    from tigon.cli import demo
+
+    args = argparse.Namespace(steps=1, seq_len=None, batch_size=None, model=None, lr=None, device="cpu",
+                              out=str(tmp_path))
+    with pytest.raises(ImportError, match=r'tigon demo needs .* pip install "tigon\[hf\]"'):
+        demo.run(args)
+
+
+def test_patch_and_generate_without_transformers_say_which_extra(monkeypatch):
+    real = importlib.import_module
+
+    def without_transformers(name, package=None):
+        if name in ("tigon.api", "tigon.decode", "tigon.hf.patch"):
+            raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", without_transformers)
+    for name in ("patch", "generate", "DecodeSettings"):
+        with pytest.raises(ImportError, match=rf'tigon.{name} needs the \'transformers\' package.*"tigon\[hf\]"'):
+            getattr(tigon, name)
+    with pytest.raises(AttributeError):
+        tigon.no_such_name  # noqa: B018
+
+
+def test_tigon_api_without_transformers_says_which_extra(monkeypatch):
+    def missing(name):
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+    decode = types.ModuleType("tigon.decode")
+    decode.__getattr__ = missing  # `from .decode import hf_graph` fails as it does without transformers
+    monkeypatch.setitem(sys.modules, "tigon.decode", decode)
+    spec = importlib.util.spec_from_file_location("tigon.api", os.path.join(SRC, "tigon", "api.py"))
+    with pytest.raises(ImportError, match=r'^tigon.patch needs the \'transformers\' package, which is not '
+                                          r'installed: pip install "tigon\[hf\]"$'):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
 def test_unknown_command_exits_with_usage():
@@ -78,7 +219,7 @@ def test_bench_decode_quick_prints_the_table_and_writes_prometheus(tmp_path, cap
     assert "| llama-toy | tigon | 1 |" in printed and "| llama-toy | hf-eager | 1 |" in printed
     assert (out / "decode.md").read_text() in printed
     text = prom.read_text()
-    assert 'tigon_generate_time_to_first_token_seconds{batch="1",model="llama-toy",variant="tigon"}' in text
+    assert 'tigon_generate_time_to_first_token_seconds_count{batch="1",model="llama-toy",variant="tigon"} 1.0' in text
     assert "hf-eager" not in text  # only tigon rows carry generate's stats
 
 
@@ -131,17 +272,16 @@ def test_bad_values_are_usage_errors(argv, message, capsys):
 
 
 def test_bad_value_in_a_subprocess_is_a_usage_message_without_traceback():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-m", "tigon.cli", "demo", "--steps", "0"], capture_output=True, text=True,
-                       env=env, timeout=120)
+                       env=_env(), timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert "usage: tigon demo" in r.stderr and "Traceback" not in r.stderr
     assert "argument --steps: expected a positive integer, got 0" in r.stderr
 
 
-def test_demo_keeps_the_values_it_is_given(monkeypatch, tmp_path):
+def test_demo_keeps_the_values_it_is_given(monkeypatch, tmp_path, capsys):
     # `--steps 1` runs 1 step (a 0 used to fall back to the default 20); unset values take the CPU defaults.
-    import tigon.demo as demo
+    from tigon.cli import demo
 
     seen = []
 
@@ -152,6 +292,8 @@ def test_demo_keeps_the_values_it_is_given(monkeypatch, tmp_path):
     monkeypatch.setattr(demo, "run_variant", fake_run_variant)
     assert demo.main(["--steps", "1", "--batch-size", "3", "--device", "cpu", "--out", str(tmp_path)]) == 0
     assert seen == [(1, 64, 3, (1, 3, 64))] * 2
+    assert "not how fast Tigon is" in capsys.readouterr().out  # a CPU's timings are not representative
+    assert json.loads((tmp_path / "demo.json").read_text())["timings_representative"] is False
     parsed = argparse.Namespace(steps=0, seq_len=None, batch_size=None, model=None, lr=None, device="cpu",
                                 out=str(tmp_path))
     with pytest.raises(ValueError, match="tigon.demo.run: steps must be an int >= 1, got 0"):

@@ -1,4 +1,4 @@
-"""The layering, read from the imports (ops < memory < modules, optim < hf < compat, decode < api < demo < cli): every
+"""The layering, read from the imports (ops < memory < modules, optim < hf < compat, decode < api < cli): every
 import (module level, inside a function, or by importlib.import_module("tigon....")) points down the list below
 or stays within its own package, ops/ needs torch and Triton only, and no two modules import each other through
 any chain."""
@@ -10,8 +10,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "tigon"
 # lowest first; a module may import its own package and the ones below it
 # (tigon.generation and tigon.metrics are re-export names of tigon.decode, one layer up.)
-LAYERS = [("ops", "argtypes", "_log"), ("memory",), ("modules", "optim"), ("hf",), ("compat", "decode"),
-          ("api", "generation", "metrics"), ("demo",), ("cli", "__init__")]
+LAYERS = [("ops", "_log"), ("memory",), ("modules", "optim"), ("hf",), ("compat", "decode"),
+          ("api", "generation", "metrics"), ("cli", "__init__")]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 OPS_MAY_IMPORT = {"torch", "triton", "numpy"}
 

@@ -6,11 +6,13 @@
 
 Importing tigon is cheap: no CUDA initialisation, no kernel compilation. Submodules load on first use.
 Layers, lowest first (each imports only those below it; tests/test_layering.py reads the imports):
-ops (torch + Triton) < memory < modules, optim < hf < compat, decode (the inference wing) < api (patch/unpatch) < demo
-< cli.
+ops (torch + Triton) < memory < modules, optim < hf < compat, decode (the inference wing) < api (patch/unpatch) < cli
+(the `tigon` command and its demo).
 """
 
 import importlib
+
+from . import _log
 
 __version__ = "0.1.0"
 __all__ = ["ops", "modules", "memory", "optim", "hf", "decode", "metrics", "patch", "unpatch", "generate",
@@ -18,12 +20,14 @@ __all__ = ["ops", "modules", "memory", "optim", "hf", "decode", "metrics", "patc
 
 
 def __getattr__(name):
-    if name in ("ops", "modules", "memory", "optim", "hf", "decode", "metrics"):
-        return importlib.import_module(f"tigon.{name}")
-    if name in ("patch", "unpatch"):
-        return getattr(importlib.import_module("tigon.api"), name)
-    if name == "PatchReport":
-        return importlib.import_module("tigon.hf.patch").PatchReport
-    if name in ("generate", "DecodeSettings"):
-        return getattr(importlib.import_module("tigon.decode"), name)
+    # a missing optional package (transformers for patch and generate) surfaces as the extra to install
+    with _log.requires_extra(f"tigon.{name}"):
+        if name in ("ops", "modules", "memory", "optim", "hf", "decode", "metrics"):
+            return importlib.import_module(f"tigon.{name}")
+        if name in ("patch", "unpatch"):
+            return getattr(importlib.import_module("tigon.api"), name)
+        if name == "PatchReport":
+            return importlib.import_module("tigon.hf.patch").PatchReport
+        if name in ("generate", "DecodeSettings"):
+            return getattr(importlib.import_module("tigon.decode"), name)
     raise AttributeError(f"module 'tigon' has no attribute {name!r}")

@@ -12,10 +12,13 @@ generate's decode steps replay a CUDA graph) and, where `attention` is left "aut
 import functools
 import inspect
 
-from .decode import hf_graph, layer_step
-from .hf.patch import patch as _hf_patch
-from .hf.patch import unpatch as _hf_unpatch
-from .hf.unwrap import unwrap_model
+from . import _log
+
+with _log.requires_extra("tigon.patch"):  # tigon.hf and tigon.decode import transformers
+    from .decode import hf_graph, layer_step
+    from .hf.patch import patch as _hf_patch
+    from .hf.patch import unpatch as _hf_unpatch
+    from .hf.unwrap import unwrap_model
 
 
 @functools.wraps(_hf_patch)

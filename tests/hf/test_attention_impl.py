@@ -132,8 +132,13 @@ def test_decode_logits_one_step():
 
 def test_patch_keyword_unpatch_and_restore():
     model = tiny_model("llama", attn_implementation="sdpa").eval()
-    assert not any(NAME in piece for piece in tigon.patch(model).replaced)  # off by default
+    assert not any(NAME in piece for piece in tigon.patch(model, attention=False).replaced)
+    assert model.config._attn_implementation == "sdpa"
     tigon.unpatch(model)
+    assert any(NAME in piece for piece in tigon.patch(model).replaced)  # "auto": sdpa switches on every device
+    assert model.config._attn_implementation == NAME
+    tigon.unpatch(model)
+    assert model.config._attn_implementation == "sdpa"
     report = tigon.patch(model, attention=True)
     assert report.replaced["LlamaAttention decode (RoPE on write)"] == 2
     assert model.config._attn_implementation == NAME

@@ -1,29 +1,18 @@
-"""Prometheus exposition of `tigon.generate(..., return_stats=True)` statistics.
-
-    from tigon.decode.metrics import StatsCollector, prometheus_text
-    print(prometheus_text(stats))                                   # one run, text format 0.0.4
-    print(prometheus_text([({"variant": "a"}, s1), ({"variant": "b"}, s2)]))   # one series per run
-
-    collector = StatsCollector(stats, labels={"model": "llama-1b"})  # a server: register once ...
-    prometheus_client.REGISTRY.register(collector)
-    collector.update(new_stats, labels={"model": "llama-1b"})       # ... and give it each call's stats
-
-`StatsCollector` is a prometheus_client collector (`collect()` yields the metric families). `prometheus_text`
-renders it through `prometheus_client.generate_latest` on a fresh `CollectorRegistry` when prometheus_client is
-installed, and writes the same bytes by hand when it is not (tests/decode/test_metrics.py compares the two).
-
-A process that generates over and over keeps running totals instead, and serves them:
+"""Prometheus metrics of `tigon.generate(..., return_stats=True)` statistics, one vocabulary for every surface.
 
     from tigon.metrics import GenerationMetrics, serve
-    metrics = GenerationMetrics(labelnames=("model",))              # registers on prometheus_client.REGISTRY
-    server = serve(9464)                                            # http://127.0.0.1:9464/metrics
+    metrics = GenerationMetrics(labelnames=("model",))   # on prometheus_client.REGISTRY
+    server = serve(9464)                                 # http://127.0.0.1:9464/metrics
     seqs, stats = tigon.generate(model, ids, max_new_tokens=128, return_stats=True)
     metrics.observe(stats, labels={"model": "llama-8b"})
-    server.close()
 
-`StatsCollector` shows the last call's stats (gauges, and a histogram of that call's steps); `GenerationMetrics`
-accumulates every observed call (counters and histograms, which Prometheus' rate() and histogram_quantile()
-read). Their metric names differ, so one registry can hold both. Both need prometheus_client (`tigon[metrics]`).
+    print(prometheus_text(stats))                        # the same metrics after this one call, text format 0.0.4
+
+`METRICS` is the one table of what is exposed (names, types, help, what each reads from the stats):
+`GenerationMetrics` (running totals), `StatsCollector` (the given calls only, replaced by `update`) and
+`prometheus_text` (StatsCollector rendered) all render it, so prometheus_text(stats) is exactly what a fresh
+GenerationMetrics exposes after observe(stats). Everything here needs prometheus_client (`tigon[metrics]`);
+importing this module does not.
 """
 
 import bisect
@@ -31,30 +20,69 @@ import itertools
 import math
 import re
 import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from .. import _log
+
+PREFIX = "tigon_generate_"
 LATENCY_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1,
                    0.25, 1.0)
-_PREFIX = "tigon_generate_"
-# (name, help, stats key); gauges whose stats value is None (peak memory on a CPU) are left out.
-_GAUGES = (
-    ("time_to_first_token_seconds", "Time from the generate call to the first token", "ttft_s"),
-    ("step_latency_p50_seconds", "Median decode step latency", "p50_step_s"),
-    ("step_latency_p99_seconds", "99th percentile decode step latency", "p99_step_s"),
-    ("tokens_per_second", "Generated tokens per second over the whole call (batch * new tokens / time)",
-     "tokens_per_s"),
-    ("decode_tokens_per_second", "Generated tokens per second over the decode steps", "decode_tokens_per_s"),
-    ("peak_memory_bytes", "Peak CUDA memory allocated during the call", "peak_memory_bytes"),
-    ("new_tokens", "New tokens per row", "new_tokens"),
-    ("batch_size", "Rows generated", "batch_size"),
-    ("cuda_graph", "1 when the decode steps replayed a CUDA graph", "cuda_graph"),
+# A 1.5B model's TTFT at prompt 512 is tens of ms on an H200 (docs/generation.md); a long prompt's prefill at 8B
+# takes longer (unmeasured): the buckets reach 30 s.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One exposed metric: `name` after PREFIX (base units; counters end in _total), `kind` counter, gauge or
+    histogram, `help`, `read(stats)` the call's value (a histogram: a list of observations; a gauge: None leaves
+    the series out). Over several calls counters add up, histograms observe every value, a gauge keeps the
+    last value (`combine="last"`) or the largest (`combine="max"`)."""
+
+    name: str
+    kind: str
+    help: str
+    read: Callable[[dict], object]
+    combine: str = ""
+    buckets: tuple = ()
+
+
+METRICS = (
+    Metric("calls_total", "counter", "tigon.generate calls observed", lambda s: 1),
+    Metric("tokens_total", "counter", "New tokens generated: batch_size x new_tokens of each call",
+           lambda s: s["batch_size"] * s["new_tokens"]),
+    Metric("seconds_total", "counter", "Seconds in the observed calls: time to first token plus every decode step",
+           lambda s: s["ttft_s"] + sum(s["step_s"])),
+    Metric("cuda_graph_calls_total", "counter", "Observed calls whose decode steps replayed a CUDA graph",
+           lambda s: int(bool(s.get("cuda_graph")))),
+    Metric("time_to_first_token_seconds", "histogram", "Time from the generate call to the first token",
+           lambda s: [s["ttft_s"]], buckets=TTFT_BUCKETS),
+    Metric("decode_step_seconds", "histogram",
+           "Decode step latency, every step after the first token: the time between a row's consecutive tokens",
+           lambda s: s["step_s"], buckets=LATENCY_BUCKETS),
+    Metric("last_tokens_per_second", "gauge",
+           "Tokens per second of the last observed call: batch_size x new_tokens over its whole time",
+           lambda s: s.get("tokens_per_s"), combine="last"),
+    Metric("last_decode_tokens_per_second", "gauge",
+           "Tokens per second over the decode steps of the last observed call",
+           lambda s: s.get("decode_tokens_per_s"), combine="last"),
+    Metric("peak_memory_bytes", "gauge",
+           "Largest peak CUDA memory allocated during an observed call (absent until a call on CUDA reports one)",
+           lambda s: s.get("peak_memory_bytes"), combine="max"),
 )
-_HISTOGRAM = ("step_latency_seconds", "Decode step latency (every step after the first token)", "step_s")
-
-
+_NEEDED = ("ttft_s", "step_s", "batch_size", "new_tokens")
+_OPTIONAL = ("tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
-def _label_names(lab, who="prometheus_text"):
+def _client(who):
+    """prometheus_client, or an ImportError naming the `metrics` extra."""
+    return _log.import_optional("prometheus_client", who)
+
+
+def _label_names(lab, who):
     if not isinstance(lab, dict):
         raise TypeError(f"{who}: labels must be a dict {{name: value}}, got {type(lab).__name__}")
     for name in lab:
@@ -65,165 +93,156 @@ def _label_names(lab, who="prometheus_text"):
     return dict(lab)
 
 
-def _runs(stats, labels):
+def _number(value, what, who, finite=True):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0
+            or (finite and math.isinf(value))):
+        raise ValueError(f"{who}: {what} must be a {'finite ' if finite else ''}number >= 0, got {value!r}")
+    return value
+
+
+def _readings(stats, who):
+    """{metric name: value} of one call's stats, every value checked."""
+    if not isinstance(stats, dict):
+        raise TypeError(f"{who}: stats must be the dict of tigon.generate(..., return_stats=True), "
+                        f"got {type(stats).__name__}")
+    missing = [k for k in _NEEDED if k not in stats]
+    if missing:
+        raise ValueError(f"{who}: stats lack {missing} (the dict of generate's return_stats=True)")
+    for key in ("ttft_s", "batch_size", "new_tokens"):
+        _number(stats[key], f"stats[{key!r}]", who)
+    if not isinstance(stats["step_s"], (list, tuple)):
+        raise TypeError(f"{who}: stats['step_s'] must be a list of seconds, got {type(stats['step_s']).__name__}")
+    for s in stats["step_s"]:
+        _number(s, "stats['step_s']", who)
+    for key in _OPTIONAL:  # tokens_per_s is inf when the clock did not move: a valid gauge value
+        if stats.get(key) is not None:
+            _number(stats[key], f"stats[{key!r}]", who, finite=False)
+    return {m.name: m.read(stats) for m in METRICS}
+
+
+class _Series:
+    """One label set's state: counter and gauge values, histograms as per-bucket counts (last one +Inf) and sum."""
+
+    def __init__(self):
+        self.values = {m.name: 0 if m.kind == "counter" else None for m in METRICS if m.kind != "histogram"}
+        self.counts = {m.name: [0] * (len(m.buckets) + 1) for m in METRICS if m.kind == "histogram"}
+        self.sums = dict.fromkeys(self.counts, 0.0)
+
+    def add(self, readings):
+        for m in METRICS:
+            v = readings[m.name]
+            if m.kind == "counter":
+                self.values[m.name] += v
+            elif m.kind == "histogram":
+                for x in v:
+                    self.counts[m.name][bisect.bisect_left(m.buckets, x)] += 1  # the first bound >= x: `le`
+                self.sums[m.name] += sum(v)
+            elif v is not None:
+                old = self.values[m.name]
+                self.values[m.name] = v if old is None or m.combine == "last" else max(old, v)
+
+
+class _Collector:
+    """A prometheus_client collector of METRICS over `_series` {label values: _Series}."""
+
+    def __init__(self, labelnames):
+        self.labelnames = tuple(labelnames)
+        self._series = {}
+        self._lock = threading.Lock()
+
+    def collect(self):
+        with self._lock:
+            return self._families(list(self._series.items()))
+
+    def describe(self):
+        """The families without samples: a registry refuses a second collector of the same names."""
+        return self._families([])
+
+    def _families(self, series):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        from prometheus_client.utils import floatToGoString
+
+        kinds = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
+        out = []
+        for m in METRICS:
+            family = kinds[m.kind](PREFIX + m.name, m.help, labels=self.labelnames)
+            for key, s in series:
+                if m.kind == "histogram":
+                    cumulative = itertools.accumulate(s.counts[m.name])
+                    bounds = (floatToGoString(le) for le in (*m.buckets, math.inf))
+                    family.add_metric(key, list(zip(bounds, cumulative)), s.sums[m.name])
+                elif s.values[m.name] is not None:
+                    family.add_metric(key, float(s.values[m.name]))
+            out.append(family)
+        return out
+
+
+def _runs(stats, labels, who):
     if isinstance(stats, dict):
-        return [(_label_names(labels or {}), stats)]
+        return [(_label_names({} if labels is None else labels, who), stats)]
     if labels is not None:
-        raise ValueError("prometheus_text: labels= goes with one stats dict; a list carries (labels, stats) pairs")
+        raise ValueError(f"{who}: labels= goes with one stats dict; a list carries (labels, stats) pairs")
     if not isinstance(stats, (list, tuple)) or not all(
             isinstance(run, (list, tuple)) and len(run) == 2 and isinstance(run[1], dict) for run in stats):
-        raise TypeError("prometheus_text: stats must be generate's stats dict or a list of (labels, stats) pairs, "
+        raise TypeError(f"{who}: stats must be generate's stats dict or a list of (labels, stats) pairs, "
                         f"got {type(stats).__name__}")
-    runs = [(_label_names(lab or {}), st) for lab, st in stats]
+    runs = [(_label_names(lab or {}, who), st) for lab, st in stats]
     keys = {tuple(sorted(lab)) for lab, _ in runs}
     if len(keys) > 1:
-        raise ValueError(f"prometheus_text: every run needs the same label names, got {sorted(keys)}")
+        raise ValueError(f"{who}: every run needs the same label names, got {sorted(keys)}")
     return runs
 
 
-class StatsCollector:
-    """A prometheus_client collector of generate's stats: `stats` is one stats dict (with optional `labels`
-    {name: value}) or a list of `(labels, stats)` pairs, one series per run. Metrics (prefix
-    `tigon_generate_`): gauges time_to_first_token_seconds, step_latency_p50_seconds, step_latency_p99_seconds,
-    tokens_per_second, decode_tokens_per_second, peak_memory_bytes (absent on a CPU), new_tokens, batch_size,
-    cuda_graph; histogram step_latency_seconds (buckets LATENCY_BUCKETS) of every decode step."""
+def _fill(collector, stats, labels, who):
+    """Replace `collector`'s series with those of these runs (checked first, so a refused call changes nothing)."""
+    runs = _runs(stats, labels, who)
+    names = tuple(sorted(runs[0][0])) if runs else ()
+    series = {}
+    for lab, st in runs:
+        readings = _readings(st, who)
+        series.setdefault(tuple(str(lab[n]) for n in names), _Series()).add(readings)
+    with collector._lock:
+        collector.labelnames, collector._series = names, series
+
+
+class StatsCollector(_Collector):
+    """A prometheus_client collector of METRICS over the given calls only: `stats` is one stats dict (with
+    optional `labels` {name: value}) or a list of `(labels, stats)` pairs, one series per label values (runs
+    with equal label values add up, as observed by one GenerationMetrics). `update` replaces them."""
 
     def __init__(self, stats, labels=None):
-        self.update(stats, labels)
+        _client("StatsCollector")
+        super().__init__(())
+        _fill(self, stats, labels, "StatsCollector")
 
     def update(self, stats, labels=None) -> None:
         """Expose these stats from now on (checked as in the constructor)."""
-        self.runs = _runs(stats, labels)
-
-    def collect(self):
-        from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
-
-        names = _names(self.runs)
-        for name, doc, key in _GAUGES:
-            values = _gauge_values(self.runs, key)
-            if values:
-                family = GaugeMetricFamily(_PREFIX + name, doc, labels=names)
-                for lab, v in values:
-                    family.add_metric([str(lab[n]) for n in names], float(v))
-                yield family
-        name, doc, key = _HISTOGRAM
-        family = HistogramMetricFamily(_PREFIX + name, doc, labels=names)
-        for lab, st in self.runs:
-            buckets, total = _histogram(st.get(key))
-            family.add_metric([str(lab[n]) for n in names], [(_fmt(le), n) for le, n in buckets], total)
-        yield family
-
-
-def _names(runs):
-    return sorted(runs[0][0]) if runs else []
-
-
-def _gauge_values(runs, key):
-    return [(lab, st.get(key)) for lab, st in runs if st.get(key) is not None]
-
-
-def _histogram(steps):
-    """([(upper bound, cumulative count)] ending with +Inf, sum) of a run's step latencies."""
-    steps = list(steps or ())
-    return [(le, sum(s <= le for s in steps)) for le in (*LATENCY_BUCKETS, math.inf)], sum(steps)
+        _fill(self, stats, labels, "StatsCollector.update")
 
 
 def prometheus_text(stats, labels=None) -> str:
     """The `stats` of `generate(..., return_stats=True)` in the Prometheus text exposition format (0.0.4):
-    `StatsCollector(stats, labels)` rendered by prometheus_client's `generate_latest` on a fresh registry,
-    or the same text written here when prometheus_client is not installed."""
-    collector = StatsCollector(stats, labels)
-    try:
-        import prometheus_client
-    except ImportError:
-        return _prometheus_by_hand(collector.runs)
-    registry = prometheus_client.CollectorRegistry()
+    METRICS after these calls (`stats` and `labels` as StatsCollector's), by prometheus_client's
+    generate_latest."""
+    client = _client("prometheus_text")
+    collector = _Collector(())
+    _fill(collector, stats, labels, "prometheus_text")
+    registry = client.CollectorRegistry()
     registry.register(collector)
-    return prometheus_client.generate_latest(registry).decode()
+    return client.generate_latest(registry).decode()
 
 
-def _fmt(v) -> str:
-    """A sample value or bucket bound as the exposition writes it (Go's float formatting, as prometheus_client's
-    floatToGoString: exponent form once the integer part has more than 6 digits)."""
-    v = float(v)
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if math.isnan(v):
-        return "NaN"
-    s = repr(v)
-    dot = s.find(".")
-    if v > 0 and dot > 6:
-        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
-        return f"{mantissa}e+{dot - 1:02d}"
-    return s
-
-
-def _labels(lab, extra=None) -> str:
-    items = sorted({**lab, **(extra or {})}.items())  # every name sorted, `le` too: the client's order
-    if not items:
-        return ""
-    esc = lambda s: str(s).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in items) + "}"
-
-
-def _prometheus_by_hand(runs) -> str:
-    lines = []
-    for name, doc, key in _GAUGES:
-        values = _gauge_values(runs, key)
-        if values:
-            lines += [f"# HELP {_PREFIX}{name} {doc}", f"# TYPE {_PREFIX}{name} gauge"]
-            lines += [f"{_PREFIX}{name}{_labels(lab)} {_fmt(v)}" for lab, v in values]
-    name, doc, key = _HISTOGRAM
-    full = _PREFIX + name
-    lines += [f"# HELP {full} {doc}", f"# TYPE {full} histogram"]
-    for lab, st in runs:
-        buckets, total = _histogram(st.get(key))
-        lines += [f"{full}_bucket{_labels(lab, {'le': _fmt(le)})} {_fmt(n)}" for le, n in buckets]
-        lines += [f"{full}_count{_labels(lab)} {_fmt(buckets[-1][1])}", f"{full}_sum{_labels(lab)} {_fmt(total)}"]
-    return "\n".join(lines) + "\n"
-
-
-# A 1.5B model's TTFT at prompt 512 is tens of ms on an H200 (docs/generation.md); a long prompt's prefill at 8B
-# takes longer (unmeasured): the buckets reach 30 s.
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_METRICS_NEED = ("ttft_s", "step_s", "batch_size", "new_tokens")
-
-
-def _client(who):
-    try:
-        import prometheus_client
-    except ImportError:
-        raise ImportError(f"{who} needs prometheus_client: pip install 'tigon[metrics]'") from None
-    return prometheus_client
-
-
-class _Totals:
-    """One label set's running totals: per-bucket (not cumulative) counts, the last bucket +Inf."""
-
-    def __init__(self):
-        self.calls, self.tokens, self.seconds = 0, 0, 0.0
-        self.ttft, self.ttft_sum = [0] * (len(TTFT_BUCKETS) + 1), 0.0
-        self.steps, self.steps_sum = [0] * (len(LATENCY_BUCKETS) + 1), 0.0
-        self.tokens_per_s, self.max_peak = None, None
-
-
-def _number(stats, key):
-    v = stats[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"GenerationMetrics.observe: stats[{key!r}] must be a finite number >= 0, got {v!r}")
-    return v
+# The collector of every GenerationMetrics on a registry: instances on one registry share its series.
+_SHARED = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
 
 
 class GenerationMetrics:
-    """Running totals of `tigon.generate(..., return_stats=True)` calls, a prometheus_client collector registered
-    on `registry` (default prometheus_client.REGISTRY, which `serve` and start_http_server expose). `labelnames`:
-    the label names every `observe(stats, labels={name: value})` gives (one set of series per label values).
-
-    Metrics (prefix `tigon_generate_`): counters calls_total, tokens_total (batch x new tokens), seconds_total
-    (TTFT + decode steps); histograms ttft_seconds (TTFT_BUCKETS) and token_latency_seconds (LATENCY_BUCKETS: every
-    decode step, the time between a row's consecutive tokens); gauges last_tokens_per_second (the last call's
-    stats["tokens_per_s"]) and max_peak_memory_bytes (the largest stats["peak_memory_bytes"]; absent until a call
-    on CUDA reports one). Thread-safe: observe and a scrape may run at once."""
+    """Running totals of METRICS over every observed `tigon.generate(..., return_stats=True)` call, on
+    `registry` (default prometheus_client.REGISTRY, what `serve` exposes). `labelnames`: the label names every
+    `observe(stats, labels={name: value})` gives. Every GenerationMetrics on one registry feeds one set of
+    series (a second `GenerationMetrics()` in a process adds to the first's totals; it must use the same
+    labelnames); pass `registry=prometheus_client.CollectorRegistry()` for separate totals. Thread-safe."""
 
     def __init__(self, registry=None, labelnames=()):
         client = _client("GenerationMetrics")
@@ -232,94 +251,44 @@ class GenerationMetrics:
                             f"{type(labelnames).__name__}")
         if len(set(labelnames)) != len(labelnames):
             raise ValueError(f"GenerationMetrics: labelnames repeat a name: {list(labelnames)}")
-        self.labelnames = tuple(sorted(_label_names(dict.fromkeys(labelnames), "GenerationMetrics")))
+        labelnames = tuple(sorted(_label_names(dict.fromkeys(labelnames), "GenerationMetrics")))
         registry = client.REGISTRY if registry is None else registry
-        if not callable(getattr(registry, "register", None)):
+        if not isinstance(registry, client.CollectorRegistry):
             raise TypeError("GenerationMetrics: registry must be a prometheus_client CollectorRegistry, got "
                             f"{type(registry).__name__}")
-        self._lock = threading.Lock()
-        self._series = {}
-        registry.register(self)
-        self.registry = registry
+        with _SHARED_LOCK:
+            collector = _SHARED.get(registry)
+            if collector is None:
+                collector = _Collector(labelnames)
+                try:
+                    registry.register(collector)
+                except ValueError as e:  # a StatsCollector or other tigon_generate_* metrics are there
+                    raise ValueError(f"GenerationMetrics: the registry already holds these names ({e}); pass "
+                                     "registry=prometheus_client.CollectorRegistry() for one of its own") from None
+                _SHARED[registry] = collector
+            elif collector.labelnames != labelnames:
+                raise ValueError(f"GenerationMetrics: this registry's GenerationMetrics use labelnames "
+                                 f"{list(collector.labelnames)}, not {list(labelnames)}; give the same labelnames "
+                                 "to add to its totals, or registry=prometheus_client.CollectorRegistry() for "
+                                 "separate ones")
+        self.registry, self.labelnames, self._collector = registry, labelnames, collector
 
     def observe(self, stats, labels=None) -> None:
         """Add one call's stats (the dict of generate's return_stats=True) under `labels` ({name: value} of every
         labelname; None when there are none)."""
-        if not isinstance(stats, dict):
-            raise TypeError("GenerationMetrics.observe: stats must be the dict of tigon.generate(..., "
-                            f"return_stats=True), got {type(stats).__name__}")
-        missing = [k for k in _METRICS_NEED if k not in stats]
-        if missing:
-            raise ValueError(f"GenerationMetrics.observe: stats lack {missing} (generate's return_stats=True dict)")
+        readings = _readings(stats, "GenerationMetrics.observe")
         labels = _label_names({} if labels is None else labels, "GenerationMetrics.observe")
         if sorted(labels) != list(self.labelnames):
             raise ValueError(f"GenerationMetrics.observe: labels must name exactly {list(self.labelnames)}, got "
                              f"{sorted(labels)}")
-        ttft = _number(stats, "ttft_s")
-        steps = stats["step_s"]
-        if not isinstance(steps, (list, tuple)):
-            raise TypeError(f"GenerationMetrics.observe: stats['step_s'] must be a list of seconds, got "
-                            f"{type(steps).__name__}")
-        steps = [_number({"step_s": s}, "step_s") for s in steps]
-        tokens = _number(stats, "batch_size") * _number(stats, "new_tokens")
-        rate, peak = stats.get("tokens_per_s"), stats.get("peak_memory_bytes")
         key = tuple(str(labels[n]) for n in self.labelnames)
-        with self._lock:
-            t = self._series.setdefault(key, _Totals())
-            t.calls += 1
-            t.tokens += tokens
-            t.seconds += ttft + sum(steps)
-            t.ttft[bisect.bisect_left(TTFT_BUCKETS, ttft)] += 1  # the first bound >= the value: `le` buckets
-            t.ttft_sum += ttft
-            for s in steps:
-                t.steps[bisect.bisect_left(LATENCY_BUCKETS, s)] += 1
-            t.steps_sum += sum(steps)
-            if rate is not None:
-                t.tokens_per_s = rate
-            if peak is not None:
-                t.max_peak = peak if t.max_peak is None else max(t.max_peak, peak)
+        c = self._collector
+        with c._lock:
+            c._series.setdefault(key, _Series()).add(readings)
 
     def collect(self):
-        with self._lock:
-            return self._families(list(self._series.items()))
-
-    def describe(self):
-        """The families without samples: lets a registry refuse a second collector of the same names."""
-        return self._families([])
-
-    def _families(self, series):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-        names = list(self.labelnames)
-        counters = (("calls", "tigon.generate calls observed", "calls"),
-                    ("tokens", "New tokens generated (batch x new tokens per call)", "tokens"),
-                    ("seconds", "Seconds in the observed calls (TTFT + decode steps)", "seconds"))
-        out = []
-        for name, doc, attr in counters:
-            family = CounterMetricFamily(_PREFIX + name, doc, labels=names)
-            for key, t in series:
-                family.add_metric(key, getattr(t, attr))
-            out.append(family)
-        hists = (("ttft_seconds", "Time to first token of each call", TTFT_BUCKETS, "ttft"),
-                 ("token_latency_seconds", "Decode step latency: the time between a row's consecutive tokens",
-                  LATENCY_BUCKETS, "steps"))
-        for name, doc, bounds, attr in hists:
-            family = HistogramMetricFamily(_PREFIX + name, doc, labels=names)
-            for key, t in series:
-                cumulative = itertools.accumulate(getattr(t, attr))
-                family.add_metric(key, [(_fmt(le), n) for le, n in zip((*bounds, math.inf), cumulative)],
-                                  getattr(t, attr + "_sum"))
-            out.append(family)
-        gauges = (("last_tokens_per_second", "Tokens per second of the last call (stats tokens_per_s)",
-                   "tokens_per_s"),
-                  ("max_peak_memory_bytes", "Largest peak CUDA memory of the observed calls", "max_peak"))
-        for name, doc, attr in gauges:
-            family = GaugeMetricFamily(_PREFIX + name, doc, labels=names)
-            for key, t in series:
-                if getattr(t, attr) is not None:
-                    family.add_metric(key, float(getattr(t, attr)))
-            out.append(family)
-        return out
+        """The metric families of this registry's totals (what a scrape of it shows of tigon)."""
+        return self._collector.collect()
 
 
 class MetricsServer:

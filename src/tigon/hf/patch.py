@@ -510,10 +510,9 @@ def patch(
         report.skip("MLP", family.notes or "no gated MLP")
     if not family.rope and rope:
         report.skip("RoPE", family.notes or "not rotate-half")
-    # every call: the "tigon" logger's level (TIGON_LOG, or the application's logging) decides what shows
-    _log.get_logger().info("%s", report)
-    if verbose:
-        print(report)
+    # every call: logged at INFO (TIGON_LOG or the application's logging decides what shows); verbose=True makes
+    # sure it is seen once (printed only where no handler shows INFO)
+    _log.report(str(report), verbose)
     return report
 
 

@@ -1,4 +1,4 @@
-"""argparse `type=` validators shared by `tigon` (cli.py) and `tigon demo` (demo.py): a bad value is a usage
+"""argparse `type=` validators shared by `tigon bench` and `tigon demo`: a bad value is a usage
 error (message and exit status 2), not a traceback."""
 
 import argparse

@@ -1,0 +1,7 @@
+"""`python -m tigon.cli ...`: the `tigon` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
