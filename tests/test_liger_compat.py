@@ -281,10 +281,11 @@ def test_module_classes_compute_what_tigon_computes():
     flce = liger.LigerFusedLinearCrossEntropyLoss()
     torch.testing.assert_close(flce(w, h, target), torch.nn.functional.cross_entropy(h @ w.T, target),
                                rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="LigerFusedLinearCrossEntropyLoss: return_token_accuracy=True is not"):
-        liger.LigerFusedLinearCrossEntropyLoss(return_token_accuracy=True)
-    with pytest.raises(ValueError, match="LigerCrossEntropyLoss: weight="):
-        liger.LigerCrossEntropyLoss(weight=torch.ones(33))
+    # the options Liger has beyond the loss work (values against Liger's own: tests/compat/test_liger_parity.py)
+    fused = liger.LigerFusedLinearCrossEntropyLoss(return_token_accuracy=True)(w, h, target)
+    assert fused.token_accuracy == ((h @ w.T).argmax(-1) == target)[keep].float().mean()
+    torch.testing.assert_close(liger.LigerCrossEntropyLoss(weight=torch.ones(33))(logits, target),
+                               torch.nn.functional.cross_entropy(logits, target))
 
 
 def test_liger_rotary_pos_emb_takes_half_width_cos_sin():

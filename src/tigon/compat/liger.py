@@ -13,15 +13,29 @@ was left to Hugging Face and why.
 
 import difflib
 import inspect
+import sys
+import types
 
 import torch
 
 from .. import _log
-from ..hf import registry
-from ..hf.patch import patch
-from ..hf.unwrap import unwrap_model
+
+try:
+    from ..hf import registry
+    from ..hf.patch import patch
+    from ..hf.unwrap import unwrap_model
+except ModuleNotFoundError as e:  # transformers (the [hf] extra) missing: say which extra, not a bare traceback
+    if (e.name or "").split(".")[0] not in ("transformers", "accelerate", "peft"):
+        raise
+    raise ImportError(f'tigon.compat.liger needs {e.name.split(".")[0]}: pip install "tigon[hf]"') from e
+from . import liger_alias, liger_chunked_loss
+from .liger_ce_options import liger_fused_linear_cross_entropy
 from .liger_chunked_loss import *  # noqa: F403  (liger_kernel.chunked_loss's classes, on Tigon's losses)
 from .liger_chunked_loss import __all__ as _chunked_loss_names
+from .liger_divergences import *  # noqa: F403  (Liger's JSD / KL / TVD losses)
+from .liger_divergences import __all__ as _divergence_names
+from .liger_layers import *  # noqa: F403  (Liger's layers Tigon has no kernel for, in PyTorch or on Tigon's ops)
+from .liger_layers import __all__ as _layer_names
 from .liger_modules import *  # noqa: F403  (Liger's module classes, on Tigon's ops)
 from .liger_modules import __all__ as _module_names
 
@@ -309,6 +323,30 @@ def _patched(model, flags):
     return model
 
 
+def is_transformers_available() -> bool:
+    """Liger's check; True here, since this module imports only with transformers installed."""
+    return True
+
+
+# liger_kernel.transformers.monkey_patch's names (`from tigon.compat.liger import monkey_patch`): the apply functions,
+# the Trainer's and axolotl's entry points, the model-type table
+monkey_patch = types.ModuleType(f"{__name__}.monkey_patch", "liger_kernel.transformers.monkey_patch on Tigon")
+_MONKEY_PATCH_NAMES = ("MODEL_TYPE_TO_APPLY_LIGER_FN", "_apply_liger_kernel", "_apply_liger_kernel_to_instance",
+                       *(fn.__name__ for fn in MODEL_TYPE_TO_APPLY_LIGER_FN.values()))
+monkey_patch.__dict__.update({n: globals()[n] for n in _MONKEY_PATCH_NAMES})
+
+
+def install_as_liger_kernel():
+    """Make `import liger_kernel.transformers` (and its submodules, liger_kernel.chunked_loss) give this module's
+    names for this process, so transformers' Trainer with use_liger_kernel=True patches with Tigon. RuntimeError
+    if the real liger_kernel is already imported; undo with uninstall_as_liger_kernel(). See liger_alias.py."""
+    liger_alias.install(sys.modules[__name__], monkey_patch, liger_chunked_loss)
+
+
+uninstall_as_liger_kernel = liger_alias.uninstall
+
 __all__ = ["AutoLigerKernelForCausalLM", "MODEL_TYPE_TO_APPLY_LIGER_FN", "LIGER_PARAMETERS", "_apply_liger_kernel",
            "_apply_liger_kernel_to_instance", *sorted(fn.__name__ for fn in MODEL_TYPE_TO_APPLY_LIGER_FN.values()),
-           *_module_names, *_chunked_loss_names]
+           *_module_names, *_layer_names, *_divergence_names, *_chunked_loss_names, "install_as_liger_kernel",
+           "is_transformers_available", "liger_fused_linear_cross_entropy", "monkey_patch",
+           "uninstall_as_liger_kernel"]

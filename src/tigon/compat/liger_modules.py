@@ -4,12 +4,11 @@ constructor and forward signatures, parameter names and initialisation, so code 
 kernels. Each is a subclass of the Tigon module it maps onto (isinstance checks and from_hf keep working).
 
 Liger options that only choose among Liger's own kernels (in_place, row_mode, impl, mode, backend, num_shards)
-are accepted and kept as attributes; Tigon's kernels make those choices themselves. Options whose result
-Tigon's kernels cannot produce (class weights, a separate z-loss, token scaling, token accuracy without
-logits) raise a ValueError naming the class and the argument.
+are accepted and kept as attributes; Tigon's kernels make those choices themselves. The loss options
+Tigon's kernels do not compute themselves (class weights, a separate z-loss, token scaling, token accuracy,
+predicted tokens) are computed around them with Liger's values (liger_ce_options.py).
 """
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 
 from .. import ops
 from ..modules import CrossEntropyLoss, GeGLUMLP, LayerNorm, LinearCrossEntropyLoss, RMSNorm, SwiGLUMLP
+from .liger_ce_options import CrossEntropyOutput, liger_cross_entropy_with_options
 
 
 def _init_fn(cls, init_fn):
@@ -171,22 +171,6 @@ class LigerBlockSparseTop2MLP(nn.Module):
         return self.w2(ops.swiglu(self.w1(x), self.w3(x), inplace_backward=True))
 
 
-@dataclasses.dataclass
-class CrossEntropyOutput:
-    """What Liger's losses return when asked for more than the loss."""
-
-    loss: torch.Tensor
-    z_loss: Optional[torch.Tensor] = None
-    token_accuracy: Optional[torch.Tensor] = None
-    predicted_tokens: Optional[torch.Tensor] = None
-
-
-def _refuse(cls, **options):
-    for name, (value, why) in options.items():
-        if value:
-            raise ValueError(f"{cls}: {name}={value!r} is not supported by Tigon's kernels ({why})")
-
-
 def _check_loss_args(cls, label_smoothing, reduction, softcap):
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{cls}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
@@ -198,15 +182,13 @@ def _check_loss_args(cls, label_smoothing, reduction, softcap):
 
 class LigerCrossEntropyLoss(CrossEntropyLoss):
     """liger_kernel.transformers.LigerCrossEntropyLoss on tigon.ops.cross_entropy: forward(_input [N, V],
-    target [N]) -> loss; lse_square_scale is Tigon's z_loss_scale. return_token_accuracy and
-    return_predicted_tokens give a CrossEntropyOutput (argmax of the logits, over the non-ignored targets)."""
+    target [N]) -> loss; lse_square_scale is Tigon's z_loss_scale. The return_* flags give a CrossEntropyOutput
+    and class weights take Liger's formula (tigon.compat.liger_ce_options)."""
 
     def __init__(self, weight: Optional[torch.FloatTensor] = None, ignore_index: int = -100,
                  lse_square_scale: float = 0.0, label_smoothing: float = 0.0, reduction: str = "mean",
                  softcap: Optional[float] = None, return_z_loss: bool = False, return_token_accuracy: bool = False,
                  return_predicted_tokens: bool = False):
-        _refuse("LigerCrossEntropyLoss", weight=(weight is not None, "class weights"),
-                return_z_loss=(return_z_loss, "the z-loss is added into the loss, not returned apart"))
         _check_loss_args("LigerCrossEntropyLoss", label_smoothing, reduction, softcap)
         super().__init__(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                          z_loss_scale=lse_square_scale, softcap=softcap)
@@ -214,32 +196,27 @@ class LigerCrossEntropyLoss(CrossEntropyLoss):
         self.return_token_accuracy, self.return_predicted_tokens = return_token_accuracy, return_predicted_tokens
 
     def forward(self, _input: torch.Tensor, target: torch.Tensor):
-        loss = super().forward(_input, target)
-        if not (self.return_token_accuracy or self.return_predicted_tokens):
-            return loss
-        with torch.no_grad():
-            predicted = _input.argmax(-1)
-            keep = target != self.ignore_index
-            accuracy = (predicted == target)[keep].float().mean() if self.return_token_accuracy else None
-        return CrossEntropyOutput(loss=loss, token_accuracy=accuracy,
-                                  predicted_tokens=predicted if self.return_predicted_tokens else None)
+        if self.weight is None and not (self.return_z_loss or self.return_token_accuracy or
+                                        self.return_predicted_tokens):
+            return super().forward(_input, target)
+        return liger_cross_entropy_with_options(
+            _input, None, None, target, class_weight=self.weight, ignore_index=self.ignore_index,
+            lse_square_scale=self.lse_square_scale, label_smoothing=self.label_smoothing, reduction=self.reduction,
+            softcap=self.softcap, return_z_loss=self.return_z_loss, return_token_accuracy=self.return_token_accuracy,
+            return_predicted_tokens=self.return_predicted_tokens)
 
 
 class LigerFusedLinearCrossEntropyLoss(LinearCrossEntropyLoss):
     """liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss on tigon.ops.linear_cross_entropy:
-    forward(lin_weight [V, H], _input [N, H], target [N], bias=None) -> loss, without the [N, V] logits."""
+    forward(lin_weight [V, H], _input [N, H], target [N], bias=None) -> loss, without the [N, V] logits. Every
+    Liger option works (tigon.compat.liger_ce_options): the return_* flags give a CrossEntropyOutput and cost one
+    more no-grad logits pass; ce_weight forms the logits."""
 
     def __init__(self, ce_weight: Optional[torch.FloatTensor] = None, ignore_index: int = -100,
                  lse_square_scale: float = 0.0, label_smoothing: float = 0.0, reduction: str = "mean",
                  softcap: Optional[float] = None, return_z_loss: bool = False,
                  accum_dtype: Optional[torch.dtype] = None, use_token_scaling: bool = False,
                  return_token_accuracy: bool = False, return_predicted_tokens: bool = False):
-        no_logits = "the fused loss never forms the logits"
-        _refuse("LigerFusedLinearCrossEntropyLoss", ce_weight=(ce_weight is not None, "class weights"),
-                return_z_loss=(return_z_loss, "the z-loss is added into the loss, not returned apart"),
-                use_token_scaling=(use_token_scaling, "per-token probability scaling"),
-                return_token_accuracy=(return_token_accuracy, no_logits),
-                return_predicted_tokens=(return_predicted_tokens, no_logits))
         _check_loss_args("LigerFusedLinearCrossEntropyLoss", label_smoothing, reduction, softcap)
         super().__init__(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                          z_loss_scale=lse_square_scale, softcap=softcap, accum_dtype=accum_dtype)
@@ -248,7 +225,15 @@ class LigerFusedLinearCrossEntropyLoss(LinearCrossEntropyLoss):
         self.return_token_accuracy, self.return_predicted_tokens = return_token_accuracy, return_predicted_tokens
 
     def forward(self, lin_weight, _input, target, bias=None):
-        return super().forward(_input, lin_weight, target, bias)
+        if self.ce_weight is None and not (self.return_z_loss or self.use_token_scaling or
+                                           self.return_token_accuracy or self.return_predicted_tokens):
+            return super().forward(_input, lin_weight, target, bias)
+        return liger_cross_entropy_with_options(
+            _input, lin_weight, bias, target, class_weight=self.ce_weight, ignore_index=self.ignore_index,
+            lse_square_scale=self.lse_square_scale, label_smoothing=self.label_smoothing, reduction=self.reduction,
+            softcap=self.softcap, return_z_loss=self.return_z_loss, use_token_scaling=self.use_token_scaling,
+            return_token_accuracy=self.return_token_accuracy, return_predicted_tokens=self.return_predicted_tokens,
+            accum_dtype=self.accum_dtype)
 
 
 def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None):
