@@ -15,6 +15,8 @@ from tigon.ops import _library, dispatch_counts
 # The tiny models live on the CPU: the kernels run there through Triton's interpreter (CI); on a CUDA machine
 # without the interpreter the CPU path is the reference ops, and the counts below are checked for that path.
 KERNEL = _library.backend_for(torch.device("cpu"))
+TINY = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=8, vocab_size=32)
 
 
 def _close(a, b, name, rtol=2e-4, atol=2e-5):
@@ -129,7 +131,7 @@ def test_kernels_off_falls_back_to_the_reference_ops(monkeypatch, caplog):
     tigon.patch(model)
     try:
         dispatch_counts.clear()
-        with caplog.at_level(logging.WARNING, logger="tigon"):
+        with caplog.at_level(logging.INFO, logger="tigon"):
             out, grads = _loss_and_grads(model, ids, labels)
             model(ids, labels=labels)  # a second call: the warning is one-time
         _close(out.loss, out_ref.loss, "loss")
@@ -142,6 +144,7 @@ def test_kernels_off_falls_back_to_the_reference_ops(monkeypatch, caplog):
             assert dispatch_counts[(op, "triton")] == 0, op
         warnings = [r for r in caplog.records if r.name == "tigon" and "kernels are off" in r.getMessage()]
         assert len(warnings) == 1 and "TRITON_INTERPRET=1" in warnings[0].getMessage()
+        assert warnings[0].levelname == "INFO"  # an expected CPU run, not a warning on every start
     finally:
         tigon.unpatch(model)
 
@@ -215,3 +218,69 @@ def test_trl_sft_trainer_matches_unpatched(tmp_path):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-4, atol=1e-5)
     finally:
         tigon.unpatch(model)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.05, 0.0])
+def test_use_fused_adamw_takes_one_norm_pass_and_logs_hfs_grad_norm(tmp_path, monkeypatch, max_grad_norm):
+    """use_fused_adamw(trainer): the Trainer's clip_grad_norm_ (clipping, or its logging-only norm at
+    max_grad_norm=0) becomes the optimizer's norm, so each step takes one pass over the gradients, the logged
+    grad_norm is the one HF's torch AdamW run logs, and the weights follow HF's clip + AdamW."""
+    import accelerate
+    from transformers import Trainer, TrainingArguments
+
+    from tigon.hf.trainer import use_fused_adamw
+
+    passes = {"tigon": 0, "accelerate": 0}
+
+    def counted(key, fn):
+        def wrapper(*args, **kwargs):
+            passes[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(tigon.optim.AdamW, "_total_norm", counted("tigon", tigon.optim.AdamW._total_norm))
+    monkeypatch.setattr(accelerate.Accelerator, "_clip_grad_norm_dtensor_aware",
+                        counted("accelerate", accelerate.Accelerator._clip_grad_norm_dtensor_aware))
+    # the Trainer's plumbing is under test, not the kernels (tests/test_optim.py): the reference AdamW path
+    monkeypatch.setattr(_library, "use_kernels", lambda *args: False)
+    ids, labels = batch(vocab=32, b=4, t=6, seed=5)
+    data = [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels)]
+
+    def run(fused):
+        model = tiny_model("llama", **TINY)
+        args = TrainingArguments(output_dir=str(tmp_path / str(fused)), max_steps=2, per_device_train_batch_size=2,
+                                 learning_rate=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm,
+                                 optim="adamw_torch", logging_steps=1, report_to=[], save_strategy="no",
+                                 use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        if fused:
+            use_fused_adamw(trainer)
+        passes.update(tigon=0, accelerate=0)
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        return logs, dict(passes), model
+
+    ref_logs, ref_passes, ref = run(False)
+    logs, got_passes, model = run(True)
+    assert ref_passes == {"tigon": 0, "accelerate": 2}  # the reference: HF's own pass every step
+    assert got_passes == {"tigon": 2, "accelerate": 0}  # one pass a step, the optimizer's
+    for got, want in zip(logs, ref_logs):
+        assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"]
+        _close(torch.tensor(got["loss"]), torch.tensor(want["loss"]), "loss")
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(p.detach(), q.detach(), n, rtol=1e-4, atol=1e-6)
+
+
+def test_use_fused_adamw_refuses_what_it_cannot_drive(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from tigon.hf.trainer import use_fused_adamw
+
+    with pytest.raises(TypeError, match="use_fused_adamw: trainer must be a transformers Trainer"):
+        use_fused_adamw(object())
+    model = tiny_model("llama", **TINY)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model=model, args=args, optimizers=(opt, None))
+    with pytest.raises(ValueError, match="already has an optimizer"):
+        use_fused_adamw(trainer)

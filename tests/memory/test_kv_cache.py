@@ -141,7 +141,41 @@ def test_eviction_on_a_full_attention_model_is_a_sliding_window():
     llama, mistral = _llama_as_mistral(7)
     ids = _ids(2, 6)  # the prompt fits; the 14 decode steps evict
     ref = _greedy(mistral, ids, DynamicCache(config=mistral.config), 14)
-    _assert_same_generation(ref, _greedy(llama, ids, RollingKVCache(llama.config, batch_size=2, capacity=7), 14))
+    cache = RollingKVCache(llama.config, batch_size=2, capacity=7, sliding=True)  # the window, asked for
+    _assert_same_generation(ref, _greedy(llama, ids, cache, 14))
+
+
+def test_a_prompt_past_a_full_attention_ring_is_refused_unless_a_window_is_asked_for():
+    model = tiny_model("llama", attn_implementation="sdpa").eval()
+    ids = _ids(1, 6)
+    cache = RollingKVCache(model.config, batch_size=1, capacity=4)
+    msg = (r"RollingKVCache: a 6-token chunk \(a prompt\) on 0 cached tokens needs 6 slots, but capacity is 4: layer 0 "
+           r"is a full-attention layer.*Pass capacity >= 6, or RollingKVCache\(\.\.\., sliding=True\) \(or "
+           r"sink_tokens=\)")
+    with pytest.raises(ValueError, match=msg):
+        model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    assert cache.get_seq_length() == 0 and bool((cache.layers[0].positions == -1).all())  # nothing written
+    for opt_in in (dict(sliding=True), dict(sink_tokens=1)):
+        cache = RollingKVCache(model.config, batch_size=1, capacity=4, **opt_in)
+        assert model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False).shape == (1, 8)
+        assert cache.get_seq_length() == 7
+    with pytest.raises(TypeError, match="RollingKVCache: sliding must be True or False"):
+        RollingKVCache(model.config, batch_size=1, capacity=4, sliding=1)
+
+
+def test_an_overflowing_chunk_is_refused_on_full_layers_only():
+    # Gemma-2: local layers (window 4) roll on their own; its global layers refuse a continuation past capacity.
+    cache = RollingKVCache(tiny_config("gemma2", sliding_window=4), batch_size=1, capacity=8, dtype=torch.float32)
+    local, full = (next(layer for layer in cache.layers if layer.is_sliding == s) for s in (True, False))
+    k = torch.randn(1, full.num_heads, 6, full.head_dim)
+    local.update(k, k)
+    local.update(k, k)  # 12 tokens through a 4-slot ring: its window
+    full.update(k, k)
+    full.update(k[:, :, :1], k[:, :, :1])  # a decode step fits
+    with pytest.raises(ValueError, match=r"a 2-token chunk \(a continuation\) on 7 cached tokens needs 9 slots, but "
+                                         r"capacity is 8: layer \d+ is a full-attention layer"):
+        full.update(k[:, :, :2], k[:, :, :2])
+    assert full.get_seq_length() == 7
 
 
 def test_attention_sinks_keep_the_first_tokens():
@@ -254,7 +288,7 @@ def test_compiled_model_decode_settles_after_three_graphs():
 
 def test_reset_and_reorder_keep_storage():
     cfg = tiny_config("llama")
-    cache = RollingKVCache(cfg, batch_size=3, capacity=4)
+    cache = RollingKVCache(cfg, batch_size=3, capacity=4, sliding=True)  # the 6-token chunk overflows the ring
     k = torch.randn(3, 2, 6, 16)
     cache.update(k, k, 0)
     ptr = cache.layers[0].keys.data_ptr()

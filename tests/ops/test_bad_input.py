@@ -280,6 +280,175 @@ def test_accepted_like_torch(path, name, op, fn, torch_fn, inputs):
     _close(got, _grads(torch_fn, [a.cpu() for a in args]))
 
 
+# Mixed dtypes, one rule for every op (tigon.ops._launch's docstring): x, what is combined with it, the weights
+# and biases of its products and the caches share x's dtype, else a TypeError naming the op and the argument;
+# per-channel parameters read in fp32 (norm weights and biases, cos/sin, LoRA adapters, MoE routing weights) may
+# be any float dtype, the output in x's dtype (LlamaRMSNorm's promotion for the "llama" casting). Both paths.
+H16 = torch.float16
+
+
+def _x16(d, *shape):
+    return _randn(d, *shape, dtype=H16)
+
+
+def _llama_rms(x, w):  # transformers' LlamaRMSNorm.forward
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, 1e-6).to(x.dtype)
+
+
+def _tables(device, dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)  # fixed tables that need no gradient, as a model's rotary output
+    return tuple(torch.randn(1, 3, 8, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+
+
+def _rope_torch(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' formula in fp32, each output rounded once to its input's dtype."""
+    qe, ke = reference.eager_apply_rope(q.float(), k.float(), cos.float(), sin.float(), unsqueeze_dim)
+    return qe.to(q.dtype), ke.to(k.dtype)
+
+
+def _kv_write(k, v, q, cos, sin):
+    """rope_kv_write into fresh zero caches at slot 2: (rotated query, k_cache, v_cache)."""
+    kc, vc = torch.zeros(1, 2, 4, 8, device=k.device), torch.zeros(1, 2, 4, 8, device=k.device)
+    q_embed = ops.rope_kv_write(k, v, cos, sin, kc, vc, _long(k.device, 2), query=q)
+    return q_embed, kc, vc
+
+
+def _kv_write_torch(k, v, q, cos, sin):
+    qe, ke = _rope_torch(q, k, cos, sin)
+    kc, vc = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
+    kc[:, :, 2:3], vc[:, :, 2:3] = ke, v
+    return qe, kc, vc
+
+
+_MOE_POS = ((2, 0), (3, 1))
+
+
+def _moe_torch(y, w):
+    pos = torch.tensor(_MOE_POS)
+    return (y.float()[pos] * w.float()[..., None]).sum(1).to(y.dtype)
+
+
+def _lora_torch(x, a, b, s=0.5):
+    return s * (x @ a.to(x.dtype).t() @ b.to(x.dtype).t())
+
+
+# (name, op, inputs(device), tigon fn, what happens: a pattern of the TypeError, or the torch function it equals)
+MIXED = [
+    ("swiglu_up", "swiglu", lambda d: (_randn(d, 3, 4), _x16(d, 3, 4)), ops.swiglu,
+     "up has dtype torch.float16 but gate has dtype torch.float32"),
+    ("add_rms_residual", "add_rms_norm", lambda d: (_randn(d, 3, 8), _x16(d, 3, 8), _randn(d, 8)),
+     ops.add_rms_norm, "residual has dtype torch.float16"),
+    ("swiglu_mlp_weights", "swiglu_mlp", lambda d: (_randn(d, 3, 4), _x16(d, 6, 4), _x16(d, 6, 4), _x16(d, 4, 6)),
+     ops.swiglu_mlp, "gate_weight dtype torch.float16 differs from x's torch.float32"),
+    ("geglu_mlp_down", "geglu_mlp", lambda d: (_randn(d, 3, 4), _randn(d, 6, 4), _randn(d, 6, 4), _x16(d, 4, 6)),
+     ops.geglu_mlp, "down_weight dtype torch.float16"),
+    ("lce_weight", "linear_cross_entropy", lambda d: (_randn(d, 4, 5), _x16(d, 7, 5), _long(d, 1, 2, 3, 6)),
+     ops.linear_cross_entropy, "weight has dtype torch.float16 but hidden has dtype torch.float32"),
+    ("lce_fp16_hidden", "linear_cross_entropy", lambda d: (_x16(d, 4, 5), _randn(d, 7, 5), _long(d, 1, 2, 3, 6)),
+     ops.linear_cross_entropy, "weight has dtype torch.float32 but hidden has dtype torch.float16"),
+    ("lce_bias", "linear_cross_entropy",
+     lambda d: (_randn(d, 4, 5), _randn(d, 7, 5), _long(d, 1, 2, 3, 6), _x16(d, 7)), ops.linear_cross_entropy,
+     "bias has dtype torch.float16"),
+    ("logprobs_weight", "fused_linear_logprobs",
+     lambda d: (_randn(d, 2, 3, 5), _x16(d, 7, 5), torch.ones(2, 3, dtype=torch.long, device=d)),
+     ops.fused_linear_logprobs, "weight has dtype torch.float16"),
+    ("jsd_student_weight", "fused_linear_jsd",
+     lambda d: (_randn(d, 4, 5), _x16(d, 7, 5), _randn(d, 4, 5), _randn(d, 7, 5), _long(d, 1, 2, 3, 6)),
+     ops.fused_linear_jsd, "student_weight has dtype torch.float16"),
+    ("lora_base_weight", "lora_linear", lambda d: (_randn(d, 3, 8), _x16(d, 6, 8), _randn(d, 2, 8), _randn(d, 6, 2)),
+     lambda x, w, a, b: ops.lora_linear(x, w, None, a, b, 0.5), "weight has dtype torch.float16"),
+    ("lora_add_base_out", "lora_add", lambda d: (_x16(d, 3, 6), _randn(d, 3, 8), _randn(d, 2, 8), _randn(d, 6, 2)),
+     lambda base, x, a, b: ops.lora_add(base, x, a, b, 0.5), "base_out has dtype torch.float16"),
+    ("decode_linear_weight", "decode_linear", lambda d: (_randn(d, 2, 8), _x16(d, 6, 8)),
+     lambda x, w: ops.decode_linear(x, [w]), r"weights\[0\] has dtype torch.float16"),
+    ("decode_linear_norm_weight", "decode_linear", lambda d: (_randn(d, 2, 8), _randn(d, 6, 8), _x16(d, 8)),
+     lambda x, w, n: ops.decode_linear(x, [w], norm_weight=n), "norm_weight has dtype torch.float16"),
+    ("decode_attention_cache", "decode_attention", lambda d: (_randn(d, 1, 2, 1, 8), _x16(d, 1, 2, 4, 8)),
+     lambda q, kc: ops.decode_attention(q, kc, kc, torch.arange(4, device=q.device), _long(q.device, 3)),
+     "k_cache has dtype torch.float16"),
+    ("rope_kv_write_query", "rope_kv_write", lambda d: (_randn(d, 1, 2, 3, 8), _randn(d, 1, 2, 3, 8),
+                                                        _x16(d, 1, 2, 3, 8)),
+     lambda k, v, q: ops.rope_kv_write(k, v, *_tables(k.device), _randn(k.device, 1, 2, 4, 8),
+                                       _randn(k.device, 1, 2, 4, 8), _long(k.device, 0, 1, 2), query=q),
+     "query has dtype torch.float16 but key has dtype torch.float32"),
+    ("adamw_grads", "adamw_step_", lambda d: (_randn(d, 4), _x16(d, 4)),
+     lambda p, g: ops.adamw_step_([p], [g], [torch.zeros_like(p)], [torch.zeros_like(p)], lr=0.1, step=1),
+     r"grads\[0\] has dtype torch.float16"),
+    # accepted: per-channel parameters
+    ("rms_norm_weight16", "rms_norm", lambda d: (_randn(d, 3, 8), _x16(d, 8)), ops.rms_norm, _llama_rms),
+    ("rms_norm_x16_weight32", "rms_norm", lambda d: (_x16(d, 3, 8), _randn(d, 8)), ops.rms_norm, _llama_rms),
+    ("rms_norm_gemma_weight16", "rms_norm", lambda d: (_randn(d, 3, 8), _x16(d, 8)),
+     lambda x, w: ops.rms_norm(x, w, offset=1.0, casting_mode="gemma"),
+     lambda x, w: F.rms_norm(x.float(), (8,), 1.0 + w.float(), 1e-6).to(x.dtype)),
+    ("add_rms_weight16", "add_rms_norm", lambda d: (_randn(d, 3, 8), _randn(d, 3, 8), _x16(d, 8)), ops.add_rms_norm,
+     lambda x, r, w: (_llama_rms(x + r, w), x + r)),
+    ("layer_norm_params16", "layer_norm", lambda d: (_randn(d, 3, 8), _x16(d, 8), _x16(d, 8)), ops.layer_norm,
+     lambda x, w, b: F.layer_norm(x.float(), (8,), w.float(), b.float()).to(x.dtype)),
+    ("layer_norm_x16_params32", "layer_norm", lambda d: (_x16(d, 3, 8), _randn(d, 8), _randn(d, 8)), ops.layer_norm,
+     lambda x, w, b: F.layer_norm(x.float(), (8,), w, b).to(x.dtype)),
+    ("qk_norm_rope_weights16", "qk_norm_rope", lambda d: (_randn(d, 1, 3, 2, 8), _randn(d, 1, 3, 1, 8), _x16(d, 8),
+                                                          _x16(d, 8)),
+     lambda q, k, wq, wk: ops.qk_norm_rope(q, k, wq, wk, *_tables(q.device)),
+     lambda q, k, wq, wk: _rope_torch(_llama_rms(q, wq), _llama_rms(k, wk), *_tables(q.device), unsqueeze_dim=2)),
+    ("qk_norm_rope_cos16", "qk_norm_rope", lambda d: (_randn(d, 1, 3, 2, 8), _randn(d, 1, 3, 1, 8), _randn(d, 8),
+                                                      _randn(d, 8)),
+     lambda q, k, wq, wk: ops.qk_norm_rope(q, k, wq, wk, *_tables(q.device, H16)),
+     lambda q, k, wq, wk: _rope_torch(_llama_rms(q, wq), _llama_rms(k, wk), *_tables(q.device, H16),
+                                      unsqueeze_dim=2)),
+    ("apply_rope_cos16", "apply_rope", lambda d: (_randn(d, 1, 2, 3, 8), _randn(d, 1, 1, 3, 8)),
+     lambda q, k: ops.apply_rope(q, k, *_tables(q.device, H16)), lambda q, k: _rope_torch(q, k, *_tables("cpu", H16))),
+    ("apply_rope_q32_k16", "apply_rope", lambda d: (_randn(d, 1, 2, 3, 8), _x16(d, 1, 1, 3, 8)),
+     lambda q, k: ops.apply_rope(q, k, *_tables(q.device)), lambda q, k: _rope_torch(q, k, *_tables("cpu"))),
+    ("lora_adapters16", "lora_linear", lambda d: (_randn(d, 3, 8), _randn(d, 6, 8), _x16(d, 2, 8), _x16(d, 6, 2)),
+     lambda x, w, a, b: ops.lora_linear(x, w, None, a, b, 0.5),
+     lambda x, w, a, b: F.linear(x, w) + _lora_torch(x, a, b)),
+    ("lora_add_adapters16", "lora_add", lambda d: (_randn(d, 3, 6), _randn(d, 3, 8), _x16(d, 2, 8), _x16(d, 6, 2)),
+     lambda base, x, a, b: ops.lora_add(base, x, a, b, 0.5), lambda base, x, a, b: base + _lora_torch(x, a, b)),
+    ("moe_combine_weights16", "moe_combine", lambda d: (_randn(d, 4, 8), _x16(d, 2, 2)),
+     lambda y, w: ops.moe_combine(y, w, torch.tensor(_MOE_POS, device=y.device)), _moe_torch),
+    ("rope_kv_write_cos16", "rope_kv_write", lambda d: (_randn(d, 1, 2, 1, 8), _randn(d, 1, 2, 1, 8),
+                                                        _randn(d, 1, 2, 1, 8)),
+     lambda k, v, q: _kv_write(k, v, q, *(t[:, :1] for t in _tables(k.device, H16))),
+     lambda k, v, q: _kv_write_torch(k, v, q, *(t[:, :1] for t in _tables("cpu", H16)))),
+]
+_INFERENCE_ONLY = {"rope_kv_write"}
+
+
+@pytest.mark.parametrize("name,op,inputs,fn,want", MIXED, ids=[c[0] for c in MIXED])
+def test_mixed_dtypes(path, name, op, inputs, fn, want):
+    device, expected = path
+    torch.manual_seed(0)
+    args = inputs(device)
+    if isinstance(want, str):
+        _raises(TypeError, op, want, lambda: fn(*args))
+        return
+    before = _library.dispatch_counts[(op, expected)]
+    if op in _INFERENCE_ONLY:
+        with torch.no_grad():
+            got, ref = fn(*args), want(*[a.cpu() for a in args])
+    else:
+        got, ref = _grads(fn, args), _grads(want, [a.cpu() for a in args])
+    assert _library.dispatch_counts[(op, expected)] > before  # the path under test ran
+    # fp16 inputs: one fp16 rounding may land on the other side (1 ulp = 1e-3); the output dtypes are exact
+    tol = 2e-3 if any(a.dtype == H16 for a in args) else 1e-5
+    for a, b in zip(got, ref, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+        torch.testing.assert_close(a.cpu(), b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("interpreter", [True, False])
+def test_backend_for_takes_a_device_or_its_name(monkeypatch, interpreter):
+    monkeypatch.setattr(_library, "interpreter_on", lambda: interpreter)
+    cpu = "triton" if interpreter else "reference"
+    for device, want in (("cuda", "triton"), ("cuda:1", "triton"), (torch.device("cuda"), "triton"), ("cpu", cpu),
+                         (torch.device("cpu"), cpu), ("meta", "reference")):
+        assert ops.backend_for(device) == want, device
+    _raises(ValueError, "backend_for", r"device 'gpu' is not a device string", lambda: ops.backend_for("gpu"))
+    _raises(TypeError, "backend_for", r"device must be a torch.device or a device string .*, got int$",
+            lambda: ops.backend_for(0))
+    _raises(TypeError, "backend_for", r"got Tensor \(pass t.device\)", lambda: ops.backend_for(torch.zeros(1)))
+
+
 def test_inplace_backward_leaves_a_leaf_alone(path):
     x = _randn(path[0], 4, 7, requires_grad=True)
     before = x.detach().clone()

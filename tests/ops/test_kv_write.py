@@ -449,6 +449,28 @@ def test_append_bad_input(device, call, exc, match):
         call(device)
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "reference"])
+def test_append_negative_next_position(monkeypatch, kernels):
+    """Where next_position's value is on the host (CPU, or TIGON_VALIDATE=1), a negative one is a ValueError on
+    both paths; a device value is not read (no sync in a decode step): both paths then skip the tokens whose
+    position is negative and write the others (-1 + t for t = 0, 1, 2: positions 0 and 1)."""
+    from tigon.ops import _library
+
+    monkeypatch.setattr(_library, "interpreter_on", lambda: kernels)
+    path = "triton" if kernels else "reference"
+    args = _append_inputs(torch.float32, C=8, T=3, next_pos=-1, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^tigon.ops.rope_kv_append: next_position must be >= 0 .*, got -1$"):
+        rope_kv_append(*args[:-1], sink=2)
+    monkeypatch.setattr(_library, "host_checks", lambda device: False)  # as on CUDA without TIGON_VALIDATE
+    before = ops.dispatch_counts[("rope_kv_append", path)]
+    key, value, cos, sin, k_cache, v_cache, positions, nxt, query = args
+    rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, nxt, sink=2, query=query)
+    assert ops.dispatch_counts[("rope_kv_append", path)] == before + 1
+    assert positions.tolist() == [0, 1, -1, -1, -1, -1, -1, -1]
+    assert not k_cache[:, :, :2].isnan().any() and k_cache[:, :, 2:].isnan().all()
+    assert torch.equal(v_cache[:, :, :2], value[:, :, 1:])
+
+
 def test_append_bad_tensor_names_the_op(device):
     with pytest.raises(ValueError, match="rope_kv_append: key must have shape"):
         _bad_append(key=lambda a: a["key"][0])(device)

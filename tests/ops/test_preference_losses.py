@@ -178,27 +178,27 @@ def test_kto_matches_liger():
 
 def test_bad_input():
     h, w, b, t = head(B, T, H, V, torch.float32)
-    with pytest.raises(ValueError, match="fused_linear_preference: hidden must have 3 dimensions"):
+    with pytest.raises(ValueError, match="fused_linear_dpo: hidden must have 3 dimensions"):
         ops.fused_linear_dpo(h.reshape(-1, H), w, t)
-    with pytest.raises(ValueError, match="fused_linear_preference: loss_type must be one of"):
+    with pytest.raises(ValueError, match="fused_linear_dpo: loss_type must be one of"):
         ops.fused_linear_dpo(h, w, t, loss_type="ipo")
-    with pytest.raises(ValueError, match="fused_linear_preference: hidden's batch must be 2"):
+    with pytest.raises(ValueError, match="fused_linear_dpo: hidden's batch must be 2"):
         ops.fused_linear_dpo(h[:3], w, t[:3])
-    with pytest.raises(ValueError, match="fused_linear_preference: target must have shape"):
+    with pytest.raises(ValueError, match="fused_linear_dpo: target must have shape"):
         ops.fused_linear_dpo(h, w, t[:, :2])
     with pytest.raises(ValueError, match="label_smoothing must be > 0 for loss_type='exo_pair'"):
         ops.fused_linear_dpo(h, w, t, loss_type="exo_pair")
-    with pytest.raises(ValueError, match="fused_linear_preference: ref_logps must have shape"):
+    with pytest.raises(ValueError, match="fused_linear_dpo: ref_logps must have shape"):
         ops.fused_linear_dpo(h, w, t, ref_logps=torch.zeros(3))
-    with pytest.raises(TypeError, match="fused_linear_preference: beta must be a Python number"):
+    with pytest.raises(TypeError, match="fused_linear_dpo: beta must be a Python number"):
         ops.fused_linear_dpo(h, w, t, beta=torch.tensor(0.1))
-    with pytest.raises(TypeError, match="fused_linear_preference: config must be a FusedLinearLossConfig"):
+    with pytest.raises(TypeError, match="fused_linear_dpo: config must be a FusedLinearLossConfig"):
         ops.fused_linear_dpo(h, w, t, config=7)
     with pytest.raises(ValueError, match="fused_linear_kto: preference_labels must be a tensor of shape"):
         ops.fused_linear_kto(h, w, t, torch.ones(3, dtype=torch.bool))
     bad = t.clone()
     bad[0, 1] = V
-    with pytest.raises(ValueError, match=r"fused_linear_preference: target must be in \[0, 67\) or ignore_index"):
+    with pytest.raises(ValueError, match=r"fused_linear_dpo: target must be in \[0, 67\) or ignore_index"):
         ops.fused_linear_dpo(h, w, bad)
     with pytest.raises(ValueError, match=r"fused_linear_kto: target must be in \[0, 67\)"):
         ops.fused_linear_kto(h, w, bad, torch.ones(B, dtype=torch.bool))

@@ -5,7 +5,6 @@ Also where the stop ids come from: an explicit `eos_token_id` / `pad_token_id` w
 first EOS id, or 0).
 """
 
-import math
 
 import torch
 
@@ -29,22 +28,6 @@ def check_bool(name, value):
     if not isinstance(value, bool):
         raise TypeError(f"{NAME}: {name} must be True or False, got {type(value).__name__} {value!r}")
     return value
-
-
-def check_sampling(temperature, top_k, top_p):
-    """HF's rules (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper): temperature > 0, top_k >= 0
-    (0 = off), 0 <= top_p <= 1 (1 = off; 0 keeps the top token only); checked only when sampling, as there."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"{NAME}: temperature must be a float > 0, got {type(temperature).__name__} "
-                        f"{temperature!r}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        hint = " (for greedy decoding pass do_sample=False)" if temperature == 0 else ""
-        raise ValueError(f"{NAME}: temperature must be a finite float > 0, got {temperature!r}{hint}")
-    check_int("top_k", top_k, 0)
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
-        raise TypeError(f"{NAME}: top_p must be a float in [0, 1], got {type(top_p).__name__} {top_p!r}")
-    if not 0 <= top_p <= 1:
-        raise ValueError(f"{NAME}: top_p must be in [0, 1], got {top_p!r}")
 
 
 def token_ids(name, value, vocab):

@@ -3,7 +3,29 @@ temperature, top-k and top-p (HF's warper order) by the exponential race `argmax
 how torch.multinomial draws one sample. No host sync: this runs after every CUDA-graph replay.
 """
 
+import math
+
 import torch
+
+from .inputs import NAME, check_int
+
+
+def check_args(temperature, top_k, top_p):
+    """`tigon.generate`'s sampling arguments, checked when do_sample=True: temperature a finite number > 0,
+    top_k an int >= 0 (0 = off), 0 < top_p <= 1 (1 = off). top_p = 0 is refused, as HF's TopPLogitsWarper
+    documents it ("> 0"): an empty nucleus has no token to draw; top_k=1 keeps the top token only."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"{NAME}: temperature must be a float > 0, got {type(temperature).__name__} "
+                        f"{temperature!r}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        hint = " (for greedy decoding pass do_sample=False)" if temperature == 0 else ""
+        raise ValueError(f"{NAME}: temperature must be a finite float > 0, got {temperature!r}{hint}")
+    check_int("top_k", top_k, 0)
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+        raise TypeError(f"{NAME}: top_p must be a float in (0, 1], got {type(top_p).__name__} {top_p!r}")
+    if not 0 < top_p <= 1:
+        hint = " (for the top token only pass top_k=1, or do_sample=False for greedy decoding)" if top_p == 0 else ""
+        raise ValueError(f"{NAME}: top_p must be in (0, 1] (1.0 = off), got {top_p!r}{hint}")
 
 
 def argmax(x, two_pass=None):

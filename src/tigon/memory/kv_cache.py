@@ -6,7 +6,9 @@ absolute position p lives in slot `p` while p < sink_tokens (attention sinks, ke
 and in slot `sink + (p - sink) % (ring - sink)` after that, so while the sequence fits slot == position and
 the cache is an exact full-attention cache; past the ring the oldest non-sink token is overwritten (a
 sliding window). Sliding-window layers (Mistral, Gemma-2's local layers) get `ring = min(capacity, window)`
-and no sinks: the window is all they may attend, which makes them exact past capacity too.
+and no sinks: the window is all they may attend, which makes them exact past capacity too. A full-attention layer
+refuses a multi-token chunk (a prompt) that overflows its ring unless the window is asked for (`sliding=True` or
+`sink_tokens`): the model would silently attend less than it was trained to.
 
 Hugging Face builds the attention mask from `get_mask_sizes` as if key j sat at position `kv_offset + j`.
 The ring satisfies that contract in three cases, chosen by host integers that depend on shapes only:
@@ -123,10 +125,13 @@ class RollingKVLayer(CacheLayerMixin):
     supports_early_init = True
 
     def __init__(self, *, layer_idx, batch_size, kv_heads, head_dim, ring, sink_tokens, sliding, dtype, device,
-                 storage=None):
+                 storage=None, evicts=False):
         super().__init__()
         self.layer_idx, self.batch_size, self.num_heads, self.head_dim = layer_idx, batch_size, kv_heads, head_dim
         self.ring, self.sink, self.is_sliding = ring, sink_tokens, sliding
+        # Whether a chunk past the ring may drop the oldest tokens: always for a sliding layer (exact), for a
+        # full-attention one only when the cache was asked for a window (sliding=True or sink tokens).
+        self.evicts = sliding or evicts or sink_tokens > 0
         self.recent = ring - sink_tokens  # slots that roll; the first `sink` slots never move
         self.dtype, self.device = dtype, device
         self.seen = 0  # the same count on the host, derived from shapes only (no sync): drives the branches
@@ -212,9 +217,23 @@ class RollingKVLayer(CacheLayerMixin):
             raise ValueError(f"{_NAME}.update: key_states {tuple(key_states.shape)} and value_states "
                              f"{tuple(value_states.shape)} differ")
 
+    def _check_fits(self, q: int) -> None:
+        """Refuse a chunk that would drop tokens of a full-attention layer that was not asked for a window (host
+        integers only: `seen` and the chunk's length come from shapes)."""
+        if q == 1 or self.evicts or self.seen + q <= self.ring:
+            return
+        what = "a prompt" if self.seen == 0 else "a continuation"
+        raise ValueError(
+            f"{_NAME}: a {q}-token chunk ({what}) on {self.seen} cached tokens needs {self.seen + q} slots, but "
+            f"capacity is {self.ring}: layer {self.layer_idx} is a full-attention layer and would drop the oldest "
+            f"tokens, a sliding window the model was not trained with (its output would differ from a full cache). "
+            f"Pass capacity >= {self.seen + q}, or RollingKVCache(..., sliding=True) (or sink_tokens=) to keep a "
+            f"window of the last {self.ring} tokens on purpose")
+
     def update(self, key_states, value_states, *args, **kwargs):
         self._check(key_states, value_states)
         b, q = key_states.shape[0], key_states.shape[2]
+        self._check_fits(q)
         keys, values = self._views(b)
         seen, self.seen = self.seen, self.seen + q
         if q == 1:
@@ -312,7 +331,7 @@ class RollingKVLayer(CacheLayerMixin):
     def decode_positions(self):
         """(slot positions `[ring]`, next position `[1]`), both int64 device tensors kept by the layer.
 
-        After a decode step's write the query sits at `next - 1`; `tigon.hf.attention` passes `next` itself to
+        After a decode step's write the query sits at `next - 1`; `tigon.hf.ring_decode` passes `next` itself to
         `decode_attention` (with the window widened by one), which selects the same slots since no slot holds
         `next` yet, and so needs no subtraction kernel."""
         if not self.is_initialized:
@@ -382,13 +401,19 @@ class RollingKVCache(Cache):
     one the rings are allocated here, `dtype` defaulting to `config.dtype` (else torch's default) and `device` to
     the default device.
     Exact full attention while the sequence fits; past capacity a sliding window of the most recent tokens
-    (exact for models trained with that window, e.g. Mistral with capacity == sliding_window).
+    (exact for models trained with that window, e.g. Mistral with capacity == sliding_window). Decode steps
+    past capacity roll the ring; a multi-token chunk (a prompt) that overflows a full-attention layer's ring is
+    refused with a ValueError unless `sliding=True` or `sink_tokens > 0` asks for that window on purpose (the
+    model's own sliding-window layers always roll: they never attend further back).
     """
 
-    def __init__(self, config, *, batch_size: int, capacity: int, sink_tokens: int = 0, dtype=None, device=None):
+    def __init__(self, config, *, batch_size: int, capacity: int, sink_tokens: int = 0, sliding: bool = False,
+                 dtype=None, device=None):
         batch_size = _positive_int("batch_size", batch_size, 1)
         capacity = _positive_int("capacity", capacity, 1)
         sink_tokens = _positive_int("sink_tokens", sink_tokens, 0)
+        if not isinstance(sliding, bool):
+            raise TypeError(f"{_NAME}: sliding must be True or False, got {type(sliding).__name__} {sliding!r}")
         if sink_tokens >= capacity:
             raise ValueError(f"{_NAME}: sink_tokens ({sink_tokens}) must be smaller than capacity ({capacity}), "
                              "or nothing would roll")
@@ -415,10 +440,10 @@ class RollingKVCache(Cache):
             storage, self._counters = _layer_storage(batch_size, kv_heads, head_dim, rings, sinks, dtype, device)
         layers = [RollingKVLayer(layer_idx=i, batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim,
                                  ring=rings[i], sink_tokens=sinks[i], sliding=slidings[i], dtype=dtype,
-                                 device=device, storage=storage[i])
+                                 device=device, storage=storage[i], evicts=sliding)
                   for i in range(len(rings))]
         super().__init__(layers=layers)
-        self.capacity, self.sink_tokens = capacity, sink_tokens
+        self.capacity, self.sink_tokens, self.sliding = capacity, sink_tokens, sliding
         # Set by a caller whose prefill reads the last position's output only (tigon.generate, logits_to_keep=1):
         # the fused prefill's last layer then computes that row alone (tigon.decode.layer_step.prefill_layer_step).
         self.last_position_only = False

@@ -1,6 +1,19 @@
 """Launch geometry and input validation shared by every op.
 
 Validation raises ValueError/TypeError that name the op, the argument and what was expected.
+
+Dtypes, one rule for every op and both paths (tests/ops/test_bad_input.py::test_mixed_dtypes):
+- x, the tensors combined with it (residual, gate and up, base_out), the weights and biases of its matrix
+  products, and the KV caches share x's dtype; a mix is a TypeError naming the op and the argument (torch's own
+  matmul refuses it too; a silent cast would copy the weight on every call or round the activations).
+- Per-channel parameters read in fp32 may be any float dtype: norm weights and biases (rms_norm, add_rms_norm,
+  layer_norm, qk_norm_rope), cos/sin (apply_rope, qk_norm_rope, rope_kv_write, rope_kv_append), LoRA adapters
+  (lora_linear, lora_add: cast to x's dtype for their products, as PEFT does) and MoE routing weights
+  (moe_combine). The output is in x's dtype, except rms_norm-style "llama" casting, which promotes as
+  LlamaRMSNorm's `weight * x_normed.to(x.dtype)` does. decode_linear's norm_weight is not one: its output feeds
+  a product in x's dtype, where HF's modules would fail too.
+- Independent tensors keep their own dtypes: apply_rope's q and k; a teacher's or reference model's
+  (hidden, weight) pair shares a dtype with itself, not with the student's or policy's.
 """
 
 import functools

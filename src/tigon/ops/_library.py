@@ -15,7 +15,6 @@ import os
 
 import torch
 
-NAMESPACE = "tigon"
 logger = logging.getLogger("tigon")
 
 # (op name, path) -> number of eager calls; path is "triton" or "reference".
@@ -32,13 +31,28 @@ def validation_on() -> bool:
     return os.environ.get("TIGON_VALIDATE", "0") not in ("", "0")
 
 
-def backend_for(device: torch.device) -> str:
-    """'triton' when the Triton kernels run for tensors on `device`, else 'reference'."""
+def backend_for(device: torch.device | str) -> str:
+    """'triton' when the Triton kernels run for tensors on `device`, else 'reference'. `device`: a torch.device or
+    a device string as torch takes it ("cuda", "cuda:1", "cpu"); a tensor's is `t.device`."""
+    if not isinstance(device, torch.device):
+        device = _as_device(device)
     if device.type == "cuda":
         return "triton"
     if device.type == "cpu" and interpreter_on():
         return "triton"
     return "reference"
+
+
+def _as_device(device) -> torch.device:
+    if not isinstance(device, str):
+        hint = " (pass t.device)" if isinstance(device, torch.Tensor) else ""
+        raise TypeError(f"tigon.ops.backend_for: device must be a torch.device or a device string such as 'cuda' or "
+                        f"'cpu', got {type(device).__name__}{hint}")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"tigon.ops.backend_for: device {device!r} is not a device string torch knows (such as "
+                         "'cuda', 'cuda:1' or 'cpu')") from None
 
 
 def use_kernels(op: str, x: torch.Tensor) -> bool:
@@ -54,15 +68,11 @@ def _note_reference(device: torch.device) -> None:
     global _warned_reference
     if not _warned_reference:
         _warned_reference = True
-        logger.warning(
+        logger.info(  # INFO: a CPU run is expected, not a problem to warn about on every start
             "tigon: Triton kernels are off for %s tensors; running the PyTorch reference ops "
             "(set TRITON_INTERPRET=1 to run the kernels on CPU through Triton's interpreter)",
             device.type,
         )
-
-
-def op_name(name: str) -> str:
-    return f"{NAMESPACE}::{name}"
 
 
 def record(op: str, path: str) -> None:

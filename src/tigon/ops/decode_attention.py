@@ -358,7 +358,7 @@ def _(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap, conf
 
 
 def _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap):
-    op = "decode_attention"
+    op = "tigon.ops.decode_attention"
     _launch.check_tensor(op, "q", q)
     _launch.check_tensor(op, "k_cache", k_cache)
     _launch.check_tensor(op, "v_cache", v_cache)
@@ -417,11 +417,11 @@ def decode_attention(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, slidin
     """
     scale, window, softcap = _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap)
     if config is not None and not isinstance(config, DecodeAttentionConfig):
-        raise TypeError(f"decode_attention: config must be a tigon.ops._config.DecodeAttentionConfig or None, got "
-                        f"{type(config).__name__}")
+        raise TypeError(f"tigon.ops.decode_attention: config must be a tigon.ops._config.DecodeAttentionConfig or "
+                        f"None, got {type(config).__name__}")
     if advance_q_pos and not q_pos.is_contiguous():
-        raise ValueError(f"decode_attention: advance_q_pos=True needs a contiguous q_pos (it is updated in place), "
-                         f"got strides {q_pos.stride()}")
+        raise ValueError(f"tigon.ops.decode_attention: advance_q_pos=True needs a contiguous q_pos (it is updated in "
+                         f"place), got strides {q_pos.stride()}")
     counter = q_pos
     q_pos = q_pos.reshape(-1).expand(q.shape[0])  # one position for the batch: a stride-0 view, no copy
     if not _library.use_kernels("decode_attention", q):

@@ -330,7 +330,7 @@ def _(x, weights, norm_weight, eps, residual, activation, config=None):
 
 
 def _validate(x, weights, norm_weight, eps, residual, activation, config):
-    op = "decode_linear"
+    op = "tigon.ops.decode_linear"
     if config is not None and not isinstance(config, DecodeLinearConfig):
         raise TypeError(f"{op}: config must be a tigon.ops._config.DecodeLinearConfig or None, got "
                         f"{type(config).__name__}")

@@ -178,7 +178,7 @@ def _(key, value, cos, sin, k_cache, v_cache, slots, query):
     return torch.empty_like(query) if query is not None else cos.new_empty(0)
 
 
-def _validate(key, value, cos, sin, k_cache, v_cache, slots, query, op="rope_kv_write"):
+def _validate(key, value, cos, sin, k_cache, v_cache, slots, query, op="tigon.ops.rope_kv_write"):
     for name, t in (("key", key), ("value", value), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
                     ("v_cache", v_cache)):
         _launch.check_tensor(op, name, t)
@@ -274,9 +274,11 @@ def rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_posit
     advanced: the caller adds T). Saves a decode step the slot arithmetic kernels. Returns RoPE(query) or None.
     A chunk longer than the ring's rolling part maps two tokens to one slot: which token's key, value and
     position land there is unspecified (they may even come from different tokens); RollingKVCache only
-    appends one token at a time.
+    appends one token at a time. A negative next_position is a ValueError where its value is on the host (a CPU
+    tensor, or any device under TIGON_VALIDATE=1); a CUDA one is not read (no host sync in a decode step), and
+    both paths then write nothing for a token whose position is negative.
     """
-    op = "rope_kv_append"
+    op = "tigon.ops.rope_kv_append"
     _launch.check_tensor(op, "next_position", next_position, floating=False)
     _launch.check_tensor(op, "positions", positions, floating=False)
     if next_position.dtype != torch.int64:
@@ -295,4 +297,9 @@ def rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_posit
     _launch.check_same_device(op, "key", key, positions=positions, next_position=next_position)
     if isinstance(sink, bool) or not isinstance(sink, int) or not 0 <= sink < C:
         raise ValueError(f"{op}: sink must be an int in [0, {C}), got {sink!r}")
+    if _library.host_checks(next_position.device):
+        first = int(next_position.reshape(()))
+        if first < 0:
+            raise ValueError(f"{op}: next_position must be >= 0 (the absolute position of the chunk's first token), "
+                             f"got {first}")
     return rope_kv_append_rows(key, value, cos, sin, k_cache, v_cache, positions, next_position, sink, query)

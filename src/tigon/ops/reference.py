@@ -183,10 +183,12 @@ def rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, *, query=None):
 
 def rope_kv_append(key, value, cos, sin, k_cache, v_cache, positions, next_position, *, sink=0, query=None):
     """rope_kv_write at the ring slots of positions next_position + t (`ring_slot`), recorded in `positions`;
-    next_position is not advanced."""
+    next_position is not advanced. A negative position's slot is negative: nothing of that token is written, as
+    in the kernel. Syncs on the slots."""
     p = next_position.reshape(1) + torch.arange(key.shape[2], device=next_position.device)
     slots = ring_slot(p, sink, k_cache.shape[2] - sink)
-    positions.index_copy_(0, slots, p)
+    kept = p >= 0
+    positions.index_copy_(0, slots[kept], p[kept])
     return rope_kv_write(key, value, cos, sin, k_cache, v_cache, slots, query=query)
 
 

@@ -241,7 +241,9 @@ def fused_linear_preference(hidden, weight, target, bias=None, *, kind="dpo", lo
     rejected_logits_mean, nll_loss, chosen_rewards, rejected_rewards[, log_odds_ratio, log_odds_chosen for ORPO]))
     as liger-kernel 0.8.5. Gradients for hidden, weight and bias; the loss and metrics are fp32.
     """
-    op = "tigon.ops.fused_linear_preference"
+    # errors name the op the user called: fused_linear_dpo / _orpo / _cpo / _simpo wrap this one
+    op = f"tigon.ops.fused_linear_{kind}" if isinstance(kind, str) and kind in KINDS else \
+        "tigon.ops.fused_linear_preference"
     _common.check_head(op, hidden, weight, bias, hidden_dim=3)
     B, T = hidden.shape[:2]
     if B == 0 or B % 2:
