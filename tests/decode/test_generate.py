@@ -104,10 +104,9 @@ def test_sampling_reproducible_and_top_k_1_is_greedy():
     one = gen.generate(model, ids, max_new_tokens=10, do_sample=True, top_k=1, temperature=3.0,
                        generator=torch.Generator().manual_seed(0), attention=HF)
     assert torch.equal(one, greedy)
-    for p in (1e-6, 0.0):  # HF accepts top_p=0 as well: the top token only
-        tiny_p = gen.generate(model, ids, max_new_tokens=10, do_sample=True, top_p=p,
-                              generator=torch.Generator().manual_seed(0), attention=HF)
-        assert torch.equal(tiny_p, greedy)  # top-p keeps at least the top token
+    tiny_p = gen.generate(model, ids, max_new_tokens=10, do_sample=True, top_p=1e-6,
+                          generator=torch.Generator().manual_seed(0), attention=HF)
+    assert torch.equal(tiny_p, greedy)  # top-p keeps at least the top token
 
 
 def test_top_k_top_p_filter_the_distribution():
@@ -169,7 +168,13 @@ def test_bad_input():
     (dict(do_sample=True, temperature="0.7"), TypeError, r"generate: temperature must be a float > 0, got str"),
     (dict(do_sample=True, temperature=True), TypeError, r"generate: temperature must be a float"),
     (dict(do_sample=True, top_k=2.5), TypeError, r"generate: top_k must be an int"),
-    (dict(do_sample=True, top_p="0.9"), TypeError, r"generate: top_p must be a float in \[0, 1\]"),
+    (dict(do_sample=True, top_p="0.9"), TypeError, r"generate: top_p must be a float in \(0, 1\]"),
+    (dict(do_sample=True, top_p=0), ValueError, r"generate: top_p must be in \(0, 1\] \(1.0 = off\), got 0 \(for "
+                                                r"the top token only pass top_k=1"),
+    (dict(do_sample=True, top_p=0.0), ValueError, r"generate: top_p must be in \(0, 1\]"),
+    (dict(do_sample=True, top_p=float("nan")), ValueError, r"generate: top_p must be in \(0, 1\] .*got nan"),
+    (dict(do_sample=True, top_p=True), TypeError, r"generate: top_p must be a float"),
+    (dict(do_sample=True, top_k=-1), ValueError, r"generate: top_k must be >= 0, got -1"),
     (dict(do_sample=True, generator=1), TypeError, r"generate: generator must be a torch.Generator on the model's"),
     (dict(do_sample=1), TypeError, r"generate: do_sample must be True or False, got int"),
     (dict(cuda_graph="no"), TypeError, r"generate: cuda_graph must be True or False"),
@@ -650,7 +655,7 @@ def test_nearest_rank_percentile():
     values = list(range(1, 101))  # 1..100: the q-quantile is the ceil(100 q)-th value
     assert [percentile(values, q) for q in (0.01, 0.5, 0.99, 1.0)] == [1, 50, 99, 100]
     assert percentile([7.0], 0.99) == 7.0 and percentile([], 0.5) is None
-    steps = sorted(range(255))  # the benchmark's 255 steps: the anchors' sorted[int(q n)] picks the same
+    steps = sorted(range(255))  # the benchmark's 255 steps: the peer benchmarks' sorted[int(q n)] picks the same
     assert all(percentile(steps, q) == steps[min(254, int(255 * q))] for q in (0.5, 0.99))
 
 

@@ -132,10 +132,11 @@ def test_decode_logits_one_step():
 
 def test_patch_keyword_unpatch_and_restore():
     model = tiny_model("llama", attn_implementation="sdpa").eval()
-    assert not any(NAME in piece for piece in tigon.patch(model, attention=False).replaced)
+    impl_piece = f"attention implementation '{NAME}'"
+    assert not any(impl_piece in piece for piece in tigon.patch(model, attention=False).replaced)
     assert model.config._attn_implementation == "sdpa"
     tigon.unpatch(model)
-    assert any(NAME in piece for piece in tigon.patch(model).replaced)  # "auto": sdpa switches on every device
+    assert any(impl_piece in piece for piece in tigon.patch(model).replaced)  # "auto": sdpa switches everywhere
     assert model.config._attn_implementation == NAME
     tigon.unpatch(model)
     assert model.config._attn_implementation == "sdpa"
@@ -200,7 +201,7 @@ def test_rope_on_write_is_read_from_the_forward():
     # window and Qwen3's head-dim q/k norms) and its apply_rotary_pos_emb is rotate-half.
     import importlib
 
-    from tigon.hf.attention import rope_on_write_form
+    from tigon.hf.forward_source import rope_on_write_form
     from tigon.hf.registry import FAMILIES
 
     forms = {}
@@ -222,7 +223,7 @@ def test_rope_on_write_reads_through_the_kernels_function_module():
     from transformers.models.llama import modeling_llama
     from transformers.models.qwen3 import modeling_qwen3
 
-    from tigon.hf.attention import rope_on_write_form
+    from tigon.hf.forward_source import rope_on_write_form
 
     if not isinstance(modeling_llama.apply_rotary_pos_emb, torch.nn.Module):
         pytest.skip("without the `kernels` package transformers' apply_rotary_pos_emb is a plain function")

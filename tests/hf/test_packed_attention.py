@@ -259,7 +259,8 @@ def test_default_patch_confines_packed_rows_without_a_table(case, attention, use
     ref64, hf32 = copy.deepcopy(model).double(), copy.deepcopy(model)
     impl = model.config._attn_implementation
     report = tigon.patch(model, attention=attention, **NO_KERNELS)
-    assert model.config._attn_implementation == ("tigon" if attention == "auto" else impl), report
+    # "auto" switches sdpa; eager (gemma2) stays where no table row is faster, and HF's packed mask confines it
+    assert model.config._attn_implementation == ("tigon" if attention == "auto" and impl == "sdpa" else impl), report
     for m in (model, ref64, hf32):
         m.train(train)
     batch = _packed(examples)

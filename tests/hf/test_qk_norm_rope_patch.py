@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tigon
-from tigon.hf import attention as tigon_attention
+from tigon.hf import forward_source, qk_norm_rope_forward, rope_routing
 
 from ._tiny import batch, op_calls, tiny_model
 
@@ -38,7 +38,7 @@ def test_patched_qwen3_fuses_and_trains_like_hf(overrides):
     report = tigon.patch(model)
     assert report.replaced[FUSED] == 2, str(report)
     attn = model.model.layers[0].self_attn
-    assert attn.__dict__[tigon_attention.QK_NORM_ROPE] == "module"  # Qwen3 passes self.sliding_window
+    assert attn.__dict__[qk_norm_rope_forward.QK_NORM_ROPE] == "module"  # Qwen3 passes self.sliding_window
     assert attn.sliding_window == (4 if overrides else None)
     ids, labels = batch()
     before = op_calls("qk_norm_rope")
@@ -70,14 +70,14 @@ def test_unpatch_and_unrouted_norms():
     model = tiny_model("qwen3")
     tigon.patch(model)
     attn = model.model.layers[1].self_attn
-    assert tigon_attention.QK_NORM_ROPE in attn.__dict__
+    assert qk_norm_rope_forward.QK_NORM_ROPE in attn.__dict__
     tigon.unpatch(model)
-    assert tigon_attention.QK_NORM_ROPE not in attn.__dict__ and "forward" not in attn.__dict__
+    assert qk_norm_rope_forward.QK_NORM_ROPE not in attn.__dict__ and "forward" not in attn.__dict__
     # norms left as Hugging Face's: RoPE is routed, the norms and RoPE stay apart
     report = tigon.patch(model, rms_norm=False)
-    assert FUSED not in report.replaced and tigon_attention.ROPE in attn.__dict__
+    assert FUSED not in report.replaced and rope_routing.ROPE in attn.__dict__
     assert report.skipped.count((FUSED, "rms_norm=False")) == 1, report.skipped  # said once, not once a layer
-    assert tigon_attention.QK_NORM_ROPE not in attn.__dict__
+    assert qk_norm_rope_forward.QK_NORM_ROPE not in attn.__dict__
     tigon.unpatch(model)
 
 
@@ -100,10 +100,10 @@ def test_ready_on_the_installed_transformers():
     transformers whose Llama forward differs gets the class forward, and this test says the fused one is off."""
     model = tiny_model("qwen3")
     tigon.patch(model)
-    assert tigon_attention.qk_norm_rope_ready(model.model.layers[0].self_attn) == ""
+    assert qk_norm_rope_forward.qk_norm_rope_ready(model.model.layers[0].self_attn) == ""
     llama = tiny_model("llama")
     assert not any("q/k norms" in piece for piece, _ in tigon.patch(llama).skipped)  # nothing to fuse: not named
-    assert "no q/k norms" in tigon_attention.qk_norm_rope_ready(llama.model.layers[0].self_attn)
+    assert "no q/k norms" in qk_norm_rope_forward.qk_norm_rope_ready(llama.model.layers[0].self_attn)
 
 
 @pytest.mark.parametrize("patch_first", [True, False], ids=["patch_then_peft", "peft_then_patch"])
@@ -174,7 +174,7 @@ def test_class_level_patch_fuses_models_built_after(then_instance, device):
         if then_instance:
             tigon.patch(model)
         attn = model.model.layers[0].self_attn
-        assert tigon_attention.hf_class_forward(cls) is hf_forward and tigon_attention.has_qk_norm(attn)
+        assert forward_source.hf_class_forward(cls) is hf_forward and forward_source.has_qk_norm(attn)
         ids, labels = (t.to(device) for t in batch())
         before = op_calls("qk_norm_rope")
         loss, grads = _loss_and_grads(model, ids, labels)
@@ -264,7 +264,7 @@ def test_class_level_patched_qwen3_through_tigon_generate():
         model = tiny_model("qwen3").eval()
         model.load_state_dict(ref.state_dict())
         model.generation_config.eos_token_id = None
-        assert tigon_attention.has_qk_norm(model.model.layers[0].self_attn)
+        assert forward_source.has_qk_norm(model.model.layers[0].self_attn)
         before = op_calls("decode_attention"), op_calls("rope_kv_append")
         got, stats = gen.generate(model, ids, max_new_tokens=3, return_stats=True)
         steps = op_calls("decode_attention") - before[0]

@@ -44,9 +44,9 @@ import torch
 from torch import nn
 
 from .. import _log
-from ..hf.attention import NAME as TIGON_ATTENTION
-from ..hf.attention import mark_unmasked
 from ..hf.bound import BoundForward
+from ..hf.ring_decode import NAME as TIGON_ATTENTION
+from ..hf.ring_decode import mark_unmasked
 from ..hf.unwrap import unwrap_model
 from ..memory.kv_cache import RollingKVCache
 from .capture import capture, warm_up

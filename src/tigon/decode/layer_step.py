@@ -29,7 +29,7 @@ decode_linear.md, "The norm as its own launch").
 
 The roundings are the unfused modules' (each projection output, the norm output and the GLU product are
 rounded to the model dtype where they would be). It applies only where that is exactly what the layer's own
-forward computes: the "tigon" attention with RoPE on write (`hf.attention.rope_on_write_form`: Llama,
+forward computes: the "tigon" attention with RoPE on write (`hf.forward_source.rope_on_write_form`: Llama,
 Mistral, Qwen2 without q/k/v bias, Qwen3, ...),
 Tigon's RMSNorm modules in "llama" casting with no offset, plain bias-free nn.Linear projections in the model
 dtype, a SwiGLU or GeGLU MLP, no hooks, no autograd. Anything else returns None and the layer runs its forward
@@ -43,17 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..hf.attention import (
-    NAME,
-    has_qk_norm,
-    is_tigon_forward,
-    mask_usable,
-    ring_decode,
-    ring_layer,
-    sliding_window_of,
-    slot_positions,
-)
 from ..hf.causal_lm import fused_prenorm_decoder_forward
+from ..hf.forward_source import has_qk_norm, sliding_window_of
+from ..hf.instance_forward import is_tigon_forward
+from ..hf.ring_decode import NAME, mask_usable, ring_decode, ring_layer, slot_positions
 from ..memory.kv_cache import RollingKVCache
 from ..modules import RMSNorm
 from ..modules.mlp import GeGLUMLP, SwiGLUMLP, member, plain_linear

@@ -104,7 +104,7 @@ class TigonMasks:
         self.single = len({(layer.ring, layer.sink) for layer in self.kinds.values()}) == 1
         self.constant = None
         if keep is None:
-            from tigon.hf.attention import mark_unmasked
+            from tigon.hf.ring_decode import mark_unmasked
 
             self.constant = {kind: mark_unmasked(torch.ones((1, 1, 1, layer.ring), dtype=torch.bool,
                                                             device=layer.device))
@@ -125,9 +125,13 @@ class TigonMasks:
 
 
 @torch.no_grad()
-def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=None, cuda_graph=True,
-             attention="auto", return_stats=False, do_sample=False, temperature=1.0, top_k=0, top_p=1.0,
-             eos_token_id=None, pad_token_id=None, generator=None, settings=DEFAULT):
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
+             attention_mask: torch.Tensor | None = None, capacity: int | None = None, cuda_graph: bool = True,
+             attention: str = "auto", return_stats: bool = False, do_sample: bool = False,
+             temperature: float | None = 1.0, top_k: int | None = 0, top_p: float | None = 1.0,
+             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             generator: torch.Generator | None = None,
+             settings: DecodeSettings = DEFAULT) -> torch.Tensor | tuple[torch.Tensor, dict]:
     """Generate `max_new_tokens` tokens per row; returns `[B, P + n]` int64 sequences (prompt then new tokens,
     n <= max_new_tokens: trimmed once every row has emitted an EOS), or `(sequences, stats)`.
 
@@ -145,7 +149,7 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
     Without a pad id the first EOS id pads (0 without any EOS); with no EOS anywhere rows never stop (set
     `model.generation_config.eos_token_id = None` to force every new token). Ids must be inside the model's
     vocabulary. Sampling (`do_sample=True`) applies temperature (a float > 0; a tiny one tends to greedy), then
-    top-k (0 = off), then top-p (1.0 = off, 0 keeps the top token), and draws with `generator` (on the model's
+    top-k (0 = off), then top-p (in (0, 1], 1.0 = off), and draws with `generator` (on the model's
     device); as in `model.generate`, these are ignored (and not checked) when do_sample=False. `settings`: a
     `DecodeSettings` (how the loop runs; the tokens do not depend on it).
 
@@ -170,7 +174,7 @@ def generate(model, input_ids, *, max_new_tokens, attention_mask=None, capacity=
         # None is "off", as in model.generate's keyword arguments
         temperature = 1.0 if temperature is None else temperature
         top_k, top_p = 0 if top_k is None else top_k, 1.0 if top_p is None else top_p
-        inputs.check_sampling(temperature, top_k, top_p)
+        sampling.check_args(temperature, top_k, top_p)
         if generator is not None and (not isinstance(generator, torch.Generator)
                                       or generator.device.type != model.device.type):
             raise TypeError(f"{NAME}: generator must be a torch.Generator on the model's device "

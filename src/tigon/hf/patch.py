@@ -3,7 +3,7 @@
 Two targets:
 - a model instance, and only that instance: its norm and MLP submodules are replaced by Tigon modules that
   share the same Parameters (weights, state_dict keys, device and dtype unchanged), its attention modules run
-  Tigon's RoPE (tigon.hf.attention.route_rope) and its forward gets the fused loss. Another model of the same
+  Tigon's RoPE (tigon.hf.instance_forward.route_rope) and its forward gets the fused loss. Another model of the same
   class is not affected; the record of what was replaced lives on the instance, so copy.deepcopy and
   torch.save of a patched model give a patched model, and unpatch() of the copy restores the copy only;
 - a model_type: the family's modeling module gets Tigon classes and functions, so models built afterwards
@@ -22,9 +22,19 @@ import torch
 
 from .. import _log
 from . import attention as tigon_attention
-from . import causal_lm, registry, training_attention
+from . import (
+    attention_table,
+    causal_lm,
+    forward_source,
+    instance_forward,
+    qk_norm_rope_forward,
+    registry,
+    rope_routing,
+    training_attention,
+)
 from . import lora as tigon_lora
 from . import moe as tigon_moe
+from . import trl as tigon_trl
 from .bound import BoundForward
 from .unwrap import unwrap_model
 
@@ -168,7 +178,7 @@ def _class_patch(family, report, spec):
         swap(layer_cls, "forward", _tagged(causal_lm.fused_prenorm_decoder_forward),
              f"{layer_cls.__name__}.forward (residual add fused into the norm)")
     if spec["rope"] and family.rope:
-        swap(modeling, "apply_rotary_pos_emb", tigon_attention.apply_rotary_pos_emb, "function apply_rotary_pos_emb")
+        swap(modeling, "apply_rotary_pos_emb", rope_routing.apply_rotary_pos_emb, "function apply_rotary_pos_emb")
         _fuse_qk_norm_rope_class(family, modeling, spec, swap, report)
     if spec["lora"]:
         report.skip("lora", "PEFT LoRA projections run through tigon.ops.lora_linear on an instance patch "
@@ -180,15 +190,15 @@ def _fuse_qk_norm_rope_class(family, modeling, spec, swap, report):
     """A family whose attention is Llama's with Qwen3's q/k norms gets a class forward running the norms and RoPE
     as one kernel (for instances whose norms are Tigon's: rms_norm=True builds them so)."""
     cls = getattr(modeling, f"{family.prefix}Attention", None)
-    why = tigon_attention.qk_norm_rope_class_ready(cls) if cls is not None else tigon_attention.NO_QK_NORM
-    if why == tigon_attention.NO_QK_NORM:
+    why = qk_norm_rope_forward.qk_norm_rope_class_ready(cls) if cls is not None else qk_norm_rope_forward.NO_QK_NORM
+    if why == qk_norm_rope_forward.NO_QK_NORM:
         return  # nothing to fuse: not named
     piece = f"{cls.__name__}.forward (q/k norms + RoPE in one kernel)"
     why = why or ("" if spec["rms_norm"] else "rms_norm=False")
     if why:
         report.skip(piece, why)
     else:
-        swap(cls, "forward", tigon_attention.qk_norm_rope_class_forward(cls), piece)
+        swap(cls, "forward", qk_norm_rope_forward.qk_norm_rope_class_forward(cls), piece)
 
 
 def _patch_offset_norm_init(family, modeling, report):
@@ -316,22 +326,22 @@ def _instance_patch(model, family, report, spec):
                 report.add(f"{family.decoder_layer_class}.forward (residual add fused into the norm)")
     if spec["rope"] and family.rope:
         for m in hf.modules():
-            if not tigon_attention.calls_rope(type(m), family.modeling):
+            if not rope_routing.calls_rope(type(m), family.modeling):
                 continue
             piece = f"{type(m).__name__} apply_rotary_pos_emb (this instance)"
-            routed = tigon_attention.ROPE in m.__dict__
-            why = "" if routed else tigon_attention.route_rope(m)
+            routed = rope_routing.ROPE in m.__dict__
+            why = "" if routed else instance_forward.route_rope(m)
             if why and (piece, why) not in report.skipped:
                 report.skip(piece, why)
             elif not why:
                 if not routed:
-                    undo.append((m, tigon_attention.ROPE, None))
+                    undo.append((m, rope_routing.ROPE, None))
                 report.add(piece)
                 fused = f"{type(m).__name__} q/k norms + RoPE in one kernel (this instance)"
-                why = tigon_attention.fuse_qk_norm_rope(m) if spec["rms_norm"] else "rms_norm=False"
+                why = qk_norm_rope_forward.fuse_qk_norm_rope(m) if spec["rms_norm"] else "rms_norm=False"
                 if not why:
                     report.add(fused)
-                elif tigon_attention.has_qk_norm(m) and (fused, why) not in report.skipped:
+                elif forward_source.has_qk_norm(m) and (fused, why) not in report.skipped:
                     report.skip(fused, why)
     if spec["lora"]:
         _lora_patch(hf, undo, report)
@@ -351,6 +361,8 @@ def _instance_patch(model, family, report, spec):
             report.skip("fused linear cross-entropy", "model.forward is already replaced on the instance")
     elif spec["fused_linear_cross_entropy"]:
         report.skip("fused linear cross-entropy", family.notes or f"{cls.__name__} is not a ForCausalLM")
+    if spec["fused_linear_cross_entropy"] and tigon_trl.arm(hf, undo):
+        report.add("TRL's fused LM head (tigon.ops.fused_linear_logprobs)")
     if spec["cross_entropy"]:
         if "_loss_function" not in hf.__dict__:
             undo.append((hf, "_loss_function", None))
@@ -381,17 +393,25 @@ def _attention_patch(model, report, attention) -> None:
     packed_model_forward) so that a padding-free packed row (position_ids restarting per example, no
     attention_mask) attends within each example whatever the implementation. The table
     (hf/attention_table.py) only ranks the kernels of the "tigon" implementation; where it has no row, "tigon" runs
-    HF's own pick. attention=True or "auto" switch a model on HF's sdpa or eager to "tigon"; "auto" keeps an
-    implementation the user chose (flash_attention_2, flex_attention, a hub kernel) and attention=False keeps any:
-    there packed rows run HF's own packed-sequence mask (the wrapper turns the training cache off for them)."""
+    HF's own pick. attention=True switches any model to "tigon"; "auto" switches a model on HF's sdpa, and one on
+    eager where the table ranks a kernel above HF's pick for one of its mask kinds (elsewhere eager stays, with its
+    own numerics), and keeps an implementation the user chose (flash_attention_2, flex_attention, a hub kernel);
+    attention=False keeps any. Where the model keeps its implementation, packed rows run HF's own packed-sequence
+    mask (the wrapper turns the training cache off for them)."""
     hf = unwrap_model(model)
     impl = hf.config._attn_implementation
-    if attention is True or (attention == "auto" and impl in ("sdpa", "eager", tigon_attention.NAME)):
+    device = _model_device(hf)
+    plan = training_attention.layer_plan(hf.config, device)
+    faster = any(b != attention_table.hf_pick(kind) for kinds in plan.values() for kind, b in kinds.items())
+    if attention is True or (attention == "auto" and (impl in ("sdpa", tigon_attention.NAME)
+                                                      or (impl == "eager" and faster))):
         for piece, n in tigon_attention.use_tigon_attention(model).items():
             report.add(piece, n)
-        report.attention_backends = training_attention.layer_plan(hf.config, _model_device(hf))
+        report.attention_backends = plan
     else:
-        why = "attention=False" if attention is False else f"{impl!r} is a choice of the user's"
+        where = training_attention.gpu_name(device) or device.type
+        why = ("attention=False" if attention is False else f"no kernel measured faster than HF's eager on {where}"
+               if impl == "eager" else "a choice of the user's")
         report.skip("attention", f"keeps {impl!r} ({why}); packed rows use HF's own packed-sequence mask")
     inner = hf.base_model if hf.base_model is not hf else hf
     if "forward" not in inner.__dict__:
@@ -461,7 +481,8 @@ def patch(
     decode steps over a RollingKVCache run decode_attention on the ring; training and prefill run
     `tigon.hf.training_attention`: sliding windows and softcapping without a [T, T] mask, on the backend the table
     hf/attention_table.py measured fastest for the GPU, else HF's own pick). "auto" (the default) does so for a
-    model on HF's sdpa or eager and keeps an implementation the user chose; False never switches. The table picks
+    model on HF's sdpa, and on eager where the table has a faster kernel for the GPU; it keeps an implementation
+    the user chose; False never switches. The table picks
     kernels only: every choice computes the same attention.
     lora=True (instance only) runs the model's PEFT LoRA Linear layers through tigon.ops.lora_linear, also those
     that get_peft_model adds after the patch (tigon.hf.lora); lora=False leaves them to PEFT.
@@ -531,6 +552,7 @@ def unpatch(model=None, *, model_type=None) -> None:
                 _restore(owner, name, original)
             tigon_attention.restore_attention(m)
             tigon_lora.release(m)
+            tigon_trl.release(m)
         return
     if model_type is not None:
         model_type = _model_type_name(model_type, "tigon.unpatch")
@@ -551,8 +573,8 @@ def _ours(value) -> bool:
 def _restore(owner, name, original):
     if name == _EXPERTS:
         owner.set_experts_implementation(original)
-    elif name == tigon_attention.ROPE:
-        tigon_attention.unroute_rope(owner)
+    elif name == rope_routing.ROPE:
+        instance_forward.unroute_rope(owner)
     elif name == "__class__":  # an lm_head's causal_lm.LossHeadLinear back to nn.Linear
         if type(owner) is causal_lm.LossHeadLinear:  # not when another library subclassed it since (FSDP2)
             owner.__class__ = original
