@@ -1,14 +1,17 @@
 """One optimizer step over the parameters of bench_e2e's 1.5B Llama: torch's fused and foreach AdamW against
 tigon.optim.AdamW, without and with gradient clipping (torch: clip_grad_norm_ then step; tigon: max_grad_norm in
 the step), bf16 parameters, gradients and moments; and the mixed-precision pair: torch's fused AdamW over fp32
-parameters (what autocast training steps) against tigon's over bf16 parameters with fp32 masters and moments.
+parameters (what autocast training steps) against tigon's over bf16 parameters with fp32 masters and moments. With
+clipping, also tigon's step behind the Trainer's own norm pass (`fused_adamw(args)`: transformers 5.17 still takes
+`clip_grad_norm_(params, inf)` every step to log grad_norm), against tigon's alone (`use_fused_adamw(trainer)`: the
+logged norm is the step's), to measure that pass.
 
 Byte model, N parameters of b = 2 bytes: the step reads param, grad and both moments and writes param and both
 moments, 7 N b; clip_grad_norm_ reads the grads for the norm and reads + writes them to scale (+3 N b), the fused
 clip reads them once for the norm (+1 N b). GB/s is that model over the time, beside the copy ceiling measured in
 the same run. Timing: benchmarks/_harness.bench (GPU time with host run-ahead, L2 flushed before each step).
 
-    PYTHONPATH=src python benchmarks/bench_optim.py [--quick] [--sweep] [--json PATH]
+    PYTHONPATH=src python benchmarks/bench_optim.py [--quick] [--sweep] [--only tigon] [--json PATH]
 """
 
 import argparse
@@ -57,9 +60,16 @@ def providers(max_grad_norm):
             return step
         return build
 
-    def tigon_opt(**kw):
+    def tigon_opt(trainer_norm=False, **kw):
         def build(params):
-            return tigon.optim.AdamW(params, lr=1e-5, weight_decay=0.01, max_grad_norm=max_grad_norm, **kw).step
+            opt = tigon.optim.AdamW(params, lr=1e-5, weight_decay=0.01, max_grad_norm=max_grad_norm, **kw)
+            if not trainer_norm:
+                return opt.step
+
+            def step():  # the Trainer's logging-only norm (accelerate's clip_grad_norm_ at max_norm=inf), then ours
+                torch.nn.utils.clip_grad_norm_(params, float("inf"), foreach=True)
+                opt.step()
+            return step
         return build
 
     clip = 1 if max_grad_norm else 0
@@ -67,19 +77,23 @@ def providers(max_grad_norm):
     # bf16: 7 tensors of 2 bytes (+3 for torch's clipping, +1 for the fused one); the mixed-precision pair: fp32
     # params and grads stepped by torch (7 x 4, +3 x 4 to clip), or bf16 params and grads with fp32 masters and
     # moments stepped by tigon (masters, moments 6 x 4, grads read, params written 2 x 2, +1 x 2 to clip)
+    trainer_pass = {"tigon + the Trainer's norm pass": (tigon_opt(trainer_norm=True), bf16, 18)} if clip else {}
     return {"torch fused": (torch_opt(fused=True), bf16, 14 + 6 * clip),
             "torch foreach": (torch_opt(foreach=True), bf16, 14 + 6 * clip),
             "tigon": (tigon_opt(), bf16, 14 + 2 * clip),
             "torch fused, fp32 params": (torch_opt(fused=True), fp32, 28 + 12 * clip),
-            "tigon, fp32 masters + moments": (tigon_opt(master_weights=True, state_dtype=fp32), bf16, 28 + 2 * clip)}
+            "tigon, fp32 masters + moments": (tigon_opt(master_weights=True, state_dtype=fp32), bf16, 28 + 2 * clip),
+            **trainer_pass}
 
 
-def run(ctx, sweep=False, sweep_clip=False):
+def run(ctx, sweep=False, sweep_clip=False, only=None):
     shapes = llama_shapes(ctx.quick)
     n = sum(torch.Size(s).numel() for s in shapes)
     rows = []
     for clip in (None, 1.0):
         for name, (build, dtype, per_param) in providers(clip).items():
+            if only and not name.startswith(only):
+                continue
             params = make_params(ctx, shapes, dtype=dtype)  # fresh: no state left from the last provider
             rows.append(_one(ctx, name, build, params, clip, per_param * n, n))
             del params
@@ -135,13 +149,14 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
     p.add_argument("--sweep", action="store_true", help="also sweep tigon's AdamWConfig (GPU)")
     p.add_argument("--sweep-clip", action="store_true", help="sweep with clipping too")
+    p.add_argument("--only", default=None, help="the providers whose name starts with this (e.g. tigon)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.quick and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     ctx = H.Context(quick=a.quick)
     H.run_ceilings(ctx)
-    rows = run(ctx, a.sweep, a.sweep_clip)
+    rows = run(ctx, a.sweep, a.sweep_clip, a.only)
     print(table(rows, ctx.ceilings))
     if a.json:
         H.write_json(a.json, {"ceilings": ctx.ceilings, "rows": rows})

@@ -235,3 +235,27 @@ def test_a_compiled_training_step_calls_the_step_eagerly(device):
         compiled(a, oa)
         train_step(b, ob)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_norm_at_next_step_is_the_norm_the_step_clips_by(device, clip):
+    """One pass serves clipping and logging: the tensor handed out before step() holds clip_grad_norm_'s norm after
+    it; without max_grad_norm the step computes it and clips nothing (the same trajectory as unclipped torch)."""
+    a, b = _model(device=device), _model(device=device)
+    oa = tigon.optim.AdamW(_groups(a), lr=1e-2, max_grad_norm=clip)
+    ob = torch.optim.AdamW(_groups(b), lr=1e-2, foreach=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(17, 33, generator=g).to(device)
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+        out = oa.norm_at_next_step(device)
+        assert out.isnan() and out.dtype == torch.float32
+        ref = torch.nn.utils.clip_grad_norm_(b.parameters(), clip if clip is not None else float("inf"))
+        oa.step()
+        ob.step()
+        assert abs(out.item() - ref.item()) <= 1e-5 * ref.item()
+    _close(a, b, 3)
+    oa.step()  # handed out once: the next step fills nothing
+    assert not oa._norm_outs

@@ -64,6 +64,7 @@ class AdamW(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.config = config
         self.grad_norm = None
+        self._norm_outs = []  # tensors the next step fills with its gradient norm (norm_at_next_step)
         self._mesh = None  # (device mesh, placements) of the DTensor parameters stepped last, for clipping
         self._tables = {}  # (group index, subgroup key) -> TensorTable, rebuilt when an address changes
 
@@ -127,7 +128,7 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         work = []  # (group, subgroup key, lists, its table on the kernel path or None)
         self._mesh = _mesh_of([p for g in self.param_groups for p in g["params"] if p.grad is not None],
-                              self.max_grad_norm is not None)
+                              self.max_grad_norm is not None or bool(self._norm_outs))
         for gi, group in enumerate(self.param_groups):
             if isinstance(group["lr"], torch.Tensor):
                 raise TypeError("tigon.optim.AdamW: lr must be a Python number, got a tensor")
@@ -136,9 +137,14 @@ class AdamW(torch.optim.Optimizer):
                 table = self._table((gi,) + key[:3] + key[4:], lists) if kernels else None
                 work.append((group, key, lists, table))
         self.grad_norm = norm = None
-        if self.max_grad_norm is not None and work:
+        outs, self._norm_outs = self._norm_outs, []
+        if (self.max_grad_norm is not None or outs) and work:
             norm = self._total_norm(work)
             self.grad_norm = norm
+        for out in outs:  # no gradients: 0, as clip_grad_norm_ returns for none
+            out.copy_(norm if norm is not None else torch.zeros(()))
+        if self.max_grad_norm is None:
+            norm = None  # computed for the outs only: nothing is clipped
         for group, key, lists, table in work:
             beta1, beta2 = group["betas"]
             kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
@@ -150,6 +156,15 @@ class AdamW(torch.optim.Optimizer):
                 _check(lists)
                 reference.adamw_step_(*lists[:4], **kw, norm=norm, master_params=lists[4] or None)
         return loss
+
+    def norm_at_next_step(self, device=None) -> torch.Tensor:
+        """A 0-dim fp32 tensor on `device` that the next step() fills with the total gradient 2-norm, NaN until
+        then (and after a step that a GradScaler skips): the norm the step clips by, so one pass over the gradients
+        serves clipping and logging (tigon.hf.trainer.use_fused_adamw hands it to the Trainer). Without
+        max_grad_norm the step computes the norm for it and clips nothing."""
+        out = torch.full((), float("nan"), dtype=torch.float32, device=device)
+        self._norm_outs.append(out)
+        return out
 
     def _total_norm(self, work):
         """The 2-norm over every gradient about to be stepped, on the first parameter's device (as

@@ -1,4 +1,4 @@
-"""TRL 1.16's fused LM head (what its SFT/DPO/KTO/GRPO trainers call) on Tigon's kernels. The head alone: the same
+"""TRL's fused LM head (1.15+) (what its SFT/DPO/KTO/GRPO trainers call) on Tigon's kernels. The head alone: the same
 per-token log-probs, entropies, loss and gradients as TRL's own on a tiny Llama, and dispatch counts that prove Tigon
 ran; the softcap fallback. Each trainer on a tiny patched Llama with `use_tigon_losses()` (one step; GRPO two, as
 its KL term starts at zero), against the same trainer on the unpatched model and TRL's head (same seed and data):
@@ -6,6 +6,7 @@ the same logged losses and metrics, and the same parameter updates (plain SGD: a
 gradients, so equal updates are equal gradients)."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -20,6 +21,14 @@ trl_utils = pytest.importorskip("trl.trainer.utils", reason="trl is not installe
 V = 64
 TINY = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
             vocab_size=V)
+
+
+def _trls_own():
+    """What TRL's name holds with nothing of Tigon's routed: its own function (a model some earlier test patched and
+    left patched, still alive, keeps the router in place)."""
+    gc.collect()
+    own = getattr(tigon_trl.TigonChunkedLogProb, "fallback", None) or trl_utils._ChunkedLogProbFunction
+    return tigon_trl.RoutedChunkedLogProb if tigon_trl._ARMED else own
 
 
 def _run(model, ids, labels):
@@ -41,13 +50,14 @@ def test_fused_head_matches_trl():
     restore = tigon_trl.use_tigon_losses()
     try:
         assert tigon_trl.use_tigon_losses()() is None  # a second call is a no-op and so is its undo
-        assert trl_utils._ChunkedLogProbFunction is tigon_trl.TigonChunkedLogProb
+        assert trl_utils._ChunkedLogProbFunction is tigon_trl.RoutedChunkedLogProb
         before = op_calls("fused_linear_logprobs")
         got, grads = _run(mine, ids, labels)
         assert op_calls("fused_linear_logprobs") == before + 1
     finally:
         restore()
-    assert trl_utils._ChunkedLogProbFunction is not tigon_trl.TigonChunkedLogProb
+        tigon.unpatch(mine)
+    assert trl_utils._ChunkedLogProbFunction is _trls_own()
     m = ref.label_mask
     torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-5)
     for k in ("log_probs", "entropy", "mean_logits", "log_sum_sq_probs"):
@@ -76,8 +86,12 @@ def test_bad_outputs_and_old_trl(monkeypatch):
     with pytest.raises(ValueError, match="unknown outputs"):
         tigon_trl.TigonChunkedLogProb.apply(torch.zeros(1, 4), torch.zeros(3, 4), None, torch.zeros(1).long(), 1.0,
                                             8, outputs=("log_probs", "logits"))
+    with monkeypatch.context() as m:  # TRL 1.14: a _ChunkedLogProbFunction, but no fused head that calls it
+        m.delattr(trl_utils, "add_fused_lm_head")
+        with pytest.raises(ImportError, match="TRL >= 1.15"):
+            tigon_trl.use_tigon_losses()
     monkeypatch.delattr(trl_utils, "_ChunkedLogProbFunction")
-    with pytest.raises(ImportError, match="TRL >= 1.16"):
+    with pytest.raises(ImportError, match="TRL >= 1.15"):
         tigon_trl.use_tigon_losses()
 
 
@@ -109,15 +123,15 @@ def _text(g, n):
     return " ".join(f"t{i}" for i in torch.randint(3, V, (n,), generator=g).tolist())
 
 
-def _train(name, policy_dir, tokenizer, out, on_tigon, data, trainer_kwargs=None, **config):
-    trl = pytest.importorskip("trl", minversion="1.16")
+def _train(name, policy_dir, tokenizer, out, on_tigon, data, trainer_kwargs=None, explicit=True, **config):
+    trl = pytest.importorskip("trl", minversion="1.15")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(policy_dir, attn_implementation="eager")
     start = [p.detach().clone() for p in model.parameters()]
     if on_tigon:
         tigon.patch(model)
-    restore = tigon_trl.use_tigon_losses() if on_tigon else (lambda: None)
+    restore = tigon_trl.use_tigon_losses() if on_tigon and explicit else (lambda: None)
     try:
         kw = dict(output_dir=str(policy_dir.parent / f"{name}-{out}"), max_steps=1, per_device_train_batch_size=2,
                   optim="sgd", learning_rate=0.1, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
@@ -128,6 +142,8 @@ def _train(name, policy_dir, tokenizer, out, on_tigon, data, trainer_kwargs=None
         trainer.train()
     finally:
         restore()
+        if on_tigon:
+            tigon.unpatch(model)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == cfg.max_steps
     return logs, [p.detach() - p0 for p, p0 in zip(model.parameters(), start)]
@@ -145,6 +161,59 @@ def _compare(run, metrics=("loss",)):
     for u, r in zip(updates, plain_updates):  # the same gradients: the same SGD updates
         assert r.abs().max() > 0
         torch.testing.assert_close(u, r, rtol=1e-4, atol=1e-4 * r.abs().max().item())
+
+
+def test_patch_alone_runs_tigons_loss_in_trl(policy_dir, tokenizer, datasets):
+    """tigon.patch(model) and nothing else: SFTTrainer's loss runs Tigon's head for the patched model (its numbers
+    are test_sft_trainer_on_tigon_losses'), and TRL's own for an unpatched one in the same process; unpatch gives
+    TRL its function back."""
+    ids, _ = batch(vocab=V, b=2, t=7, seed=3)
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
+    trl_function = _trls_own()
+    before = op_calls("fused_linear_logprobs")
+    _train("SFT", policy_dir, tokenizer, "patch-alone", True, data, explicit=False)
+    assert op_calls("fused_linear_logprobs") > before
+    assert trl_utils._ChunkedLogProbFunction is trl_function  # unpatched: TRL's again
+    patched = tiny_model("llama", **TINY)
+    tigon.patch(patched)
+    try:
+        assert trl_utils._ChunkedLogProbFunction is tigon_trl.RoutedChunkedLogProb
+        before = op_calls("fused_linear_logprobs")
+        _train("SFT", policy_dir, tokenizer, "beside-a-patched-one", False, data)
+        assert op_calls("fused_linear_logprobs") == before
+    finally:
+        tigon.unpatch(patched)
+    assert trl_utils._ChunkedLogProbFunction is trl_function
+
+
+def test_a_model_patched_before_trl_is_imported_routes_at_its_first_forward(monkeypatch):
+    import sys
+
+    model = tiny_model("llama", **TINY)
+    utils = sys.modules[tigon_trl._UTILS]
+    trl_function = utils._ChunkedLogProbFunction
+    monkeypatch.delitem(sys.modules, tigon_trl._UTILS)  # as if TRL's trainers were imported after the patch
+    undo = []
+    assert tigon_trl.arm(model, undo) and undo == [(model, tigon_trl.MARK, None)]
+    assert utils._ChunkedLogProbFunction is trl_function and model in tigon_trl._PENDING
+    ids, _ = batch(vocab=V, b=1, t=3)
+    with torch.no_grad():
+        model(ids)  # TRL still not imported: nothing routed yet
+        assert utils._ChunkedLogProbFunction is trl_function
+        monkeypatch.setitem(sys.modules, tigon_trl._UTILS, utils)
+        model(ids)
+    try:
+        assert utils._ChunkedLogProbFunction is tigon_trl.RoutedChunkedLogProb and model not in tigon_trl._PENDING
+    finally:
+        tigon_trl.release(model)
+    assert utils._ChunkedLogProbFunction is trl_function and tigon_trl.MARK not in model.__dict__
+
+
+def test_a_quantized_head_is_not_armed():
+    model = tiny_model("llama", **TINY)
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros(V * 16, 1, dtype=torch.uint8), requires_grad=False)
+    undo = []
+    assert not tigon_trl.arm(model, undo) and not undo
 
 
 def _ref_model():
@@ -193,7 +262,7 @@ def test_grpo_trainer_on_tigon_losses(policy_dir, tokenizer, datasets):
 def test_sft_trainer_use_kernels_runs_tigons_norms(policy_dir, tokenizer, datasets):
     """TRL's use_kernels (model_init_kwargs, when the trainer loads the model from a path) with Tigon's kernel
     config: the norms run Tigon's op through transformers' kernelize, and the step equals TRL's without kernels."""
-    trl = pytest.importorskip("trl", minversion="1.16")
+    trl = pytest.importorskip("trl", minversion="1.15")
     from transformers.utils import is_kernels_available
 
     if not is_kernels_available():
@@ -211,7 +280,12 @@ def test_sft_trainer_use_kernels_runs_tigons_norms(policy_dir, tokenizer, datase
                             model_init_kwargs={"attn_implementation": "eager", **init_kwargs})
         trainer = trl.SFTTrainer(model=str(policy_dir), args=cfg, train_dataset=data, processing_class=tokenizer)
         before = op_calls("rms_norm")
-        trainer.train()
+        try:
+            trainer.train()
+        finally:  # kernelize set the layer on transformers' module-level apply_rotary_pos_emb: give it back
+            for m in trainer.model.modules():
+                for fn in m.__dict__.get("_kernel_funcs", {}).values():
+                    fn.__dict__.pop("forward", None)
         return [h["loss"] for h in trainer.state.log_history if "loss" in h], op_calls("rms_norm") - before
 
     plain, plain_norms = run({}, "plain")
@@ -227,7 +301,7 @@ def test_sft_trainer_with_tigon_adamw(policy_dir, tokenizer, datasets):
     data = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
     opt = dict(optim="adamw_torch", learning_rate=1e-2, weight_decay=0.0)
     _, plain = _train("SFT", policy_dir, tokenizer, "adamw-torch", True, data, max_grad_norm=0.5, **opt)
-    trl = pytest.importorskip("trl", minversion="1.16")
+    trl = pytest.importorskip("trl", minversion="1.15")
     from tigon.hf.trainer import fused_adamw
 
     config = trl.SFTConfig(output_dir=str(policy_dir.parent / "SFT-adamw-args"), report_to=[], use_cpu=True,

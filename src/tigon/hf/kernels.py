@@ -4,21 +4,32 @@
     model = AutoModelForCausalLM.from_pretrained(path, use_kernels=True, kernel_config=kernel_config())
 
 transformers registers layer names with `use_kernel_forward_from_hub` (5.17: "RMSNorm" on 127 norm classes,
-"rotary_pos_emb" on functions, "RMSNormGated", ...); `kernels` replaces each registered module's forward by the
-layer of that name in a kernel repository. Tigon ships one such repository inside the package (KERNEL_REPO,
-build/torch-universal/: metadata.json, layers.RMSNorm), so no hub download is needed. Needs the `kernels`
-package (pip install tigon[kernels]).
+"rotary_pos_emb" on 111 apply_rotary_pos_emb functions, "SiLU", "GeluTanh" and the other activation classes,
+"RMSNormGated", ...); `kernels` replaces each registered module's forward by the layer of that name in a kernel
+repository. Tigon ships one such repository inside the package (KERNEL_REPO, build/torch-universal/: metadata.json,
+layers.py), so no hub download is needed. LAYERS is what it maps (docs/integrations.md says what runs where); a
+model gets the names it registers, so Tigon's config raises no "not registered" error and leaves no name of those
+unmapped. Needs the `kernels` package (pip install tigon[kernels]).
 """
 
 import functools
 from pathlib import Path
 
 from . import registry
+from .unwrap import hub_function
 
 KERNEL_REPO = Path(__file__).resolve().parent / "kernel_repo"
-LAYERS = ("RMSNorm",)  # transformers' registered names Tigon's repository provides
-_NORMS = {name: row for family in [*registry.FAMILIES.values(), *registry.TOWERS.values()]
-          for name, row in family.norm_classes.items()}
+# transformers' registered layer name -> the layer of Tigon's repository that replaces its forward
+LAYERS = {
+    "RMSNorm": "RMSNorm",
+    "rotary_pos_emb": "RotaryPosEmb",
+    "SwiGLUMLP": "SwiGLUMLP",  # named in transformers' default mapping; no 5.17 class registers it yet
+    "GeGLUMLP": "GeGLUMLP",
+    **{act: "KeptActivation" for act in ("SiLU", "GeLU", "GeluTanh", "NewGELU", "FastGELU", "QuickGELU")},
+}
+_FAMILIES = [*registry.FAMILIES.values(), *registry.TOWERS.values()]
+_NORMS = {name: row for family in _FAMILIES for name, row in family.norm_classes.items()}
+_ROTATE_HALF = frozenset(family.modeling for family in _FAMILIES if family.rope)  # modules whose RoPE Tigon runs
 
 
 def rms_norm_forward(module, hidden_states):
@@ -35,11 +46,38 @@ def rms_norm_forward(module, hidden_states):
     return ops.rms_norm(hidden_states, module.weight, eps, offset=offset, casting_mode=casting_mode)
 
 
+def rotary_forward(module, q, k, cos, sin, unsqueeze_dim=1):
+    """The "rotary_pos_emb" layer's forward: Tigon's rotate-half RoPE (what tigon.patch puts in place of the same
+    function) where the function is a family's whose RoPE Tigon runs; transformers' own function otherwise
+    (interleaved, multimodal and partial forms: GLM, Qwen2-VL, ...)."""
+    from .. import ops
+
+    fn = hub_function(module, defined=True)
+    if getattr(fn, "__module__", None) in _ROTATE_HALF:
+        return ops.apply_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    if fn is module:
+        return type(module).forward(module, q, k, cos, sin, unsqueeze_dim)
+    return fn(q, k, cos, sin, unsqueeze_dim)
+
+
+def mlp_forward(module, x, activation):
+    """The "SwiGLUMLP" / "GeGLUMLP" layers' forward: Tigon's gated MLP on the module's own projections
+    (gate_proj/up_proj/down_proj, or gate_up_proj/down_proj). A module of another layout is a TypeError naming it."""
+    from ..modules import GeGLUMLP, SwiGLUMLP
+
+    cls = SwiGLUMLP if activation == "swiglu" else GeGLUMLP
+    try:
+        return cls.from_hf(module)(x)  # a view sharing the module's Linears: a few microseconds a call
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"tigon kernel layer {cls.__name__}: {type(module).__name__} cannot run it ({e}); leave "
+                        "it out of the kernel mapping") from None
+
+
 def kernel_mapping(device="cuda") -> dict:
     """{layer name: {device: "/abs/path:LayerName"}}: the KernelConfig mapping form for a local repository."""
     if not isinstance(device, str) or not device:
         raise TypeError(f"tigon.hf.kernels.kernel_mapping: device must be a string such as 'cuda', got {device!r}")
-    return {name: {device: f"{KERNEL_REPO}:{name}"} for name in LAYERS}
+    return {name: {device: f"{KERNEL_REPO}:{layer}"} for name, layer in LAYERS.items()}
 
 
 def kernel_config(device="cuda"):
@@ -59,6 +97,13 @@ def _config_class():
     from transformers.utils.kernel_config import infer_device
 
     class TigonKernelConfig(KernelConfig):
+        def sanitize_kernel_mapping(self, model):
+            """The names the model registers, of those Tigon maps (HF's raises for a name the model lacks)."""
+            self.store_registered_layer_names(model)
+            registered = set(self.registered_layer_names.values())
+            self.kernel_mapping = {k: v for k, v in self.kernel_mapping.items() if k in registered}
+            super().sanitize_kernel_mapping(model)
+
         def create_compatible_mapping(self, model, compile=False):
             from kernels import LocalLayerRepository, Mode
 
@@ -82,9 +127,10 @@ def _config_class():
 
 
 def local_layer_repository(name="RMSNorm"):
-    """`kernels.LocalLayerRepository` of one of Tigon's layers, for `kernels.use_kernel_mapping` directly."""
+    """`kernels.LocalLayerRepository` of the layer Tigon maps transformers' layer name `name` to, for
+    `kernels.use_kernel_mapping` directly."""
     from kernels import LocalLayerRepository
 
     if name not in LAYERS:
-        raise ValueError(f"tigon.hf.kernels.local_layer_repository: name must be one of {LAYERS}, got {name!r}")
-    return LocalLayerRepository(repo_path=KERNEL_REPO, layer_name=name)
+        raise ValueError(f"tigon.hf.kernels.local_layer_repository: name must be one of {list(LAYERS)}, got {name!r}")
+    return LocalLayerRepository(repo_path=KERNEL_REPO, layer_name=LAYERS[name])
