@@ -1,18 +1,26 @@
-"""Packaging: the license file matches the metadata, the version lives in one place, the extras exist and the
-transformers floor holds what tigon imports; TIGON_LOG prints Tigon's log records (in a fresh interpreter)."""
+"""Packaging: the license file matches the metadata, the version lives in one place, the extras exist and name
+their floors, the transformers floor holds what tigon imports; py.typed ships; the changelog has the current version;
+docs/environment.md lists exactly the environment variables src/ reads; TIGON_LOG prints Tigon's log records (in a
+fresh interpreter); deprecated names warn once with their new name."""
 
 import ast
 import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with Python 3.11's tomllib")
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SRC = ROOT / "src" / "tigon"
+# what an application needs at run time: each third-party requirement states the lowest version Tigon works with
+RUNTIME_EXTRAS = ("hf", "trl", "kernels", "metrics")
 
 
 def test_license_file_is_the_apache_2_text_the_metadata_names():
@@ -92,3 +100,122 @@ def test_an_unknown_tigon_log_value_warns_and_adds_no_handler(value):
                TIGON_LOG=value)
     assert out.returncode == 0 and out.stdout.split() == ["0"]
     assert f"TIGON_LOG={value!r} is not one of debug, info, warning, error" in out.stderr
+
+
+def _is_name(node) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def _environ_reads(source: str) -> set[str]:
+    """Names of the environment variables `source` reads: os.environ.get/[]/in/setdefault/pop, os.getenv, and the
+    same on any expression that names an environ (`(os.environ if e is None else e).get(...)`)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and node.args and _is_name(node.args[0]):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id == "getenv") or (
+                    isinstance(f, ast.Attribute) and (f.attr == "getenv" or "environ" in ast.unparse(f.value))):
+                found.add(node.args[0].value)
+        elif isinstance(node, ast.Subscript) and _is_name(node.slice) and "environ" in ast.unparse(node.value):
+            found.add(node.slice.value)
+        elif (isinstance(node, ast.Compare) and _is_name(node.left) and isinstance(node.ops[0], (ast.In, ast.NotIn))
+              and "environ" in ast.unparse(node.comparators[0])):
+            found.add(node.left.value)
+    return found
+
+
+def _table_names() -> set[str]:
+    rows = (ROOT / "docs" / "environment.md").read_text().splitlines()
+    return {m.group(1) for line in rows if (m := re.match(r"\| `([A-Z][A-Z0-9_]*)` \|", line))}
+
+
+def test_environ_reads_finds_every_form():
+    source = """
+import os
+from os import getenv
+a = os.environ.get("A", "0")
+b = os.environ["B"]
+c = "C" in os.environ
+d = os.getenv("D")
+e = getenv("E")
+f = (os.environ if env is None else env).get("F", "")
+g = os.environ.setdefault("G", "1")
+other = {"H": 1}.get("H")
+"""
+    assert _environ_reads(source) == set("ABCDEFG")
+
+
+def test_every_environment_variable_read_is_in_the_table():
+    read = {}
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text()
+        if "environ" not in text and "getenv" not in text:  # every form _environ_reads knows names one of them
+            continue
+        for name in _environ_reads(text):
+            read.setdefault(name, []).append(str(path.relative_to(SRC.parent)))
+    assert {"TIGON_LOG", "TIGON_VALIDATE", "TRITON_INTERPRET"} <= read.keys()
+    table = _table_names()
+    missing = {name: where for name, where in read.items() if name not in table}
+    assert not missing, f"read in src/ but not in docs/environment.md's table: {missing}"
+    assert table <= read.keys(), f"docs/environment.md lists variables nothing reads: {table - read.keys()}"
+
+
+def test_extras_name_their_floors():
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for extra in RUNTIME_EXTRAS:
+        for text in extras[extra]:
+            req = Requirement(text)
+            if req.name == "tigon":
+                assert req.extras <= extras.keys(), f"[{extra}] includes an unknown extra: {text}"
+                continue
+            assert any(s.operator in (">=", "==", "~=") for s in req.specifier), \
+                f"[{extra}] requires {text!r} without a lowest version"
+
+
+def test_trl_floor_is_the_first_with_the_fused_head():
+    """tigon.hf.trl replaces what TRL's add_fused_lm_head calls (`_ChunkedLogProbFunction.apply(..., outputs)`, five
+    results): both came in TRL 1.15; TRL 1.14's trainers never call that function, so they would skip Tigon."""
+    trl = next(Requirement(t) for t in PYPROJECT["project"]["optional-dependencies"]["trl"] if t.startswith("trl"))
+    assert "1.15" in trl.specifier and "1.14.2" not in trl.specifier
+
+
+def test_py_typed_ships():
+    classifiers = PYPROJECT["project"]["classifiers"]
+    assert (SRC / "py.typed").is_file()
+    assert "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["tigon"]
+    assert "Typing :: Typed" in classifiers
+    # PEP 639: with a license expression, a License :: classifier is an error for setuptools >= 77
+    assert not any(c.startswith("License ::") for c in classifiers)
+
+
+def test_changelog_has_unreleased_and_the_current_version():
+    import tigon
+
+    headings = re.findall(r"^## \[([^\]]+)\]", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+    assert headings[0] == "Unreleased"
+    assert tigon.__version__ in headings
+
+
+@pytest.mark.parametrize("name, new", [("generate", "tigon.generate"),
+                                       ("DecodeSettings", "tigon.decode.DecodeSettings"),
+                                       ("TTFT_PHASES", "tigon.decode.TTFT_PHASES"),
+                                       ("LATENCY_BUCKETS", "tigon.decode.LATENCY_BUCKETS"),
+                                       ("prometheus_text", "tigon.decode.prometheus_text")])
+def test_tigon_generation_names_warn_once(monkeypatch, name, new):
+    from tigon import decode, generation
+
+    monkeypatch.setattr(generation, "_warned", set())
+    with pytest.warns(DeprecationWarning, match=rf"tigon\.generation\.{name} is deprecated: use {re.escape(new)}$"):
+        value = getattr(generation, name)
+    assert value is getattr(decode, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert getattr(generation, name) is value  # once per name and process
+
+
+def test_tigon_generation_unknown_name():
+    from tigon import generation
+
+    with pytest.raises(AttributeError, match="has no attribute 'loop'"):
+        generation.loop  # noqa: B018
+    assert "generate" in dir(generation)
