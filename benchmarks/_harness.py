@@ -1,6 +1,7 @@
 """The one benchmark harness: timing, peak memory, errors, ceilings and the markdown report.
 
-Timing follows the anchors (shared/anchors/README.md) so Tigon's numbers compare with theirs:
+Every provider (Tigon, eager, torch.compile, Liger-Kernel, cut-cross-entropy) is timed the same way, the method
+of the published peer reference timings, so the numbers compare with theirs:
 - CUDA events around each call, median of >= 10 calls over two passes (the spread between the two pass
   medians is kept as a noise figure);
 - before each call, outside the timed interval: the L2 is flushed (256 MB memset) and every input that
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-SPIN_MS = 2.5  # the anchors' run-ahead: ~5M cycles at 1.98 GHz
+SPIN_MS = 2.5  # the reference method's run-ahead: ~5M cycles at 1.98 GHz
 MAX_SPIN_MS = 25.0
 FLUSH_BYTES = 256 * 1024 * 1024  # > the H200's 60 MB L2, as in triton.testing.do_bench
 EPS = 1e-6
@@ -463,7 +464,7 @@ def import_first(*candidates: str):
 
 
 def compiled(ctx: Context, fn: Callable, **kw) -> Callable:
-    """torch.compile of the eager formula (default mode, as in the anchors); not on CPU (compile time).
+    """torch.compile of the eager formula (default mode, as in the peer reference timings); not on CPU (compile time).
     The recompile limits are raised: past them dynamo would silently run the eager code instead."""
     if not ctx.cuda:
         raise Skip("torch.compile: not benchmarked on CPU")

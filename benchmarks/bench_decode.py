@@ -1,5 +1,5 @@
-"""Decode benchmark: Hugging Face `generate` against `tigon.generate` on the anchors' 1.5B Llama config, or the
-Llama-3-8B shape (`--model llama3-8b`).
+"""Decode benchmark: Hugging Face `generate` against `tigon.generate` on a 1.5B Llama config, or the Llama-3-8B
+shape (`--model llama3-8b`).
 
     PYTHONPATH=src python benchmarks/bench_decode.py --out DIR [--model llama-1.5b|llama3-8b] [--variants ...]
         [--batches 1,8] [--swa-batches 1] [--prompts 512,8192 | --prompt 512] [--new 256] [--budget S]
@@ -11,14 +11,14 @@ tigon.decode's stats helpers: TTFT_PHASES, percentile, prometheus_text) and its 
 imported by plain name with benchmarks/ on sys.path (a script's own folder is; `tigon bench decode` puts it
 there). The HF and Tigon rows' p50/p99 use the stats' nearest-rank rule (tigon.decode.percentile).
 
-Method of shared/anchors/bench_decode.py, so the numbers compare with the anchors: each variant in its own
+The method of the peer reference timings (REFERENCE_TIMINGS), so the numbers compare: each variant in its own
 process, model from config (hidden 2048, intermediate 8192, 16 layers, 32 heads / 8 KV heads, vocab 128256),
 bf16, random init, sdpa; greedy, a random prompt, every new token forced (no EOS). One warm-up call, then
 one timed call with the peak-memory counter reset just before it (weights included).
 
-- HF variants: per-step timestamps from a stopping criterion that synchronizes (the anchors' timer).
+- HF variants: per-step timestamps from a stopping criterion that synchronizes (the reference method's timer).
   `hf-static-compile` is `cache_implementation="static"`, which `generate` compiles itself on CUDA (the
-  anchors' 2.70 ms row; the explicit reduce-overhead compile fails in transformers 5.17).
+  2.70 ms row of REFERENCE_TIMINGS; the explicit reduce-overhead compile fails in transformers 5.17).
 - Tigon variants: `tigon.patch(model)` then `tigon.generate(..., return_stats=True)` with its default
   attention ("auto": the "tigon" attention implementation for the call); its steps are CUDA events recorded
   after each step, read once at the end (no sync in the loop). The first decode step of the graph path
@@ -67,6 +67,8 @@ from pathlib import Path
 
 from decode_profile import BUCKETS, PROFILE_STEPS, profile_tigon, sync
 
+from tigon.cli.bench import DEFAULT_OUT
+
 LLAMA_1B5 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -100,9 +102,11 @@ TARGETS = dict(b1_ms=1.0, b8_ms=1.4, p99_over_p50=1.15, ttft_ms=15.0, ring_over_
 # hf-static-compile at the same batch and prompt.
 TARGETS_8B = dict(pct_of_bound=85.0, over_hf=1.5, p99_over_p50=1.1, ttft_over_hf=0.8, ring_over_full=1.05)
 TARGETS_BY_MODEL = {"llama-1.5b": TARGETS, "llama3-8b": TARGETS_8B}
-ANCHORS = ("Anchors (same method, H200, torch 2.11, transformers 5.17): HF eager DynamicCache p50 64-68 ms/step "
-           "(batch 1), 55.6 (batch 8); HF static cache + compile 2.70 ms (batch 1), 3.93 ms (batch 8); Mistral "
-           "sliding window 1024, prompt 4096, static + compile 2.87 ms (batch 1).")
+# HF's own rows measured with this method, to check a run against (tigon's rows are this benchmark's).
+REFERENCE_TIMINGS = ("Peer reference timings (same method, H200, torch 2.11, transformers 5.17): HF eager "
+                     "DynamicCache p50 64-68 ms/step (batch 1), 55.6 (batch 8); HF static cache + compile 2.70 ms "
+                     "(batch 1), 3.93 ms (batch 8); Mistral sliding window 1024, prompt 4096, static + compile "
+                     "2.87 ms (batch 1).")
 
 
 def model_config(spec):
@@ -601,8 +605,8 @@ def markdown(rows, meta):
         lines += ["", "| target | measured | met |", "|---|---|---|"]
         lines += [f"| {t} | {v} | {'yes' if ok else '**no**'} |" for t, v, ok in checks]
     skipped = [r for r in rows if r.get("skipped")]
-    lines += ["", ANCHORS,
-              "tokens/s = batch / mean decode step (the anchors' definition). TTFT: prefill + first token "
+    lines += ["", REFERENCE_TIMINGS,
+              "tokens/s = batch / mean decode step (the reference timings' definition). TTFT: prefill + first token "
               "(tigon: from the call, cache allocation included), in the timed call; TTFT median: of "
               f"{TTFT_REPEATS} prefill-only calls after it ({QUICK['ttft_repeats']} with --quick; "
               "max_new_tokens=1; one call's TTFT moves with the host's noise). wall ms/step: host clock around "
@@ -774,12 +778,12 @@ def build_parser(prog="bench_decode"):
     p.add_argument("--variants", default=None, help=f"comma-separated, in run order (default {DEFAULT_VARIANTS}; "
                    f"with --model llama3-8b {DEFAULT_VARIANTS_BY_MODEL['llama3-8b']}; all: {','.join(VARIANTS)})")
     p.add_argument("--batches", default=None, help="comma-separated (default 1,8)")
-    p.add_argument("--swa-batches", default=None, help="batches of the swa-* variants (default 1, as the anchors)")
+    p.add_argument("--swa-batches", default=None, help="batches of the swa-* variants (default 1)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens of the Llama rows (default 512)")
     p.add_argument("--prompts", default=None, help="comma-separated prompt lengths, each a set of Llama rows "
                    "(default 512; with --model llama3-8b 512,8192; 32768 also works); not with --prompt")
     p.add_argument("--new", type=int, default=None, help="new tokens, all forced (default 256)")
-    p.add_argument("--out", default=None, help="output folder (default $OUT, else ./tigon-bench-out)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run (default 540)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per variant process (default 300)")
     p.add_argument("--quick", action="store_true", help="a 2-layer toy config and a few tokens (runs on a CPU)")
@@ -850,7 +854,7 @@ def main(argv=None, log=print, prog="bench_decode"):
     new = a.new or (QUICK["new"] if quick else 256)
     if not a.ttft_idle >= 0:
         raise SystemExit(f"bench_decode: --ttft-idle must be >= 0 seconds, got {a.ttft_idle}")
-    out = a.out or os.environ.get("OUT") or "tigon-bench-out"
+    out = a.out
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     specs = plan(variants, batches, prompts, new, quick, device, swa_batches, profile=a.profile, model=model,
@@ -860,7 +864,7 @@ def main(argv=None, log=print, prog="bench_decode"):
     meta = dict(title="tigon.generate vs HF generate" + name + (" (quick toy on " + device + ")" if quick else ""),
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                 model=model, prompts=prompts, wall_s=time.time() - t0, targets=TARGETS_BY_MODEL[model],
-                anchors=ANCHORS)
+                reference_timings=REFERENCE_TIMINGS)
     try:  # after the variants: the parent's own CUDA context and 4 GiB are gone before any child starts
         meta["copy_ceiling"] = copy_ceiling(device, quick)
     except Exception as e:  # noqa: BLE001 - a failed ceiling leaves the bound columns out, the rows stand

@@ -1,4 +1,5 @@
-"""End-to-end training step on the anchors' 1.5B Llama config: HF eager vs Tigon vs Liger (vs compile).
+"""End-to-end training step on the 1.5B Llama config of the peer reference timings: HF eager vs Tigon vs Liger
+(vs compile).
 
 Variants: eager (HF), tigon (patched), liger, compile (HF under torch.compile), tigon_compile (patched, then
 torch.compile: Tigon's kernels as graph nodes, inductor fusing the glue between them), tigon_compile_graphs
@@ -28,6 +29,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _profile import profile_step  # noqa: E402
 
+from tigon.cli.bench import DEFAULT_OUT  # noqa: E402
+
 LLAMA_1B5 = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
 QWEN3 = dict(LLAMA_1B5, model_type="qwen3", vocab_size=151936, head_dim=64)
@@ -39,7 +42,7 @@ GEMMA2 = dict(model_type="gemma2", hidden_size=2048, intermediate_size=8192, num
               hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
 CONFIGS = {"llama": LLAMA_1B5, "qwen3": QWEN3, "gemma2": GEMMA2}
 HF_ATTENTION = {"gemma2": "eager"}  # the configs' HF attention where it is not sdpa
-MODEL_FLOPS_PER_TOKEN = 7.82e9  # anchors: 6 * N_non-emb (incl. lm_head) + 6 * L * s * h, for the llama config
+MODEL_FLOPS_PER_TOKEN = 7.82e9  # 6 * N_non-emb (incl. lm_head) + 6 * L * s * h, for the llama config
 
 
 def _build(variant, config_name, max_positions, ckpt=False):
@@ -256,7 +259,7 @@ def main(argv=None):
     p.add_argument("--longest", default="", help="variants whose longest batch-1 sequence to find (llama config)")
     p.add_argument("--longest-cap", type=int, default=262144)
     p.add_argument("--longest-child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     a = p.parse_args(argv)
     if a.child and a.longest_child:
         print("RESULT " + json.dumps(_longest(a.child, a.config, 16384, a.longest_cap, 4096)), flush=True)

@@ -42,6 +42,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import _peak_gib, _peak_reset  # noqa: E402  (one peak-memory rule for both decode benches)
 
+from tigon.cli.bench import DEFAULT_OUT  # noqa: E402
+
 LLAMA_1B5 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -232,7 +234,7 @@ def markdown(result) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="bench_hf_generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT") or "tigon-bench-out", help="output folder")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)}")
     p.add_argument("--batches", default=None, help="comma-separated (default 1,8; --quick 1,2)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512; --quick 16)")

@@ -1,10 +1,10 @@
-"""The anchors' 8B LoRA job (anchors/bench_lora8b.py): Llama-3-8B shape, random init, bf16, PEFT LoRA r=16 on all
+"""The 8B LoRA job of the peer reference timings: Llama-3-8B shape, random init, bf16, PEFT LoRA r=16 on all
 seven projections (lora_dropout 0, fp32 adapters: get_peft_model's default), gradient checkpointing
 (non-reentrant), AdamW(fused) on the adapters, batch 2 x 4096 with labels = input_ids.
 
 Variants, each in its own subprocess: liger (apply_liger_kernel_to_llama before the model is built), tigon-nolora
 (tigon.patch(model, lora=False): PEFT's own LoRA forward), tigon (tigon.patch(model): LoRA projections through
-tigon.ops.lora_linear); tigon's patch runs before get_peft_model, as in the anchor. Reports the median step ms,
+tigon.ops.lora_linear); tigon's patch runs before get_peft_model, as in the reference job. Reports the median step ms,
 tokens/s, peak allocated GiB and the loss of the first and last step; --profile adds one step's GPU kernel time
 by bucket (gemm, attention, triton kernels, elementwise, optimizer, copy, other) and the top kernels.
 

@@ -35,6 +35,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_e2e import GEMMA2, HF_ATTENTION, LLAMA_1B5  # noqa: E402  (the configs and HF's attention of the e2e step)
 
+from tigon.cli.bench import DEFAULT_OUT  # noqa: E402
+
 VARIANTS = ("padded_hf", "padded_liger", "padded_tigon", "packed_tigon", "packed_tigon_position_ids")
 CONFIGS = {"llama": dict(LLAMA_1B5, tie_word_embeddings=False), "gemma2": GEMMA2}
 STEP_TOKENS = 16384
@@ -212,7 +214,7 @@ def table(results):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     p.add_argument("--config", choices=sorted(CONFIGS), default="llama")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--steps", type=int, default=8, help="timed optimizer steps")

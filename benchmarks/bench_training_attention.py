@@ -48,6 +48,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as H  # noqa: E402
 
+from tigon.cli.bench import DEFAULT_OUT  # noqa: E402
+
 HEADS, KV_HEADS = 32, 8
 WINDOW, SOFTCAP = 4096, 50.0
 ALL_KINDS = ("causal", "packed", "sliding", "packed+sliding", "causal+softcap", "packed+softcap")
@@ -306,7 +308,7 @@ def write_table(gpu: str, best: dict, path: str = TABLE) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on this machine's device")
     p.add_argument("--budget", type=float, default=560.0, help="seconds (flex compiles ~7 variants)")
     p.add_argument("--write-table", action="store_true", help="rewrite hf/attention_table.py's MEASURED block")

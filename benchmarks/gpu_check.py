@@ -1,4 +1,4 @@
-"""One call on a GPU machine: the test suite, every benchmark, one report.
+"""One run on a GPU machine: the test suite, every op benchmark, one report.
 
     PYTHONPATH=src python benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--quick]
 
@@ -7,14 +7,15 @@
    CUDA the sections run in a child process, so a kernel that corrupts the CUDA context (an illegal
    address is sticky) or hangs costs its own section only: the parent watches each section's deadline,
    kills a child that overruns, and starts a fresh child for the sections left.
-3. Writes into --out (default $OUT): <tag>.md (versions, ceilings, tests, one table per op), <tag>.json
-   (every raw number), gpu_check.log (the children's and the tests' full output) and PNGs of the sweeps
-   (<gpu>_flce_tokens.png, <gpu>_rms_norm_hidden.png): at most 8 files. <gpu> is the GPU's short name
+3. Writes into --out (default ./tigon-bench-results): <tag>.md (versions, ceilings, tests, one table per op),
+   <tag>.json (every raw number), gpu_check.log (the children's and the tests' full output) and PNGs of the
+   sweeps (<gpu>_flce_tokens.png, <gpu>_rms_norm_hidden.png). <gpu> is the GPU's short name
    ("h200"), "cpu" on a CPU; <tag> is --tag, default <gpu>. benchmarks/run_gpu.sh passes --tag <gpu>_ops,
    the names of benchmarks/results/<gpu>_ops.json and of the ops section of benchmarks/results/<gpu>.md.
 
 --budget bounds the whole run: sections that would not fit are skipped with a note, never cut silently.
---quick runs tiny shapes (a CPU smoke test of the harness; kernels through Triton's interpreter).
+--quick runs tiny shapes (a CPU smoke test of the harness; kernels through Triton's interpreter). A CPU run's
+report gives host wall times only, says they are not representative, and leaves out every rate (GB/s, TFLOP/s).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+
+from tigon.cli.bench import DEFAULT_OUT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -163,7 +166,7 @@ def run_tests(args, timeout: float, log) -> dict:
 
     res = {"timeout_s": round(timeout)}
     if importlib.util.find_spec("pytest") is None:
-        res["status"] = "pytest not installed: carry its wheel (and pluggy, iniconfig) to run the tests"
+        res["status"] = "pytest not installed: install it (pip install pytest) to run the tests"
         return res
     cmd = [sys.executable, "-m", "pytest", "tests", "-q", "-rfE", "-p", "no:cacheprovider",
            f"--maxfail={args.maxfail}"]
@@ -340,11 +343,16 @@ def _md(result: dict) -> str:
               f"{result.get('elapsed_s', 0):.0f} s; seconds per section: "
               + ", ".join(f"{k} {v}" for k, v in result["section_s"].items()), ""]
     c = result["ceilings"]
-    lines += ["## Ceilings (measured in this run)", "", "| ceiling | value |", "|---|---|",
-              f"| D2D copy, {c.get('copy_bytes', 0) / 2 / 2**30:.3g} GiB -> same, (read + write) / time | "
-              f"{H.num(c.get('copy_GBps'))} GB/s |",
-              f"| bf16 torch.mm {c.get('mm_shape')}^3, L2 flushed, median | {H.num(c.get('mm_TFLOPs'))} TFLOP/s |",
-              ""]
+    cpu = m.get("device") == "cpu" or H.on_cpu(result["rows"])
+    lines += ["## Ceilings", ""]
+    if cpu:  # a host's copy and matmul rates say nothing about a GPU's: measured to exercise the harness only
+        lines += ["Not given on a CPU run.", ""]
+    else:
+        lines += ["Measured in this run.", "", "| ceiling | value |", "|---|---|",
+                  f"| D2D copy, {c.get('copy_bytes', 0) / 2 / 2**30:.3g} GiB -> same, (read + write) / time | "
+                  f"{H.num(c.get('copy_GBps'))} GB/s |",
+                  f"| bf16 torch.mm {c.get('mm_shape')}^3, L2 flushed, median | {H.num(c.get('mm_TFLOPs'))} TFLOP/s |",
+                  ""]
     t = result.get("tests")
     lines += ["## Tests", ""]
     if not t:
@@ -353,15 +361,9 @@ def _md(result: dict) -> str:
         lines += [f"`{t.get('cmd', 'pytest')}`: **{t.get('status')}**, {t.get('counts')} in {t.get('seconds')} s "
                   f"(timeout {t.get('timeout_s')} s)", "", "```"] + [ln[:200] for ln in t.get("tail", [])[-25:]]
         lines += ["```", ""]
-    lines += ["## Results", "",
-              "Times are medians of CUDA-event intervals with the L2 flushed and in-place inputs restored "
-              "before each call. fwd / fwd+bwd: GPU time with host run-ahead (a GPU spin queued first); "
-              "host-incl: fwd+bwd without the spin, from an idle GPU (launch latency included); host "
-              "enqueue: host time to enqueue one fwd+bwd. GB/s from the byte model over the fwd+bwd time, "
-              "% of the D2D copy ceiling (or, for FLCE, % of the 3-GEMM floor timed here). Peak: "
-              "max_memory_allocated during one call minus the allocation before it. vs tigon: this "
-              "provider's fwd+bwd time / tigon's (> 1: tigon is faster).", ""]
-    lines += H.markdown_tables(result["rows"], c)
+    tables = H.markdown_tables(result["rows"], c)
+    # markdown_tables opens CPU rows with the CPU note itself
+    lines += ["## Results", ""] + ([] if H.on_cpu(result["rows"]) else [H.timing_note(cpu), ""]) + tables
     rb = result["extras"].get("rolling_buffer")
     if rb:
         lines += ["## Rolling buffer", "", rb.get("table") or json.dumps(rb)[:2000], ""]
@@ -439,7 +441,7 @@ def write_outputs(result: dict, out: str, tag: str, plots=False) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None, help="output folder (default: $OUT, else ./tigon-bench-out)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: ./{DEFAULT_OUT})")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 550; quick 240)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run (CPU: Triton's interpreter)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -498,7 +500,7 @@ def main(argv=None) -> int:
             print(f"gpu_check: unknown section(s) {bad}; choose from {names}", file=sys.stderr)
             return 2
         names = ["ceilings"] + [n for n in wanted if n != "ceilings"]
-    out = args.out or os.environ.get("OUT") or os.path.join(os.getcwd(), "tigon-bench-out")
+    out = args.out
     os.makedirs(out, exist_ok=True)
     meta = collect_meta(args, cuda)
     tag = args.tag or _tag(meta)

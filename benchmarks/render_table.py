@@ -21,8 +21,16 @@ def _time(us):
     return f"{us / 1e3:.1f} ms" if us >= 1e4 else f"{us:.0f} us"
 
 
+def cpu_run(result: dict) -> bool:
+    """Whether the result was measured on a CPU: its meta says so, or every row does."""
+    rows = result.get("rows", [])
+    return result.get("meta", {}).get("device") == "cpu" or bool(rows) and all(r.get("device") == "cpu" for r in rows)
+
+
 def compact(result: dict) -> str:
-    """The markdown table (and a line on where the numbers come from)."""
+    """The markdown table (and a line on where the numbers come from). A CPU run's table says it is a smoke
+    run: host wall times, no speedups or rates."""
+    cpu = cpu_run(result)
     cases: dict = {}
     for r in result.get("rows", []):
         if r.get("group"):
@@ -39,16 +47,25 @@ def compact(result: dict) -> str:
         t = (provs.get("tigon") or {}).get("fb_us")
         others = [p.get("fb_us") for n, p in provs.items()
                   if not n.startswith("tigon") and "floor" not in n and isinstance(p.get("fb_us"), (int, float))]
-        cells.append(f"{min(others) / t:.2f}x" if isinstance(t, (int, float)) and others else "-")
+        if cpu:  # interpreted kernels against eager PyTorch: a ratio that says nothing about a GPU
+            cells.append("n/a (CPU)")
+        else:
+            cells.append(f"{min(others) / t:.2f}x" if isinstance(t, (int, float)) and others else "-")
         lines.append("| " + " | ".join(cells) + " |")
     m = result.get("meta", {})
     c = result.get("ceilings", {})
-    src = (f"\n{m.get('gpu') or 'CPU'}, {m.get('date')}; torch {m.get('torch')}, triton {m.get('triton')}, "
-           f"liger-kernel {m.get('liger-kernel')}. Median GPU time of fwd+bwd with host run-ahead and the L2 "
-           f"flushed; ceilings measured in the same run: D2D copy {c.get('copy_GBps', 0):.0f} GB/s, bf16 mm "
-           f"{c.get('mm_TFLOPs', 0):.0f} TFLOP/s. Speedup: the fastest other provider's time over Tigon's "
-           f"(every non-Tigon provider, incl. cut-cross-entropy and Liger's variants).")
-    return "\n".join(lines) + "\n" + src
+    where = (f"\n{m.get('gpu') or 'CPU'}, {m.get('date')}; torch {m.get('torch')}, triton {m.get('triton')}, "
+             f"liger-kernel {m.get('liger-kernel')}. ")
+    if cpu:
+        note = ("CPU smoke run: median host wall time of fwd+bwd (Triton kernels through the interpreter, or the "
+                "PyTorch reference), which checks that the benchmarks run; not representative of Tigon on a GPU, "
+                "so no speedups or rates are given.")
+    else:
+        note = (f"Median GPU time of fwd+bwd with host run-ahead and the L2 flushed; ceilings measured in the same "
+                f"run: D2D copy {c.get('copy_GBps', 0):.0f} GB/s, bf16 mm {c.get('mm_TFLOPs', 0):.0f} TFLOP/s. "
+                f"Speedup: the fastest other provider's time over Tigon's (every non-Tigon provider, incl. "
+                f"cut-cross-entropy and Liger's variants).")
+    return "\n".join(lines) + "\n" + where + note
 
 
 def main(argv=None) -> int:

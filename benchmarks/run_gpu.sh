@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmark runner for a GPU machine: runs the steps named on the command line, in that order, each under its
-# own timeout inside one budget, and leaves at most 8 files in $OUT (a device call returns no more).
+# own timeout inside one budget, and leaves a short results folder: at most 8 files in RESULTS_DIR.
 #
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops decode-norm e2e e2e-compile
 #                                             lce losses attention sft lora qlora moe qk-norm-rope
@@ -27,7 +27,7 @@
 #   attention   bench_training_attention --write-table: each backend per mask, and hf/attention_table.py's rows
 #               (<gpu>_attention.md)
 #   sft         bench_sft_packed: padded HF / Liger / Tigon vs packed Tigon on a length mix (<gpu>_sft.md)
-#   qlora       bench_lora's QLoRA rows (NF4 decoder projections; needs bitsandbytes in .whl/): liger / tigon (<gpu>_qlora.md)
+#   qlora       bench_lora's QLoRA rows (NF4 decoder projections; needs bitsandbytes): liger / tigon (<gpu>_qlora.md)
 #   moe         bench_moe: one Qwen3-30B-A3B experts block, HF eager / grouped_mm / tigon (<gpu>_moe.md)
 #   lora        bench_lora: the 8B PEFT LoRA job (checkpointing, 2 x 4096), liger / tigon-nolora / tigon (<gpu>_lora.md)
 #   qk-norm-rope bench_norms --only qk_norm_rope: the fused QK-norm + RoPE beside tigon's two ops, torch.compile, Liger
@@ -35,19 +35,20 @@
 #               tune.py --ops qk_norm_rope: the QKNormRopeConfig sweep (<gpu>_qk_norm_rope_tune.json)
 #
 # <gpu> is the GPU's short name ("h200"), as in benchmarks/results/<gpu>.md, whose tables these files refresh.
-# BUDGET_S bounds the whole run (default 570 s). DECODE_VARIANTS overrides the decode step's variants.
+# RESULTS_DIR is the folder it writes (default ./tigon-bench-results). BUDGET_S bounds the whole run (default 570 s).
+# DECODE_VARIANTS overrides the decode step's variants.
 # BASELINE=DIR (a tree with src/ and benchmarks/ of another commit) adds, to decode, decode-8b and e2e, a run of that
-# tree in the same call, for side-by-side numbers (<gpu>_decode_base.md, <gpu>_e2e_base.md). Wheels the image
-# lacks (pytest-xdist, liger-kernel, ...) come from .whl/ (../shared/tools/device-wheels.sh; pass carry=[".whl"]).
-# Each step's tables come first; logs and plots are kept while fewer than 7 files are in $OUT; everything every step
-# wrote (JSON, logs, the rewritten attention table) also goes into $OUT/raw.tgz.
+# tree in the same run, for side-by-side numbers (<gpu>_decode_base.md, <gpu>_e2e_base.md). Wheels in .whl/ (for
+# packages the machine lacks: pytest-xdist, liger-kernel, bitsandbytes, ...) are installed offline into /tmp/site first.
+# Each step's tables come first; logs and plots are kept while fewer than 7 files are in RESULTS_DIR; everything every
+# step wrote (JSON, logs, the rewritten attention table) also goes into RESULTS_DIR/raw.tgz.
 # Exit status: the number of steps that failed or timed out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu-out}"
+RESULTS="${RESULTS_DIR:-$PWD/tigon-bench-results}"
 BUDGET="${BUDGET_S:-570}"
-mkdir -p "$OUT"
-LOG="$OUT/run.log"
+mkdir -p "$RESULTS"
+LOG="$RESULTS/run.log"
 : >"$LOG"
 failed=0
 extras=()  # "SRC DST" pairs copied at the end while there is room
@@ -66,9 +67,9 @@ step() {  # step NAME CAP_S CMD...: CMD under timeout min(CAP_S, what is left of
     if (( rc == 0 )); then log "DONE $name"; else log "FAILED $name: exit $rc"; failed=$((failed + 1)); fi
 }
 
-keep() {  # keep SRC DST: copy SRC to $OUT/DST while $OUT holds fewer than 7 files (the 8th is raw.tgz)
+keep() {  # keep SRC DST: copy SRC to $RESULTS/DST while $RESULTS holds fewer than 7 files (the 8th is raw.tgz)
     [[ -f "$1" ]] || return 0
-    if (( $(find "$OUT" -type f | wc -l) < 7 )); then cp "$1" "$OUT/$2"; else log "not kept (7 files in \$OUT): $2"; fi
+    if (( $(find "$RESULTS" -type f | wc -l) < 7 )); then cp "$1" "$RESULTS/$2"; else log "not kept (7 files in $RESULTS): $2"; fi
 }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -120,7 +121,7 @@ for s in "$@"; do
                 --prompts "${DECODE_8B_PROMPTS:-512,8192}" --budget "$(( b8 > 1 ? b8 : 1 ))" >>"$LOG" 2>&1
             keep "$T/decode_8b/decode.md" "${GPU}_decode_8b.md"; keep "$T/decode_8b/decode.json" "${GPU}_decode_8b.json"
             extras+=("$T/decode_8b/decode_latency.png ${GPU}_decode_8b_latency.png")
-            if [[ -n "${BASELINE:-}" ]]; then  # the baseline tree's tigon rows at prompt 512, for a same-call A/B
+            if [[ -n "${BASELINE:-}" ]]; then  # the baseline tree's tigon rows at prompt 512, for an A/B in the same run
                 step decode-8b-base 200 "${base[@]}" "${base_decode[@]}" --model llama3-8b --out "$T/decode_8b_base" \
                     --variants tigon --batches 1,8 --prompts 512 --budget 190 >>"$LOG" 2>&1
                 keep "$T/decode_8b_base/decode.md" "${GPU}_decode_8b_base.md"
@@ -182,6 +183,6 @@ for s in "$@"; do
     esac
 done
 for e in "${extras[@]+"${extras[@]}"}"; do keep ${e}; done
-cp "$LOG" "$T/run.log" 2>/dev/null; tar czf "$OUT/raw.tgz" -C "$T" . 2>/dev/null || log "raw.tgz not written"
-log "finished: $failed failed step(s); in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+cp "$LOG" "$T/run.log" 2>/dev/null; tar czf "$RESULTS/raw.tgz" -C "$T" . 2>/dev/null || log "raw.tgz not written"
+log "finished: $failed failed step(s); in $RESULTS: $(ls "$RESULTS" | tr '\n' ' ')"
 exit "$failed"

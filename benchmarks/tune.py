@@ -20,6 +20,7 @@ import _harness as H
 import bench_norms
 import torch
 
+from tigon.cli.bench import DEFAULT_OUT
 from tigon.ops._config import (
     CrossEntropyConfig,
     GLUConfig,
@@ -315,8 +316,9 @@ def host_profile(ctx):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ops", default="host,ce,flce,rms_norm,rope,glu")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
     ctx = H.Context("cuda")
     fns = {"host": host_profile, "rms_norm": tune_rms_norm, "rms_norm_heads": tune_rms_norm_heads,
            "qk_norm_rope": tune_qk_norm_rope, "rope": tune_rope, "glu": tune_glu, "ce": tune_ce, "flce": tune_flce}

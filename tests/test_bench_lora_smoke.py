@@ -2,7 +2,7 @@
 holds its bf16 weight to NF4's error, embeddings and lm_head stay bf16), the tigon-qlora variants built and
 stepped in this process (2 tiny layers; tigon-qlora routes every 4-bit LoRA projection through tigon.ops.lora_add,
 tigon-qlora-nolora none), liger-qlora built in its own subprocess as the bench runs it (Liger's kernels do not run
-on a CPU: no step), and the variant names. The H200 timing itself is the lead's."""
+on a CPU: no step), and the variant names. The timing needs a GPU (benchmarks/run_gpu.sh qlora)."""
 
 
 import pytest

@@ -1,6 +1,6 @@
 """benchmarks/bench_moe.py's CPU smoke run (--smoke: tiny shapes, the kernels through Triton's interpreter): every
-provider runs fwd+bwd, agrees with the fp32 "eager" loop, and the md + json land in --out. The H200 run is the
-lead's."""
+provider runs fwd+bwd, agrees with the fp32 "eager" loop, and the md + json land in --out. The timing needs a
+GPU (benchmarks/run_gpu.sh moe)."""
 
 import json
 

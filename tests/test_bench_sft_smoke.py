@@ -1,6 +1,6 @@
 """benchmarks/bench_sft_packed.py's CPU logic: the length mix, steps of whole examples, the packed row (position_ids
 restarting, -100 at each example's start, TRL's cu_seq_lens / max_length) against the padded micro-batches, and
-the useful-token accounting (pads are waste). The GPU run itself is the lead's (benchmarks/run_gpu.sh sft)."""
+the useful-token accounting (pads are waste). The timing needs a GPU (benchmarks/run_gpu.sh sft)."""
 
 
 import pytest

@@ -34,11 +34,45 @@ def test_quick_bench_writes_a_table_with_the_tigon_row(tmp_path, capsys, harness
     assert rows["eager"]["fb_us"] > 0
     assert "needs CUDA" in rows["liger"]["note"]  # peers are skipped with a note on a CPU
     assert result["ceilings"]["copy_GBps"] > 0
+    # a CPU run says so and gives no rates: no CUDA-event method, no ceilings, no TFLOP/s or speedups
+    assert "not representative" in md and "CUDA-event" not in md and "TFLOP/s |" not in md
+    assert "Not given on a CPU run" in md and "n/a (CPU)" in md
     import render_table
 
     compact = render_table.compact(result)
     assert "| rms_norm |" in compact
+    assert "CPU smoke run" in compact and "not representative" in compact
+    assert "GPU time" not in compact and "TFLOP/s" not in compact and "GB/s" not in compact
+    assert compact.splitlines()[2].endswith("| n/a (CPU) |")
     assert "Tigon fwd+bwd" in capsys.readouterr().out  # gpu_check ends with the compact table
+
+
+def test_gpu_reports_keep_their_method_and_rates(harness):
+    import gpu_check
+    import render_table
+
+    row = dict(op="rms_norm", case="4x64", provider="tigon", device="cuda", fwd_us=10.0, fb_us=30.0, fb_GBps=2.0)
+    peer = dict(row, provider="eager", fb_us=60.0)
+    result = dict(meta=dict(date="today", python="3", torch="2", triton="3", transformers="5", device="cuda",
+                            gpu="NVIDIA H200", argv=[], budget_s=1.0, TRITON_INTERPRET="unset",
+                            **{"liger-kernel": None, "cut-cross-entropy": None, "tigon": "0"}),
+                  ceilings=dict(copy_GBps=4000.0, copy_bytes=4, mm_TFLOPs=800.0, mm_shape=8192),
+                  rows=[row, peer], extras={}, notes=[], section_s={})
+    md = gpu_check._md(result)
+    assert "CUDA-event" in md and "800 TFLOP/s |" in md and "not representative" not in md
+    compact = render_table.compact(result)
+    assert "Median GPU time" in compact and "smoke" not in compact and compact.splitlines()[2].endswith("| 2.00x |")
+    cpu_rows = [dict(r, device="cpu") for r in (row, peer)]
+    cpu = dict(result, meta=dict(result["meta"], device="cpu", gpu=None), rows=cpu_rows)
+    md = gpu_check._md(cpu)
+    assert md.count("not representative") == 1 and "CUDA-event" not in md and "TFLOP/s |" not in md
+
+
+def test_gpu_check_writes_to_the_named_folder_by_default(monkeypatch):
+    import gpu_check
+
+    monkeypatch.setenv("OUT", "/somewhere/else")
+    assert gpu_check.parse_args([]).out == "tigon-bench-results"
 
 
 def test_a_failing_provider_is_a_cell_note(harness):

@@ -1,6 +1,6 @@
 """benchmarks/bench_decode.py's CPU-checkable parts at the Llama-3-8B shape: the model and prompt options, the
 plan, the weight + KV read bound's arithmetic (against the parameters of the models it describes, built on the
-meta device) and the 8B targets. The GPU run itself is the lead's (benchmarks/run_gpu.sh decode-8b)."""
+meta device) and the 8B targets. The timing needs a GPU (benchmarks/run_gpu.sh decode-8b)."""
 
 import os
 import sys
@@ -179,3 +179,14 @@ def test_copy_ceiling_on_a_gpu(core):
     got = core.copy_ceiling("cuda", quick=False)
     assert got["bytes"] == 4 * 2**30 and got["how"] == "2048 MiB copy, do_bench median"
     assert 100 < got["GBps"] < 20000  # a sanity range for HBM (the H200's is ~4.2 TB/s by the ops benchmarks)
+
+
+def test_decode_benches_write_to_the_named_folder_by_default(core, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", "/somewhere/else")  # a generic variable of the environment is not the default
+    assert core.build_parser().parse_args([]).out == "tigon-bench-results"
+    import bench_hf_generate
+
+    with pytest.raises(SystemExit) as e:
+        bench_hf_generate.main(["--help"])
+    help_text = capsys.readouterr().out
+    assert e.value.code == 0 and "default ./tigon-bench-results" in help_text and "$OUT" not in help_text

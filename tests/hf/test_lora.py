@@ -71,8 +71,8 @@ def peft_ref():
 
 @pytest.mark.parametrize("patch_first", [True, False])
 def test_patched_matches_peft_either_order(peft_ref, patch_first):
-    """patch first runs the anchor's job: patch, gradient checkpointing, get_peft_model (each projection then runs
-    twice a step: the forward and checkpointing's recompute)."""
+    """patch first runs benchmarks/bench_lora.py's order: patch, gradient checkpointing, get_peft_model (each
+    projection then runs twice a step: the forward and checkpointing's recompute)."""
     model, report = _peft_model(patch_first=patch_first)
     if patch_first:
         model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

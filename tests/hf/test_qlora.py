@@ -41,7 +41,7 @@ def _require_nf4(device):
 
 def _qlora_model(tmp_path, device, *, checkpointing=False, patch_first=False, **quant):
     """The QLoRA recipe: a 4-bit NF4 base, prepare_model_for_kbit_training, LoRA on every projection (patch_first:
-    tigon.patch before get_peft_model, the anchor's order)."""
+    tigon.patch before get_peft_model, the order of the 8B LoRA benchmark)."""
     _require_nf4(device)
     dtype = _compute_dtype(device)
     path = tmp_path / "base"
