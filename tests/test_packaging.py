@@ -219,3 +219,18 @@ def test_tigon_generation_unknown_name():
     with pytest.raises(AttributeError, match="has no attribute 'loop'"):
         generation.loop  # noqa: B018
     assert "generate" in dir(generation)
+
+
+def test_entry_points_are_typed():
+    """tigon.patch, tigon.unpatch and tigon.generate annotate every named parameter and their return (py.typed
+    ships, so type checkers read these)."""
+    import inspect
+
+    import tigon
+
+    for fn in (tigon.patch, tigon.unpatch, tigon.generate):
+        sig = inspect.signature(fn)
+        missing = [p.name for p in sig.parameters.values()
+                   if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.annotation is inspect.Parameter.empty]
+        assert not missing, f"{fn.__qualname__}: no annotation on {missing}"
+        assert sig.return_annotation is not inspect.Signature.empty, fn.__qualname__

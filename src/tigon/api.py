@@ -11,8 +11,14 @@ generate's decode steps replay a CUDA graph) and, where `attention` is left "aut
 
 import functools
 import inspect
+from typing import TYPE_CHECKING
 
 from . import _log
+
+if TYPE_CHECKING:
+    import torch
+
+    from .hf.patch import PatchReport
 
 with _log.requires_extra("tigon.patch"):  # tigon.hf and tigon.decode import transformers
     from .decode import hf_graph, layer_step
@@ -22,7 +28,7 @@ with _log.requires_extra("tigon.patch"):  # tigon.hf and tigon.decode import tra
 
 
 @functools.wraps(_hf_patch)
-def patch(model=None, *, cuda_graph=False, **options):
+def patch(model: "torch.nn.Module | None" = None, *, cuda_graph: bool = False, **options) -> "PatchReport":
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"tigon.patch: cuda_graph must be True or False, got {type(cuda_graph).__name__} "
                         f"{cuda_graph!r}")
@@ -53,12 +59,13 @@ patch.__doc__ = (_hf_patch.__doc__ or "") + """
     installed graph step in place (`tigon.unpatch` or `tigon.decode.hf_graph.uninstall` takes it off)."""
 _params = list(inspect.signature(_hf_patch).parameters.values())
 patch.__signature__ = inspect.Signature(
-    _params[:1] + [inspect.Parameter("cuda_graph", inspect.Parameter.KEYWORD_ONLY, default=False)] + _params[1:],
+    _params[:1] + [inspect.Parameter("cuda_graph", inspect.Parameter.KEYWORD_ONLY, default=False,
+                                    annotation=bool)] + _params[1:],
     return_annotation=inspect.signature(_hf_patch).return_annotation)
 
 
 @functools.wraps(_hf_unpatch)
-def unpatch(model=None, **options):
+def unpatch(model: "torch.nn.Module | None" = None, **options) -> None:
     if model is not None and not options:
         unwrap_model(model, "tigon.unpatch")  # the argument check, before anything changes
         hf_graph.uninstall(model)  # first: the forward under it is the HF patch's, which unpatch restores

@@ -659,12 +659,13 @@ def test_nearest_rank_percentile():
     assert all(percentile(steps, q) == steps[min(254, int(255 * q))] for q in (0.5, 0.99))
 
 
-def test_old_names_still_work():
+def test_public_names_are_the_decode_wings():
+    """tigon.generate, tigon.metrics and tigon.DecodeSettings are tigon.decode's objects (tigon.generation's old
+    names and their deprecation warnings: tests/test_packaging.py)."""
     import tigon
-    from tigon import generation
-    from tigon import metrics as old_metrics
+    from tigon import metrics as public_metrics
     from tigon.decode import metrics
 
-    assert tigon.generate is generation.generate is gen.generate
-    assert generation.prometheus_text is old_metrics.prometheus_text is metrics.prometheus_text
-    assert generation.TTFT_PHASES == TTFT_PHASES and tigon.DecodeSettings is DecodeSettings
+    assert tigon.generate is gen.generate
+    assert public_metrics.prometheus_text is metrics.prometheus_text
+    assert tigon.DecodeSettings is DecodeSettings

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -37,6 +38,9 @@ from . import moe as tigon_moe
 from . import trl as tigon_trl
 from .bound import BoundForward
 from .unwrap import unwrap_model
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _CLASS_UNDO: dict = {}  # model_type -> [(owner, attribute, original)]
 # The undo record's attribute name for the experts implementation: original is get_experts_implementation()'s dict
@@ -458,19 +462,19 @@ def _quantized_lm_head(hf) -> str:
 
 
 def patch(
-    model=None,
+    model: torch.nn.Module | None = None,
     *,
-    model_type=None,
-    rms_norm=True,
-    rope=True,
-    swiglu=True,
-    layer_norm=True,
-    cross_entropy=False,
-    fused_linear_cross_entropy=True,
-    attention="auto",
-    lora=True,
-    moe_experts="auto",
-    verbose=False,
+    model_type: "str | PretrainedConfig | None" = None,
+    rms_norm: bool = True,
+    rope: bool = True,
+    swiglu: bool = True,
+    layer_norm: bool = True,
+    cross_entropy: bool = False,
+    fused_linear_cross_entropy: bool = True,
+    attention: bool | Literal["auto"] = "auto",
+    lora: bool = True,
+    moe_experts: bool | Literal["auto"] = "auto",
+    verbose: bool = False,
 ) -> PatchReport:
     """Swap Tigon's fused pieces into a model instance (that instance only), or, with model_type= (a string
     such as "llama", or a config), into a model family module-wide (models built afterwards come up fused).
@@ -537,7 +541,7 @@ def patch(
     return report
 
 
-def unpatch(model=None, *, model_type=None) -> None:
+def unpatch(model: torch.nn.Module | None = None, *, model_type: "str | PretrainedConfig | None" = None) -> None:
     """Restore exactly what patch() replaced: on `model` (that instance only, and every module inside it patched
     on its own, as a vision-language model's text tower is; a model never patched is left as it is), or the
     class-level patch of `model_type` (a string or a config), or with neither, every class-level patch."""
