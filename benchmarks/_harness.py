@@ -287,7 +287,7 @@ def peak_mib(ctx: Context, fn: Callable, restore=()) -> float | None:
 
 def _release_workspace(device) -> None:
     try:
-        from tigon.ops._workspace import workspace
+        from tigon.memory import workspace
     except ImportError:  # a baseline tree without the arena
         return
     workspace(device).release()

@@ -138,7 +138,7 @@ def flce_providers(ctx, h, w, tgt, *, variants=True, compiled_fn=None, skip_igno
         return Call(lambda: f(h, w, tgt), inputs)
 
     def tigon_chunk(mib):
-        from tigon.ops._config import LinearCrossEntropyConfig
+        from tigon.ops.config import LinearCrossEntropyConfig
 
         cfg = LinearCrossEntropyConfig(chunk_bytes=mib << 20, min_rows=0)
         return lambda: Call(lambda: ops.linear_cross_entropy(h, w, tgt, config=cfg), inputs)

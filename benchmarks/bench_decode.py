@@ -7,9 +7,9 @@ shape (`--model llama3-8b`).
     tigon bench decode ...      (the same from a source checkout, then prints the table)
 
 A benchmarks/ tool, not part of the package: it uses tigon's public API (tigon.patch, tigon.generate,
-tigon.decode's stats helpers: TTFT_PHASES, percentile, prometheus_text) and its sibling decode_profile.py,
-imported by plain name with benchmarks/ on sys.path (a script's own folder is; `tigon bench decode` puts it
-there). The HF and Tigon rows' p50/p99 use the stats' nearest-rank rule (tigon.decode.percentile).
+tigon.decode's stats helpers TTFT_PHASES and percentile, tigon.metrics.prometheus_text) and its sibling
+decode_profile.py, imported by plain name with benchmarks/ on sys.path (a script's own folder is; `tigon bench
+decode` puts it there). The HF and Tigon rows' p50/p99 use the stats' nearest-rank rule (tigon.decode.percentile).
 
 The method of the peer reference timings (REFERENCE_TIMINGS), so the numbers compare: each variant in its own
 process, model from config (hidden 2048, intermediate 8192, 16 layers, 32 heads / 8 KV heads, vocab 128256),
@@ -764,7 +764,7 @@ def plot(rows, path):
 
 def prometheus_rows(rows):
     """The tigon rows' stats as one Prometheus exposition, labelled by model, variant and batch."""
-    from tigon.decode import prometheus_text
+    from tigon.metrics import prometheus_text
 
     runs = [({"model": _model_name(r), "variant": r["variant"], "batch": str(r["batch"])}, r["stats"])
             for r in rows if r.get("stats")]

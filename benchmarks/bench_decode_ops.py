@@ -2,7 +2,7 @@
 cuBLAS doing the same work unfused, with a sweep of its launch configs, and `ops.decode_attention` launch
 settings. GPU only; weights are replicated so L2 stays cold, and the timing is CUDA-graph replays (a decode
 step is a graph: host time would hide the kernels). Each setting is a config passed to the op
-(`tigon.ops._config`), never a module attribute.
+(`tigon.ops.config`), never a module attribute.
 
     PYTHONPATH=src python benchmarks/bench_decode_ops.py --out benchmarks/results [--model 1.5b|llama3-8b]
         [--quick] [--emit-picks FILE] [--norm-cost]
@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from tigon.ops._config import DecodeAttentionConfig, DecodeLinearConfig
+from tigon.ops.config import DecodeAttentionConfig, DecodeLinearConfig
 
 
 @dataclasses.dataclass(frozen=True)

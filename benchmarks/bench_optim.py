@@ -100,7 +100,7 @@ def run(ctx, sweep=False, sweep_clip=False, only=None):
             H.free(ctx)
         if sweep and ctx.cuda and (clip is None or sweep_clip):
             import tigon
-            from tigon.ops._config import AdamWConfig
+            from tigon.ops.config import AdamWConfig
             params = make_params(ctx, shapes)
             for block in (512, 1024, 2048):
                 for chunk_blocks in (1, 4, 8, 16):

@@ -1,6 +1,6 @@
 """Sweep the launch settings of the bandwidth-bound kernels at the benchmark shapes (GPU), and profile
 where the host time of one small-op fwd+bwd goes. Each setting is a frozen config passed to the op
-(`tigon.ops._config`); the winners become the configs' defaults.
+(`tigon.ops.config`); the winners become the configs' defaults.
 
     PYTHONPATH=src python benchmarks/tune.py [--ops rms_norm,rms_norm_heads,qk_norm_rope,rope,glu,ce,flce] [--out DIR]
 """
@@ -21,7 +21,7 @@ import bench_norms
 import torch
 
 from tigon.cli.bench import DEFAULT_OUT
-from tigon.ops._config import (
+from tigon.ops.config import (
     CrossEntropyConfig,
     GLUConfig,
     LinearCrossEntropyConfig,

@@ -179,7 +179,7 @@ def test_patch_and_generate_without_transformers_say_which_extra(monkeypatch):
     real = importlib.import_module
 
     def without_transformers(name, package=None):
-        if name in ("tigon.api", "tigon.decode", "tigon.hf.patch"):
+        if name in ("tigon.api", "tigon.decode", "tigon.hf.patching"):
             raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
         return real(name, package)
 

@@ -63,7 +63,7 @@ def _params(fn):
 def calls(monkeypatch):
     """What the apply functions hand to tigon.patch, without patching anything."""
     seen = []
-    monkeypatch.setattr(liger, "patch", lambda model=None, **kw: seen.append((model, kw)) or "report")
+    monkeypatch.setattr(liger, "patch_hf_model", lambda model=None, **kw: seen.append((model, kw)) or "report")
     return seen
 
 

@@ -27,7 +27,7 @@ def __getattr__(name):
         if name in ("patch", "unpatch"):
             return getattr(importlib.import_module("tigon.api"), name)
         if name == "PatchReport":
-            return importlib.import_module("tigon.hf.patch").PatchReport
+            return importlib.import_module("tigon.hf.patching").PatchReport
         if name in ("generate", "DecodeSettings"):
             return getattr(importlib.import_module("tigon.decode"), name)
     raise AttributeError(f"module 'tigon' has no attribute {name!r}")

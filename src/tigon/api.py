@@ -1,9 +1,9 @@
-"""tigon.patch / tigon.unpatch: the Hugging Face patch (`tigon.hf.patch`) plus the fused decode layer step and,
+"""tigon.patch / tigon.unpatch: the Hugging Face patch (`tigon.hf.patching`) plus the fused decode layer step and,
 when asked, the CUDA-graph decode step of HF's own generate.
 
-`patch(model, ...)` is `tigon.hf.patch.patch` (same arguments, report and errors), and on a model instance it
-also installs the fused decoder-layer step (`tigon.decode.layer_step.install`) on the layers that run Tigon's
-decoder forward, so HF's own `model.generate(ids, past_key_values=RollingKVCache(...))` on the "tigon"
+`patch(model, ...)` is `tigon.hf.patching.patch_hf_model` (same arguments, report and errors), and on a model
+instance it also installs the fused decoder-layer step (`tigon.decode.layer_step.install`) on the layers that
+run Tigon's decoder forward, so HF's own `model.generate(ids, past_key_values=RollingKVCache(...))` on the "tigon"
 attention decodes with it. `patch(model, cuda_graph=True)` also installs `tigon.decode.hf_graph` (that
 generate's decode steps replay a CUDA graph) and, where `attention` is left "auto", switches the model to the
 "tigon" attention, which the graph needs. `unpatch(model)` undoes all of it.
@@ -18,16 +18,16 @@ from . import _log
 if TYPE_CHECKING:
     import torch
 
-    from .hf.patch import PatchReport
+    from .hf.patching import PatchReport
 
 with _log.requires_extra("tigon.patch"):  # tigon.hf and tigon.decode import transformers
     from .decode import hf_graph, layer_step
-    from .hf.patch import patch as _hf_patch
-    from .hf.patch import unpatch as _hf_unpatch
+    from .hf.patching import patch_hf_model as _hf_patch
+    from .hf.patching import unpatch_hf_model as _hf_unpatch
     from .hf.unwrap import unwrap_model
 
 
-@functools.wraps(_hf_patch)
+@functools.wraps(_hf_patch, assigned=("__doc__",))  # keeps the name tigon.patch
 def patch(model: "torch.nn.Module | None" = None, *, cuda_graph: bool = False, **options) -> "PatchReport":
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"tigon.patch: cuda_graph must be True or False, got {type(cuda_graph).__name__} "
@@ -64,7 +64,7 @@ patch.__signature__ = inspect.Signature(
     return_annotation=inspect.signature(_hf_patch).return_annotation)
 
 
-@functools.wraps(_hf_unpatch)
+@functools.wraps(_hf_unpatch, assigned=("__doc__",))
 def unpatch(model: "torch.nn.Module | None" = None, **options) -> None:
     if model is not None and not options:
         unwrap_model(model, "tigon.unpatch")  # the argument check, before anything changes

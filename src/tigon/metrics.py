@@ -1,6 +1,9 @@
-"""Prometheus metrics of `tigon.generate` (re-exported from `tigon.decode.metrics`): `GenerationMetrics` for
-running totals, `serve` for a /metrics endpoint, `StatsCollector` and `prometheus_text` for given calls' stats,
-`METRICS` the table of what they expose."""
+"""Prometheus metrics of `tigon.generate` (docs/generation.md): `GenerationMetrics` for running totals, `serve` for
+a /metrics endpoint, `StatsCollector` and `prometheus_text` for given calls' stats, `METRICS` the table of what
+they expose.
+
+The documented public name of `tigon.decode.metrics`, which defines them: these two modules are the only doors
+(`tigon.decode` does not re-export the metrics), and each name here is that module's own object."""
 
 from . import _log
 

@@ -12,7 +12,7 @@ import torch
 
 from .ops import _library, reference
 from .ops import adamw as _adamw
-from .ops._config import ADAMW, AdamWConfig
+from .ops.config import ADAMW, AdamWConfig
 
 __all__ = ["AdamW"]
 

@@ -13,10 +13,20 @@ from tigon.compat import liger
 
 lt = pytest.importorskip("liger_kernel.transformers")
 
+# Liger's Triton kernels and Tigon's: natively on a GPU, through the interpreter on a CPU (tests/conftest.py)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _tensors_on_the_kernels_device():
+    with torch.device(DEVICE):  # every factory call of a test makes its tensors there
+        yield
+
+
 # exported by liger_kernel.transformers without being in its __all__
 EXTRA_EXPORTS = ["LigerExperts", "LigerVocabParallelCrossEntropy"]
 N, V, H = 6, 40, 16
-LABELS = torch.tensor([1, -100, 3, 4, -100, 2])
+LABELS = torch.tensor([1, -100, 3, 4, -100, 2], device=DEVICE)
 
 
 def _close(ours, theirs, atol=1e-5):

@@ -270,8 +270,13 @@ def test_generation_metrics_and_serve_refuse_bad_arguments():
 
 
 def test_metrics_names_are_reexported():
+    """tigon.metrics and tigon.decode.metrics are the two doors to the metrics; tigon.decode is not a third."""
+    import tigon
+    from tigon import decode
     from tigon import metrics as public
 
+    assert tigon.metrics is public
     for name in ("GenerationMetrics", "StatsCollector", "prometheus_text", "serve", "MetricsServer", "METRICS",
                  "Metric", "PREFIX", "LATENCY_BUCKETS", "TTFT_BUCKETS"):
         assert getattr(public, name) is getattr(metrics, name), name
+        assert not hasattr(decode, name) and name not in decode.__all__, name

@@ -15,7 +15,7 @@ import torch
 from tests._grid import U32, sum_ulps
 from tigon import ops
 from tigon.ops import adamw, reference
-from tigon.ops._config import AdamWConfig
+from tigon.ops.config import AdamWConfig
 
 SMALL = AdamWConfig(block=64, chunk_blocks=2, num_warps=4)  # 128-element chunks: many programs, masked tails
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)

@@ -330,7 +330,7 @@ def test_config_reaches_the_launches(device, monkeypatch, inplace):
     # A CrossEntropyConfig's L2 hints reach the row kernel and its programs per SM the grad_output scaling, on
     # the out-of-place and the in-place path; hints change no value, so the bits match the default's.
     from tigon.ops import _launch
-    from tigon.ops._config import CrossEntropyConfig
+    from tigon.ops.config import CrossEntropyConfig
 
     mod = sys.modules["tigon.ops.cross_entropy"]
     hints, per_sm, real = [], [], mod._cross_entropy_kernel

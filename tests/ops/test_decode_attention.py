@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from tests._grid import DTYPES, assert_bound, assert_no_sync_and_deterministic, randn
 from tigon import ops
-from tigon.ops import _workspace, reference
-from tigon.ops._config import DecodeAttentionConfig
+from tigon.ops import _rolling_buffer, reference
+from tigon.ops.config import DecodeAttentionConfig
 from tigon.ops.decode_attention import decode_attention
 
 B, HQ, HKV = 2, 4, 2
@@ -293,7 +293,7 @@ def test_config_is_a_frozen_validated_value():
         with pytest.raises(ValueError, match=f"DecodeAttentionConfig: {match}"):
             DecodeAttentionConfig(**bad)
     q, k, v, sp, qp = _inputs(torch.float32, 16, 7, "linear")
-    with pytest.raises(TypeError, match="decode_attention: config must be a tigon.ops._config.DecodeAttentionConfig"):
+    with pytest.raises(TypeError, match="decode_attention: config must be a tigon.ops.DecodeAttentionConfig"):
         decode_attention(q, k, v, sp, qp, config=dict(n_splits=2))
 
 
@@ -372,7 +372,7 @@ def test_split_partials_are_one_pinned_arena_buffer(device):
     # so only this stream's buffer is compared. Until 2026-12-03 the test took every partials buffer of the arena
     # and was an xfail on the H200 (7 addresses at c04315c in the whole suite; it passed alone).
     inputs = _inputs(torch.float32, 16, 40, "sinks", device=device)
-    ws, cfg = _workspace.workspace(device), _splits(2)
+    ws, cfg = _rolling_buffer.workspace(device), _splits(2)
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     key = ("decode_attention.partials", torch.float32, stream)
     outs, ptrs = [], []

@@ -36,8 +36,8 @@ from tests._grid import (
     sum_ulps,
 )
 from tigon import ops
-from tigon.ops import _library, _workspace, reference
-from tigon.ops._config import DecodeLinearConfig
+from tigon.ops import _library, _rolling_buffer, reference
+from tigon.ops.config import DecodeLinearConfig
 from tigon.ops.decode_linear import decode_linear
 
 dl = importlib.import_module("tigon.ops.decode_linear")  # the module: tigon.ops.decode_linear is the op
@@ -146,7 +146,7 @@ def _eager(x, ws, *, norm_weight=None, eps=1e-6, residual=None, activation=None)
 
 def _assert_workspace_clean():
     # The partial tiles are overwritten by every call (no zeroing needed); the arrival counters must be zero.
-    for ws in list(_workspace._workspaces.values()):
+    for ws in list(_rolling_buffer._workspaces.values()):
         for (name, _, _), buf in ws._pinned.items():
             if name == "decode_linear.counters":
                 assert not buf.any(), "split-K arrival counters left in the workspace"
@@ -403,7 +403,7 @@ def test_config_is_a_frozen_validated_value():
                        ((32, 256, 4, 3, 1, 3000), "stats_elems must be a power of two")):
         with pytest.raises(ValueError, match=f"DecodeLinearConfig: {match}"):
             DecodeLinearConfig(*bad)
-    with pytest.raises(TypeError, match="decode_linear: config must be a tigon.ops._config.DecodeLinearConfig"):
+    with pytest.raises(TypeError, match="decode_linear: config must be a tigon.ops.DecodeLinearConfig"):
         decode_linear(torch.ones(3, 16), torch.ones(8, 16), config=(16, 16, 4, 1, 1))
 
 
@@ -710,7 +710,7 @@ def test_split_k_scratch_is_one_pinned_arena_buffer(device):
     # step replays) and allocate nothing the second time; the arena's stats count both calls.
     torch.manual_seed(0)
     x, w = randn(2, 130, device=device), randn(33, 130, device=device)
-    ws = _workspace.workspace(device)
+    ws = _rolling_buffer.workspace(device)
     cfg = DecodeLinearConfig(16, 64, 4, 1, 2)
     ptrs = []
     for _ in range(2):

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from tigon.ops import decode_linear_picks as picks
-from tigon.ops._config import DecodeLinearConfig
+from tigon.ops.config import DecodeLinearConfig
 
 dl = importlib.import_module("tigon.ops.decode_linear")
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")

@@ -456,9 +456,12 @@ def test_append_negative_next_position(monkeypatch, kernels):
     position is negative and write the others (-1 + t for t = 0, 1, 2: positions 0 and 1)."""
     from tigon.ops import _library
 
-    monkeypatch.setattr(_library, "interpreter_on", lambda: kernels)
+    on_gpu = kernels and torch.cuda.is_available()  # natively there; on a CPU the kernels run in the interpreter
+    if not on_gpu:
+        monkeypatch.setattr(_library, "interpreter_on", lambda: kernels)
+    monkeypatch.setattr(_library, "host_checks", lambda device: True)  # CPU, or TIGON_VALIDATE=1 on CUDA
     path = "triton" if kernels else "reference"
-    args = _append_inputs(torch.float32, C=8, T=3, next_pos=-1, device=torch.device("cpu"))
+    args = _append_inputs(torch.float32, C=8, T=3, next_pos=-1, device=torch.device("cuda" if on_gpu else "cpu"))
     with pytest.raises(ValueError, match=r"^tigon.ops.rope_kv_append: next_position must be >= 0 .*, got -1$"):
         rope_kv_append(*args[:-1], sink=2)
     monkeypatch.setattr(_library, "host_checks", lambda device: False)  # as on CUDA without TIGON_VALIDATE

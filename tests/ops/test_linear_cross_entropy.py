@@ -19,7 +19,7 @@ from tests._grid import (
 )
 from tigon import modules, ops
 from tigon.ops import reference
-from tigon.ops._workspace import workspace
+from tigon.ops._rolling_buffer import workspace
 
 ce_mod = sys.modules["tigon.ops.cross_entropy"]
 flce_mod = sys.modules["tigon.ops.linear_cross_entropy"]
@@ -411,7 +411,7 @@ def test_dw_accumulation_is_exact_to_its_rounding(device, dtype, accum_dtype):
 def test_config_sets_the_chunks(device):
     """config=LinearCrossEntropyConfig: chunk_rows gives the same bits as the private _chunk_rows, chunk_bytes
     picks rows from the byte budget; anything else is refused by name."""
-    from tigon.ops._config import LinearCrossEntropyConfig
+    from tigon.ops.config import LinearCrossEntropyConfig
 
     h, w, _ = _inputs(12, 8, 50, torch.float32, device, seed=23)
     t = _targets(12, 50, device)

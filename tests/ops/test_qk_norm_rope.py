@@ -16,7 +16,7 @@ from tests._grid import DTYPES, U32, UNIT_ROUNDOFF, KernelSpy, err, fp64_copy, g
 from tests._grid import randn as _randn
 from tigon import ops
 from tigon.ops import _library, reference
-from tigon.ops._config import QKNormRopeConfig, RopeConfig
+from tigon.ops.config import QKNormRopeConfig, RopeConfig
 
 mod = sys.modules["tigon.ops.qk_norm_rope"]  # the module: tigon.ops.qk_norm_rope is the function
 OP = "tigon.ops.qk_norm_rope"
@@ -539,7 +539,7 @@ REFUSED_KW = [
     ("offset_str", TypeError, "offset", dict(offset="1")),
     ("offset_nan", ValueError, "offset", dict(offset=float("nan"))),
     ("casting_mode", ValueError, "casting_mode must be one of", dict(casting_mode="qwen3")),
-    ("config_type", TypeError, "config must be a tigon.ops._config.QKNormRopeConfig or None, got RopeConfig",
+    ("config_type", TypeError, "config must be a tigon.ops.QKNormRopeConfig or None, got RopeConfig",
      dict(config=RopeConfig())),
     ("config_ints", TypeError, "config must be .*got list", dict(config=[4096, 4, 4])),
 ]

@@ -196,7 +196,7 @@ def test_config_reaches_both_launches(device, monkeypatch, path):
     import sys
 
     from tigon.ops import _launch
-    from tigon.ops._config import RMSNormConfig
+    from tigon.ops.config import RMSNormConfig
 
     mod = sys.modules["tigon.ops.rms_norm"]  # the module: tigon.ops.rms_norm is the function
 

@@ -270,7 +270,7 @@ def test_config_reaches_forward_and_backward(device, monkeypatch):
     # head, so the bits match the default's.
     import sys
 
-    from tigon.ops._config import RopeConfig
+    from tigon.ops.config import RopeConfig
 
     mod = sys.modules["tigon.ops.rope"]
     spy = KernelSpy(mod._rope_kernel)

@@ -6,7 +6,7 @@ import torch
 from tests._grid import DTYPES, assert_bound, fp64_copy, grads, randn
 from tigon import ops
 from tigon.ops import _launch, reference
-from tigon.ops._config import GLUConfig
+from tigon.ops.config import GLUConfig
 from tigon.ops.swiglu import geglu_packed, swiglu_packed
 
 glu_mod = sys.modules["tigon.ops.swiglu"]  # `tigon.ops.swiglu` the attribute is the function

@@ -9,7 +9,7 @@ from importlib import metadata
 
 from .. import _log
 
-# op -> where its launch settings come from, beside the dispatch path (tigon.ops._config holds the classes)
+# op -> where its launch settings come from, beside the dispatch path (tigon.ops.config holds the classes)
 _CONFIG = {"rms_norm": "RMSNormConfig", "add_rms_norm": "RMSNormConfig", "apply_rope": "RopeConfig",
            "qk_norm_rope": "QKNormRopeConfig", "swiglu": "GLUConfig", "geglu": "GLUConfig",
            "cross_entropy": "CrossEntropyConfig", "linear_cross_entropy": "LinearCrossEntropyConfig",

@@ -22,7 +22,7 @@ from .. import _log
 
 try:
     from ..hf import registry
-    from ..hf.patch import patch
+    from ..hf.patching import patch_hf_model
     from ..hf.unwrap import unwrap_model
 except ModuleNotFoundError as e:  # transformers (the [hf] extra) missing: say which extra, not a bare traceback
     if (e.name or "").split(".")[0] not in ("transformers", "accelerate", "peft"):
@@ -148,7 +148,7 @@ def _apply_text_tower(name, vlm_type, model, extra, flags):
             logger.warning("%s: a class-level patch needs the language model's family, which a %s config does not "
                            "fix; call it with model= (nothing patched)", name, vlm_type)
             return None
-        report = patch(model_type=text_type, **spec)
+        report = patch_hf_model(model_type=text_type, **spec)
         if spec["cross_entropy"]:
             report.skip("loss_function (cross_entropy)", f"the {vlm_type} ForConditionalGeneration keeps HF's loss")
         if flags.get("layer_norm"):
@@ -163,7 +163,7 @@ def _apply_text_tower(name, vlm_type, model, extra, flags):
         logger.warning("%s: the language model (%s) is not a family Tigon patches; left as it is", name, tower_type)
         return None
     if not any(n == "**" for n, _ in LIGER_PARAMETERS.get(vlm_type, _LLAMA)):
-        report = patch(tower, **spec)
+        report = patch_hf_model(tower, **spec)
     else:
         kwargs = {**{k: v for k, v in flags.items() if k != "layer_norm"}, **extra}
         taken = inspect.signature(apply).parameters
@@ -213,7 +213,8 @@ def _apply_for(model_type):
             return _apply_text_tower(name, model_type, model, extra, flags)
         spec = _patch_flags(name, flags)
         # cross_entropy=True class-level: the ForCausalLM's loss_function too
-        report = patch(model, **spec) if model is not None else patch(model_type=model_type, **spec)
+        report = (patch_hf_model(model, **spec) if model is not None
+                  else patch_hf_model(model_type=model_type, **spec))
         if flags.get("relu_squared"):
             report.skip("ReLU^2", "Tigon has no ReLU^2 kernel: the MLP's activation stays HF's")
         return report

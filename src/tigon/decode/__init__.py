@@ -18,7 +18,8 @@ Modules, in the order a decode call meets them:
     sampling.py     token choice on the device (argmax, temperature / top-k / top-p)
     stats.py        the step clock, the TTFT phases, the one percentile rule, the stats dict
     metrics.py      the stats as Prometheus metrics: StatsCollector (the last call), GenerationMetrics (totals over
-                    calls: TTFT and token-latency histograms, tokens, peak memory), serve (a /metrics endpoint)
+                    calls: TTFT and token-latency histograms, tokens, peak memory), serve (a /metrics endpoint);
+                    imported as `tigon.metrics` (or `tigon.decode.metrics`), not re-exported here
 
 How the fused layer step is reached (the one run-time link between hf/ and this package, hf/ never imports
 it): `tigon.patch` gives each Llama-style decoder layer Tigon's forward
@@ -35,18 +36,8 @@ from . import hf_graph
 from .kept import release
 from .layer_step import fused_decode, install, uninstall
 from .loop import generate
-from .metrics import (
-           LATENCY_BUCKETS,
-           TTFT_BUCKETS,
-           GenerationMetrics,
-           MetricsServer,
-           StatsCollector,
-           prometheus_text,
-           serve,
-)
 from .settings import DecodeSettings
 from .stats import TTFT_PHASES, percentile
 
-__all__ = ["DecodeSettings", "GenerationMetrics", "LATENCY_BUCKETS", "MetricsServer", "StatsCollector", "TTFT_BUCKETS",
-           "TTFT_PHASES", "fused_decode", "generate", "hf_graph", "install", "percentile", "prometheus_text", "release",
-           "serve", "uninstall"]
+__all__ = ["DecodeSettings", "TTFT_PHASES", "fused_decode", "generate", "hf_graph", "install", "percentile", "release",
+           "uninstall"]

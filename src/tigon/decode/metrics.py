@@ -12,7 +12,8 @@
 `GenerationMetrics` (running totals), `StatsCollector` (the given calls only, replaced by `update`) and
 `prometheus_text` (StatsCollector rendered) all render it, so prometheus_text(stats) is exactly what a fresh
 GenerationMetrics exposes after observe(stats). Everything here needs prometheus_client (`tigon[metrics]`);
-importing this module does not.
+importing this module does not. `tigon.metrics` is this module's public name (the same objects); `tigon.decode`
+does not re-export them.
 """
 
 import bisect

@@ -13,7 +13,7 @@ Rows past the last offset (expert parallelism's sentinel experts, sorted to the 
 unwritten) are handled inside permute and combine (n_rows), so no masked_fill pass is left. Experts with a
 bias, without a gate, interleaved gate/up, another activation or their own _apply_gate keep HF's gate and bias
 code between the same permute and combine. `register()` adds the implementation to transformers'
-ExpertsInterface; tigon.patch(model, moe_experts=True) switches a model to it (hf/patch.py).
+ExpertsInterface; tigon.patch(model, moe_experts=True) switches a model to it (hf/patching.py).
 """
 
 import torch

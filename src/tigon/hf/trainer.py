@@ -5,7 +5,7 @@ from transformers import TrainerCallback
 
 from .. import _log
 from . import registry
-from .patch import patch
+from .patching import patch_hf_model
 from .unwrap import unwrap_model
 
 
@@ -34,7 +34,7 @@ class TigonCallback(TrainerCallback):
                 raise
             _log.get_logger().warning("%s; training without Tigon's kernels", e)
             return control
-        self.report = patch(model, **self.patch_kwargs)
+        self.report = patch_hf_model(model, **self.patch_kwargs)
         return control
 
 

@@ -1,7 +1,8 @@
-"""Drop-in nn.Modules, state_dict-compatible with the Hugging Face modules they replace."""
+"""Drop-in nn.Modules, state_dict-compatible with the Hugging Face modules they replace: norms.py (RMSNorm,
+LayerNorm), mlp.py (the gated MLPs), losses.py (every loss module, none with parameters)."""
 
-from .loss import CrossEntropyLoss, LinearCrossEntropyLoss
 from .losses import (
+    CrossEntropyLoss,
     FusedLinearCPOLoss,
     FusedLinearDPOLoss,
     FusedLinearGRPOLoss,
@@ -10,6 +11,7 @@ from .losses import (
     FusedLinearLogProbs,
     FusedLinearORPOLoss,
     FusedLinearSimPOLoss,
+    LinearCrossEntropyLoss,
 )
 from .mlp import GeGLUMLP, SwiGLUMLP
 from .norms import LayerNorm, RMSNorm

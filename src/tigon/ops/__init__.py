@@ -1,8 +1,22 @@
 """Functional API. Each op runs Triton kernels on CUDA (or on CPU under TRITON_INTERPRET=1) and the
-pure-PyTorch reference otherwise; see `tigon.ops._library` for the dispatch rule."""
+pure-PyTorch reference otherwise; see `tigon.ops._library` for the dispatch rule. The launch settings an op takes
+as `config=` are the frozen classes of `tigon.ops.config`, exported here too (`FusedLinearLossConfig`, the
+fused-linear losses' one, lives with them in `tigon.ops.losses`)."""
 
 from ._library import backend_for, dispatch_counts
 from .adamw import adamw_step_, grad_norm
+from .config import (
+    AdamWConfig,
+    CrossEntropyConfig,
+    DecodeAttentionConfig,
+    DecodeLinearConfig,
+    GLUConfig,
+    LinearCrossEntropyConfig,
+    QKNormRopeConfig,
+    RMSNormConfig,
+    RopeConfig,
+    RopeKVWriteConfig,
+)
 from .cross_entropy import cross_entropy
 from .decode_attention import decode_attention
 from .decode_linear import decode_linear
@@ -20,6 +34,16 @@ from .rope import apply_rope
 from .swiglu import geglu, swiglu
 
 __all__ = [
+    "AdamWConfig",
+    "CrossEntropyConfig",
+    "DecodeAttentionConfig",
+    "DecodeLinearConfig",
+    "GLUConfig",
+    "LinearCrossEntropyConfig",
+    "QKNormRopeConfig",
+    "RMSNormConfig",
+    "RopeConfig",
+    "RopeKVWriteConfig",
     "adamw_step_",
     "add_rms_norm",
     "apply_rope",

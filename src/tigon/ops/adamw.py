@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
-from ._config import ADAMW, AdamWConfig
+from .config import ADAMW, AdamWConfig
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 CLIP_EPS = 1e-6  # clip_grad_norm_'s: coef = max_norm / (norm + 1e-6), at most 1

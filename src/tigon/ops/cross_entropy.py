@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
-from ._config import CrossEntropyConfig
+from .config import CrossEntropyConfig
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 _NONE, _MEAN, _SUM = 0, 1, 2
@@ -527,7 +527,7 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
                                     label_smoothing, z_loss_scale, softcap, num_items_in_batch)
     _launch.check_bool(name, "inplace_backward", inplace_backward)
     if config is not None and not isinstance(config, CrossEntropyConfig):
-        raise TypeError(f"{name}: config must be a tigon.ops._config.CrossEntropyConfig or None, got "
+        raise TypeError(f"{name}: config must be a tigon.ops.CrossEntropyConfig or None, got "
                         f"{type(config).__name__}")
     cfg = None if config is None else config.ints()
     V = logits.shape[-1]

@@ -28,10 +28,10 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, _pdl, reference
-from . import _workspace as _ws
-from ._config import DECODE_ATTENTION, DecodeAttentionConfig
+from . import _rolling_buffer as _ws
+from .config import DECODE_ATTENTION, DecodeAttentionConfig
 
-# Launch settings: a DecodeAttentionConfig (ops/_config.py), the measured defaults unless the caller passes one.
+# Launch settings: a DecodeAttentionConfig (ops/config.py), the measured defaults unless the caller passes one.
 _MAX_GROUP_BLOCK = 64  # query heads per program; a larger GQA group is split over programs
 MAX_HEAD_DIM = 256
 
@@ -417,7 +417,7 @@ def decode_attention(q, k_cache, v_cache, slot_pos, q_pos, *, scale=None, slidin
     """
     scale, window, softcap = _validate(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap)
     if config is not None and not isinstance(config, DecodeAttentionConfig):
-        raise TypeError(f"tigon.ops.decode_attention: config must be a tigon.ops._config.DecodeAttentionConfig or "
+        raise TypeError(f"tigon.ops.decode_attention: config must be a tigon.ops.DecodeAttentionConfig or "
                         f"None, got {type(config).__name__}")
     if advance_q_pos and not q_pos.is_contiguous():
         raise ValueError(f"tigon.ops.decode_attention: advance_q_pos=True needs a contiguous q_pos (it is updated in "

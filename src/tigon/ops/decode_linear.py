@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, _pdl, decode_linear_picks, reference
-from . import _workspace as _ws
-from ._config import DecodeLinearConfig
+from . import _rolling_buffer as _ws
+from .config import DecodeLinearConfig
 
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 MAX_WEIGHTS = 3
@@ -259,7 +259,7 @@ def _split_of(K: int, block_k: int, split: int) -> tuple[int, int]:
 
 
 def _workspace(device, n_sums: int, n_counters: int):
-    """The split-K scratch, pinned buffers of the device's workspace arena (`_workspace.RollingBuffer.pinned`):
+    """The split-K scratch, pinned buffers of the device's workspace arena (`_rolling_buffer.RollingBuffer.pinned`):
     fp32 partial tiles (overwritten by every call) and int32 arrival counters (zeros between calls: the last
     arrival resets its counter, so no memset launch per call). Pinned, not borrowed: the counters are state kept
     between calls, and a captured decode step replays these addresses (docs/ops/decode_linear.md). At least
@@ -332,7 +332,7 @@ def _(x, weights, norm_weight, eps, residual, activation, config=None):
 def _validate(x, weights, norm_weight, eps, residual, activation, config):
     op = "tigon.ops.decode_linear"
     if config is not None and not isinstance(config, DecodeLinearConfig):
-        raise TypeError(f"{op}: config must be a tigon.ops._config.DecodeLinearConfig or None, got "
+        raise TypeError(f"{op}: config must be a tigon.ops.DecodeLinearConfig or None, got "
                         f"{type(config).__name__}")
     _launch.check_tensor(op, "x", x)
     if x.dim() < 1:

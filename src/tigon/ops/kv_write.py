@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, _pdl, reference
-from ._config import ROPE_KV_WRITE
+from .config import ROPE_KV_WRITE
 from .rope import _cos_sin_halves, _rope_heads, check_cos_sin
 
 

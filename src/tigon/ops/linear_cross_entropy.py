@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 
 from . import _launch, _library, reference
-from ._config import LINEAR_CROSS_ENTROPY, LinearCrossEntropyConfig
-from ._workspace import workspace
+from ._rolling_buffer import workspace
+from .config import LINEAR_CROSS_ENTROPY, LinearCrossEntropyConfig
 
 # named imports: `tigon.ops.cross_entropy` is the function once ops/__init__ has run
 from .cross_entropy import (
@@ -319,7 +319,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     op, name = "linear_cross_entropy", "tigon.ops.linear_cross_entropy"
     _validate(name, hidden, weight, target, bias, accum_dtype)
     if config is not None and not isinstance(config, LinearCrossEntropyConfig):
-        raise TypeError(f"{name}: config must be a tigon.ops._config.LinearCrossEntropyConfig or None, got "
+        raise TypeError(f"{name}: config must be a tigon.ops.LinearCrossEntropyConfig or None, got "
                         f"{type(config).__name__}")
     ls, z, cap = validate_loss_args(name, target, hidden.shape[:-1], hidden.device, ignore_index, reduction,
                                     label_smoothing, z_loss_scale, softcap, num_items_in_batch)

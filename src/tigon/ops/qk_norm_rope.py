@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
-from ._config import QKNormRopeConfig
+from .config import QKNormRopeConfig
 from .rms_norm import _CASTING, _CASTING_NAMES
 from .rope import check_cos_sin
 
@@ -351,7 +351,7 @@ def _validate(q, k, q_weight, k_weight, cos, sin, eps, offset, casting_mode, con
     if casting_mode not in _CASTING:
         raise ValueError(f"{_OP}: casting_mode must be one of {sorted(_CASTING)}, got {casting_mode!r}")
     if config is not None and not isinstance(config, QKNormRopeConfig):
-        raise TypeError(f"{_OP}: config must be a tigon.ops._config.QKNormRopeConfig or None, got "
+        raise TypeError(f"{_OP}: config must be a tigon.ops.QKNormRopeConfig or None, got "
                         f"{type(config).__name__}")
     return _launch.check_eps(_OP, eps), _launch.check_number(_OP, "offset", offset)
 

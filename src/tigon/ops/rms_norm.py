@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, _pdl, reference
-from ._config import RMSNormConfig
+from .config import RMSNormConfig
 
 _CASTING = {"llama": 0, "gemma": 1, "none": 2}
 
@@ -372,7 +372,7 @@ def _config_ints(op, config):
     if config is None:
         return None
     if not isinstance(config, RMSNormConfig):
-        raise TypeError(f"{op}: config must be a tigon.ops._config.RMSNormConfig or None, got "
+        raise TypeError(f"{op}: config must be a tigon.ops.RMSNormConfig or None, got "
                         f"{type(config).__name__}")
     return config.ints()
 

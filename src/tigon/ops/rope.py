@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
-from ._config import RopeConfig
+from .config import RopeConfig
 
 # (tile, num_warps), RopeConfig.ints(): two [heads, rd/2] tiles (x1, x2) plus cos/sin stay in registers; the
 # defaults and their H200 measurement are in RopeConfig. A custom op takes the ints; None: these defaults.
@@ -250,7 +250,7 @@ def apply_rope(q, k, cos, sin, unsqueeze_dim=1, *, config=None):
     """
     _validate(q, k, cos, sin, unsqueeze_dim)
     if config is not None and not isinstance(config, RopeConfig):
-        raise TypeError(f"tigon.ops.apply_rope: config must be a tigon.ops._config.RopeConfig or None, got "
+        raise TypeError(f"tigon.ops.apply_rope: config must be a tigon.ops.RopeConfig or None, got "
                         f"{type(config).__name__}")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         _library.record("apply_rope", "reference")

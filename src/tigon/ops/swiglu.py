@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _launch, _library, reference
-from ._config import GLUConfig
+from .config import GLUConfig
 
 _SILU, _GELU_TANH = 0, 1
 
@@ -366,7 +366,7 @@ def _config_ints(op, config):
     if config is None:
         return None
     if not isinstance(config, GLUConfig):
-        raise TypeError(f"{op}: config must be a tigon.ops._config.GLUConfig or None, got {type(config).__name__}")
+        raise TypeError(f"{op}: config must be a tigon.ops.GLUConfig or None, got {type(config).__name__}")
     return config.ints()
 
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .. import _launch, _library
-from .._workspace import workspace
+from .._rolling_buffer import workspace
 from ..linear_cross_entropy import _add_dw as add_dw  # dW += dlogits^T h, fp32 C in one cuBLAS call
 
 

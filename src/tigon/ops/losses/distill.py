@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import _launch, _library, reference
-from .._workspace import workspace
+from .._rolling_buffer import workspace
 from . import _common, _engine
 
 

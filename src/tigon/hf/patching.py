@@ -1,11 +1,13 @@
-"""tigon.patch() / tigon.unpatch(): one generic patcher driven by the family table in registry.py.
+"""The Hugging Face half of tigon.patch() / tigon.unpatch(): one generic patcher driven by the family table in
+registry.py. Call `tigon.patch` / `tigon.unpatch` (tigon/api.py): they run patch_hf_model / unpatch_hf_model and,
+on a model instance, also install (and remove) the fused decode layer step, which these two do not.
 
 Two targets:
 - a model instance, and only that instance: its norm and MLP submodules are replaced by Tigon modules that
   share the same Parameters (weights, state_dict keys, device and dtype unchanged), its attention modules run
   Tigon's RoPE (tigon.hf.instance_forward.route_rope) and its forward gets the fused loss. Another model of the same
   class is not affected; the record of what was replaced lives on the instance, so copy.deepcopy and
-  torch.save of a patched model give a patched model, and unpatch() of the copy restores the copy only;
+  torch.save of a patched model give a patched model, and tigon.unpatch() of the copy restores the copy only;
 - a model_type: the family's modeling module gets Tigon classes and functions, so models built afterwards
   (from_pretrained, from_config) come up fused. The replacement classes take the constructor arguments of
   the classes they replace.
@@ -51,7 +53,7 @@ _PATCHED_CLASSES: dict = {}  # (model_type, HF class name) -> Tigon class built 
 
 @dataclasses.dataclass
 class PatchReport:
-    """What a patch() call replaced (counts per piece) and what it skipped (with the reason)."""
+    """What a tigon.patch() call replaced (counts per piece) and what it skipped (with the reason)."""
 
     model_type: str
     target: str
@@ -461,7 +463,7 @@ def _quantized_lm_head(hf) -> str:
     return f"lm_head is quantized ({type(linear).__name__}, {weight.dtype} weight); the model computes its loss"
 
 
-def patch(
+def patch_hf_model(
     model: torch.nn.Module | None = None,
     *,
     model_type: "str | PretrainedConfig | None" = None,
@@ -541,10 +543,12 @@ def patch(
     return report
 
 
-def unpatch(model: torch.nn.Module | None = None, *, model_type: "str | PretrainedConfig | None" = None) -> None:
-    """Restore exactly what patch() replaced: on `model` (that instance only, and every module inside it patched
-    on its own, as a vision-language model's text tower is; a model never patched is left as it is), or the
-    class-level patch of `model_type` (a string or a config), or with neither, every class-level patch."""
+def unpatch_hf_model(
+    model: torch.nn.Module | None = None, *, model_type: "str | PretrainedConfig | None" = None
+) -> None:
+    """Restore exactly what tigon.patch() replaced: on `model` (that instance only, and every module inside it
+    patched on its own, as a vision-language model's text tower is; a model never patched is left as it is), or
+    the class-level patch of `model_type` (a string or a config), or with neither, every class-level patch."""
     if model is not None and model_type is not None:
         raise ValueError("tigon.unpatch: pass a model or model_type=, not both")
     if model is not None:

@@ -1,4 +1,5 @@
-"""RollingBuffer: a preallocated, per-device workspace arena that kernels borrow scratch tensors from.
+"""RollingBuffer: a preallocated, per-device workspace arena that kernels borrow scratch tensors from; public as
+`tigon.memory.RollingBuffer` and `tigon.memory.workspace` (docs/memory/rolling_buffer.md).
 
 A stack allocator over one backing byte block: `borrow` bumps a top offset, returning the loan pops it,
 so the same sequence of borrows returns the same addresses every step (safe inside CUDA-graph capture)
