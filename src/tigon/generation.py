@@ -8,10 +8,10 @@ import warnings
 # old name -> (the module that holds it, the name to import instead)
 _NAMES = {
     "DecodeSettings": ("tigon.decode", "tigon.decode.DecodeSettings"),
-    "LATENCY_BUCKETS": ("tigon.decode.metrics", "tigon.metrics.LATENCY_BUCKETS"),
+    "LATENCY_BUCKETS": ("tigon.metrics", "tigon.metrics.LATENCY_BUCKETS"),
     "TTFT_PHASES": ("tigon.decode", "tigon.decode.TTFT_PHASES"),
     "generate": ("tigon.decode", "tigon.generate"),
-    "prometheus_text": ("tigon.decode.metrics", "tigon.metrics.prometheus_text"),
+    "prometheus_text": ("tigon.metrics", "tigon.metrics.prometheus_text"),
 }
 _warned: set[str] = set()
 

@@ -17,9 +17,7 @@ Modules, in the order a decode call meets them:
     capture.py      the side-stream warm-up, then CUDA-graph capture without torch.cuda.graph's device sync
     sampling.py     token choice on the device (argmax, temperature / top-k / top-p)
     stats.py        the step clock, the TTFT phases, the one percentile rule, the stats dict
-    metrics.py      the stats as Prometheus metrics: StatsCollector (the last call), GenerationMetrics (totals over
-                    calls: TTFT and token-latency histograms, tokens, peak memory), serve (a /metrics endpoint);
-                    imported as `tigon.metrics` (or `tigon.decode.metrics`), not re-exported here
+    (the stats as Prometheus metrics live in `tigon.metrics`, which reads the stats dict only)
 
 How the fused layer step is reached (the one run-time link between hf/ and this package, hf/ never imports
 it): `tigon.patch` gives each Llama-style decoder layer Tigon's forward
