@@ -139,6 +139,9 @@ LONG_FIRST = (
     "tests/hf/test_training_extras.py::test_trl_sft_trainer",
     "tests/test_bench_lora_smoke.py",
     "tests/test_benchmarks_smoke.py::test_decode_bench_ttft_at_new_prompt_lengths",
+    "tests/test_bench_optim_smoke.py",
+    "tests/decode/test_specializations.py::test_new_prompt_lengths_add_no_specialization",
+    "tests/ops/test_compile_targets.py::test_every_kernel_compiles_for",
 )
 
 
