@@ -1,11 +1,14 @@
 """tigon.generate (tigon.decode.loop) against Hugging Face `model.generate` on tiny random-init models (CPU, fp32)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from tests.hf._tiny import tiny_model
 from tigon.decode import DecodeSettings, sampling
 from tigon.decode import loop as gen
+from tigon.decode.request import GenerationRequest
 from tigon.decode.stats import TTFT_PHASES
 
 # Tests of the loop itself (EOS, sampling) pass attention=HF: the same loop without the interpreter's cost of
@@ -649,6 +652,51 @@ def test_settings_are_one_checked_value():
         gen.generate(_model("llama"), _ids(1, 5), max_new_tokens=2, settings={"rotary_table": False})
 
 
+def _request(model, ids, **kw):
+    args = dict(max_new_tokens=3, attention_mask=None, capacity=None, cuda_graph=True, attention="auto",
+                return_stats=False, do_sample=False, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
+                pad_token_id=None, generator=None, settings=DecodeSettings())
+    return GenerationRequest.build(model, ids, **dict(args, **kw))
+
+
+def test_request_is_checked_resolved_and_frozen():
+    model = _model("llama")
+    ids = _ids(2, 5)
+    request = _request(model, ids)
+    assert (request.batch, request.prompt, request.total, request.ring) == (2, 5, 8, 8) and request.input_ids is ids
+    assert request.eos is None and request.pad == 0  # the generation_config's: no EOS, pad 0
+    assert _request(model, ids, capacity=6).ring == 6
+    model.generation_config.eos_token_id = [5, 7]
+    assert (_request(model, ids).eos, _request(model, ids, pad_token_id=3).pad) == ((5, 7), 3)
+    # greedy: the sampling arguments are neither checked nor kept; sampled, None is "off"
+    greedy = _request(model, ids, temperature=0.0, top_k=-1, top_p=2.0, generator=torch.Generator())
+    assert (greedy.temperature, greedy.top_k, greedy.top_p, greedy.generator) == (1.0, 0, 1.0, None)
+    g = torch.Generator()
+    sampled = _request(model, ids, do_sample=True, temperature=None, top_k=None, top_p=None, generator=g)
+    assert (sampled.temperature, sampled.top_k, sampled.top_p, sampled.generator) == (1.0, 0, 1.0, g)
+    assert greedy.choose(torch.tensor([[0.0, 3.0, 1.0]])).tolist() == [1]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.max_new_tokens = 4
+    with pytest.raises(ValueError, match=r"generate: top_p must be in \(0, 1\]"):
+        _request(model, ids, do_sample=True, top_p=0)
+
+
+def test_generate_hands_the_loop_one_request(monkeypatch):
+    model = _model("llama")
+    ids = _ids(1, 5)
+    calls = []
+
+    def loop(model_, request, clock, scope, *, tigon):
+        calls.append((request, tigon))
+        return request.input_ids, None
+
+    monkeypatch.setattr(gen, "_decode_loop", loop)
+    assert gen.generate(model, ids, max_new_tokens=2, attention=HF, do_sample=True, top_k=5) is ids
+    ((request, tigon),) = calls
+    assert isinstance(request, GenerationRequest) and not tigon
+    assert (request.max_new_tokens, request.attention, request.do_sample, request.top_k) == (2, HF, True, 5)
+
+
 def test_nearest_rank_percentile():
     from tigon.decode.stats import percentile
 
@@ -660,12 +708,9 @@ def test_nearest_rank_percentile():
 
 
 def test_public_names_are_the_decode_wings():
-    """tigon.generate, tigon.metrics and tigon.DecodeSettings are tigon.decode's objects (tigon.generation's old
-    names and their deprecation warnings: tests/test_packaging.py)."""
+    """tigon.generate and tigon.DecodeSettings are tigon.decode's objects (tigon.metrics: tests/decode/test_metrics.py;
+    tigon.generation's old names and their deprecation warnings: tests/test_packaging.py)."""
     import tigon
-    from tigon import metrics as public_metrics
-    from tigon.decode import metrics
 
     assert tigon.generate is gen.generate
-    assert public_metrics.prometheus_text is metrics.prometheus_text
     assert tigon.DecodeSettings is DecodeSettings

@@ -471,3 +471,20 @@ def test_gpu_decode_no_host_sync_fixed_memory_deterministic():
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
         assert torch.equal(la.positions, lb.positions)
     assert sorted(a.layers[0].positions.tolist()) == [0, 1, 2, 3] + list(range(320 - 252, 320))
+
+
+def test_decode_loop_accessors_read_the_device_counters():
+    """next_position is the layer's own counter (advanced in place: what a captured graph reads each replay);
+    positions_after_append is the ring's positions once the next token lands, the ring itself unchanged."""
+    cache = RollingKVCache(tiny_config("llama"), batch_size=1, capacity=4, sliding=True, dtype=torch.float32)
+    layer = cache.layers[0]
+    kv = torch.randn(1, layer.num_heads, 1, layer.head_dim)
+    counter = layer.next_position
+    assert layer.positions_after_append().tolist() == [0, -1, -1, -1] and layer.positions.tolist() == [-1] * 4
+    for _ in range(5):  # past the ring: position 4 took slot 0
+        cache.update(kv, kv, 0)
+    assert layer.next_position is counter and counter.tolist() == [5]
+    assert layer.positions.tolist() == [4, 1, 2, 3] and layer.positions_after_append().tolist() == [4, 5, 2, 3]
+    lazy = RollingKVCache(tiny_config("llama"), batch_size=1, capacity=4)
+    with pytest.raises(RuntimeError, match="RollingKVCache: next_position of layer 0 before its first update"):
+        _ = lazy.layers[0].next_position

@@ -7,6 +7,7 @@
 Modules, in the order a decode call meets them:
     settings.py     DecodeSettings: how the loop runs (one frozen value passed in; the tokens never depend on it)
     inputs.py       argument checks, and the stop ids (explicit, else model.generation_config)
+    request.py      GenerationRequest: generate's arguments checked once, frozen; what the loop reads
     loop.py         generate: the attention switch, the prefill, the decode steps, the CUDA graph
     prefill_graph.py recorded prefills: a short prompt's prefill replayed from a CUDA graph
     kept.py         what generate keeps with a model between calls (its last cache, the recordings); release()

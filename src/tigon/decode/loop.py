@@ -4,12 +4,14 @@
     seqs = generate(model, input_ids, max_new_tokens=64)                    # greedy, like model.generate
     seqs, stats = generate(model, ids, max_new_tokens=64, do_sample=True, top_p=0.9, return_stats=True)
 
-One prefill with the model's own forward (`logits_to_keep=1`; a short unpadded prompt's prefill replays a CUDA
-graph recorded by the first call of its shape, `prefill_graph`), then one token per step. Everything per step
-stays on the device: token choice (`sampling`), the `finished` mask of rows that emitted EOS (later tokens of
-those rows are the pad id), the output writes and the position counters. The host looks at `finished` only
-every `settings.eos_check_every` steps and once at the end to trim the output to the longest row, as
-`model.generate` returns it.
+`generate` checks its arguments once, before the clock starts, into a frozen `GenerationRequest` (`request`):
+what the loop reads. Then the cache (`_open_cache`), one prefill with the model's own forward
+(`logits_to_keep=1`; a short unpadded prompt's prefill replays a CUDA graph recorded by the first call of its
+shape, `prefill_graph`), then one token per step (`_decode_steps`). Everything per step stays on the device
+(`_DecodeState`): token choice (`sampling`), the `finished` mask of rows that emitted EOS (later tokens of those
+rows are the pad id), the output writes and the position counters. The host looks at `finished` only every
+`settings.eos_check_every` steps and once at the end to trim the output to the longest row, as `model.generate`
+returns it.
 
 For the call the loop switches, and puts back at the end (also on an exception):
 - the attention (`attention="auto"`): the "tigon" implementation (`tigon.hf.attention`: a decode step reads the
@@ -34,9 +36,10 @@ import contextlib
 
 import torch
 
-from . import hf_graph, inputs, kept, prefill_graph, sampling
+from . import hf_graph, inputs, kept, prefill_graph
 from .capture import capture, warm_up
 from .layer_step import fused_decode
+from .request import GenerationRequest
 from .rotary_table import cached_rotary
 from .settings import DEFAULT, DecodeSettings
 from .stats import Clock, summary
@@ -48,14 +51,14 @@ def _cache_class():
     from tigon.memory.kv_cache import RollingKVCache  # imports transformers: only when generating
 
     class _DecodeCache(RollingKVCache):
-        """A RollingKVCache whose query offset can be the device counter (`_next`), so the decode mask
+        """A RollingKVCache whose query offset can be the device counter (`next_position`), so the decode mask
         does not bake a host integer into a captured graph."""
 
         device_offset = False
 
         def get_query_offset(self, layer_idx: int = 0):
             if self.device_offset:
-                return self.layers[layer_idx]._next
+                return self.layers[layer_idx].next_position
             return super().get_query_offset(layer_idx)
 
     return _DecodeCache
@@ -113,9 +116,7 @@ class TigonMasks:
     def _one(self, kind):
         if self.constant is not None:
             return self.constant[kind]
-        layer = self.kinds[kind]
-        nxt = layer._next
-        pos = layer.positions.scatter(0, layer._slots_of(nxt), nxt)  # after this step's write
+        pos = self.kinds[kind].positions_after_append()  # after this step's write
         return (self.keep.index_select(1, pos.clamp(min=0)) & (pos >= 0))[:, None, None, :]
 
     def __call__(self):
@@ -159,176 +160,195 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, *, max_new_tokens:
     time), decode_tokens_per_s, peak_memory_bytes (CUDA only, else None), new_tokens, batch_size, cuda_graph
     (whether the replay path ran), attention ("tigon" or "hf"), rotary_tables (the cos/sin tables the rotary
     modules read for the call; 0 = HF's modules computed them every step), prefill_graph ("recorded", "replayed"
-    or None: the eager prefill). `tigon.decode.metrics` exposes them to Prometheus.
+    or None: the eager prefill). `tigon.metrics` exposes them to Prometheus.
 
     Between calls the model keeps the last call's cache, its rotary tables and its recorded prefills
     (`tigon.decode.kept`); `tigon.decode.release(model)` frees them."""
-    inputs.check_model(model)
-    vocab = inputs.vocab_size(model)
-    inputs.check_int("max_new_tokens", max_new_tokens, 1)
-    for name, flag in (("do_sample", do_sample), ("cuda_graph", cuda_graph), ("return_stats", return_stats)):
-        inputs.check_bool(name, flag)
-    if not isinstance(settings, DecodeSettings):
-        raise TypeError(f"{NAME}: settings must be a tigon.decode.DecodeSettings, got {type(settings).__name__}")
-    if do_sample:
-        # None is "off", as in model.generate's keyword arguments
-        temperature = 1.0 if temperature is None else temperature
-        top_k, top_p = 0 if top_k is None else top_k, 1.0 if top_p is None else top_p
-        sampling.check_args(temperature, top_k, top_p)
-        if generator is not None and (not isinstance(generator, torch.Generator)
-                                      or generator.device.type != model.device.type):
-            raise TypeError(f"{NAME}: generator must be a torch.Generator on the model's device "
-                            f"({model.device.type}), got {getattr(generator, 'device', type(generator).__name__)}")
-    if not isinstance(attention, str) or attention not in inputs.ATTENTION:
-        raise ValueError(f"{NAME}: attention must be one of {', '.join(map(repr, inputs.ATTENTION))}, got "
-                         f"{attention!r}")
-    eos, pad = inputs.stop_ids(model, eos_token_id, pad_token_id, vocab)
-    if capacity is not None:
-        inputs.check_int("capacity", capacity, 1)
-    inputs.check_prompt(input_ids, attention_mask, vocab)
-
+    request = GenerationRequest.build(
+        model, input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask, capacity=capacity,
+        cuda_graph=cuda_graph, attention=attention, return_stats=return_stats, do_sample=do_sample,
+        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        generator=generator, settings=settings)
     clock = Clock(model.device)
     clock.mark()  # TTFT counts from here: the attention switch, the cache allocation and the prompt copies
-    ran, undo = _switch_attention(model, attention)
+    ran, undo = _switch_attention(model, request.attention)
     scope = contextlib.ExitStack()  # what the loop switches for the call, undone here
     try:
         scope.enter_context(hf_graph.paused(model))  # tigon.patch(cuda_graph=True)'s step: this loop graphs its own
-        if settings.fused_layers:
+        if request.settings.fused_layers:
             scope.enter_context(fused_decode(model))
         clock.phase("attention_switch")
-        sequences, stats = _decode_loop(
-            model, input_ids, clock, scope, settings, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
-            capacity=capacity, cuda_graph=cuda_graph, tigon=ran == "tigon", return_stats=return_stats,
-            sampling_args=(do_sample, temperature, top_k, top_p, generator), eos=eos, pad=pad)
+        sequences, stats = _decode_loop(model, request, clock, scope, tigon=ran == "tigon")
     finally:
         scope.close()
         if undo is not None:
             undo()
-    if not return_stats:
+    if not request.return_stats:
         return sequences
     stats["attention"] = ran
     return sequences, stats
 
 
-def _decode_loop(model, input_ids, clock, scope, settings, *, max_new_tokens, attention_mask, capacity, cuda_graph,
-                 tigon, return_stats, sampling_args, eos, pad):
-    b, p = input_ids.shape
-    total = p + max_new_tokens
+def _decode_loop(model, request, clock, scope, *, tigon):
+    """The call after the attention switch: (sequences `[B, P + n]`, stats or None). A short unpadded prompt
+    prefills through a recorded CUDA graph over a cache kept with the model (`prefill_graph`); the first call
+    of a shape records it."""
     device = model.device
-    if return_stats and device.type == "cuda":
+    if request.return_stats and device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    # A short unpadded prompt prefills through a recorded CUDA graph over a cache kept with the model
-    # (`prefill_graph`); the first call of a shape records it.
     plan = None
-    if cuda_graph and tigon and attention_mask is None and _graphs_available(device):
-        plan = prefill_graph.plan(model, settings, batch=b, prompt=p, total=total, capacity=capacity,
-                                  dtype=model.dtype, device=device)
+    if request.cuda_graph and tigon and request.attention_mask is None and _graphs_available(device):
+        plan = prefill_graph.plan(model, request.settings, batch=request.batch, prompt=request.prompt,
+                                  total=request.total, capacity=request.capacity, dtype=model.dtype, device=device)
     try:
-        return _decode_loop_on(model, input_ids, clock, scope, settings, plan, max_new_tokens=max_new_tokens,
-                               attention_mask=attention_mask, capacity=capacity, cuda_graph=cuda_graph,
-                               tigon=tigon, return_stats=return_stats, sampling_args=sampling_args, eos=eos, pad=pad)
+        return _decode_with_plan(model, request, clock, scope, plan, tigon=tigon)
     finally:
         if plan is not None:
             plan.release()
 
 
-def _decode_loop_on(model, input_ids, clock, scope, settings, plan, *, max_new_tokens, attention_mask, capacity,
-                    cuda_graph, tigon, return_stats, sampling_args, eos, pad):
-    do_sample, temperature, top_k, top_p, generator = sampling_args
-    b, p = input_ids.shape
-    total = p + max_new_tokens
+def _decode_with_plan(model, request, clock, scope, plan, *, tigon):
+    """The cache, the prompt's tensors, the prefill (replayed, recorded or eager), the decode steps, the trim
+    and the stats, each closing its TTFT phase on `clock`."""
     device = model.device
-    replaying = plan is not None and plan.recording is not None
-    spare = cache = None  # spare: the key of the cache this call leaves with the model for the next (`kept`)
+    replaying = plan is not None and plan.recording is not None  # `record` sets plan.recording: read it now
+    cache, spare = _open_cache(model, request, plan, device, tigon=tigon, replaying=replaying)
+    clock.phase("cache_alloc")
+    # HF's decode mask is valid in a graph only while every ring fits; the tigon masks always are.
+    use_graph = (request.cuda_graph and _graphs_available(device) and request.max_new_tokens >= 3
+                 and (tigon or request.total <= min(layer.ring for layer in cache.layers)))
+
+    ids = request.input_ids.to(device=device, dtype=torch.int64)
+    rotary_tables, tables = 0, []
+    if request.settings.rotary_table:  # positions stay < total (left padding only lowers them), or < the padded prompt
+        length = request.total if plan is None else max(request.total, plan.length)
+        rotary_tables = scope.enter_context(cached_rotary(model, length, dtype=model.dtype, device=device,
+                                                          keep=tables, store=kept.kept(model).rotary))
+    state = _DecodeState(model, request, cache, ids, tigon=tigon)
+    clock.phase("prompt_setup")
+    if replaying:
+        logits, prefilled = prefill_graph.replay(plan.recording, ids, request.prompt), "replayed"
+    else:
+        logits, prefilled = _prefill(model, request, plan, cache, ids, state, tables)
+    clock.phase("prefill")
+    state.emit(logits, 0)
+    clock.marks.append(clock.phase("first_token"))  # the TTFT end: the phases sum to ttft_s
+    cache.device_offset = True
+    steps, graphed = _decode_steps(state, request, cache, clock, use_graph=use_graph)
+
+    if spare is not None:
+        kept.keep_cache(model, spare, cache)
+    if state.eos is not None:
+        steps = int(state.lengths.max())  # the one sync of a run without stats: trim like model.generate
+    sequences = state.out[:, :request.prompt + steps]
+    if not request.return_stats:
+        return sequences, None
+    stats = summary(clock, batch=request.batch, new_tokens=steps, device=device, cuda_graph=graphed,
+                    rotary_tables=rotary_tables)
+    stats["prefill_graph"] = prefilled
+    return sequences, stats
+
+
+def _open_cache(model, request, plan, device, *, tigon, replaying):
+    """(the call's cache, the key it is kept under for the next call, or None): the recording's own cache when
+    replaying; else the model's kept one with the "tigon" attention (a recording makes its own, HF's attention
+    gets zeroed rings), else a new one. Refuses a capacity below the prompt on full-attention layers."""
+    spare = cache = None
     if replaying:
         cache = plan.recording.cache
     else:
-        ring = plan.ring if plan is not None else total if capacity is None else capacity
-        if tigon and plan is None:  # a recording makes its own; HF's attention gets zeroed rings
-            spare = (b, ring, model.dtype, device, id(model.config))
+        ring = plan.ring if plan is not None else request.ring
+        if tigon and plan is None:
+            spare = (request.batch, ring, model.dtype, device, id(model.config))
             cache = kept.take_cache(model, spare)
         if cache is None:
-            cache = _cache_class()(model.config, batch_size=b, capacity=ring, dtype=model.dtype, device=device)
+            cache = _cache_class()(model.config, batch_size=request.batch, capacity=ring, dtype=model.dtype,
+                                   device=device)
     cache.device_offset = False  # a kept cache ended its last call with the decode steps' offset
-    capacity = total if capacity is None else capacity
-    if capacity < p and not all(cache.is_sliding):
-        raise ValueError(f"{NAME}: capacity ({capacity}) is smaller than the prompt ({p} tokens) and the "
-                         "model has full-attention layers, which would drop prompt tokens; pass capacity >= "
-                         "the prompt length")
-    clock.phase("cache_alloc")
-    # HF's decode mask is valid in a graph only while every ring fits; the tigon masks always are.
-    use_graph = (cuda_graph and _graphs_available(device) and max_new_tokens >= 3
-                 and (tigon or total <= min(layer.ring for layer in cache.layers)))
+    if request.ring < request.prompt and not all(cache.is_sliding):
+        raise ValueError(f"{NAME}: capacity ({request.ring}) is smaller than the prompt ({request.prompt} tokens) "
+                         "and the model has full-attention layers, which would drop prompt tokens; pass capacity "
+                         ">= the prompt length")
+    return cache, spare
 
-    ids = input_ids.to(device=device, dtype=torch.int64)
-    rotary_tables, tables = 0, []
-    if settings.rotary_table:  # positions stay < total (left padding only lowers them), or < the padded prompt
-        length = total if plan is None else max(total, plan.length)
-        rotary_tables = scope.enter_context(cached_rotary(model, length, dtype=model.dtype, device=device,
-                                                          keep=tables, store=kept.kept(model).rotary))
-    out = torch.full((b, total), pad, dtype=torch.int64, device=device)
-    out[:, :p].copy_(ids)
-    if attention_mask is not None:
-        prompt_mask = attention_mask.to(device=device, dtype=torch.int64)
-        positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)
-        # One static mask for every decode step: the prompt's padding, then ones. HF indexes it by absolute
-        # position (slot == position while the ring fits), and the causal mask hides the future columns.
-        width = max(total, capacity)
-        step_mask = torch.ones((b, width), dtype=torch.int64, device=device)
-        step_mask[:, :p].copy_(prompt_mask)
-    else:
-        prompt_mask = step_mask = None
-        positions = torch.arange(p, device=device).expand(b, -1)
-    if tigon:
-        decode_masks = TigonMasks(cache, step_mask.bool() if step_mask is not None else None)
-    eos_t = torch.tensor(eos, dtype=torch.int64, device=device) if eos else None
-    pad_t = torch.full((b,), pad, dtype=torch.int64, device=device)
-    finished = torch.zeros((b,), dtype=torch.bool, device=device)
-    lengths = torch.zeros((b,), dtype=torch.int64, device=device)  # new tokens per row, its EOS included
-    tok = torch.zeros((b, 1), dtype=torch.int64, device=device)     # static decode inputs
-    pos = positions[:, -1:].clone()
 
-    def emit(logits, step):
-        nxt = sampling.choose(logits, do_sample, temperature, top_k, top_p, generator)
-        if eos_t is not None:
-            nxt = torch.where(finished, pad_t, nxt)
-            lengths.add_(~finished)
-            # A broadcast compare, not torch.isin: isin may take a sort/unique path for larger id lists.
-            finished.logical_or_((nxt[:, None] == eos_t).any(-1))
-        out[:, p + step].copy_(nxt)
-        tok.copy_(nxt[:, None])
-        pos.add_(1)
+class _DecodeState:
+    """A call's tensors on the device: `out` `[B, P + max_new_tokens]` (the prompt, then each step's tokens; the
+    pad id after a row's EOS), the prompt's positions and mask, `finished` and `lengths` (new tokens per row, its
+    EOS included), and the decode step's static inputs (`tok`, `pos`, the masks), which `emit` rewrites in place
+    so that a captured graph reads each step's values. Nothing here syncs the host."""
 
-    def forward():
-        mask = decode_masks() if tigon else step_mask
-        return model(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                     use_cache=True, logits_to_keep=1).logits[:, -1]
-
-    clock.phase("prompt_setup")
-    logits, prefilled = None, None
-    if replaying:
-        logits, prefilled = prefill_graph.replay(plan.recording, ids, p), "replayed"
-    elif plan is not None:
-        recorded = prefill_graph.record(plan, model, cache, ids, p, tables)
-        if recorded is None:  # not every layer ran the fused step: the padded result is not used
-            cache.reset()
+    def __init__(self, model, request, cache, ids, *, tigon):
+        b, p, device = request.batch, request.prompt, ids.device
+        self.model, self.request, self.cache = model, request, cache
+        self.out = torch.full((b, request.total), request.pad, dtype=torch.int64, device=device)
+        self.out[:, :p].copy_(ids)
+        if request.attention_mask is not None:
+            self.prompt_mask = request.attention_mask.to(device=device, dtype=torch.int64)
+            self.positions = (self.prompt_mask.cumsum(-1) - 1).masked_fill(self.prompt_mask == 0, 0)
+            # One static mask for every decode step: the prompt's padding, then ones. HF indexes it by absolute
+            # position (slot == position while the ring fits), and the causal mask hides the future columns.
+            self.step_mask = torch.ones((b, max(request.total, request.ring)), dtype=torch.int64, device=device)
+            self.step_mask[:, :p].copy_(self.prompt_mask)
         else:
-            logits, prefilled = recorded[0], "recorded" if recorded[1] is not None else None
-    if logits is None:
-        cache.last_position_only = True  # the last layer's other rows feed nothing read here
-        try:
-            logits = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions,
-                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        finally:
-            cache.last_position_only = False
-    clock.phase("prefill")
-    emit(logits, 0)
-    clock.marks.append(clock.phase("first_token"))  # the TTFT end: the phases sum to ttft_s
-    cache.device_offset = True
+            self.prompt_mask = self.step_mask = None
+            self.positions = torch.arange(p, device=device).expand(b, -1)
+        self.tigon_masks = None
+        if tigon:
+            self.tigon_masks = TigonMasks(cache, self.step_mask.bool() if self.step_mask is not None else None)
+        self.eos = torch.tensor(request.eos, dtype=torch.int64, device=device) if request.eos else None
+        self.pad = torch.full((b,), request.pad, dtype=torch.int64, device=device)
+        self.finished = torch.zeros((b,), dtype=torch.bool, device=device)
+        self.lengths = torch.zeros((b,), dtype=torch.int64, device=device)
+        self.tok = torch.zeros((b, 1), dtype=torch.int64, device=device)
+        self.pos = self.positions[:, -1:].clone()
+
+    def emit(self, logits, step):
+        """Choose step `step`'s tokens from `logits` `[B, V]` and write them: the output, the next input, the
+        position, and (with EOS ids) the finished rows."""
+        nxt = self.request.choose(logits)
+        if self.eos is not None:
+            nxt = torch.where(self.finished, self.pad, nxt)
+            self.lengths.add_(~self.finished)
+            # A broadcast compare, not torch.isin: isin may take a sort/unique path for larger id lists.
+            self.finished.logical_or_((nxt[:, None] == self.eos).any(-1))
+        self.out[:, self.request.prompt + step].copy_(nxt)
+        self.tok.copy_(nxt[:, None])
+        self.pos.add_(1)
+
+    def forward(self):
+        """One decode step's model forward over the static inputs: the last position's logits `[B, V]`."""
+        mask = self.tigon_masks() if self.tigon_masks is not None else self.step_mask
+        return self.model(input_ids=self.tok, attention_mask=mask, position_ids=self.pos,
+                          past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
+def _prefill(model, request, plan, cache, ids, state, tables):
+    """The prompt through the model, recorded when `plan` asks: (last-position logits `[B, V]`, "recorded" or
+    None). A recording refused because not every layer ran the fused step leaves its padded result unused."""
+    if plan is not None:
+        recorded = prefill_graph.record(plan, model, cache, ids, request.prompt, tables)
+        if recorded is not None:
+            return recorded[0], "recorded" if recorded[1] is not None else None
+        cache.reset()
+    cache.last_position_only = True  # the last layer's other rows feed nothing read here
+    try:
+        logits = model(input_ids=ids, attention_mask=state.prompt_mask,
+                       position_ids=state.positions, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
+    finally:
+        cache.last_position_only = False
+    return logits, None
+
+
+def _decode_steps(state, request, cache, clock, *, use_graph):
+    """Steps 1 .. max_new_tokens - 1: eager, or the first eager and the next captured (`_capture`), then replays.
+    Stops early once every row has finished, which the host reads every `eos_check_every` steps. Returns (new
+    tokens per row before the trim, whether a graph was captured)."""
     graph = graph_logits = None
     steps = 1
-    for step in range(1, max_new_tokens):
-        if eos_t is not None and step % settings.eos_check_every == 0 and bool(finished.all()):
+    for step in range(1, request.max_new_tokens):
+        if state.eos is not None and step % request.settings.eos_check_every == 0 and bool(state.finished.all()):
             break
         if graph is not None:
             graph.replay()
@@ -336,26 +356,15 @@ def _decode_loop_on(model, input_ids, clock, scope, settings, plan, *, max_new_t
                 layer.seen += 1
             logits = graph_logits
         elif use_graph:
-            graph, graph_logits, logits = _capture(forward, cache)
-            if settings.on_capture is not None:
-                settings.on_capture()
+            graph, graph_logits, logits = _capture(state.forward, cache)
+            if request.settings.on_capture is not None:
+                request.settings.on_capture()
         else:
-            logits = forward()
-        emit(logits, step)
+            logits = state.forward()
+        state.emit(logits, step)
         clock.mark()
         steps += 1
-
-    if spare is not None:
-        kept.keep_cache(model, spare, cache)
-    if eos_t is not None:
-        steps = int(lengths.max())  # the one sync of a run without stats: trim like model.generate
-    sequences = out[:, :p + steps]
-    if not return_stats:
-        return sequences, None
-    stats = summary(clock, batch=b, new_tokens=steps, device=device, cuda_graph=graph is not None,
-                    rotary_tables=rotary_tables)
-    stats["prefill_graph"] = prefilled
-    return sequences, stats
+    return steps, graph is not None
 
 
 def _graphs_available(device) -> bool:

@@ -338,6 +338,22 @@ class RollingKVLayer(CacheLayerMixin):
             raise self._unallocated("decode_positions")
         return self.positions, self._next
 
+    @property
+    def next_position(self) -> torch.Tensor:
+        """The absolute position the next token gets: the layer's int64 device tensor `[1]`, advanced in place by
+        every write, so a CUDA graph that reads it sees each replay's value (never read it on the host per step:
+        that is a sync)."""
+        if not self.is_initialized:
+            raise self._unallocated("next_position")
+        return self._next
+
+    def positions_after_append(self) -> torch.Tensor:
+        """The slot positions `[ring]` as they will be once one token is written at `next_position`: a new int64
+        device tensor (the ring is not changed), from device ops only. What a decode step's attention will see,
+        known before the step writes (`tigon.decode.loop`'s masks)."""
+        nxt = self.next_position
+        return self.positions.scatter(0, self._slots_of(nxt), nxt)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv_length, kv_offset) of what `update` returns for a chunk of `query_length` tokens."""
         seen = self.seen
