@@ -81,11 +81,6 @@ def _read_mask_function(fn, found: dict) -> bool:
     if name == _CAUSAL:
         found["causal"] = True
         return True
-    if name in (_AND, _PACKED) and torch.compiler.is_compiling():
-        # HF makes these while dynamo traces (no cache: its packed-sequence check), and dynamo (torch 2.11) fails
-        # the trace on a branch over their __closure__: HF builds that mask (exact; a dense one). Packed rows the
-        # caller marked with position_ids still reach the layers as documents (packed_model_forward).
-        return False
     cells = _cells(fn)
     if cells is None:
         return False
