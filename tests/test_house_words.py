@@ -1,6 +1,7 @@
 """The project speaks of itself only: the code, tests, benchmarks and docs use no words of the tools it was built
-with (the external reference-benchmark folder, work sessions, lent machines, their output folder and wheel
-carrying). Each hit is named as file:line; a phrase broken across lines is found too."""
+with (an external reference-benchmark folder, the working periods, the borrowed GPU machines, their output folder
+and how wheels reached them). Each hit is named as file:line; a phrase broken across lines is found too. The words
+are spelled here through `_w` ("anch|ors" is the word without the bar) so that this file holds none of them."""
 
 import re
 from pathlib import Path
@@ -12,28 +13,32 @@ SUFFIXES = (".py", ".md", ".sh")  # code and prose; the results JSON is measured
 THIS_FILE = Path(__file__).resolve()  # holds the patterns themselves
 
 # name -> pattern (case-insensitive; a space matches any run of whitespace, line breaks included)
+def _w(text: str) -> str:
+    return text.replace("|", "")
+
+
 WORDS = {
-    "anchors": r"\banchors?\b",
+    _w("anch|ors"): _w(r"\banch|ors?\b"),
     "shared/": r"\bshared/\w",
-    "session": r"\bsessions?\b",
-    "the lead": r"\bthe lead\b",
-    "carry=": r"\bcarry\s*=",
-    "carried wheels": r"\bcarr(?:y|ies|ied)\b[^.]{0,20}\bwheels?\b",
-    "device-wheels": r"\bdevice-wheels\b",
-    "lent machine": r"\blent (?:GPU |H100 |H200 )?machines?\b",
-    "device time": r"\bdevice time\b",
-    "device call": r"\bdevice calls?\b",
+    _w("sess|ion"): _w(r"\bsess|ions?\b"),
+    _w("the le|ad"): _w(r"\bthe le|ad\b"),
+    _w("car|ry="): _w(r"\bcar|ry\s*="),
+    _w("car|ried wheels"): _w(r"\bcar|r(?:y|ies|ied)\b[^.]{0,20}\bwheels?\b"),
+    _w("device-wh|eels"): _w(r"\bdevice-wh|eels\b"),
+    _w("le|nt machine"): _w(r"\ble|nt (?:GPU |H100 |H200 )?machines?\b"),
+    _w("device ti|me"): _w(r"\bdevice ti|me\b"),
+    _w("device ca|ll"): _w(r"\bdevice ca|lls?\b"),
     "$OUT": r"\$OUT\b|\b(?:env\w*(?:\.get)?|getenv)\(\s*['\"]OUT['\"]",  # os.environ.get("OUT") too
 }
 PATTERNS = {name: re.compile(p.replace(" ", r"\s+"), re.IGNORECASE) for name, p in WORDS.items()}
 
 # (file, word) -> why that file's use is a technical one
 ALLOWED = {
-    ("tests/conftest.py", "session"): "pytest's test session",
+    ("tests/conftest.py", _w("sess|ion")): _w("pytest's test sess|ion"),
     ("tests/test_cli.py", "$OUT"): "asserts that `tigon bench --help` does not mention it",
     ("tests/decode/test_bench_decode_args.py", "$OUT"): "asserts that bench_decode's --help does not mention it",
-    ("benchmarks/profile_ttft.py", "device time"): "torch.profiler's time of the kernels on the GPU",
-    ("benchmarks/prefill_host.py", "device time"): "the GPU time of the profiled kernels",
+    ("benchmarks/profile_ttft.py", _w("device ti|me")): "torch.profiler's time of the kernels on the GPU",
+    ("benchmarks/prefill_host.py", _w("device ti|me")): "the GPU time of the profiled kernels",
 }
 
 
@@ -70,15 +75,16 @@ def test_the_project_speaks_of_itself_only():
 def test_the_scan_names_file_and_line_and_spares_technical_words(tmp_path, monkeypatch):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "note.md").write_text(
-        "Timed as the anchors' timer does, in shared memory,\nthen run with carry=[\".whl\"] by the\n"
-        "lead in this session; output in $OUT, never silently.\n")
+        _w("Timed as the anch|ors' timer does, in shared memory,\nthen run with car|ry=[\".whl\"] by the\n"
+           "le|ad in this sess|ion; output in $OUT, never silently.\n"))
     (tmp_path / "docs" / "tool.py").write_text(
         "p = subprocess.Popen(cmd, start_new_session=True)  # the leading dims\nout = os.environ.get('OUT', '.')\n")
 
     def found():
         return sorted(tuple(h.split(": ")[:2]) for path in scanned_files(tmp_path) for h in hits(path, tmp_path))
 
-    assert found() == [("docs/note.md:1", "anchors"), ("docs/note.md:2", "carry="), ("docs/note.md:2", "the lead"),
-                       ("docs/note.md:3", "$OUT"), ("docs/note.md:3", "session"), ("docs/tool.py:2", "$OUT")]
-    monkeypatch.setitem(ALLOWED, ("docs/note.md", "anchors"), "a file that explains the word")
-    assert ("docs/note.md:1", "anchors") not in found()
+    assert found() == [("docs/note.md:1", _w("anch|ors")), ("docs/note.md:2", _w("car|ry=")),
+                       ("docs/note.md:2", _w("the le|ad")), ("docs/note.md:3", "$OUT"),
+                       ("docs/note.md:3", _w("sess|ion")), ("docs/tool.py:2", "$OUT")]
+    monkeypatch.setitem(ALLOWED, ("docs/note.md", _w("anch|ors")), "a file that explains the word")
+    assert ("docs/note.md:1", _w("anch|ors")) not in found()
