@@ -534,3 +534,22 @@ def test_rope_routing_and_the_tigon_attention_share_one_instance_forward():
     tigon.patch(model)
     tigon.unpatch(model)
     assert not _instance_attributes(model) and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("capability,name", [((7, 5), "Tesla T4"), ((7, 0), "Tesla V100-SXM2-16GB")])
+def test_patch_refuses_a_gpu_older_than_the_supported_range(monkeypatch, capability, name):
+    """A T4 or V100 gets a clear refusal naming the card and the supported range, never kernels nobody compiled."""
+    from tigon.hf import patching
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(patching, "_model_device", lambda hf: torch.device("cuda", 0))
+    model = tiny_model("llama")
+    major, minor = capability
+    with pytest.raises(ValueError, match=rf"tigon.patch: {name} \(compute capability {major}\.{minor}\) is older "
+                                         r"than the GPUs Tigon supports \(8\.0 to 9\.0"):
+        tigon.patch(model)
+    assert not model.__dict__.get("_tigon_undo")  # refused before anything was swapped
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    patching.check_gpu(torch.device("cuda", 0))  # an A100 passes
+    patching.check_gpu(torch.device("cpu"))  # a CPU is never refused

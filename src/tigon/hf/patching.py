@@ -392,6 +392,22 @@ def _model_device(hf):
     return param.device if param is not None else torch.device("cpu")
 
 
+# The compute capabilities every kernel is compiled for in the tests (tests/ops/test_compile_targets.py)
+OLDEST_GPU = (8, 0)
+
+
+def check_gpu(device: torch.device, caller: str = "tigon.patch") -> None:
+    """Refuse a CUDA device older than OLDEST_GPU (T4, V100: no bf16, and kernels never compiled for them), with
+    what is supported, rather than run kernels nobody compiled or tested there."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < OLDEST_GPU:
+        raise ValueError(f"{caller}: {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) is "
+                         f"older than the GPUs Tigon supports (8.0 to 9.0: A100, A10, L4, L40S, RTX 3090/4090, H100, "
+                         f"H200); run the model unpatched, or on a CPU, where every op has its PyTorch reference")
+
+
 def _attention_patch(model, report, attention) -> None:
     """Confine packed rows to their examples on every device, and choose the attention kernel.
 
@@ -513,6 +529,7 @@ def patch_hf_model(
         if not isinstance(value, bool) and value != "auto":
             raise TypeError(f"tigon.patch: {name} must be True, False or 'auto', got {value!r}")
     if model is not None:
+        check_gpu(_model_device(unwrap_model(model)))
         model_type = unwrap_model(model).config.model_type
         family = registry.family_for(model_type, argument="the model's config.model_type")
     else:
