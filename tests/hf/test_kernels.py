@@ -36,6 +36,16 @@ def _kernels():
     return kernels
 
 
+
+def _step_matches(model, loss, ref, ids, labels):
+    """The kernelized model's loss and every gradient against HF's own model on the same batch."""
+    loss_ref = ref(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(loss, loss_ref, rtol=2e-4, atol=2e-5)
+    loss.backward()
+    loss_ref.backward()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
 def test_the_repository_has_the_layout_kernels_loads():
     variant = tigon_kernels.KERNEL_REPO / "build" / "torch-universal"
     metadata = json.loads((variant / "metadata.json").read_text())
@@ -81,12 +91,7 @@ def test_kernelize_runs_tigons_norm_with_each_familys_formula(model_type, hub_fu
     ops.dispatch_counts.clear()
     loss = model(input_ids=ids, labels=labels).loss
     assert op_calls("rms_norm") == registered  # each registered norm ran Tigon's op once
-    loss_ref = ref(input_ids=ids, labels=labels).loss
-    torch.testing.assert_close(loss, loss_ref, rtol=2e-4, atol=2e-5)
-    loss.backward()
-    loss_ref.backward()
-    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    _step_matches(model, loss, ref, ids, labels)
 
 
 def test_a_norm_class_without_a_row_is_a_type_error():
@@ -199,12 +204,7 @@ def test_kernelize_maps_every_registered_name_and_matches_hf(hub_functions):
     ops.dispatch_counts.clear()
     loss = model(input_ids=ids, labels=labels).loss
     assert op_calls("rms_norm") == 3 and op_calls("apply_rope") == 1 and op_calls("swiglu_mlp") == 1
-    loss_ref = ref(input_ids=ids, labels=labels).loss
-    torch.testing.assert_close(loss, loss_ref, rtol=2e-4, atol=2e-5)
-    loss.backward()
-    loss_ref.backward()
-    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    _step_matches(model, loss, ref, ids, labels)
     assert model.state_dict().keys() == ref.state_dict().keys()  # the layers hold no state of their own
 
 
