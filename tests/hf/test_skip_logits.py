@@ -122,7 +122,8 @@ def test_trainer_prediction_loss_only_evaluation(tmp_path):
 def test_eval_skip_logits_peak_memory_gpu():
     """8192 tokens x a 65536 vocab: HF's eval builds 1 GiB of bf16 logits (and an fp32 copy in its loss); the
     fused loss needs one 128 MiB chunk (ops.linear_cross_entropy.CHUNK_BYTES), so under a quarter of the logits."""
-    model = tiny_model("llama", num_hidden_layers=1, vocab_size=65536).to("cuda", torch.bfloat16).eval()
+    model = tiny_model("llama", num_hidden_layers=1, vocab_size=65536, attn_implementation="sdpa")
+    model = model.to("cuda", torch.bfloat16).eval()
     tigon.patch(model)
     ids = torch.randint(0, 65536, (4, 2048), device="cuda")
     logits_bytes = ids.numel() * 65536 * 2

@@ -61,7 +61,9 @@ def _cells(fn) -> Optional[dict]:
     a function made while dynamo traces (HF's packed-sequence AND mask under torch.compile with no cache), whose
     `__closure__` dynamo cannot read. The mask is then HF's to build."""
     try:
-        closure = fn.__closure__ or ()
+        closure = fn.__closure__  # compared with None, not tested for truth: dynamo cannot branch on a traced tuple
+        if closure is None:
+            return {}
         return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in closure)))
     except AttributeError:
         return None
