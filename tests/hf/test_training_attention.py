@@ -78,6 +78,9 @@ def test_training_mask_reads_the_same_while_dynamo_traces(case):
             return x, got is None, None, None
         return x, True, got.window, got.docs
 
+    if case != "causal" and not ta._DYNAMO_READS_CLOSURES:
+        pytest.skip("torch < 2.13: dynamo cannot read the closure of a mask function made in the trace, so a "
+                    "compiled forward keeps HF's mask for AND masks (training_attention._cells)")
     eager = read(torch.ones(1))
     torch._dynamo.reset()
     traced = torch.compile(read, backend="eager", fullgraph=True)(torch.ones(1))

@@ -56,10 +56,18 @@ class TrainingMask:
         return f"TrainingMask(docs={shape}, window={self.window})"
 
 
+# torch >= 2.13: dynamo reads the closure of a function made while it traces (2.11 raises Unsupported on it).
+_DYNAMO_READS_CLOSURES = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
 def _cells(fn) -> Optional[dict]:
     """The closure of `fn` by variable name, or None where it cannot be read: a callable with no code object, or
     a function made while dynamo traces (HF's packed-sequence AND mask under torch.compile with no cache), whose
-    `__closure__` dynamo cannot read. The mask is then HF's to build."""
+    `__closure__` dynamo cannot read. The mask is then HF's to build. Dynamo before torch 2.13 cannot read the
+    closure of a function made inside the trace (an Unsupported error, which fails a fullgraph trace): there a
+    compiled forward reads no closure and keeps HF's mask."""
+    if not _DYNAMO_READS_CLOSURES and torch.compiler.is_compiling():
+        return None
     try:
         closure = fn.__closure__  # compared with None, not tested for truth: dynamo cannot branch on a traced tuple
         if closure is None:
