@@ -3,6 +3,7 @@ gradient wanted -> the autograd.Function (or the custom op's own autograd), eage
 The three paths run the same launchers, so an op's output is the same bits whichever one ran."""
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +122,77 @@ def test_reference_path_loss_takes_an_in_place_update(monkeypatch, reduction):
     with pytest.raises(NotImplementedError):  # still first order only, as the kernel path
         g, = torch.autograd.grad(ops.cross_entropy(logits, t), logits, create_graph=True)
         g.sum().backward()
+
+
+def _training_calls(device):
+    """One call of every public training op with inputs that want a gradient (tiny shapes: the interpreter)."""
+    torch.manual_seed(0)
+
+    def r(*shape):
+        return randn(*shape, device=device).requires_grad_()
+
+    x, w, g, u = r(3, 8), r(8), r(3, 8), r(3, 8)
+    q, k = r(1, 2, 3, 8), r(1, 1, 3, 8)
+    ang = torch.rand(1, 3, 4, device=device)
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+    t = torch.randint(0, 11, (3,), device=device)
+    pos = torch.randperm(6, device=device).view(3, 2)
+    h3, w_head, tt = r(2, 3, 8), r(11, 8), torch.randint(0, 11, (2, 3), device=device)
+    return {
+        "rms_norm": lambda: ops.rms_norm(x, w),
+        "add_rms_norm": lambda: ops.add_rms_norm(x, g, w)[0],
+        "layer_norm": lambda: ops.layer_norm(x, w, None),
+        "swiglu": lambda: ops.swiglu(g, u),
+        "geglu": lambda: ops.geglu(g, u),
+        "apply_rope": lambda: ops.apply_rope(q, k, cos, sin)[0],
+        "qk_norm_rope": lambda: ops.qk_norm_rope(q.transpose(1, 2), k.transpose(1, 2), w, w, cos, sin)[0],
+        "cross_entropy": lambda: ops.cross_entropy(r(3, 11), t),
+        "linear_cross_entropy": lambda: ops.linear_cross_entropy(x, w_head, t),
+        "swiglu_mlp": lambda: ops.swiglu_mlp(x, r(4, 8), r(4, 8), r(8, 4)),
+        "moe_combine": lambda: ops.moe_combine(r(6, 8), r(3, 2), pos),
+        "moe_permute": lambda: ops.moe_permute(x, pos),
+        "lora_linear": lambda: ops.lora_linear(x, w_head, None, r(2, 8), r(11, 2), 0.5),
+        "fused_linear_dpo": lambda: ops.fused_linear_dpo(h3[:2], w_head, tt[:2])[0],
+        "fused_linear_kto": lambda: ops.fused_linear_kto(h3, w_head, tt, torch.tensor([True, False], device=device))[0],
+        "fused_linear_grpo": lambda: ops.fused_linear_grpo(h3, w_head, tt, torch.ones_like(tt),
+                                                           torch.rand(2, device=device))[0],
+        "fused_linear_jsd": lambda: ops.fused_linear_jsd(x, w_head, x.detach(), w_head.detach(), t)[0],
+        "fused_linear_logprobs": lambda: ops.fused_linear_logprobs(x, w_head, t)[0],
+    }
+
+
+def test_every_training_op_goes_through_dispatch(device, monkeypatch):
+    """Each public training op, called eagerly with inputs that want a gradient, runs its kernel path through
+    `_library.dispatch` (the one rule), and its result has a gradient."""
+    seen = []
+    rule = _library.dispatch
+    monkeypatch.setattr(_library, "dispatch", lambda *a, **kw: seen.append(a[0]) or rule(*a, **kw))
+    for name, call in _training_calls(device).items():
+        seen.clear()
+        out = call()
+        assert seen, f"{name} did not go through _library.dispatch"
+        assert out.requires_grad, name
+
+
+def _sources(*folders):
+    root = Path(__file__).resolve().parents[2] / "src" / "tigon"
+    return [p for f in folders for p in sorted((root / f).rglob("*.py"))]
+
+
+def test_only_the_library_asks_whether_torch_compile_traces():
+    """`_library.tracing()` is the one question; no op or module file asks torch.compile itself."""
+    askers = [p.name for p in _sources("ops", "modules") if p.name != "_library.py"
+              and "is_compiling(" in p.read_text()]
+    assert askers == []
+
+
+# Inference and list-of-adapter ops that still write their custom op by hand (each already goes through dispatch).
+_HAND_WRITTEN = {"decode_attention.py", "decode_linear.py", "kv_write.py", "lora_linear.py", "quant_linear.py"}
+
+
+def test_training_ops_are_built_by_the_scaffold():
+    """Every other op file registers its custom ops through `_library.Kernel` / `_library.Op`: no
+    torch.library.custom_op or register_autograd of its own."""
+    own = [p.name for p in _sources("ops") if p.name != "_library.py" and p.name not in _HAND_WRITTEN
+           and ("torch.library.custom_op" in p.read_text() or ".register_autograd(" in p.read_text())]
+    assert own == []

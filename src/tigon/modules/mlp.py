@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops import _library
 from ..ops.glu_mlp import geglu_mlp, swiglu_mlp
 from ..ops.swiglu import geglu_packed, swiglu_packed
 
@@ -99,7 +100,7 @@ class _GatedMLP(nn.Module):
         # Dynamo refuses to trace that query (marked skipped: a graph break, an error under fullgraph); a compiled
         # graph's checkpointing is the compiler's own (selective recompute of the traced graph), so the check is
         # an eager one.
-        if not torch.compiler.is_compiling() and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        if not _library.tracing() and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             return None
         projs = (self.gate_up_proj,) if self.fused_gate_up else (self.gate_proj, self.up_proj)
         projs += (self.down_proj,)

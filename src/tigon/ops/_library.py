@@ -7,11 +7,20 @@ Dispatch rule (the op contract):
 
 Every public op records the path it took in `dispatch_counts`, so a test can prove which one ran. On the kernel
 path, `dispatch` picks between an op's custom op, its autograd.Function and its plain launcher.
+
+An op file writes its launchers, fakes, setup and backward; `Kernel` and `Op` build the rest from them: the
+custom op `tigon::<name>` with its fake and registered autograd, and the eager autograd.Function twin over the
+same launcher, setup and backward. custom_op, not triton_op: Inductor adds no fusion into a user Triton kernel,
+and the launchers hold host logic and launch options (PDL, partial-sum reductions) that its kernel tracing
+would have to take apart, so an opaque node loses nothing and keeps one launcher for every path.
 """
 
 import collections
+import functools
+import inspect
 import logging
 import os
+import sys
 
 import torch
 
@@ -105,6 +114,94 @@ def dispatch(op, function, launcher, *args, grad_from=()):
     if needs_grad(*grad_from):
         return function.apply(*args) if function is not None else op(*args)
     return launcher(*args)
+
+
+def tracing() -> bool:
+    """True while torch.compile traces: the one place the ops and modules ask."""
+    return torch.compiler.is_compiling()
+
+
+class Kernel:
+    """A launcher registered as the custom op `tigon::<name>` with its fake (shapes, dtypes, no data).
+
+    `kernel(*args)`: the custom op while torch.compile traces (one graph node), else the launcher itself (no
+    dispatcher: see `dispatch`). `kernel.on(ctx)`: the one a backward calls, the custom op in an `Op`'s registered
+    autograd (which AOTAutograd traces) and the launcher in its eager twin. The launcher's annotations are the
+    op's schema. An eager call bumps the version of each argument in mutates_args, as the custom op would: a node
+    that saved one then fails loudly ("modified by an inplace operation") instead of reading what was written;
+    bump_versions=False where no graph can hold them (an optimizer's state: one host call a tensor saved)."""
+
+    def __init__(self, name, launch, fake, *, mutates_args=(), bump_versions=True):
+        self.name, self.launch = name, _late_bound(launch)
+        self.op = torch.library.custom_op(f"tigon::{name}", self.launch, mutates_args=mutates_args)
+        self.op.register_fake(fake)
+        params = list(inspect.signature(launch).parameters)
+        self._mutated = tuple(params.index(a) for a in mutates_args) if bump_versions else ()
+
+    def eager(self, *args):
+        out = self.launch(*args)
+        for i in self._mutated:
+            _bump_versions(args[i] if i < len(args) else None)
+        return out
+
+    def __call__(self, *args):
+        return dispatch(self.op, None, self.eager, *args)  # no grad_from: the op when traced, else the launcher
+
+    def on(self, ctx):
+        return self.eager if getattr(ctx, "eager_twin", False) else self.op
+
+
+def _late_bound(launch):
+    """`launch` looked up in its module at each call, as the module's own code would call it: every path of the
+    op runs whatever the module holds under that name (a test may wrap a launcher to record its calls). Its
+    signature and annotations stay `launch`'s (they are the custom op's schema)."""
+    module, name = sys.modules[launch.__module__], launch.__name__
+
+    @functools.wraps(launch)
+    def call(*args):
+        return getattr(module, name)(*args)
+
+    return call
+
+
+def _bump_versions(t):
+    if isinstance(t, torch.Tensor):
+        torch.autograd.graph.increment_version(t)
+    elif isinstance(t, (list, tuple)):
+        for x in t:
+            _bump_versions(x)
+
+
+class Op(Kernel):
+    """A differentiable `Kernel`: `setup(ctx, inputs, output)` and `backward(ctx, *grad_outputs)` become the
+    custom op's registered autograd (what torch.compile traces) and an autograd.Function twin (`.function`,
+    what eager training runs) whose forward is the launcher followed by the same setup. Both paths run the same
+    launcher, setup and backward, so their outputs and gradients are the same bits; a backward launches its own
+    kernels through `Kernel.on(ctx)`. `op(*args, grad_from=...)` runs one call by the `dispatch` rule."""
+
+    def __init__(self, name, launch, fake, setup, backward):
+        super().__init__(name, launch, fake)
+        self.op.register_autograd(backward, setup_context=setup)
+
+        def forward(ctx, *inputs):
+            out = self.launch(*inputs)
+            ctx.eager_twin = True
+            setup(ctx, inputs, out)
+            return out
+
+        self.function = type(f"{name}_function", (torch.autograd.Function,),
+                             {"forward": staticmethod(forward), "backward": staticmethod(backward),
+                              "__doc__": f"tigon::{name} in eager mode: its launcher, setup and backward."})
+
+    def __call__(self, *args, grad_from=()):
+        return dispatch(self.op, self.function, self.launch, *args, grad_from=grad_from)
+
+    def on(self, ctx):
+        """For a backward that runs this op itself (a linear map's transpose): the custom op when traced, else
+        this op by the dispatch rule, so that under create_graph=True the gradient has a graph."""
+        if not getattr(ctx, "eager_twin", False):
+            return self.op
+        return lambda *args: self(*args, grad_from=[a for a in args if isinstance(a, torch.Tensor)])
 
 
 def double_backward() -> bool:

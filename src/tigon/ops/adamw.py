@@ -297,15 +297,16 @@ def _grad_norm_run(grads, config: AdamWConfig) -> torch.Tensor:
                          config).sum().sqrt()
 
 
-@torch.library.custom_op("tigon::grad_norm", mutates_args=())
-def grad_norm_op(grads: list[torch.Tensor], config: list[int]) -> torch.Tensor:
-    """The 2-norm of the grads, fp32 scalar: `grad_norm` while torch.compile traces."""
+def _grad_norm_launch(grads: list[torch.Tensor], config: list[int]) -> torch.Tensor:
+    """The 2-norm of the grads, fp32 scalar; config: `AdamWConfig.ints()`."""
     return _grad_norm_run(grads, AdamWConfig(*config))
 
 
-@grad_norm_op.register_fake
-def _(grads, config):
+def _grad_norm_fake(grads, config):
     return grads[0].new_empty((), dtype=torch.float32)
+
+
+_GRAD_NORM = _library.Kernel("grad_norm", _grad_norm_launch, _grad_norm_fake)
 
 
 def grad_norm(grads, *, config: Optional[AdamWConfig] = None) -> torch.Tensor:
@@ -317,10 +318,7 @@ def grad_norm(grads, *, config: Optional[AdamWConfig] = None) -> torch.Tensor:
     check_lists(op, grads, grads)
     if not grads:
         raise ValueError(f"{op}: grads is empty")
-    config = config or ADAMW
-    if torch.compiler.is_compiling():
-        return torch.ops.tigon.grad_norm(list(grads), config.ints())
-    return _grad_norm_run(grads, config)
+    return _GRAD_NORM(list(grads), (config or ADAMW).ints())
 
 
 def kernel_rows(params, grads, exp_avgs, exp_avg_sqs, master_params=()):
@@ -343,23 +341,26 @@ def _step_run(params, grads, exp_avgs, exp_avg_sqs, master_params, norm, *, conf
                  norm=norm.reshape(1).float() if clip else None)
 
 
-@torch.library.custom_op("tigon::adamw_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "master_params"))
-def adamw_step_op(
+def _step_launch(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor], master_params: list[torch.Tensor], norm: Optional[torch.Tensor], lr: float,
     beta1: float, beta2: float, eps: float, weight_decay: float, step: int, maximize: bool,
     max_grad_norm: Optional[float], config: list[int],
 ) -> None:
-    """`adamw_step_` while torch.compile traces (master_params empty: none)."""
+    """One `adamw_step_` (master_params empty: none); config: `AdamWConfig.ints()`."""
     _step_run(params, grads, exp_avgs, exp_avg_sqs, master_params, norm, config=AdamWConfig(*config), lr=lr,
               beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, maximize=maximize,
               max_grad_norm=max_grad_norm)
 
 
-@adamw_step_op.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, master_params, norm, lr, beta1, beta2, eps, weight_decay, step,
-      maximize, max_grad_norm, config):
+def _step_fake(params, grads, exp_avgs, exp_avg_sqs, master_params, norm, lr, beta1, beta2, eps, weight_decay, step,
+               maximize, max_grad_norm, config):
     return None
+
+
+# Eager calls bump no versions: no autograd graph holds an optimizer's tensors (one host call a tensor saved).
+_ADAMW_STEP = _library.Kernel("adamw_step_", _step_launch, _step_fake, bump_versions=False,
+                              mutates_args=("params", "exp_avgs", "exp_avg_sqs", "master_params"))
 
 
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
@@ -389,11 +390,7 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0.
                              or norm.device != params[0].device):
         raise ValueError(f"{op}: norm must be a one-element tensor on {params[0].device}")
     norm = norm if max_grad_norm is not None else None
-    kw = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
-              step=step, maximize=maximize, max_grad_norm=None if max_grad_norm is None else float(max_grad_norm))
     masters = list(master_params) if master_params is not None else []
-    if torch.compiler.is_compiling():
-        torch.ops.tigon.adamw_step_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), masters, norm,
-                                    config=config.ints(), **kw)
-        return
-    _step_run(params, grads, exp_avgs, exp_avg_sqs, masters, norm, config=config, **kw)
+    _ADAMW_STEP(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), masters, norm, float(lr), float(beta1),
+                float(beta2), float(eps), float(weight_decay), step, maximize,
+                None if max_grad_norm is None else float(max_grad_norm), config.ints())

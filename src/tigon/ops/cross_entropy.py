@@ -259,16 +259,7 @@ def _loss_fake(logits, num_items, reduction):
     return logits.new_empty((logits.shape[0],) if rows else (), dtype=torch.float32)
 
 
-def _fwd_launch(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
-                compute_grad, config=None):
-    dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else None
-    loss = _fwd(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, dx,
-                config)
-    return loss, (dx if compute_grad else logits.new_empty(0))
-
-
-@torch.library.custom_op("tigon::cross_entropy_fwd", mutates_args=())
-def cross_entropy_fwd(
+def _fwd_launch(
     logits: torch.Tensor, target: torch.Tensor, num_items: Optional[torch.Tensor], ignore_index: int,
     label_smoothing: float, z_loss_scale: float, softcap: float, reduction: int, compute_grad: bool,
     config: Optional[list[int]] = None,
@@ -276,19 +267,19 @@ def cross_entropy_fwd(
     """logits [N, V] (unit last stride), target [N]. Returns (loss: [] or [N] fp32, dlogits for
     grad_output == 1 in logits' dtype, or empty when compute_grad is False). config: None or
     `CrossEntropyConfig.ints()`."""
-    return _fwd_launch(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
-                       compute_grad, config)
+    dx = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else None
+    loss = _fwd(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, dx,
+                config)
+    return loss, (dx if compute_grad else logits.new_empty(0))
 
 
-@cross_entropy_fwd.register_fake
-def _(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, compute_grad,
-      config=None):
+def _fwd_fake(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
+              compute_grad, config=None):
     dx = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0)
     return _loss_fake(logits, num_items, reduction), dx
 
 
-@torch.library.custom_op("tigon::cross_entropy_fwd_inplace", mutates_args=("logits",))
-def cross_entropy_fwd_inplace(
+def _fwd_inplace_launch(
     logits: torch.Tensor, target: torch.Tensor, num_items: Optional[torch.Tensor], ignore_index: int,
     label_smoothing: float, z_loss_scale: float, softcap: float, reduction: int, config: Optional[list[int]] = None,
 ) -> torch.Tensor:
@@ -297,12 +288,20 @@ def cross_entropy_fwd_inplace(
                 logits, config)
 
 
-@cross_entropy_fwd_inplace.register_fake
-def _(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, config=None):
+def _fwd_inplace_fake(logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
+                      config=None):
     return _loss_fake(logits, num_items, reduction)
 
 
-def _scale_grad_launch(grad, grad_output, per_sm=_DEFAULT[2]):
+# An eager call bumps the logits' version: another op that saved them for its backward then fails loudly
+# ("modified by an inplace operation") instead of reading the gradient.
+_FWD_INPLACE = _library.Kernel("cross_entropy_fwd_inplace", _fwd_inplace_launch, _fwd_inplace_fake,
+                               mutates_args=("logits",))
+
+
+def _scale_grad_launch(grad: torch.Tensor, grad_output: torch.Tensor, per_sm: int = _DEFAULT[2]) -> None:
+    """grad [M, C] (or [C]) *= grad_output ([] / [1]: one scale; [M]: one per row), in place; a no-op on the
+    device when the scale is 1. per_sm: programs per SM (CrossEntropyConfig.scale_per_sm)."""
     per_row = grad_output.numel() != 1
     # one scale: a contiguous gradient is one long row cut into BLOCK tiles (dW [V, 16] is not 16-wide tiles)
     g = grad.view(1, -1) if (not per_row and grad.is_contiguous()) or grad.dim() == 1 else grad
@@ -319,25 +318,12 @@ def _scale_grad_launch(grad, grad_output, per_sm=_DEFAULT[2]):
     )
 
 
-@torch.library.custom_op("tigon::scale_grad_", mutates_args=("grad",))
-def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor, per_sm: int = _DEFAULT[2]) -> None:
-    """grad [M, C] (or [C]) *= grad_output ([] / [1]: one scale; [M]: one per row), in place; a no-op on the
-    device when the scale is 1. per_sm: programs per SM (CrossEntropyConfig.scale_per_sm)."""
-    _scale_grad_launch(grad, grad_output, per_sm)
-
-
-@scale_grad_.register_fake
-def _(grad, grad_output, per_sm=_DEFAULT[2]):
+def _scale_grad_fake(grad, grad_output, per_sm=_DEFAULT[2]):
     return None
 
 
-def _scale_grad_eager(grad, grad_output, per_sm=_DEFAULT[2]):
-    _scale_grad_launch(grad, grad_output, per_sm)
-    torch.autograd.graph.increment_version(grad)  # what the custom op's mutation would do: see below
-
-
-def _scale_grad(grad, grad_output, per_sm=_DEFAULT[2]):
-    _library.dispatch(torch.ops.tigon.scale_grad_, None, _scale_grad_eager, grad, grad_output, per_sm)
+# An eager call bumps grad's version as the custom op's mutation would: see apply_grad_output.
+SCALE_GRAD = _library.Kernel("scale_grad_", _scale_grad_launch, _scale_grad_fake, mutates_args=("grad",))
 
 
 def _scaler(scale, config):
@@ -347,11 +333,11 @@ def _scaler(scale, config):
     return lambda g, go: scale(g, go, config[2])
 
 
-def apply_grad_output(grads, grad_output, scale=None):
-    """Scale the gradients computed in the forward by grad_output, in place, without a host sync. The
-    in-place write bumps their version, so a second backward through a retained graph raises autograd's
-    "modified by an inplace operation" error instead of returning a twice-scaled gradient."""
-    scale = scale or torch.ops.tigon.scale_grad_
+def apply_grad_output(grads, grad_output, scale):
+    """Scale the gradients computed in the forward by grad_output, in place, without a host sync; scale: a form
+    of `SCALE_GRAD` (`SCALE_GRAD.on(ctx)` in a backward). The in-place write bumps their version, so a second
+    backward through a retained graph raises autograd's "modified by an inplace operation" error instead of
+    returning a twice-scaled gradient."""
     for g in grads:
         if g is not None:
             scale(g, grad_output)
@@ -382,37 +368,14 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(output[1] if compute_grad else None)
 
 
-def _backward(ctx, dloss, _ddx, scale=None):
+def _backward(ctx, dloss, _ddx):
     _library.refuse_double_backward("tigon.ops.cross_entropy")
     (dx,) = saved_grads(ctx, "tigon.ops.cross_entropy")
-    apply_grad_output([dx], dloss, _scaler(scale or torch.ops.tigon.scale_grad_, ctx.config))
+    apply_grad_output([dx], dloss, _scaler(SCALE_GRAD.on(ctx), ctx.config))
     return (dx,) + (None,) * (ctx.n_inputs - 1)
 
 
-cross_entropy_fwd.register_autograd(_backward, setup_context=_setup)
-
-
-class CrossEntropyFunction(torch.autograd.Function):
-    """The eager path: the same launchers and autograd rules without the custom-op dispatcher."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        out = _fwd_launch(*inputs)
-        _setup(ctx, inputs, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, dloss, ddx):
-        return _backward(ctx, dloss, ddx, _scale_grad_eager)
-
-
-def _fwd_inplace_eager(logits, *args):
-    *args, config = args
-    loss = _fwd(logits, *args, logits, config)
-    # What the custom op's mutation would do: another op that saved these logits for its backward then fails
-    # loudly ("modified by an inplace operation") instead of reading the gradient.
-    torch.autograd.graph.increment_version(logits)
-    return loss
+_CROSS_ENTROPY = _library.Op("cross_entropy_fwd", _fwd_launch, _fwd_fake, _setup, _backward)
 
 
 class _CrossEntropyInplace(torch.autograd.Function):
@@ -423,7 +386,7 @@ class _CrossEntropyInplace(torch.autograd.Function):
     def forward(ctx, logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
                 config=None):
         args = (logits, target, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, config)
-        loss = _library.dispatch(torch.ops.tigon.cross_entropy_fwd_inplace, None, _fwd_inplace_eager, *args)
+        loss = _FWD_INPLACE(*args)
         ctx.save_for_backward(logits)
         ctx.config = config
         return loss
@@ -432,7 +395,7 @@ class _CrossEntropyInplace(torch.autograd.Function):
     def backward(ctx, dloss):
         _library.refuse_double_backward("tigon.ops.cross_entropy")
         (dx,) = saved_grads(ctx, "tigon.ops.cross_entropy")
-        apply_grad_output([dx], dloss, _scaler(_scale_grad, ctx.config))
+        apply_grad_output([dx], dloss, _scaler(SCALE_GRAD, ctx.config))
         return dx, None, None, None, None, None, None, None, None
 
 
@@ -549,6 +512,5 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
     if inplace_backward and need_grad and not _launch.is_leafish(x) and not _launch.may_overlap(x):
         loss = _CrossEntropyInplace.apply(x, t, num_items, ignore_index, ls, z, cap, red, cfg)
     else:
-        loss, _ = _library.dispatch(torch.ops.tigon.cross_entropy_fwd, CrossEntropyFunction, _fwd_launch,
-                                    x, t, num_items, ignore_index, ls, z, cap, red, need_grad, cfg, grad_from=(x,))
+        loss, _ = _CROSS_ENTROPY(x, t, num_items, ignore_index, ls, z, cap, red, need_grad, cfg, grad_from=(x,))
     return loss.view(target.shape) if loss.dim() else loss

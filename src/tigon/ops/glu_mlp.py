@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from . import _launch, _library, reference
-from .swiglu import _GELU_TANH, _SILU, glu_fwd_launch
+from .swiglu import _GELU_TANH, _SILU, GLU, GLU_BWD_AND_Y, GLU_BWD_RECOMPUTE
 
 _ACTS = {"swiglu_mlp": _SILU, "geglu_mlp": _GELU_TANH}
 _REFERENCE = {_SILU: reference.swiglu_mlp, _GELU_TANH: reference.geglu_mlp}
@@ -38,7 +38,7 @@ def _project(x2, gate_weight, up_weight):
 
 
 def _glu(gate, up, act):
-    return _library.dispatch(torch.ops.tigon.glu_fwd, None, glu_fwd_launch, gate, up, act, False)
+    return GLU(gate, up, act, False)
 
 
 def _down(h, down_weight, x):
@@ -56,13 +56,13 @@ def _mlp(x, gate_weight, up_weight, down_weight, act):
 
 def _recompute_traced(dh, gate, up, act):
     """The backward's GLU pass for torch.compile: the same one pass as a functional op (no buffer reuse)."""
-    h, dgate, dup = torch.ops.tigon.glu_bwd_and_y(dh, gate, up, act)
+    h, dgate, dup = GLU_BWD_AND_Y.op(dh, gate, up, act)
     return h, dgate, dup, (dgate if up is None else None)
 
 
 def _recompute_in_place(dh, gate, up, act):
     """Eager: one pass writes dgate over gate, dup over up and h over dh. Returns (h, dgate, dup, dgate_up)."""
-    torch.ops.tigon.glu_bwd_recompute(dh, gate, up, act)
+    GLU_BWD_RECOMPUTE.eager(dh, gate, up, act)
     return dh, gate, up, gate
 
 

@@ -107,7 +107,13 @@ def _layer_norm_bwd_kernel(
         tl.store(DB_PART + pid.to(tl.int64) * H + o_h, b_db, mask=m_h)
 
 
-def _fwd_launch(x, weight, bias, eps):
+def _fwd_launch(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [M, H] with unit last stride; weight, bias: [H] contiguous or None.
+
+    Returns (y [M, H] in x.dtype, mean [M] fp32, rstd [M] fp32).
+    """
     M, H = x.shape
     block = _launch.row_block("layer_norm", H)
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
@@ -123,25 +129,12 @@ def _fwd_launch(x, weight, bias, eps):
     return y, mean, rstd
 
 
-@torch.library.custom_op("tigon::layer_norm_fwd", mutates_args=())
-def layer_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [M, H] with unit last stride; weight, bias: [H] contiguous or None.
-
-    Returns (y [M, H] in x.dtype, mean [M] fp32, rstd [M] fp32).
-    """
-    return _fwd_launch(x, weight, bias, eps)
-
-
-@layer_norm_fwd.register_fake
-def _(x, weight, bias, eps):
+def _fwd_fake(x, weight, bias, eps):
     M, H = x.shape
     return x.new_empty((M, H)), x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32)
 
 
-@torch.library.custom_op("tigon::layer_norm_bwd", mutates_args=())
-def layer_norm_bwd(
+def _bwd_launch(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
     mean: torch.Tensor, rstd: torch.Tensor, compute_dw: bool, compute_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,16 +167,19 @@ def layer_norm_bwd(
     return dx, _reduce(dw_part, compute_dw, weight), _reduce(db_part, compute_db, bias)
 
 
-@layer_norm_bwd.register_fake
-def _(dy, x, weight, bias, mean, rstd, compute_dw, compute_db):
+def _bwd_fake(dy, x, weight, bias, mean, rstd, compute_dw, compute_db):
     dw = torch.empty_like(weight) if (compute_dw and weight is not None) else x.new_empty(0)
     db = torch.empty_like(bias) if (compute_db and bias is not None) else x.new_empty(0)
     return torch.empty_like(x), dw, db
 
 
+_LAYER_NORM_BWD = _library.Kernel("layer_norm_bwd", _bwd_launch, _bwd_fake)
+
+
 def _setup(ctx, inputs, output):
     x, weight, bias, eps = inputs
     _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(x, weight, bias, mean, rstd)
     ctx.eps = eps
 
@@ -197,13 +193,11 @@ def _backward(ctx, dy, _dmean, _drstd):
         return dx, dw, db, None
     need_dw = weight is not None and ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
-    dx, dw, db = torch.ops.tigon.layer_norm_bwd(
-        dy.contiguous(), x, weight, bias, mean, rstd, need_dw, need_db
-    )
+    dx, dw, db = _LAYER_NORM_BWD.on(ctx)(dy.contiguous(), x, weight, bias, mean, rstd, need_dw, need_db)
     return dx, (dw if need_dw else None), (db if need_db else None), None
 
 
-layer_norm_fwd.register_autograd(_backward, setup_context=_setup)
+_LAYER_NORM = _library.Op("layer_norm_fwd", _fwd_launch, _fwd_fake, _setup, _backward)
 
 
 def _validate(x, weight, bias, eps):
@@ -232,5 +226,5 @@ def layer_norm(x, weight, bias, eps=1e-5):
     weight = None if weight is None else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     args = (_launch.as_rows(x), weight, bias, eps)
-    y, _, _ = _library.dispatch(torch.ops.tigon.layer_norm_fwd, None, _fwd_launch, *args, grad_from=(x, weight, bias))
+    y, _, _ = _LAYER_NORM(*args, grad_from=(x, weight, bias))
     return y.view(x.shape)

@@ -21,6 +21,7 @@ from .config import LINEAR_CROSS_ENTROPY, LinearCrossEntropyConfig
 # named imports: `tigon.ops.cross_entropy` is the function once ops/__init__ has run
 from .cross_entropy import (
     REDUCTIONS,
+    SCALE_GRAD,
     apply_grad_output,
     check_target,
     denominator,
@@ -154,8 +155,14 @@ def _empty(t):
     return t.new_empty(0)
 
 
-def _fwd_launch(hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap,
-                reduction, need_dh, need_dw, need_db, accum_fp32, rows_override, arena=True):
+def _fwd_launch(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+    num_items: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss_scale: float,
+    softcap: float, reduction: int, need_dh: bool, need_dw: bool, need_db: bool, accum_fp32: bool,
+    rows_override: int, arena: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [N, H], weight [V, H], target [N], bias [V] or None. Returns (loss: [] or [N] fp32, and for
+    mean/sum the gradients dh [N, H], dW [V, H], db [V] for grad_output == 1, each empty when not asked)."""
     rows_only = reduction == REDUCTIONS["none"] and num_items is None
     denom = denominator(target, ignore_index, reduction, num_items)
     if rows_only:
@@ -169,22 +176,8 @@ def _fwd_launch(hidden, weight, target, bias, num_items, ignore_index, label_smo
             _empty(weight) if db is None else db)
 
 
-@torch.library.custom_op("tigon::linear_cross_entropy_fwd", mutates_args=())
-def linear_cross_entropy_fwd(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
-    num_items: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss_scale: float,
-    softcap: float, reduction: int, need_dh: bool, need_dw: bool, need_db: bool, accum_fp32: bool,
-    rows_override: int, arena: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden [N, H], weight [V, H], target [N], bias [V] or None. Returns (loss: [] or [N] fp32, and for
-    mean/sum the gradients dh [N, H], dW [V, H], db [V] for grad_output == 1, each empty when not asked)."""
-    return _fwd_launch(hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap,
-                       reduction, need_dh, need_dw, need_db, accum_fp32, rows_override, arena)
-
-
-@linear_cross_entropy_fwd.register_fake
-def _(hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap, reduction,
-      need_dh, need_dw, need_db, accum_fp32, rows_override, arena=True):
+def _fwd_fake(hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_loss_scale, softcap,
+              reduction, need_dh, need_dw, need_db, accum_fp32, rows_override, arena=True):
     rows_only = reduction == REDUCTIONS["none"] and num_items is None
     loss = hidden.new_empty((hidden.shape[0],) if rows_only else (), dtype=torch.float32)
     if rows_only:
@@ -194,8 +187,7 @@ def _(hidden, weight, target, bias, num_items, ignore_index, label_smoothing, z_
             torch.empty_like(bias) if (need_db and bias is not None) else _empty(weight))
 
 
-@torch.library.custom_op("tigon::linear_cross_entropy_bwd", mutates_args=())
-def linear_cross_entropy_bwd(
+def _bwd_launch(
     grad_rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
     bias: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss_scale: float, softcap: float,
     need_dh: bool, need_dw: bool, need_db: bool, accum_fp32: bool, rows_override: int, arena: bool = True,
@@ -210,12 +202,14 @@ def linear_cross_entropy_bwd(
             _empty(weight) if db is None else db)
 
 
-@linear_cross_entropy_bwd.register_fake
-def _(grad_rows, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss_scale, softcap, need_dh,
-      need_dw, need_db, accum_fp32, rows_override, arena=True):
+def _bwd_fake(grad_rows, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss_scale, softcap, need_dh,
+              need_dw, need_db, accum_fp32, rows_override, arena=True):
     return (torch.empty_like(hidden) if need_dh else _empty(hidden),
             torch.empty_like(weight) if need_dw else _empty(weight),
             torch.empty_like(bias) if (need_db and bias is not None) else _empty(weight))
+
+
+_LINEAR_CROSS_ENTROPY_BWD = _library.Kernel("linear_cross_entropy_bwd", _bwd_launch, _bwd_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -239,17 +233,17 @@ def _backward(ctx, dloss, _ddh, _ddw, _ddb):
     need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
     if ctx.rows_only:
         hidden, weight, target, bias = ctx.saved_tensors
-        dh, dw, db = torch.ops.tigon.linear_cross_entropy_bwd(
+        dh, dw, db = _LINEAR_CROSS_ENTROPY_BWD.on(ctx)(
             dloss, hidden, weight, target, bias, *ctx.args, *need, ctx.accum_fp32, ctx.rows_override, ctx.arena
         )
     else:
         dh, dw, db = saved_grads(ctx, "tigon.ops.linear_cross_entropy")
-        apply_grad_output([dh, dw, db], dloss)
+        apply_grad_output([dh, dw, db], dloss, SCALE_GRAD.on(ctx))
     dh, dw, db = (g if n else None for g, n in zip((dh, dw, db), need))
     return (dh, dw, None, db) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
-linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup)
+_LINEAR_CROSS_ENTROPY = _library.Op("linear_cross_entropy_fwd", _fwd_launch, _fwd_fake, _setup, _backward)
 
 
 def _validate(op, hidden, weight, target, bias, accum_dtype):
@@ -288,7 +282,7 @@ def _kept_rows(target, ignore_index):
     shape must not depend on data. Dropping pays when at least 1/64 of the rows go: each dropped row saves its
     share of three [rows, V] x [V, H] GEMMs; the gather of the kept rows and the scatter of their gradient cost
     a pass over [N, H] (at V = 128256 on an H200 the break-even is ~0.1% of the rows dropped)."""
-    if torch.compiler.is_compiling() or (target.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if _library.tracing() or (target.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     t = target.reshape(-1)
     keep = (t != ignore_index).nonzero().squeeze(1)
@@ -352,11 +346,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     if not rows and config is not None:  # the rows on the host, from shapes: the op takes them as one int
         rows = config.chunk_rows or chunk_rows(math.prod(hidden.shape[:-1]), V, hidden.element_size(),
                                                chunk_bytes=config.chunk_bytes, min_rows=config.min_rows)
-    loss, *_ = _library.dispatch(
-        torch.ops.tigon.linear_cross_entropy_fwd, None, _fwd_launch,
+    loss, *_ = _LINEAR_CROSS_ENTROPY(
         _launch.as_rows(hidden), weight, target.reshape(-1), bias,
         num_items_tensor(num_items_in_batch, hidden.device), ignore_index, ls, z, cap,
-        REDUCTIONS[reduction], *need, accum_dtype == torch.float32, rows, not torch.compiler.is_compiling(),
+        REDUCTIONS[reduction], *need, accum_dtype == torch.float32, rows, not _library.tracing(),
         grad_from=(hidden, weight, bias),
     )
     return loss.view(target.shape) if loss.dim() else loss

@@ -119,7 +119,9 @@ def _geometry(device, H):
     return block, warps
 
 
-def combine_launch(y, weights, pos, n_rows):
+def combine_launch(y: torch.Tensor, weights: Optional[torch.Tensor], pos: torch.Tensor,
+                   n_rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """y [S, H], weights [T, K] or None, pos [T, K] (a permutation of range(S)), n_rows [1] or None -> [T, H]."""
     T, K = pos.shape
     S, H = y.shape
     out = torch.empty((T, H), dtype=y.dtype, device=y.device)
@@ -158,45 +160,32 @@ def scatter_launch(dout, y, weights, pos, n_rows, need_dw, out_dtype):
     return dy, dw
 
 
-def permute_launch(x, pos, n_rows):
-    return scatter_launch(x, None, None, pos, n_rows, False, x.dtype)[0]
-
-
-@torch.library.custom_op("tigon::moe_combine", mutates_args=())
-def moe_combine_op(y: torch.Tensor, weights: Optional[torch.Tensor], pos: torch.Tensor,
-                   n_rows: Optional[torch.Tensor]) -> torch.Tensor:
-    """y [S, H], weights [T, K] or None, pos [T, K] (a permutation of range(S)), n_rows [1] or None -> [T, H]."""
-    return combine_launch(y, weights, pos, n_rows)
-
-
-@moe_combine_op.register_fake
-def _(y, weights, pos, n_rows):
+def _combine_fake(y, weights, pos, n_rows):
     return y.new_empty((pos.shape[0], y.shape[1]))
 
 
-@torch.library.custom_op("tigon::moe_combine_bwd", mutates_args=())
-def moe_combine_bwd_op(dout: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor,
-                       n_rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _combine_bwd_launch(dout: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor,
+                        n_rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(dy [S, H] in y.dtype, dweights [T, K] in weights.dtype)."""
     return scatter_launch(dout, y, weights, pos, n_rows, True, y.dtype)
 
 
-@moe_combine_bwd_op.register_fake
-def _(dout, y, weights, pos, n_rows):
+def _combine_bwd_fake(dout, y, weights, pos, n_rows):
     return y.new_empty(y.shape), weights.new_empty(weights.shape)
 
 
-@torch.library.custom_op("tigon::moe_scatter", mutates_args=())
-def moe_scatter_op(dout: torch.Tensor, weights: Optional[torch.Tensor], pos: torch.Tensor,
-                   n_rows: Optional[torch.Tensor]) -> torch.Tensor:
+def _scatter_rows_launch(dout: torch.Tensor, weights: Optional[torch.Tensor], pos: torch.Tensor,
+                         n_rows: Optional[torch.Tensor]) -> torch.Tensor:
     """out[pos[t, k]] = weights[t, k] * dout[t] (1 for None), zero at rows >= n_rows: [S, H] in dout.dtype.
     moe_permute's forward (weights None) and the combine's dy where dweights is not wanted."""
     return scatter_launch(dout, None, weights, pos, n_rows, False, dout.dtype)[0]
 
 
-@moe_scatter_op.register_fake
-def _(dout, weights, pos, n_rows):
+def _scatter_fake(dout, weights, pos, n_rows):
     return dout.new_empty((pos.numel(), dout.shape[1]))
+
+
+_COMBINE_BWD = _library.Kernel("moe_combine_bwd", _combine_bwd_launch, _combine_bwd_fake)
 
 
 def _reference_grads(dout, y, weights, pos, n_rows, need_y, need_w):
@@ -217,13 +206,13 @@ def _combine_backward(ctx, dout):
     if _library.double_backward():
         return _reference_grads(dout, y, weights, pos, n_rows, need_y, need_w)
     if need_w:
-        dy, dw = torch.ops.tigon.moe_combine_bwd(dout, y, weights, pos, n_rows)
+        dy, dw = _COMBINE_BWD.on(ctx)(dout, y, weights, pos, n_rows)
         return (dy if need_y else None), dw, None, None
-    dy = torch.ops.tigon.moe_scatter(dout, weights, pos, n_rows) if need_y else None
+    dy = _SCATTER.on(ctx)(dout, weights, pos, n_rows) if need_y else None
     return dy, None, None, None
 
 
-moe_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+_COMBINE = _library.Op("moe_combine", combine_launch, _combine_fake, _combine_setup, _combine_backward)
 
 
 def _scatter_setup(ctx, inputs, output):
@@ -236,47 +225,13 @@ def _scatter_backward(ctx, dx_g):
     if weights is not None and ctx.needs_input_grad[1]:
         raise NotImplementedError("tigon::moe_scatter: no gradient for weights (use tigon.ops.moe_combine)")
     # The transpose of the scatter is the combine with the same weights: sum_k w[t, k] * dx_g[pos[t, k]]; the
-    # custom op's own autograd makes it differentiable under create_graph=True.
-    dx = torch.ops.tigon.moe_combine(dx_g, weights, pos, n_rows) if ctx.needs_input_grad[0] else None
+    # op's own autograd makes it differentiable under create_graph=True.
+    dx = _COMBINE.on(ctx)(dx_g, weights, pos, n_rows) if ctx.needs_input_grad[0] else None
     return dx, None, None, None
 
 
-moe_scatter_op.register_autograd(_scatter_backward, setup_context=_scatter_setup)
-
-
-class _Permute(torch.autograd.Function):
-    """moe_permute in eager mode: the scatter forward, the unweighted combine backward (differentiable under
-    create_graph=True, through the custom op's own autograd)."""
-
-    @staticmethod
-    def forward(ctx, x, pos, n_rows):
-        ctx.save_for_backward(pos, n_rows)
-        return permute_launch(x, pos, n_rows)
-
-    @staticmethod
-    def backward(ctx, dx_g):
-        pos, n_rows = ctx.saved_tensors
-        if _library.double_backward():
-            return torch.ops.tigon.moe_combine(dx_g, None, pos, n_rows), None, None
-        return combine_launch(_launch.unit_last(dx_g), None, pos, n_rows), None, None
-
-
-class _Combine(torch.autograd.Function):
-    """moe_combine in eager mode, over the same launchers as the custom op."""
-
-    @staticmethod
-    def forward(ctx, y, weights, pos, n_rows):
-        ctx.save_for_backward(y, weights, pos, n_rows)
-        return combine_launch(y, weights, pos, n_rows)
-
-    @staticmethod
-    def backward(ctx, dout):
-        y, weights, pos, n_rows = ctx.saved_tensors
-        need_y, need_w = ctx.needs_input_grad[0], weights is not None and ctx.needs_input_grad[1]
-        if _library.double_backward():
-            return _reference_grads(dout, y, weights, pos, n_rows, need_y, need_w)
-        dy, dw = scatter_launch(dout, y, weights, pos, n_rows, need_w, y.dtype)
-        return (dy if need_y else None), dw, None, None
+# moe_permute's op (weights None); its eager twin's backward is the unweighted combine.
+_SCATTER = _library.Op("moe_scatter", _scatter_rows_launch, _scatter_fake, _scatter_setup, _scatter_backward)
 
 
 def _validate(op, rows, rows_name, weights, pos, n_rows, *, combine):
@@ -325,8 +280,7 @@ def moe_combine(y, weights, pos, n_rows=None):
     n_rows = _n_rows_arg(n_rows)
     if not _library.use_kernels("moe_combine", y):
         return reference.moe_combine(y, weights, pos, n_rows)
-    return _library.dispatch(torch.ops.tigon.moe_combine, _Combine, combine_launch, y, weights, pos, n_rows,
-                             grad_from=(y, weights))
+    return _COMBINE(y, weights, pos, n_rows, grad_from=(y, weights))
 
 
 def moe_permute(x, pos, n_rows=None):
@@ -338,6 +292,4 @@ def moe_permute(x, pos, n_rows=None):
     n_rows = _n_rows_arg(n_rows)
     if not _library.use_kernels("moe_permute", x):
         return reference.moe_permute(x, pos, n_rows)
-    if torch.compiler.is_compiling():
-        return torch.ops.tigon.moe_scatter(x, None, pos, n_rows)
-    return _Permute.apply(x, pos, n_rows) if _library.needs_grad(x) else permute_launch(x, pos, n_rows)
+    return _SCATTER(x, None, pos, n_rows, grad_from=(x,))

@@ -212,7 +212,12 @@ def _out_dtype(x, w, casting):
     return reference.rms_norm_out_dtype(x.dtype, w.dtype, _CASTING_NAMES[casting])
 
 
-def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps, offset, casting, config=None):
+def _fwd_launch(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, eps: float, offset: float, casting: int, config: Optional[list[int]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, Hq, D], k [B, T, Hk, D] with unit last stride; weights [D] contiguous; cos, sin [1 or B, T, D].
+    Returns (q_embed, k_embed), dense [B, T, H, D]. config: None or `QKNormRopeConfig.ints()`."""
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
     qo = torch.empty(q.shape, dtype=_out_dtype(q, q_weight, casting), device=q.device)
@@ -230,7 +235,12 @@ def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps, offset, casting, config
     return qo, ko
 
 
-def _bwd_launch(dqo, dko, q, k, q_weight, k_weight, cos, sin, eps, offset, casting, compute_dw, config=None):
+def _bwd_launch(
+    dqo: torch.Tensor, dko: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+    k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, offset: float, casting: int,
+    compute_dw: bool, config: Optional[list[int]] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk dense in q's / k's dtype, dw_q, dw_k in the weights' dtypes, or empty without compute_dw)."""
     B, T, Hq, D = q.shape
     Hk = k.shape[2]
     dq, dk = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -252,37 +262,18 @@ def _bwd_launch(dqo, dko, q, k, q_weight, k_weight, cos, sin, eps, offset, casti
     return dq, dk, dwq_part.sum(0).to(q_weight.dtype), dwk_part.sum(0).to(k_weight.dtype)
 
 
-@torch.library.custom_op("tigon::qk_norm_rope_fwd", mutates_args=())
-def qk_norm_rope_fwd(
-    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, eps: float, offset: float, casting: int, config: Optional[list[int]] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, T, Hq, D], k [B, T, Hk, D] with unit last stride; weights [D] contiguous; cos, sin [1 or B, T, D].
-    Returns (q_embed, k_embed), dense [B, T, H, D]. config: None or `QKNormRopeConfig.ints()`."""
-    return _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps, offset, casting, config)
-
-
-@qk_norm_rope_fwd.register_fake
-def _(q, k, q_weight, k_weight, cos, sin, eps, offset, casting, config=None):
+def _fwd_fake(q, k, q_weight, k_weight, cos, sin, eps, offset, casting, config=None):
     return (q.new_empty(q.shape, dtype=_out_dtype(q, q_weight, casting)),
             k.new_empty(k.shape, dtype=_out_dtype(k, k_weight, casting)))
 
 
-@torch.library.custom_op("tigon::qk_norm_rope_bwd", mutates_args=())
-def qk_norm_rope_bwd(
-    dqo: torch.Tensor, dko: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-    k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, offset: float, casting: int,
-    compute_dw: bool, config: Optional[list[int]] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dq, dk dense in q's / k's dtype, dw_q, dw_k in the weights' dtypes, or empty without compute_dw)."""
-    return _bwd_launch(dqo, dko, q, k, q_weight, k_weight, cos, sin, eps, offset, casting, compute_dw, config)
-
-
-@qk_norm_rope_bwd.register_fake
-def _(dqo, dko, q, k, q_weight, k_weight, cos, sin, eps, offset, casting, compute_dw, config=None):
+def _bwd_fake(dqo, dko, q, k, q_weight, k_weight, cos, sin, eps, offset, casting, compute_dw, config=None):
     if not compute_dw:  # dq, dk dense as the launcher's torch.empty(q.shape): not empty_like (q's strides)
         return q.new_empty(q.shape), k.new_empty(k.shape), q.new_empty(0), q.new_empty(0)
     return (q.new_empty(q.shape), k.new_empty(k.shape), torch.empty_like(q_weight), torch.empty_like(k_weight))
+
+
+_QK_NORM_ROPE_BWD = _library.Kernel("qk_norm_rope_bwd", _bwd_launch, _bwd_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -292,7 +283,7 @@ def _setup(ctx, inputs, output):
     ctx.config, ctx.n_inputs = (inputs[9] if len(inputs) > 9 else None), len(inputs)
 
 
-def _backward(ctx, dqo, dko, bwd=None):
+def _backward(ctx, dqo, dko):
     q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
     needs = ctx.needs_input_grad[:4]
     if _library.double_backward():
@@ -303,7 +294,7 @@ def _backward(ctx, dqo, dko, bwd=None):
         grads = _library.reference_grads(fn, (q, k, q_weight, k_weight), needs, (dqo, dko))
         return tuple(grads) + (None,) * (ctx.n_inputs - 4)
     compute_dw = bool(needs[2] or needs[3])
-    dq, dk, dwq, dwk = (bwd or torch.ops.tigon.qk_norm_rope_bwd)(
+    dq, dk, dwq, dwk = _QK_NORM_ROPE_BWD.on(ctx)(
         _launch.unit_last(dqo), _launch.unit_last(dko), q, k, q_weight, k_weight, cos, sin, ctx.eps, ctx.offset,
         ctx.casting, compute_dw, ctx.config,
     )
@@ -311,21 +302,7 @@ def _backward(ctx, dqo, dko, bwd=None):
     return tuple(g if n else None for g, n in zip(grads, needs)) + (None,) * (ctx.n_inputs - 4)
 
 
-qk_norm_rope_fwd.register_autograd(_backward, setup_context=_setup)
-
-
-class QKNormRopeFunction(torch.autograd.Function):
-    """The eager path: the same launchers and autograd rule without the custom-op dispatcher."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        out = _fwd_launch(*inputs)
-        _setup(ctx, inputs, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, dqo, dko):
-        return _backward(ctx, dqo, dko, bwd=_bwd_launch)
+_QK_NORM_ROPE = _library.Op("qk_norm_rope_fwd", _fwd_launch, _fwd_fake, _setup, _backward)
 
 
 def _validate(q, k, q_weight, k_weight, cos, sin, eps, offset, casting_mode, config):
@@ -377,5 +354,4 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, *, offset=0.0, ca
                                       casting_mode=casting_mode)
     args = (_launch.unit_last(q), _launch.unit_last(k), q_weight.contiguous(), k_weight.contiguous(), cos, sin, eps,
             offset, _CASTING[casting_mode], None if config is None else config.ints())
-    return _library.dispatch(torch.ops.tigon.qk_norm_rope_fwd, QKNormRopeFunction, _fwd_launch, *args,
-                             grad_from=(q, k, q_weight, k_weight))
+    return _QK_NORM_ROPE(*args, grad_from=(q, k, q_weight, k_weight))

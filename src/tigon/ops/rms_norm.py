@@ -224,7 +224,12 @@ def _launch_plan(block_h: int, config) -> tuple[int, int, int, int]:
             per_sm or 2)
 
 
-def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=None):
+def _fwd_launch(
+    x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor], eps: float,
+    offset: float, casting: int, out_dtype: torch.dtype, config: Optional[list[int]] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual: [M, H] with unit last stride. Returns (y, s or empty, rstd[M] fp32). config: None or
+    `RMSNormConfig.ints()`."""
     M, H = x.shape
     block = _launch.row_block("rms_norm", H)
     y = torch.empty((M, H), dtype=out_dtype, device=x.device)
@@ -245,24 +250,18 @@ def _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config=Non
     return y, s, rstd
 
 
-@torch.library.custom_op("tigon::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd(
-    x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor], eps: float,
-    offset: float, casting: int, out_dtype: torch.dtype, config: Optional[list[int]] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x, residual: [M, H] with unit last stride. Returns (y, s or empty, rstd[M] fp32). config: None or
-    `RMSNormConfig.ints()`."""
-    return _fwd_launch(x, residual, weight, eps, offset, casting, out_dtype, config)
-
-
-@rms_norm_fwd.register_fake
-def _(x, residual, weight, eps, offset, casting, out_dtype, config=None):
+def _fwd_fake(x, residual, weight, eps, offset, casting, out_dtype, config=None):
     M, H = x.shape
     s = torch.empty_like(x) if residual is not None else x.new_empty(0)
     return x.new_empty((M, H), dtype=out_dtype), s, x.new_empty((M,), dtype=torch.float32)
 
 
-def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, config=None):
+def _bwd_launch(
+    dy: torch.Tensor, ds: Optional[torch.Tensor], x: torch.Tensor, weight: Optional[torch.Tensor],
+    rstd: torch.Tensor, offset: float, casting: int, compute_dw: bool, two_dx: bool,
+    config: Optional[list[int]] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx [M, H] in x.dtype, a copy of dx or empty, dw [H] in weight.dtype or empty)."""
     M, H = x.shape
     block = _launch.row_block("rms_norm", H)
     dx = torch.empty_like(x)
@@ -288,25 +287,18 @@ def _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, co
     return dx, dr, dw.to(weight.dtype)
 
 
-@torch.library.custom_op("tigon::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(
-    dy: torch.Tensor, ds: Optional[torch.Tensor], x: torch.Tensor, weight: Optional[torch.Tensor],
-    rstd: torch.Tensor, offset: float, casting: int, compute_dw: bool, two_dx: bool,
-    config: Optional[list[int]] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dx [M, H] in x.dtype, a copy of dx or empty, dw [H] in weight.dtype or empty)."""
-    return _bwd_launch(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, config)
-
-
-@rms_norm_bwd.register_fake
-def _(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, config=None):
+def _bwd_fake(dy, ds, x, weight, rstd, offset, casting, compute_dw, two_dx, config=None):
     dw = torch.empty_like(weight) if (compute_dw and weight is not None) else x.new_empty(0)
     return torch.empty_like(x), torch.empty_like(x) if two_dx else x.new_empty(0), dw
+
+
+_RMS_NORM_BWD = _library.Kernel("rms_norm_bwd", _bwd_launch, _bwd_fake)
 
 
 def _setup(ctx, inputs, output):
     x, residual, weight, eps, offset, casting, out_dtype = inputs[:7]
     _, s, rstd = output
+    ctx.mark_non_differentiable(rstd)
     ctx.config, ctx.n_inputs = (inputs[7] if len(inputs) > 7 else None), len(inputs)
     ctx.save_for_backward(s if residual is not None else x, weight, rstd)
     ctx.offset, ctx.casting, ctx.has_residual, ctx.eps = offset, casting, residual is not None, eps
@@ -336,13 +328,13 @@ def _reference_backward(ctx, xs, weight, dy, ds):
     return (dx if ctx.needs_input_grad[0] else None, dres, dw) + (None,) * (ctx.n_inputs - 3)
 
 
-def _backward(ctx, dy, ds, _drstd, bwd=None):
+def _backward(ctx, dy, ds, _drstd):
     xs, weight, rstd = ctx.saved_tensors
     ds = ds if ctx.has_residual else None
     if _library.double_backward():
         return _reference_backward(ctx, xs, weight, dy, ds)
     need_dw = weight is not None and ctx.needs_input_grad[2]
-    dx, dr, dw = (bwd or torch.ops.tigon.rms_norm_bwd)(
+    dx, dr, dw = _RMS_NORM_BWD.on(ctx)(
         dy.contiguous(), None if ds is None else ds.contiguous(), xs, weight, rstd, ctx.offset, ctx.casting, need_dw,
         ctx.copy_dresidual, ctx.config,
     )
@@ -350,22 +342,8 @@ def _backward(ctx, dy, ds, _drstd, bwd=None):
     return (dx, dres, (dw if need_dw else None)) + (None,) * (ctx.n_inputs - 3)
 
 
-rms_norm_fwd.register_autograd(_backward, setup_context=_setup)
-
-
-class RMSNormFunction(torch.autograd.Function):
-    """The eager path: the same launchers and autograd rules without the custom-op dispatcher."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        out = _fwd_launch(*inputs)
-        _setup(ctx, inputs, out)
-        ctx.mark_non_differentiable(out[2])
-        return out
-
-    @staticmethod
-    def backward(ctx, dy, ds, drstd):
-        return _backward(ctx, dy, ds, drstd, bwd=_bwd_launch)
+_RMS_NORM = _library.Op("rms_norm_fwd", _fwd_launch, _fwd_fake, _setup, _backward)
+RMSNormFunction = _RMS_NORM.function  # the eager twin (`_library.Op`)
 
 
 def _config_ints(op, config):
@@ -410,8 +388,7 @@ def rms_norm(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama", config=No
     out_dtype = reference.rms_norm_out_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
     weight = None if weight is None else weight.contiguous()  # the kernel reads it at unit stride
     args = (_launch.as_rows(x), None, weight, eps, offset, _CASTING[casting_mode], out_dtype, cfg)
-    y, _, _ = _library.dispatch(torch.ops.tigon.rms_norm_fwd, RMSNormFunction, _fwd_launch, *args,
-                                grad_from=(x, weight))
+    y, _, _ = _RMS_NORM(*args, grad_from=(x, weight))
     return y.view(x.shape)
 
 
@@ -426,7 +403,7 @@ def rms_norm_rows(x, weight, eps, residual=None):
             return reference.rms_norm(x, weight, eps), None
         return reference.add_rms_norm(x, residual, weight, eps)
     args = (x, residual, weight, eps, 0.0, _CASTING["llama"], x.dtype)
-    y, s, _ = torch.ops.tigon.rms_norm_fwd(*args) if torch.compiler.is_compiling() else _fwd_launch(*args)
+    y, s, _ = _RMS_NORM(*args)  # no grad_from: the launcher (while traced, the custom op)
     return y, (s if residual is not None else None)
 
 
@@ -441,6 +418,5 @@ def add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, casting_mode="lla
     weight = None if weight is None else weight.contiguous()
     args = (_launch.as_rows(x), _launch.as_rows(residual), weight, eps, offset, _CASTING[casting_mode],
             out_dtype, cfg)
-    y, s, _ = _library.dispatch(torch.ops.tigon.rms_norm_fwd, RMSNormFunction, _fwd_launch, *args,
-                                grad_from=(x, residual, weight))
+    y, s, _ = _RMS_NORM(*args, grad_from=(x, residual, weight))
     return y.view(x.shape), s.view(x.shape)

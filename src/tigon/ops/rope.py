@@ -133,7 +133,15 @@ def _heads_block(n_heads: int, block_r: int, tile: int = _DEFAULT[0]) -> int:
     return max(1, min(_launch.next_power_of_2(max(n_heads, 1)), tile // block_r))
 
 
-def rope_launch(q, k, cos, sin, transpose, config=None):
+def rope_launch(
+    q: torch.Tensor | None, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, transpose: bool,
+    config: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, T, D], k [B, Hkv, T, D] (either may be None), unit stride on D; cos, sin [1 or B, T, rd].
+
+    Returns (q_embed, k_embed), each in its input's dtype and layout (empty for a None input);
+    transpose=True applies the transpose of the rotation (the backward). config: None or `RopeConfig.ints()`.
+    """
     tile, num_warps = config or _DEFAULT
     ref = q if q is not None else k
     qo = _out_like(q) if q is not None else cos.new_empty(0)
@@ -166,21 +174,7 @@ def rope_launch(q, k, cos, sin, transpose, config=None):
     return qo, ko
 
 
-@torch.library.custom_op("tigon::rope", mutates_args=())
-def rope(
-    q: torch.Tensor | None, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, transpose: bool,
-    config: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Hq, T, D], k [B, Hkv, T, D] (either may be None), unit stride on D; cos, sin [1 or B, T, rd].
-
-    Returns (q_embed, k_embed), each in its input's dtype and layout (empty for a None input);
-    transpose=True applies the transpose of the rotation (the backward). config: None or `RopeConfig.ints()`.
-    """
-    return rope_launch(q, k, cos, sin, transpose, config)
-
-
-@rope.register_fake
-def _(q, k, cos, sin, transpose, config=None):
+def _fake(q, k, cos, sin, transpose, config=None):
     return (
         _out_like(q) if q is not None else cos.new_empty(0),
         _out_like(k) if k is not None else cos.new_empty(0),
@@ -198,14 +192,14 @@ def _backward(ctx, dq_embed, dk_embed):
     cos, sin = ctx.saved_tensors
     need_q, need_k = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     # The backward is the same linear map transposed, through the same op: double backward comes free.
-    dq, dk = torch.ops.tigon.rope(
+    dq, dk = _ROPE.on(ctx)(
         _launch.unit_last(dq_embed) if need_q else None, _launch.unit_last(dk_embed) if need_k else None, cos, sin,
         not ctx.transpose, ctx.config,
     )
     return ((dq if need_q else None), (dk if need_k else None)) + (None,) * (ctx.n_inputs - 2)
 
 
-rope.register_autograd(_backward, setup_context=_setup)
+_ROPE = _library.Op("rope", rope_launch, _fake, _setup, _backward)
 
 
 def _validate(q, k, cos, sin, unsqueeze_dim):
@@ -259,9 +253,8 @@ def apply_rope(q, k, cos, sin, unsqueeze_dim=1, *, config=None):
         return reference.apply_rope(q, k, cos, sin, unsqueeze_dim)
     if unsqueeze_dim == 2:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q_embed, k_embed = _library.dispatch(torch.ops.tigon.rope, None, rope_launch, _launch.unit_last(q),
-                                         _launch.unit_last(k), cos, sin, False,
-                                         None if config is None else config.ints(), grad_from=(q, k))
+    q_embed, k_embed = _ROPE(_launch.unit_last(q), _launch.unit_last(k), cos, sin, False,
+                             None if config is None else config.ints(), grad_from=(q, k))
     if unsqueeze_dim == 2:
         q_embed, k_embed = q_embed.transpose(1, 2), k_embed.transpose(1, 2)
     return q_embed, k_embed

@@ -199,28 +199,21 @@ def _launch_bwd(dy, g, u, dg, du, act, y=None, config=None):
                           BLOCK_N=block_n, STORE_Y=y is not None, num_warps=warps)
 
 
-def glu_fwd_launch(gate, up, act, inplace_backward=False, config=None):
+def glu_fwd_launch(gate: torch.Tensor, up: Optional[torch.Tensor], act: int, inplace_backward: bool = False,
+                   config: Optional[list[int]] = None) -> torch.Tensor:
+    """gate, up [M, I] with unit last stride, or up None and gate [M, 2I] = [gate | up]. Returns y [M, I].
+    config: None or `GLUConfig.ints()` (the forward's and the backward's launches)."""
     g, u = _halves(gate, up)
     y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     _launch_fwd(g, u, y, act, config)
     return y
 
 
-@torch.library.custom_op("tigon::glu_fwd", mutates_args=())
-def glu_fwd(gate: torch.Tensor, up: Optional[torch.Tensor], act: int, inplace_backward: bool,
-            config: Optional[list[int]] = None) -> torch.Tensor:
-    """gate, up [M, I] with unit last stride, or up None and gate [M, 2I] = [gate | up]. Returns y [M, I].
-    config: None or `GLUConfig.ints()` (the forward's and the backward's launches)."""
-    return glu_fwd_launch(gate, up, act, inplace_backward, config)
-
-
-@glu_fwd.register_fake
-def _(gate, up, act, inplace_backward, config=None):
+def _fwd_fake(gate, up, act, inplace_backward=False, config=None):
     return gate.new_empty(_halves(gate, up)[0].shape)
 
 
-@torch.library.custom_op("tigon::glu_bwd", mutates_args=())
-def glu_bwd(
+def _bwd_launch(
     dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], act: int, config: Optional[list[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dgate, dup), or (d gate_up [M, 2I], empty) when up is None."""
@@ -242,40 +235,30 @@ def _bwd_out_of_place(dy, gate, up, act, y=None, config=None):
     return dgate, dup
 
 
-@glu_bwd.register_fake
-def _(dy, gate, up, act, config=None):
+def _bwd_fake(dy, gate, up, act, config=None):
     return _new_grads(gate, up)
 
 
-@torch.library.custom_op("tigon::glu_bwd_inplace", mutates_args=("gate", "up"))
-def glu_bwd_inplace(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], act: int,
-                    config: Optional[list[int]] = None) -> None:
+def _bwd_inplace_launch(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], act: int,
+                        config: Optional[list[int]] = None) -> None:
     """Overwrites gate with dgate and up with dup (no new memory); gate and up must not overlap."""
     g, u = _halves(gate, up)
     _launch_bwd(_launch.unit_last(dy), g, u, g, u, act, config=config)
 
 
-@glu_bwd_inplace.register_fake
-def _(dy, gate, up, act, config=None):
+def _returns_none(*args):
     return None
 
 
-@torch.library.custom_op("tigon::glu_bwd_recompute", mutates_args=("dy", "gate", "up"))
-def glu_bwd_recompute(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], act: int) -> None:
+def _bwd_recompute_launch(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], act: int) -> None:
     """One pass for the fused MLP's backward: gate <- dgate, up <- dup, and dy <- y = act(gate) * up (the
     activation the forward did not keep, for the down projection's weight gradient). dy has unit last stride."""
     g, u = _halves(gate, up)
     _launch_bwd(dy, g, u, g, u, act, y=dy)
 
 
-@glu_bwd_recompute.register_fake
-def _(dy, gate, up, act):
-    return None
-
-
-@torch.library.custom_op("tigon::glu_bwd_and_y", mutates_args=())
-def glu_bwd_and_y(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor],
-                  act: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_and_y_launch(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor],
+                      act: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """glu_bwd_recompute without mutation, for a traced graph: returns (y, dgate, dup) as new tensors (dup empty
     when up is None and dgate is d gate_up). One op, not glu_fwd then glu_bwd: a compiler would merge that
     glu_fwd with the forward's (common subexpressions) and, not recomputing custom ops, keep y from the
@@ -284,9 +267,16 @@ def glu_bwd_and_y(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tenso
     return (y, *_bwd_out_of_place(dy, gate, up, act, y=y))
 
 
-@glu_bwd_and_y.register_fake
-def _(dy, gate, up, act):
+def _bwd_and_y_fake(dy, gate, up, act):
     return (gate.new_empty(_halves(gate, up)[0].shape), *_new_grads(gate, up))
+
+
+GLU_BWD = _library.Kernel("glu_bwd", _bwd_launch, _bwd_fake)
+# In place: an eager call bumps the versions of what it overwrites, as the custom op does (see swiglu's docstring).
+GLU_BWD_INPLACE = _library.Kernel("glu_bwd_inplace", _bwd_inplace_launch, _returns_none, mutates_args=("gate", "up"))
+GLU_BWD_RECOMPUTE = _library.Kernel("glu_bwd_recompute", _bwd_recompute_launch, _returns_none,
+                                    mutates_args=("dy", "gate", "up"))
+GLU_BWD_AND_Y = _library.Kernel("glu_bwd_and_y", _bwd_and_y_launch, _bwd_and_y_fake)
 
 
 def _rows_disjoint(t):
@@ -344,13 +334,13 @@ def _backward(ctx, dy):
     if ctx.inplace:
         # Saved tensors are unpacked (version-checked) above; the write bumps their version, so any other
         # user that saved gate or up and runs its backward later fails loudly instead of reading gradients.
-        torch.ops.tigon.glu_bwd_inplace(dy, gate, up, ctx.act, ctx.config)
+        GLU_BWD_INPLACE.on(ctx)(dy, gate, up, ctx.act, ctx.config)
         return (gate.detach(), (None if ctx.packed else up.detach())) + rest
-    dgate, dup = torch.ops.tigon.glu_bwd(dy, gate, up, ctx.act, ctx.config)
+    dgate, dup = GLU_BWD.on(ctx)(dy, gate, up, ctx.act, ctx.config)
     return (dgate, (None if ctx.packed else dup)) + rest
 
 
-glu_fwd.register_autograd(_backward, setup_context=_setup)
+GLU = _library.Op("glu_fwd", glu_fwd_launch, _fwd_fake, _setup, _backward)
 
 
 def _validate(op, gate, up, inplace_backward):
@@ -380,8 +370,7 @@ def _glu(op, act, ref_fn, gate, up, inplace_backward, config):
     cfg = _config_ints(f"tigon.ops.{op}", config)
     if not _library.use_kernels(op, gate):
         return ref_fn(gate, up)
-    y = _library.dispatch(torch.ops.tigon.glu_fwd, None, glu_fwd_launch, _as_rows(gate), _as_rows(up), act,
-                          inplace_backward, cfg, grad_from=(gate, up))
+    y = GLU(_as_rows(gate), _as_rows(up), act, inplace_backward, cfg, grad_from=(gate, up))
     return y.view(gate.shape)
 
 
@@ -394,8 +383,7 @@ def _glu_packed(op, act, ref_fn, gate_up, inplace_backward, config):
     cfg = _config_ints(name, config)
     if not _library.use_kernels(op, gate_up):
         return ref_fn(*gate_up.chunk(2, dim=-1))
-    y = _library.dispatch(torch.ops.tigon.glu_fwd, None, glu_fwd_launch, _as_rows(gate_up), None, act,
-                          inplace_backward, cfg, grad_from=(gate_up,))
+    y = GLU(_as_rows(gate_up), None, act, inplace_backward, cfg, grad_from=(gate_up,))
     return y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
@@ -410,9 +398,7 @@ def glu_rows(gate, up, activation):
     ref_fn = _REFERENCE[act]
     if not _library.use_kernels("swiglu" if act == _SILU else "geglu", gate):
         return ref_fn(gate, up) if up is not None else ref_fn(*gate.chunk(2, dim=-1))
-    if torch.compiler.is_compiling():  # one graph node
-        return torch.ops.tigon.glu_fwd(gate, up, act, False)
-    return glu_fwd_launch(gate, up, act)
+    return GLU(gate, up, act, False)  # no autograd: the launcher (while traced, the custom op: one graph node)
 
 
 def swiglu(gate, up, *, inplace_backward=False, config=None):

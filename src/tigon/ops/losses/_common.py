@@ -63,16 +63,12 @@ def needs(t):
     return torch.is_grad_enabled() and t is not None and t.requires_grad
 
 
-def setup_saved_grads(n_out_grads):
-    """register_autograd setup_context for ops whose last 3 outputs are (dh, dW, db) for grad_output 1."""
-
-    def setup(ctx, inputs, output):
-        ctx.mark_non_differentiable(*output[1:])
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*output[-3:])
-        ctx.n_inputs = len(inputs)
-
-    return setup
+def setup_saved_grads(ctx, inputs, output):
+    """The setup of the ops whose last 3 outputs are (dh, dW, db) for grad_output 1: it keeps those alone."""
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*output[-3:])
+    ctx.n_inputs = len(inputs)
 
 
 def backward_saved_grads(op_name, grad_slots):
@@ -94,7 +90,7 @@ def backward_saved_grads(op_name, grad_slots):
 def check_id_range(op, name, t, V, ignore_index=None):
     """ValueError for an id outside [0, V) that is not ignore_index. It reads the ids (a host sync), so only on
     CPU tensors or with TIGON_VALIDATE=1; elsewhere such a token counts as having no target (log-prob 0)."""
-    if not (t.device.type == "cpu" or _library.validation_on()) or torch.compiler.is_compiling():
+    if not (t.device.type == "cpu" or _library.validation_on()) or _library.tracing():
         return
     bad = (t < 0) | (t >= V)
     if ignore_index is not None:

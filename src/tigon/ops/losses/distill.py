@@ -242,8 +242,7 @@ def _jsd_rows_torch(zs, zt, t, soft_out, hard_out, n, V, ignore_index, inv_t, be
     zs.copy_(c_soft * d_soft + c_hard * (lr.exp() - onehot.float()))
 
 
-@torch.library.custom_op("tigon::fused_linear_jsd", mutates_args=())
-def fused_linear_jsd_op(
+def _jsd_launch(
     student: torch.Tensor, student_weight: torch.Tensor, teacher: torch.Tensor, teacher_weight: torch.Tensor,
     labels: torch.Tensor, student_bias: Optional[torch.Tensor], teacher_bias: Optional[torch.Tensor],
     floats: list[float], ignore_index: int, need_dh: bool, need_dw: bool, need_db: bool, cfg_ints: list[int],
@@ -299,9 +298,8 @@ def fused_linear_jsd_op(
             _engine.empty(student_weight) if db is None else db.to(student_bias.dtype))
 
 
-@fused_linear_jsd_op.register_fake
-def _(student, student_weight, teacher, teacher_weight, labels, student_bias, teacher_bias, floats, ignore_index,
-      need_dh, need_dw, need_db, cfg_ints):
+def _jsd_fake(student, student_weight, teacher, teacher_weight, labels, student_bias, teacher_bias, floats,
+              ignore_index, need_dh, need_dw, need_db, cfg_ints):
     s = [student.new_empty((), dtype=torch.float32) for _ in range(3)]
     return tuple(s) + (torch.empty_like(student) if need_dh else _engine.empty(student),
                        torch.empty_like(student_weight) if need_dw else _engine.empty(student_weight),
@@ -309,8 +307,8 @@ def _(student, student_weight, teacher, teacher_weight, labels, student_bias, te
                        else _engine.empty(student_weight))
 
 
-fused_linear_jsd_op.register_autograd(_common.backward_saved_grads("tigon.ops.fused_linear_jsd", (0, 1, 5)),
-                                      setup_context=_common.setup_saved_grads(3))
+_JSD = _library.Op("fused_linear_jsd", _jsd_launch, _jsd_fake, _common.setup_saved_grads,
+                   _common.backward_saved_grads("tigon.ops.fused_linear_jsd", (0, 1, 5)))
 
 
 def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias=None,
@@ -346,8 +344,9 @@ def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weigh
             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta, ignore_index=ignore_index,
             temperature=temperature)
         return _library.first_order_only(op, loss), soft.detach(), hard.detach()
-    out = torch.ops.tigon.fused_linear_jsd(
+    out = _JSD(
         student_input, student_weight, teacher_input.detach(), teacher_weight.detach(), true_labels, student_bias,
         None if teacher_bias is None else teacher_bias.detach(), floats, ignore_index, _common.needs(student_input),
-        _common.needs(student_weight), _common.needs(student_bias), cfg.ints())
+        _common.needs(student_weight), _common.needs(student_bias), cfg.ints(),
+        grad_from=(student_input, student_weight, student_bias))
     return out[:3]

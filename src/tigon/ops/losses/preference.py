@@ -110,8 +110,7 @@ def _pref_loss(lp, lp2, masks, ref, P, T, paired, kind, loss_type, floats, compu
     return alpha * nll + pref, c, r, nll, cw, rw, e1, e2
 
 
-@torch.library.custom_op("tigon::fused_linear_preference", mutates_args=())
-def fused_linear_preference_op(
+def _preference_launch(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
     nll_target: Optional[torch.Tensor], ref_hidden: Optional[torch.Tensor], ref_weight: Optional[torch.Tensor],
     ref_bias: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor], kind: str, loss_type: str,
@@ -196,9 +195,9 @@ def fused_linear_preference_op(
     return tuple(o.clone() for o in outs) + _engine.grads_out(hidden, weight, dh, dw, db)
 
 
-@fused_linear_preference_op.register_fake
-def _(hidden, weight, target, bias, nll_target, ref_hidden, ref_weight, ref_bias, ref_logps, kind, loss_type,
-      floats, ignore_index, compute_nll, average_log_prob, need_dh, need_dw, need_db, cfg_ints):
+def _preference_fake(hidden, weight, target, bias, nll_target, ref_hidden, ref_weight, ref_bias, ref_logps, kind,
+                     loss_type, floats, ignore_index, compute_nll, average_log_prob, need_dh, need_dw, need_db,
+                     cfg_ints):
     P = target.shape[0] // 2
     s = hidden.new_empty((), dtype=torch.float32)
     v = hidden.new_empty((P,), dtype=torch.float32)
@@ -208,9 +207,8 @@ def _(hidden, weight, target, bias, nll_target, ref_hidden, ref_weight, ref_bias
             torch.empty_like(bias) if (need_db and bias is not None) else _engine.empty(weight))
 
 
-fused_linear_preference_op.register_autograd(
-    _common.backward_saved_grads("tigon.ops.fused_linear_preference", (0, 1, 3)),
-    setup_context=_common.setup_saved_grads(3))
+_PREFERENCE = _library.Op("fused_linear_preference", _preference_launch, _preference_fake, _common.setup_saved_grads,
+                          _common.backward_saved_grads("tigon.ops.fused_linear_preference", (0, 1, 3)))
 
 
 def _check_ref(op, hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps):
@@ -277,11 +275,11 @@ def fused_linear_preference(hidden, weight, target, bias=None, *, kind="dpo", lo
             compute_nll_loss=compute_nll_loss, nll_target=nll_target, average_log_prob=average_log_prob,
             ref_logps=ref_logps, ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias)
         return _library.first_order_only(op, loss), tuple(a.detach() for a in aux)
-    out = torch.ops.tigon.fused_linear_preference(
+    out = _PREFERENCE(
         _launch.as_rows(hidden), weight, target, bias, nll_target, ref_rows,
         None if ref_rows is None else ref_weight.detach(), None if ref_bias is None else ref_bias.detach(),
         ref_logps, kind, loss_type, floats, ignore_index, compute_nll_loss, average_log_prob, _common.needs(hidden),
-        _common.needs(weight), _common.needs(bias), cfg.ints())
+        _common.needs(weight), _common.needs(bias), cfg.ints(), grad_from=(hidden, weight, bias))
     aux = out[1:8] + (out[8:10] if kind == "orpo" else ())
     return out[0], aux
 
@@ -315,8 +313,7 @@ def fused_linear_simpo(hidden, weight, target, bias=None, *, beta=0.1, alpha=1.0
                                    average_log_prob=True, ignore_index=ignore_index, config=config)
 
 
-@torch.library.custom_op("tigon::fused_linear_kto", mutates_args=())
-def fused_linear_kto_op(
+def _kto_launch(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, preference_labels: torch.Tensor,
     bias: Optional[torch.Tensor], ref_hidden: Optional[torch.Tensor], ref_weight: Optional[torch.Tensor],
     ref_bias: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor], kl: Optional[torch.Tensor], beta: float,
@@ -383,17 +380,16 @@ def fused_linear_kto_op(
     return tuple(o.clone() for o in outs) + _engine.grads_out(hidden, weight, dh, dw, db)
 
 
-@fused_linear_kto_op.register_fake
-def _(hidden, weight, target, preference_labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta,
-      ignore_index, average_log_prob, need_dh, need_dw, need_db, cfg_ints):
+def _kto_fake(hidden, weight, target, preference_labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta,
+              ignore_index, average_log_prob, need_dh, need_dw, need_db, cfg_ints):
     s = [hidden.new_empty((), dtype=torch.float32) for _ in range(7)]
     return tuple(s) + (torch.empty_like(hidden) if need_dh else _engine.empty(hidden),
                        torch.empty_like(weight) if need_dw else _engine.empty(weight),
                        torch.empty_like(bias) if (need_db and bias is not None) else _engine.empty(weight))
 
 
-fused_linear_kto_op.register_autograd(_common.backward_saved_grads("tigon.ops.fused_linear_kto", (0, 1, 4)),
-                                      setup_context=_common.setup_saved_grads(3))
+_KTO = _library.Op("fused_linear_kto", _kto_launch, _kto_fake, _common.setup_saved_grads,
+                   _common.backward_saved_grads("tigon.ops.fused_linear_kto", (0, 1, 4)))
 
 
 def fused_linear_kto(hidden, weight, target, preference_labels, bias=None, *, beta=0.1, ignore_index=-100,
@@ -427,9 +423,9 @@ def fused_linear_kto(hidden, weight, target, preference_labels, bias=None, *, be
             average_log_prob=average_log_prob, kl=kl, ref_logps=ref_logps, ref_hidden=ref_hidden,
             ref_weight=ref_weight, ref_bias=ref_bias)
         return _library.first_order_only(op, loss), tuple(a.detach() for a in aux)
-    out = torch.ops.tigon.fused_linear_kto(
+    out = _KTO(
         _launch.as_rows(hidden), weight, target, preference_labels.bool(), bias, ref_rows,
         None if ref_rows is None else ref_weight.detach(), None if ref_bias is None else ref_bias.detach(),
         ref_logps, kl, beta, ignore_index, average_log_prob, _common.needs(hidden), _common.needs(weight),
-        _common.needs(bias), cfg.ints())
+        _common.needs(bias), cfg.ints(), grad_from=(hidden, weight, bias))
     return out[0], out[1:7]

@@ -50,8 +50,7 @@ def grpo_reduce(per_tok, m, loss_type, max_len, num_items):
     return (per_tok * m).sum() / n.clamp(min=1.0)
 
 
-@torch.library.custom_op("tigon::fused_linear_grpo", mutates_args=())
-def fused_linear_grpo_op(
+def _grpo_launch(
     hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, attention_mask: torch.Tensor,
     advantages: torch.Tensor, bias: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
     old_logps: Optional[torch.Tensor], ref_hidden: Optional[torch.Tensor], ref_weight: Optional[torch.Tensor],
@@ -162,17 +161,16 @@ def _grpo_one_pass(hidden, weight, bias, t, m, adv, ref, old, floats, loss_type,
     return (loss, (k3 * m).sum() / total, (clipped * m).sum() / total) + _engine.grads_out(hidden, weight, dh, dw, db)
 
 
-@fused_linear_grpo_op.register_fake
-def _(hidden, weight, ids, attention_mask, advantages, bias, ref_logps, old_logps, ref_hidden, ref_weight, ref_bias,
-      num_items, floats, loss_type, level, max_len, need_dh, need_dw, need_db, cfg_ints):
+def _grpo_fake(hidden, weight, ids, attention_mask, advantages, bias, ref_logps, old_logps, ref_hidden, ref_weight,
+               ref_bias, num_items, floats, loss_type, level, max_len, need_dh, need_dw, need_db, cfg_ints):
     s = [hidden.new_empty((), dtype=torch.float32) for _ in range(3)]
     return tuple(s) + (torch.empty_like(hidden) if need_dh else _engine.empty(hidden),
                        torch.empty_like(weight) if need_dw else _engine.empty(weight),
                        torch.empty_like(bias) if (need_db and bias is not None) else _engine.empty(weight))
 
 
-fused_linear_grpo_op.register_autograd(_common.backward_saved_grads("tigon.ops.fused_linear_grpo", (0, 1, 5)),
-                                       setup_context=_common.setup_saved_grads(3))
+_GRPO = _library.Op("fused_linear_grpo", _grpo_launch, _grpo_fake, _common.setup_saved_grads,
+                    _common.backward_saved_grads("tigon.ops.fused_linear_grpo", (0, 1, 5)))
 
 
 # GRPO's default chunk: 384 MiB (1324 rows at V 151936 in bf16). Its one pass accumulates dW once a chunk, so the
@@ -235,16 +233,15 @@ def fused_linear_grpo(hidden, weight, selected_token_ids, attention_mask, advant
             max_completion_length=max_completion_length, importance_sampling_level=importance_sampling_level,
             temperature=temperature, delta=delta, num_items_in_batch=num_items, entropy_coef=entropy_coef)
         return _library.first_order_only(op, loss), [x.detach() for x in metrics]
-    out = torch.ops.tigon.fused_linear_grpo(
+    out = _GRPO(
         _launch.as_rows(hidden), weight, selected_token_ids, attention_mask, advantages, bias, ref, old, ref_rows,
         None if ref_rows is None else ref_weight.detach(), None if ref_bias is None else ref_bias.detach(), num_items,
         floats, loss_type, importance_sampling_level, int(max_completion_length or 0), _common.needs(hidden),
-        _common.needs(weight), _common.needs(bias), cfg.ints())
+        _common.needs(weight), _common.needs(bias), cfg.ints(), grad_from=(hidden, weight, bias))
     return out[0], ([out[1]] if beta != 0.0 else []) + [out[2]]
 
 
-@torch.library.custom_op("tigon::fused_linear_logprobs_fwd", mutates_args=())
-def fused_linear_logprobs_fwd(
+def _logprobs_launch(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor], scale: float,
     ignore_index: int, cfg_ints: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -256,15 +253,13 @@ def fused_linear_logprobs_fwd(
     return lp, st["ent"], st["lsq"], st["xsum"] / weight.shape[0], st["top1"] > 0, st["lse"]
 
 
-@fused_linear_logprobs_fwd.register_fake
-def _(hidden, weight, target, bias, scale, ignore_index, cfg_ints):
+def _logprobs_fake(hidden, weight, target, bias, scale, ignore_index, cfg_ints):
     v = [hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(6)]
     v[4] = hidden.new_empty(hidden.shape[0], dtype=torch.bool)
     return tuple(v)
 
 
-@torch.library.custom_op("tigon::fused_linear_logprobs_bwd", mutates_args=())
-def fused_linear_logprobs_bwd(
+def _logprobs_bwd_launch(
     grad_lp: torch.Tensor, grad_ent: Optional[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor,
     target: torch.Tensor, bias: Optional[torch.Tensor], lse: torch.Tensor, ent: torch.Tensor, scale: float,
     ignore_index: int, need_dh: bool, need_dw: bool, need_db: bool, cfg_ints: list[int],
@@ -280,12 +275,14 @@ def fused_linear_logprobs_bwd(
             _engine.empty(weight) if db is None else db)
 
 
-@fused_linear_logprobs_bwd.register_fake
-def _(grad_lp, grad_ent, hidden, weight, target, bias, lse, ent, scale, ignore_index, need_dh, need_dw, need_db,
-      cfg_ints):
+def _logprobs_bwd_fake(grad_lp, grad_ent, hidden, weight, target, bias, lse, ent, scale, ignore_index, need_dh,
+                       need_dw, need_db, cfg_ints):
     return (torch.empty_like(hidden) if need_dh else _engine.empty(hidden),
             torch.empty_like(weight) if need_dw else _engine.empty(weight),
             torch.empty_like(bias) if (need_db and bias is not None) else _engine.empty(weight))
+
+
+_LOGPROBS_BWD = _library.Kernel("fused_linear_logprobs_bwd", _logprobs_bwd_launch, _logprobs_bwd_fake)
 
 
 def _lp_setup(ctx, inputs, output):
@@ -305,13 +302,13 @@ def _lp_backward(ctx, g_lp, g_ent, *_):
     if g_lp is None:
         g_lp = torch.zeros_like(lse)
     scale, ignore_index, cfg_ints = ctx.args
-    dh, dw, db = torch.ops.tigon.fused_linear_logprobs_bwd(g_lp, g_ent, hidden, weight, target, bias, lse, ent, scale,
-                                                           ignore_index, *need, cfg_ints)
+    dh, dw, db = _LOGPROBS_BWD.on(ctx)(g_lp, g_ent, hidden, weight, target, bias, lse, ent, scale, ignore_index,
+                                       *need, cfg_ints)
     dh, dw, db = (g if n else None for g, n in zip((dh, dw, db), need))
     return dh, dw, None, db, None, None, None
 
 
-fused_linear_logprobs_fwd.register_autograd(_lp_backward, setup_context=_lp_setup)
+_LOGPROBS = _library.Op("fused_linear_logprobs_fwd", _logprobs_launch, _logprobs_fake, _lp_setup, _lp_backward)
 
 
 def fused_linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, logit_scale=1.0, ignore_index=-100,
@@ -341,6 +338,6 @@ def fused_linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0,
             valid = (target != ignore_index) & (target >= 0) & (target < weight.shape[0])
             top1 = valid & (x.argmax(-1) == target)
         return (_library.first_order_only(op, lp), _library.first_order_only(op, ent), lsq, x.mean(-1), top1)
-    out = torch.ops.tigon.fused_linear_logprobs_fwd(_launch.as_rows(hidden), weight, target.reshape(-1), bias, scale,
-                                                    ignore_index, cfg.ints())
+    out = _LOGPROBS(_launch.as_rows(hidden), weight, target.reshape(-1), bias, scale, ignore_index, cfg.ints(),
+                    grad_from=(hidden, weight, bias))
     return tuple(o.view(lead) for o in out[:5])
