@@ -212,3 +212,14 @@ def cuda_kernels_are_native(request):
     if on_cuda or "gpu" in request.node.keywords:
         interpreted = interpreted_kernels()
         assert not interpreted, f"CUDA test ran with interpreted Triton kernels: {interpreted[:5]}"
+
+
+@pytest.fixture(autouse=True)
+def _no_user_tuned_cache(tmp_path_factory, monkeypatch):
+    """Tests read the shipped tables only: a `tigon tune` cache of the machine running them stays out."""
+    from tigon.ops import tuned_cache
+
+    monkeypatch.setenv("TIGON_CACHE_DIR", str(tmp_path_factory.mktemp("tigon-cache")))
+    tuned_cache.reset()
+    yield
+    tuned_cache.reset()

@@ -7,6 +7,9 @@
     tigon bench decode [...]        the decode benchmark (benchmarks/bench_decode.py: HF generate vs
                                     tigon.generate); `tigon bench decode --help` lists its options
     tigon demo [...]                fine-tune a small model with Tigon off, then on (tigon.cli.demo)
+    tigon tune [--attention] [--decode-linear] [--model M] [--dry-run] [--cache PATH]
+                                    time this GPU's attention backends and decode_linear launches and write
+                                    the winners to the per-user cache Tigon reads first (tigon.cli.tune)
 
 Only the standard library is imported up front; torch, triton and the rest load inside each command.
 """
@@ -17,7 +20,7 @@ import os
 import sys
 
 from .. import __version__, _log
-from . import bench
+from . import bench, tune
 from .env import cmd_env
 
 __all__ = ["build_parser", "main"]
@@ -27,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tigon", description="Fused Triton kernels for Hugging Face LLM training "
                                 "and inference.")
     p.add_argument("--version", action="version", version=f"tigon {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{env,bench,demo}", required=True)
+    sub = p.add_subparsers(dest="command", metavar="{env,bench,demo,tune}", required=True)
     sub.add_parser("env", help="versions, the GPU, and for every op its path here and its launch settings",
                    description="Versions, the GPU, and for every public op of tigon.ops the path it takes here "
                                "(Triton kernel, interpreter or PyTorch reference) and where its launch settings "
@@ -45,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
                               "tokens/s, time to first token, decode.json/md/png (`tigon bench decode --help`)")
     sub.add_parser("demo", add_help=False, help="fine-tune a small model with Tigon off, then on, and compare "
                                                "(`tigon demo --help`)")
+    tune.add_arguments(sub.add_parser(
+        "tune", help="time this GPU's choices and write the winners to the per-user cache Tigon reads first",
+        description=tune.SUMMARY + " Without --attention or --decode-linear: both. On a CPU "
+                    "it exits with status 2 (`--dry-run` works anywhere).",
+        epilog="The cache is read before the shipped tables (docs/tuning.md); `tigon env` names the source of "
+               "each choice."))
     return p
 
 
@@ -72,6 +81,8 @@ def _run(argv) -> int:
         return bench.cmd_bench_decode(rest)
     if rest:
         p.parse_args(argv)  # the usage error argparse gives for unrecognized arguments
+    if args.command == "tune":
+        return tune.cmd_tune(args)
     return cmd_env(args) if args.command == "env" else bench.cmd_bench(args)
 
 

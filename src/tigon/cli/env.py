@@ -45,30 +45,59 @@ def launch_text(op: str, gpu) -> str:
     if op == "decode_linear":
         from tigon.ops import decode_linear_picks
 
-        n = len(decode_linear_picks.MEASURED_PICKS.get(gpu, {})) if gpu else 0
-        rule = "the shape rule (decode_linear._rule_config)"
-        if n:
-            return f"measured picks for {gpu} ({n} shapes, ops/decode_linear_picks.py), else {rule}"
-        return f"{rule}: no measured picks for {gpu or 'a CPU'}"
+        return decode_linear_picks.source(gpu)
     if op == "decode_attention":
-        return "split count from the wave-fill rule (decode_attention._splits_for, DecodeAttentionConfig)"
+        return ("rule (every card: the split count that best fills the last wave of programs, "
+                "decode_attention._splits_for; DecodeAttentionConfig)")
     config = "FusedLinearLossConfig" if op.startswith("fused_linear_") else _CONFIG.get(op)
     if config:
         return f"{config} defaults (measured on an H200; an op's config= overrides them)"
     return "from the shapes (tigon.ops._launch)"
 
 
+# the mask kinds of training_attention.mask_kind, in the order `tigon env` lists them
+MASK_KINDS = ("causal", "packed", "sliding", "packed+sliding", "causal+softcap", "packed+softcap", "sliding+softcap",
+              "packed+sliding+softcap")
+
+
 def attention_text(gpu) -> str:
-    """The training-attention backends `tigon.patch` picks on `gpu`: a row of hf/attention_table.py or HF's pick."""
+    """The training-attention backends `tigon.patch` picks on `gpu` per mask kind, and where each ranking comes
+    from: the user cache, a row of hf/attention_table.py, the rule for unmeasured cards, or HF's pick."""
     try:
         from tigon.hf import attention_table
     except ModuleNotFoundError as e:
         return str(_log.missing_package(e, "the training attention") or e)
-    rows = {kind: v for (g, kind), v in attention_table.MEASURED.items() if g == gpu}
-    if not rows:
-        return f"no row for {gpu or 'a CPU'} in hf/attention_table.py: Hugging Face's pick (sdpa; eager with softcap)"
-    return "hf/attention_table.py rows for " + gpu + ": " + "; ".join(
-        f"{kind} {'/'.join(attention_table.ranking(gpu, kind))}" for kind in sorted(rows))
+    if not gpu:
+        return "no GPU here: Hugging Face's pick for every mask kind (sdpa; eager with softcap)"
+    shipped = any(g == gpu for g, _ in attention_table.MEASURED)
+    head = (f"hf/attention_table.py rows for {gpu}" if shipped else
+            f"no row for {gpu} in hf/attention_table.py (an unmeasured card)")
+    lines = [f"{head}; per mask kind, the first backend that takes a call runs (last: Hugging Face's pick):"]
+    for kind in MASK_KINDS:
+        lines.append(f"  {kind:<24} {' > '.join(attention_table.ranking(gpu, kind)):<26} "
+                     f"{attention_table.source(gpu, kind)}")
+    return "\n".join(lines)
+
+
+def cache_text(gpu) -> str:
+    """The user cache of `tigon tune` (tigon.ops.tuned_cache): its path and what it holds for `gpu`."""
+    from tigon.ops import tuned_cache
+
+    state = tuned_cache.state()
+    if state.problem:
+        return f"{state.path}: ignored ({state.problem}); the shipped tables apply"
+    tuned = state.rows.get(gpu) if gpu else None
+    if tuned is not None:
+        return (f"{state.path}: rows for {gpu} (attention: {len(tuned.attention)} mask kinds, decode_linear: "
+                f"{len(tuned.decode_linear)} shapes)")
+    torch_version, triton_version = tuned_cache.versions()
+    stale = [f"torch {t}, triton {tr}" for g, t, tr in state.others if g == gpu]
+    if stale:
+        return (f"{state.path}: rows for {gpu} under {'; '.join(stale)}, not this torch {torch_version} / triton "
+                f"{triton_version}: not read (`tigon tune` measures for these)")
+    if not os.path.exists(state.path):
+        return f"{state.path}: none (`tigon tune` writes it)"
+    return f"{state.path}: no rows for {gpu or 'a CPU'}"
 
 
 def cmd_env(args=None) -> int:
@@ -118,5 +147,6 @@ def cmd_env(args=None) -> int:
     print(f"  {'op':<24} {'path':<10} launch settings")
     for op in names:
         print(f"  {op:<24} {path:<10} {launch_text(op, gpu)}")
+    print(f"tuned cache    {cache_text(gpu)}")
     print(f"training attention (tigon.patch): {attention_text(gpu)}")
     return 0

@@ -6,9 +6,22 @@ names when more than one beat HF's pick (it rewrites the block between the marke
 runs the first backend of `ranking(gpu, kind)` that can take it (varlen needs the collator's cu_seq_lens for a
 packed row, FlexAttention a power-of-two head dim, ...), ending with HF's pick, which takes everything.
 
-A (GPU, kind) with no row runs Hugging Face's own pick: SDPA for "causal" (cuDNN / FLASH on a GPU), SDPA with the
-dense [T, T] boolean mask for packed and sliding-window rows, and the family's eager attention (the [T, T]
-scores) for softcapping, which SDPA cannot apply. So an unmeasured GPU is never slower than HF.
+Where a ranking comes from (`source` says it in words; `tigon env` prints it per mask kind), first match wins:
+1. the user cache (`tigon.ops.tuned_cache`: the rows `tigon tune` measured on this card, for this torch and
+   Triton), where it holds the kind (an empty row there: HF's pick measured fastest on this card);
+2. the shipped table: a GPU with any row in MEASURED is a measured GPU, and a kind it has no row for runs HF's pick
+   (none beat it there);
+3. the rule for unmeasured cards (`unmeasured_rule`): for each mask kind, the backends that beat HF's pick on
+   EVERY measured GPU, ordered by the number of cards each is fastest on (among those backends), then by its mean
+   place in the cards' rows, then by the first card's row (GPU names sorted). With one measured GPU this is its
+   row. A kind that some measured GPU has no row for (HF's pick was fastest there) gets no rule entry, so an
+   unmeasured card runs HF's pick for it: a kernel family earns the rule only by beating HF's pick on every card
+   measured, which is the evidence that it does so by construction (fewer FLOPs and bytes than the dense [T, T]
+   mask), not by one card's tuning;
+4. no GPU (a CPU): HF's pick.
+
+HF's own pick is SDPA for "causal" (cuDNN / FLASH on a GPU), SDPA with the dense [T, T] boolean mask for packed and
+sliding-window rows, and the family's eager attention (the [T, T] scores) for softcapping, which SDPA cannot apply.
 
 The table chooses kernels, never semantics: every backend computes the same attention (tests compare each one
 with the examples run one at a time), and packed rows are confined on every device (tigon.patch).
@@ -16,6 +29,9 @@ with the examples run one at a time), and packed rows are confined on every devi
 Mask kinds (training_attention.mask_kind): "causal", "packed" (documents confined), "sliding", "packed+sliding",
 each with "+softcap" when the layer caps its logits.
 """
+
+# absolute: benchmarks/bench_training_attention.py's tests load a rewritten copy of this file outside the package
+from tigon.ops import tuned_cache
 
 BACKENDS = ("sdpa", "eager", "flex", "varlen", "flash_attn")
 
@@ -35,19 +51,79 @@ def hf_pick(kind: str) -> str:
     return "eager" if kind.endswith("+softcap") else "sdpa"
 
 
+def _as_row(value) -> tuple:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def unmeasured_rule(measured: dict | None = None) -> dict:
+    """{mask kind: backends} an unmeasured GPU runs (then HF's pick), from `measured` (default MEASURED): the
+    backends in the row of every measured GPU for that kind, ordered as the module docstring says."""
+    measured = MEASURED if measured is None else measured
+    gpus = sorted({gpu for gpu, _ in measured})
+    rule = {}
+    for kind in sorted({kind for _, kind in measured}):
+        rows = [_as_row(measured[(gpu, kind)]) for gpu in gpus if (gpu, kind) in measured]
+        if len(rows) < len(gpus):
+            continue  # HF's pick was fastest on some measured GPU
+        common = set(rows[0]).intersection(*rows[1:])
+        orders = [[b for b in row if b in common] for row in rows]
+        if common:
+            rule[kind] = tuple(sorted(common, key=lambda b: (-sum(o[0] == b for o in orders),
+                                                             sum(o.index(b) for o in orders), orders[0].index(b))))
+    return rule
+
+
+_DERIVED: list = [None, frozenset(), {}]  # [the MEASURED they were computed from, its GPUs, its rule]
+
+
+def _measured_gpus_and_rule() -> tuple:
+    """(the GPUs MEASURED has rows for, unmeasured_rule()), computed once per MEASURED object."""
+    if _DERIVED[0] is not MEASURED:
+        _DERIVED[:] = [MEASURED, frozenset(gpu for gpu, _ in MEASURED), unmeasured_rule(MEASURED)]
+    return _DERIVED[1], _DERIVED[2]
+
+
+def _row(gpu: str | None, kind: str) -> tuple:
+    """(the backends ranked above HF's pick for (gpu, kind), where from: "cache", "table", "rule" or "none")."""
+    if not gpu:
+        return (), "none"
+    tuned = tuned_cache.for_gpu(gpu)
+    if tuned is not None and kind in tuned.attention:
+        # a name this Tigon does not know (a cache written by a newer one) is passed over, never an error
+        return tuple(b for b in tuned.attention[kind] if b in BACKENDS), "cache"
+    gpus, rule = _measured_gpus_and_rule()
+    if gpu in gpus:
+        return _as_row(MEASURED.get((gpu, kind), ())), "table"
+    return rule.get(kind, ()), "rule"
+
+
 def ranking(gpu: str | None, kind: str) -> tuple:
     """The backends to try for mask `kind` on GPU `gpu` (torch.cuda.get_device_name; None on a CPU), in order:
-    the measured ones, fastest first, then HF's pick (always last, so every call has one that takes it)."""
-    row = MEASURED.get((gpu, kind), ()) if gpu else ()
-    row = (row,) if isinstance(row, str) else tuple(row)
+    the user cache's, the shipped table's or the rule's (the module docstring), fastest first, then HF's pick
+    (always last, so every call has one that takes it)."""
+    row, _ = _row(gpu, kind)
     unknown = [b for b in row if b not in BACKENDS]
     if unknown:
         raise ValueError(f"attention_table: unknown backend(s) {unknown} for {(gpu, kind)}; known: {BACKENDS}")
     return tuple(dict.fromkeys((*row, hf_pick(kind))))
 
 
+def source(gpu: str | None, kind: str) -> str:
+    """Where ranking(gpu, kind) comes from, in words (for `tigon env`)."""
+    row, where = _row(gpu, kind)
+    if where == "cache":
+        return f"user cache ({tuned_cache.for_gpu(gpu).path})"
+    if where == "table":
+        return f"shipped table ({gpu} row)" if row else f"shipped table ({gpu}: no backend beat HF's pick)"
+    if where == "rule":
+        gpus = ", ".join(sorted(_measured_gpus_and_rule()[0])) or "none"
+        won = "faster than HF's pick" if row else "none faster than HF's pick"
+        return f"rule (unmeasured card: {won} on every measured GPU: {gpus})"
+    return "no GPU: HF's pick"
+
+
 def pick(gpu: str | None, kind: str) -> str:
-    """The first backend of ranking(gpu, kind): the measured fastest, else HF's pick."""
+    """The first backend of ranking(gpu, kind): the measured fastest (cache, table or rule), else HF's pick."""
     return ranking(gpu, kind)[0]
 
 

@@ -234,8 +234,8 @@ def _rule_config(K: int, n_total: int, glu: bool, norm: bool, sms: int) -> Decod
 def _pick_config(M: int, K: int, n_total: int, glu: bool, norm: bool, esize: int, device,
                  smem_limit: int | None = None, residual: bool = False) -> DecodeLinearConfig:
     """The launch for these shapes and element size when the caller passes no config (cached: no per-call host
-    work): the measured pick of `decode_linear_picks.MEASURED_PICKS` for this GPU and 16-bit shape, else the
-    rule. smem_limit: bytes of shared memory a block may use (None: the device's)."""
+    work): the measured pick for this GPU and 16-bit shape (`decode_linear_picks.lookup`: the user cache, then
+    MEASURED_PICKS), else the rule. smem_limit: bytes of shared memory a block may use (None: the device's)."""
     if device.type != "cuda":
         # the interpreter: a few K steps on small test shapes, 64 columns a program (it costs per program: 16
         # columns took 2.4 s of a tiny model's 4-token generate, 64 take 0.9)

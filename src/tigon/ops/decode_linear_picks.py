@@ -1,5 +1,9 @@
 """The `decode_linear` launches measured per shape: a data table `decode_linear._pick_config` reads before its rule.
 
+`lookup` answers from the user cache first (`tuned_cache`: the picks `tigon tune --decode-linear` measured on this
+card, for this torch and Triton), then from `MEASURED_PICKS` below, and None sends the launch to the rule
+(`decode_linear._rule_config`); `source` says which in words (`tigon env`).
+
 `MEASURED_PICKS[gpu name][(K, N, batch bucket, kind)]` is the `DecodeLinearConfig.ints()` tuple
 (block_n, block_k, num_warps, num_stages, split_k[, stats_elems]) that `benchmarks/bench_decode_ops.py` timed
 fastest for that projection in 16-bit weights, where it beat the rule's own launch (`--emit-picks FILE` writes the
@@ -12,6 +16,8 @@ Batch buckets: 1 (one row) and 16 (2 to 16 rows: the kernel pads rows to 16, so 
 measured at batch 8). Kinds name what the launch fuses: "plain", or "+"-joined "norm", "glu", "residual"
 (`kind`): a Llama layer's q/k/v is "norm", o_proj and down_proj "residual", gate/up "norm+glu".
 """
+
+from . import tuned_cache
 
 BATCH_BUCKETS = (1, 16)
 
@@ -46,7 +52,34 @@ def kind(norm: bool, glu: bool, residual: bool) -> str:
 
 def lookup(gpu: str | None, K: int, N: int, m: int, launch_kind: str, table: dict | None = None) -> tuple | None:
     """The measured (block_n, block_k, num_warps, num_stages, split_k[, stats_elems]) for this launch on `gpu`
-    (torch.cuda.get_device_name; None: no GPU), or None where nothing was measured. table: MEASURED_PICKS."""
-    rows = (MEASURED_PICKS if table is None else table).get(gpu, {}) if gpu else {}
+    (torch.cuda.get_device_name; None: no GPU), or None where nothing was measured. table: None for the user cache
+    then MEASURED_PICKS, or a {gpu: {key: config}} table to read alone."""
     bucket = batch_bucket(m)
-    return None if bucket is None else rows.get((K, N, bucket, launch_kind))
+    if bucket is None or not gpu:
+        return None
+    key = (K, N, bucket, launch_kind)
+    if table is None:
+        tuned = tuned_cache.for_gpu(gpu)
+        if tuned is not None and key in tuned.decode_linear:
+            return tuned.decode_linear[key]
+        table = MEASURED_PICKS
+    return table.get(gpu, {}).get(key)
+
+
+def source(gpu: str | None) -> str:
+    """Where the launches of decode_linear come from on `gpu`, in words (for `tigon env`)."""
+    rule = "the shape rule (decode_linear._rule_config)"
+    shipped = len(MEASURED_PICKS.get(gpu, {})) if gpu else 0
+    tuned = tuned_cache.for_gpu(gpu)
+    parts = []
+    if tuned is not None and tuned.decode_linear:
+        parts.append(f"user cache ({tuned.path}: {len(tuned.decode_linear)} shapes)")
+    if shipped:
+        parts.append(f"shipped table ({gpu} row: measured picks for {gpu}, {shipped} shapes, "
+                     "ops/decode_linear_picks.py)")
+    if parts:
+        return ", then ".join(parts) + f", else {rule}"
+    if not gpu:
+        return f"rule (no GPU here; on one: {rule} wherever no pick was measured)"
+    return (f"rule (unmeasured card: {rule}; no measured picks for {gpu}; `tigon tune --decode-linear` measures "
+            "this card's)")
