@@ -9,12 +9,14 @@ Tigon's kernels do not compute themselves (class weights, a separate z-loss, tok
 predicted tokens) are computed around them with Liger's values (liger_ce_options.py).
 """
 
+import math
 from typing import Optional
 
 import torch
 from torch import nn
 
 from .. import ops
+from ..memory.tiling import shard_tile_tokens, tiled_apply
 from ..modules import CrossEntropyLoss, GeGLUMLP, LayerNorm, LinearCrossEntropyLoss, RMSNorm, SwiGLUMLP
 from .liger_ce_options import CrossEntropyOutput, liger_cross_entropy_with_options
 
@@ -138,21 +140,43 @@ class LigerGEGLUMLP(GeGLUMLP):
 
 
 class LigerTiledSwiGLUMLP(LigerSwiGLUMLP):
-    """liger_kernel.transformers.LigerTiledSwiGLUMLP(config, num_shards=None). Liger runs the MLP shard by shard
-    over the tokens to bound the intermediate activations; Tigon's MLP keeps only x, gate and up for backward
-    and recomputes the product, so num_shards is kept and not used: the result is the same SwiGLU MLP."""
+    """liger_kernel.transformers.LigerTiledSwiGLUMLP(config, num_shards=None): the SwiGLU MLP run shard by shard
+    over the tokens (tigon.memory.tiled_apply), so only one shard's intermediates are alive; the backward
+    recomputes each shard. num_shards None: ceil(T / hidden_size) shards, as in Liger; shards of
+    ceil(T / num_shards) tokens, as torch.chunk cuts them. Tiles in eval too, as Liger's does."""
 
     def __init__(self, config, num_shards: Optional[int] = None):
+        if num_shards is not None and (isinstance(num_shards, bool) or not isinstance(num_shards, int)):
+            raise TypeError(f"{type(self).__name__}: num_shards must be None or an int, got "
+                            f"{type(num_shards).__name__}")
         super().__init__(config)
         self.num_shards = num_shards
+
+    def forward(self, x):
+        if x.dim() < 2:
+            raise ValueError(f"{type(self).__name__}: x must have shape [..., T, hidden], got {tuple(x.shape)}")
+        shards = math.ceil(x.shape[-2] / x.shape[-1]) if self.num_shards is None else self.num_shards
+        return tiled_apply(super().forward, x, shard_tile_tokens(x.shape[-2], shards),
+                           params=[p for p in self.parameters() if p.requires_grad])
 
 
 class LigerTiledGEGLUMLP(LigerGEGLUMLP):
-    """liger_kernel.transformers.LigerTiledGEGLUMLP(config, num_shards=None): see LigerTiledSwiGLUMLP."""
+    """liger_kernel.transformers.LigerTiledGEGLUMLP(config, num_shards=None): the GeGLU MLP shard by shard, as
+    LigerTiledSwiGLUMLP."""
 
     def __init__(self, config, num_shards: Optional[int] = None):
+        if num_shards is not None and (isinstance(num_shards, bool) or not isinstance(num_shards, int)):
+            raise TypeError(f"{type(self).__name__}: num_shards must be None or an int, got "
+                            f"{type(num_shards).__name__}")
         super().__init__(config)
         self.num_shards = num_shards
+
+    def forward(self, x):
+        if x.dim() < 2:
+            raise ValueError(f"{type(self).__name__}: x must have shape [..., T, hidden], got {tuple(x.shape)}")
+        shards = math.ceil(x.shape[-2] / x.shape[-1]) if self.num_shards is None else self.num_shards
+        return tiled_apply(super().forward, x, shard_tile_tokens(x.shape[-2], shards),
+                           params=[p for p in self.parameters() if p.requires_grad])
 
 
 class LigerBlockSparseTop2MLP(nn.Module):

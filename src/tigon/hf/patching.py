@@ -24,6 +24,14 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from .. import _log
+from ..memory import (
+    checkpoint_offload_installed,
+    install_checkpoint_offload,
+    install_tiled_mlp,
+    tiled_mlp_installed,
+    uninstall_checkpoint_offload,
+    uninstall_tiled_mlp,
+)
 from . import attention as tigon_attention
 from . import (
     attention_table,
@@ -479,6 +487,39 @@ def _quantized_lm_head(hf) -> str:
     return f"lm_head is quantized ({type(linear).__name__}, {weight.dtype} weight); the model computes its loss"
 
 
+def _memory_options(model, offload, tile):
+    """(keep_on_card or None, tile_tokens or None) from tigon.patch's offload_checkpoints and tile_mlp, checked
+    before anything changes on the model."""
+    for name, value, least in (("offload_checkpoints", offload, 0), ("tile_mlp", tile, 1)):
+        want = "a tile length in tokens (>= 1)" if name == "tile_mlp" else "a number of layers kept on the card (>= 0)"
+        if not isinstance(value, int):
+            raise TypeError(f"tigon.patch: {name} must be True, False or {want}, got {type(value).__name__}")
+        if not isinstance(value, bool) and value < least:
+            raise ValueError(f"tigon.patch: {name} must be True, False or {want}, got {value}")
+        if value is not False and model is None:
+            raise ValueError(f"tigon.patch: {name} is set on a model instance: tigon.patch(model, {name}=...)")
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if offload is not False and model is not None and not any(
+            isinstance(m, GradientCheckpointingLayer) for m in unwrap_model(model).modules()):
+        raise ValueError("tigon.patch: offload_checkpoints needs a model whose decoder layers gradient "
+                         "checkpointing runs (transformers' GradientCheckpointingLayer); this one has none")
+    keep = None if offload is False else (1 if offload is True else offload)
+    tokens = None if tile is False else ("auto" if tile is True else tile)
+    return keep, tokens
+
+
+def _memory_patch(hf, report, keep_on_card, tile_tokens) -> None:
+    if tile_tokens is not None:  # after the MLP swap: the tiled forward wraps the modules the model now holds
+        report.add(f"tiled MLP ({tile_tokens} tokens a tile)", install_tiled_mlp(hf, tile_tokens=tile_tokens))
+    if keep_on_card is not None:
+        try:
+            n = install_checkpoint_offload(hf, keep_on_card=keep_on_card)
+        except RuntimeError as e:  # no pinned host memory: nothing was armed
+            raise RuntimeError(f"tigon.patch: offload_checkpoints: {e}") from e
+        report.add(f"checkpoint in host memory ({keep_on_card} kept on the card)", n)
+
+
 def patch_hf_model(
     model: torch.nn.Module | None = None,
     *,
@@ -492,6 +533,8 @@ def patch_hf_model(
     attention: bool | Literal["auto"] = "auto",
     lora: bool = True,
     moe_experts: bool | Literal["auto"] = "auto",
+    offload_checkpoints: bool | int = False,
+    tile_mlp: bool | int = False,
     verbose: bool = False,
 ) -> PatchReport:
     """Swap Tigon's fused pieces into a model instance (that instance only), or, with model_type= (a string
@@ -513,6 +556,13 @@ def patch_hf_model(
     combine around them fused (tigon.hf.moe; 2.3x HF's grouped_mm fwd+bwd on a Qwen3-30B-A3B block, H200);
     unpatch restores the implementation the model had. "auto" (the default): for a model that has routed
     experts, silently nothing otherwise; True: also reports why not; False: never.
+    offload_checkpoints (instance only; for training with gradient checkpointing): the checkpointed layer inputs
+    go to pinned host memory during the forward and come back one layer ahead of their backward, overlapped with
+    compute (tigon.memory.install_checkpoint_offload; docs/memory/offload.md). True keeps the last layer's input
+    on the card (its backward comes first); an int keeps that many. Same losses and gradients bit for bit.
+    tile_mlp (instance only; for training at long context): each decoder layer's MLP runs over tiles of the
+    sequence, so its [T, intermediate] activations never exist whole (tigon.memory.install_tiled_mlp;
+    docs/memory/tiling.md). True chooses the tile from free memory; an int is the tile length in tokens.
     Raises TypeError for an argument of the wrong kind, ValueError for an unsupported family."""
     if model is None and model_type is None:
         raise ValueError("tigon.patch: pass a model (tigon.patch(model)) or model_type= (a string such as "
@@ -528,6 +578,7 @@ def patch_hf_model(
     for name, value in (("attention", attention), ("moe_experts", moe_experts)):
         if not isinstance(value, bool) and value != "auto":
             raise TypeError(f"tigon.patch: {name} must be True, False or 'auto', got {value!r}")
+    memory = _memory_options(model, offload_checkpoints, tile_mlp)
     if model is not None:
         check_gpu(_model_device(unwrap_model(model)))
         model_type = unwrap_model(model).config.model_type
@@ -548,6 +599,8 @@ def patch_hf_model(
         report.skip("moe experts", "the 'tigon' experts implementation is set on a model instance")
     elif moe_experts and model is not None:
         _experts_patch(model, report, moe_experts is True)
+    if model is not None:
+        _memory_patch(unwrap_model(model), report, *memory)
     if layer_norm:
         report.skip("LayerNorm", f"{model_type} has no LayerNorm")
     if not family.mlp and swiglu:
@@ -578,6 +631,10 @@ def unpatch_hf_model(
             tigon_attention.restore_attention(m)
             tigon_lora.release(m)
             tigon_trl.release(m)
+        if checkpoint_offload_installed(hf):
+            uninstall_checkpoint_offload(hf)
+        if tiled_mlp_installed(hf):
+            uninstall_tiled_mlp(hf)
         return
     if model_type is not None:
         model_type = _model_type_name(model_type, "tigon.unpatch")

@@ -1,0 +1,427 @@
+"""Checkpoints in host memory: gradient checkpointing whose saved layer inputs wait in pinned host memory.
+
+With Hugging Face's gradient checkpointing each decoder layer keeps one tensor for its backward: its input
+hidden_states, [B, T, H] (8 KiB a token a layer at Llama-3-8B, 256 KiB a token over 32 layers). Installed on a
+model, this module replaces each `GradientCheckpointingLayer`'s `_gradient_checkpointing_func` with one that
+- forward: runs the layer under no_grad and copies its input to pinned host memory on a side CUDA stream
+  (`record_stream` keeps the card block from reuse until the copy ends, then the allocator frees it);
+- backward: makes the compute stream wait for this layer's input to be back on the card (an event, no host
+  sync), starts the copy of the next layer down (one layer ahead, on a second side stream, overlapped with this
+  layer's recompute and backward), recomputes the layer with grad, and returns the gradients of its input, of
+  the tensors among its other arguments and of its trainable parameters through `torch.autograd.grad`, so the
+  parameters' `.grad` are accumulated by the outer backward exactly as under `torch.utils.checkpoint`.
+The last `keep_on_card` layers (those whose backward comes first) keep their input on the card. The forward's
+RNG state and autocast state are replayed in the recompute, so losses and gradients are bitwise those of HF's
+own checkpointing. On a CPU model the same code keeps a second CPU copy as "host memory" and runs the copies in
+order, which is how the bookkeeping is tested without a GPU. docs/memory/offload.md has the byte model.
+"""
+
+import contextlib
+import functools
+import weakref
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from .. import _log
+from ..ops._library import tracing
+
+_INSTALL = "tigon.memory.install_checkpoint_offload"
+_STATE = "_tigon_checkpoint_offload"  # attribute of the model the offload was installed on
+_ARGUMENT = "offload_checkpoints"  # tigon.patch's argument; named in the errors a user of either entry can meet
+
+
+class _Missing:
+    """The marker for "no attribute" (a layer without a checkpointing function before install); one object, also
+    after a copy or a pickle of the model."""
+
+    def __reduce__(self):
+        return "_MISSING"
+
+
+_MISSING = _Missing()
+
+
+def _allocate_host(like: torch.Tensor, pin: bool) -> torch.Tensor:
+    return torch.empty_like(like, device="cpu", pin_memory=pin)
+
+
+def _host_like(like: torch.Tensor) -> torch.Tensor:
+    """A host tensor with `like`'s shape, dtype and (dense) strides; pinned when `like` is on a CUDA card, so the
+    copies are asynchronous DMA."""
+    pin = like.device.type == "cuda"
+    try:
+        return _allocate_host(like, pin)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"tigon {_ARGUMENT}: could not allocate {like.numel() * like.element_size()} bytes of "
+            f"{'pinned ' if pin else ''}host memory for a checkpointed layer input ({e}); keep more layers on the "
+            f"card (keep_on_card) or free host memory") from e
+
+
+class _Ticket:
+    """One layer call's input while it waits for the backward: on the host (`host`), back on the card
+    (`device`), or consumed (both None). `stored` / `loaded` are the CUDA events ending its two copies; `prev` is a
+    weak link to the ticket made just before it in the forward, whose backward comes right after this one's."""
+
+    __slots__ = ("layer", "where", "version", "host", "device", "stored", "loaded", "prev", "kept", "__weakref__")
+
+    def __init__(self, layer: int, x: torch.Tensor, prev):
+        self.layer, self.where, self.version, self.prev = layer, x.device, x._version, prev
+        self.host = self.device = self.stored = self.loaded = None
+        self.kept = False
+
+
+class _HostStore:
+    """The host side of one installed model: the two side streams a CUDA device gets (device-to-host in the
+    forward, host-to-device in the backward) and the chain of tickets of the forward in progress."""
+
+    def __init__(self):
+        self._streams = {}
+        self._last = None  # weakref to the newest ticket: a graph dropped without backward frees its tickets
+
+    def __getstate__(self):  # a copied or pickled model gets a store of its own, without streams or tickets
+        return {}
+
+    def __setstate__(self, state):
+        self.__init__()
+
+    def _side_streams(self, device: torch.device):
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams[device]
+
+    def _new(self, layer: int, x: torch.Tensor) -> _Ticket:
+        ticket = _Ticket(layer, x, self._last)
+        self._last = weakref.ref(ticket)
+        return ticket
+
+    def keep(self, layer: int, x: torch.Tensor) -> _Ticket:
+        """`x` stays on the card (a layer the budget keeps); it joins the chain, so the backward of this layer
+        still starts the copy of the layer below."""
+        ticket = self._new(layer, x)
+        ticket.device, ticket.kept = x, True
+        return ticket
+
+    def offload(self, layer: int, x: torch.Tensor) -> _Ticket:
+        """Start copying `x` to host memory; the caller drops its reference to `x` afterwards."""
+        ticket = self._new(layer, x)
+        if x.device.type == "cuda":
+            compute = torch.cuda.current_stream(x.device)
+            down, _ = self._side_streams(x.device)
+            down.wait_stream(compute)  # x is written by work already queued on the compute stream
+            with torch.cuda.stream(down):
+                ticket.host = _host_like(x)
+                ticket.host.copy_(x, non_blocking=True)
+                ticket.stored = torch.cuda.Event()
+                ticket.stored.record(down)
+            x.record_stream(down)  # freed by its last owner, x's block is reused only after the copy
+        else:
+            ticket.host = _host_like(x)
+            ticket.host.copy_(x)
+        return ticket
+
+    def prefetch(self, ticket: "_Ticket | None") -> None:
+        """Start copying `ticket`'s tensor back to the card; nothing for a missing, kept, fetched or used one."""
+        if ticket is None or ticket.host is None or ticket.device is not None:
+            return
+        if ticket.where.type == "cuda":
+            _, up = self._side_streams(ticket.where)
+            with torch.cuda.stream(up):  # allocated on `up`: no wait on the compute stream's frees
+                up.wait_event(ticket.stored)
+                device = torch.empty_like(ticket.host, device=ticket.where)
+                device.copy_(ticket.host, non_blocking=True)
+                ticket.loaded = torch.cuda.Event()
+                ticket.loaded.record(up)
+        else:
+            device = torch.empty_like(ticket.host, device=ticket.where)
+            device.copy_(ticket.host)
+        ticket.device = device
+
+    def wait(self, ticket: _Ticket) -> torch.Tensor:
+        """`ticket`'s tensor on the card, ready for the current stream (prefetched now if nobody did)."""
+        if ticket.host is None and ticket.device is None:
+            raise RuntimeError(f"tigon {_ARGUMENT}: layer {ticket.layer}'s input was already used by a backward; "
+                               "backward through a checkpoint-offloaded graph twice (retain_graph=True) is not "
+                               "supported")
+        self.prefetch(ticket)
+        device = ticket.device
+        if ticket.kept and device._version != ticket.version:
+            raise RuntimeError(f"tigon {_ARGUMENT}: layer {ticket.layer}'s input was modified in place after its "
+                               "forward; its backward needs the value it had")
+        if ticket.loaded is not None:
+            compute = torch.cuda.current_stream(ticket.where)
+            compute.wait_event(ticket.loaded)
+            device.record_stream(compute)  # allocated on the copy stream, used and freed on the compute stream
+        # the host block goes back to torch's pinned cache, which reuses it only after the copy reading it ends
+        ticket.host = ticket.device = ticket.stored = ticket.loaded = None
+        return device
+
+
+class _Plan:
+    """What every armed layer of one model shares: the store and the budget of inputs kept on the card."""
+
+    def __init__(self, store: _HostStore, layers: int, keep_on_card: int, keep_on_card_bytes: int):
+        self.store, self.layers = store, layers
+        self.keep_on_card, self.keep_on_card_bytes = keep_on_card, keep_on_card_bytes
+        self.warned = False
+
+    def keeps(self, index: int, x: torch.Tensor) -> bool:
+        """Layer `index` keeps its input when it is one of the last `keep_on_card` layers, or when the inputs of
+        it and every layer after it (as large as its own) fit `keep_on_card_bytes`."""
+        after = self.layers - index
+        return after <= self.keep_on_card or after * x.numel() * x.element_size() <= self.keep_on_card_bytes
+
+
+class _Call:
+    """One checkpointed layer call: the layer function, its arguments with the tensors taken out (rebuilt in
+    the recompute around detached copies), and the state to replay (RNG, autocast)."""
+
+    def __init__(self, plan: _Plan, index: int, function: functools.partial, rest: tuple, params: list):
+        self.plan, self.index, self.run, self.params = plan, index, function.func, params
+        leaves, self.spec = pytree.tree_flatten((function.args, rest, function.keywords), is_leaf=_is_leaf)
+        self.where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        self.tensors = [leaves[i] for i in self.where]
+        for i in self.where:
+            leaves[i] = None
+        self.leaves = leaves
+        self.out_spec = self.out_leaves = None
+
+    def __call__(self, hidden: torch.Tensor, tensors) -> object:
+        leaves = list(self.leaves)
+        for i, t in zip(self.where, tensors):
+            leaves[i] = t
+        args, rest, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return self.run(*args, hidden, *rest, **kwargs)
+
+    def capture_state(self, hidden: torch.Tensor, tensors) -> None:
+        """Stash what the recompute must see again, as torch.utils.checkpoint does (preserve_rng_state)."""
+        self.device_type = hidden.device.type
+        self.rng_cpu = torch.get_rng_state()
+        self.rng_devices = []
+        if self.device_type != "cpu":
+            module = torch.get_device_module(self.device_type)
+            devices = {t.device for t in (hidden, *tensors) if t.device.type == self.device_type}
+            self.rng_devices = [(d, module.get_rng_state(d)) for d in sorted(devices, key=str)]
+        self.autocast = {dt: (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
+                         for dt in dict.fromkeys((self.device_type, "cpu")) if torch.amp.is_autocast_available(dt)}
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+
+    @contextlib.contextmanager
+    def replay(self):
+        """The forward's RNG and autocast state, with grad on; the caller's RNG is restored after."""
+        devices = [d for d, _ in self.rng_devices]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=devices,
+                                                      device_type=self.device_type if devices else "cuda"))
+            torch.set_rng_state(self.rng_cpu)
+            for d, state in self.rng_devices:
+                torch.get_device_module(self.device_type).set_rng_state(state, d)
+            stack.enter_context(torch.enable_grad())
+            for dt, (enabled, dtype) in self.autocast.items():
+                stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=self.autocast_cache))
+            yield
+
+
+def _is_leaf(x) -> bool:
+    """Flatten tuples, lists and dicts (position_embeddings is a tuple) and nothing else: a Cache or any other
+    object reaches the recompute as the same object, never rebuilt."""
+    return not isinstance(x, (tuple, list, dict))
+
+
+def _output_tensors(call: _Call, out) -> list:
+    leaves, call.out_spec = pytree.tree_flatten(out)
+    call.out_leaves = [_MISSING if isinstance(v, torch.Tensor) else v for v in leaves]
+    return [v for v in leaves if isinstance(v, torch.Tensor)]
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    """Inputs: the layer's input (offloaded or kept), the other tensors of its arguments (kept: shared by every
+    layer, e.g. masks and RoPE tables), its trainable parameters (so their gradients flow through this node)."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, hidden: torch.Tensor, *tensors):
+        others = tensors[: len(call.where)]
+        call.capture_state(hidden, others)
+        store = call.plan.store
+        kept = call.plan.keeps(call.index, hidden)
+        ticket = store.keep(call.index, hidden) if kept else store.offload(call.index, hidden)
+        with torch.no_grad():
+            out = call(hidden, others)
+        if not kept and hidden._version != ticket.version:
+            raise RuntimeError(f"tigon {_ARGUMENT}: layer {call.index} modified its input in place; its copy in "
+                               "host memory would not be the value its backward needs")
+        outs = _output_tensors(call, out)
+        ctx.mark_non_differentiable(*[o for o in outs if not (o.is_floating_point() or o.is_complex())])
+        ctx.save_for_backward(*others)
+        ctx.call, ctx.ticket = call, ticket
+        return tuple(outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        call, ticket, store = ctx.call, ctx.ticket, ctx.call.plan.store
+        if ticket is None:
+            raise RuntimeError(f"tigon {_ARGUMENT}: backward through a checkpoint-offloaded graph twice "
+                               "(retain_graph=True) is not supported")
+        ctx.ticket = None  # the host copy is freed now, not when the graph is
+        hidden = store.wait(ticket)
+        store.prefetch(ticket.prev() if ticket.prev is not None else None)
+        needs = ctx.needs_input_grad[1:]
+        hidden = hidden.detach().requires_grad_(needs[0])
+        others = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, needs[1:])]
+        with call.replay():
+            out = call(hidden, others)
+        outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+        inputs = [hidden, *others, *call.params]
+        wanted = [t for t, n in zip(inputs, needs) if n]
+        found = iter([None] * len(wanted))
+        if pairs and wanted:
+            found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                             allow_unused=True))
+        return (None, *[next(found) if n else None for n in needs])
+
+
+class _OffloadingCheckpointFunc:
+    """The `_gradient_checkpointing_func` of one armed layer (`index`-th of the model's checkpointed layers).
+    Under torch.compile, or for a call shape it does not know, it hands the call to the function it replaced
+    (HF's checkpoint), so the result is the same and only the offload is skipped. The layer's parameters are
+    read from the call (`partial(layer.__call__, ...)`), never stored, so a copy of the model trains its own."""
+
+    def __init__(self, plan: _Plan, index: int):
+        self.plan, self.index = plan, index
+        self.previous = _MISSING  # the function this one replaced, restored by uninstall
+
+    def _fallback(self, function, *args, **kwargs):
+        previous = self.previous
+        if previous is _MISSING:
+            previous = functools.partial(_torch_checkpoint, use_reentrant=False)
+        return previous(function, *args, **kwargs)
+
+    def __call__(self, function, *args, **kwargs):
+        if tracing():
+            return self._fallback(function, *args, **kwargs)
+        layer = getattr(getattr(function, "func", None), "__self__", None)
+        if (kwargs or not isinstance(function, functools.partial) or not isinstance(layer, torch.nn.Module)
+                or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point()):
+            if not self.plan.warned:
+                self.plan.warned = True
+                _log.get_logger().warning(
+                    "tigon %s: layer %d was called without its input as a positional tensor; such calls run the "
+                    "checkpoint they had, with the input kept on the card", _ARGUMENT, self.index)
+            return self._fallback(function, *args, **kwargs)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        call = _Call(self.plan, self.index, function, args[1:], params)
+        hidden, tensors = args[0], call.tensors
+        call.tensors = None  # the graph holds them (saved tensors) only until its backward
+        if not torch.is_grad_enabled() or not (hidden.requires_grad or params or any(t.requires_grad for t in tensors)):
+            return function(*args)  # nothing to differentiate: no checkpoint, nothing saved
+        outs = iter(_OffloadedCheckpoint.apply(call, hidden, *tensors, *params))
+        leaves = [next(outs) if v is _MISSING else v for v in call.out_leaves]
+        return pytree.tree_unflatten(leaves, call.out_spec)
+
+
+class _Installed:
+    """What install changed on a model, for uninstall: each armed layer and its function, and the hooks."""
+
+    def __init__(self, armed: list, hooks: list, plan: _Plan):
+        self.armed, self.hooks, self.plan = armed, hooks, plan
+
+    def rearm(self) -> None:
+        """Put the offloading function back on every layer where something replaced it (HF's
+        gradient_checkpointing_enable after install); what it found becomes what uninstall restores."""
+        for layer, func in self.armed:
+            current = layer.__dict__.get("_gradient_checkpointing_func", _MISSING)
+            if current is not func:
+                func.previous = current
+                layer._gradient_checkpointing_func = func
+
+    def disarm(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        for layer, func in self.armed:
+            if layer.__dict__.get("_gradient_checkpointing_func", _MISSING) is not func:
+                continue  # replaced after the last forward: the newer function stays
+            if func.previous is _MISSING:
+                del layer.__dict__["_gradient_checkpointing_func"]
+            else:
+                layer._gradient_checkpointing_func = func.previous
+
+
+def _checkpoint_layers(model: torch.nn.Module) -> list:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return []
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _int_arg(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{_INSTALL}: {name} must be an int >= 0, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{_INSTALL}: {name} must be an int >= 0, got {value}")
+    return value
+
+
+def install_checkpoint_offload(model: torch.nn.Module, *, keep_on_card: int = 0, keep_on_card_bytes: int = 0) -> int:
+    """Arm every Hugging Face `GradientCheckpointingLayer` of `model` to keep its checkpointed input in host memory
+    (pinned, copied on side CUDA streams, fetched back one layer ahead of its backward) instead of on the card.
+
+    keep_on_card: the last this-many layers keep their input on the card (their backward comes first, so their
+    input is needed soonest). keep_on_card_bytes: also keep the last layers whose inputs fit this many bytes.
+    Works whether `model.gradient_checkpointing_enable()` is called before or after (the model's forward re-arms
+    layers whose function was replaced). Installing again replaces the earlier settings. Returns the number of
+    layers armed. Losses and gradients are bitwise those of HF's checkpointing; under torch.compile the layers
+    run HF's checkpoint (no offload).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{_INSTALL}: model must be a torch.nn.Module, got {type(model).__name__}")
+    keep_on_card = _int_arg("keep_on_card", keep_on_card)
+    keep_on_card_bytes = _int_arg("keep_on_card_bytes", keep_on_card_bytes)
+    layers = _checkpoint_layers(model)
+    if not layers:
+        raise ValueError(f"{_INSTALL}: model ({type(model).__name__}) has no transformers GradientCheckpointingLayer "
+                         "(the decoder layers that gradient_checkpointing_enable() checkpoints); nothing to offload")
+    if any(p.device.type == "cuda" for p in model.parameters()):
+        _host_like(torch.empty(1, device=next(p.device for p in model.parameters() if p.device.type == "cuda")))
+    uninstall_checkpoint_offload(model)
+    plan = _Plan(_HostStore(), len(layers), keep_on_card, keep_on_card_bytes)
+    armed = [(layer, _OffloadingCheckpointFunc(plan, i)) for i, (_, layer) in enumerate(layers)]
+    # the modules whose forward runs the layers (LlamaModel over model.layers), and the model itself
+    owners = {name.rpartition(".")[0].rpartition(".")[0] for name, _ in layers} | {""}
+    modules = dict(model.named_modules())
+    state = _Installed(armed, [], plan)
+    state.hooks = [modules[o].register_forward_pre_hook(functools.partial(_rearm_hook, state))
+                   for o in sorted(owners) if o in modules]
+    state.rearm()
+    model.__dict__[_STATE] = state
+    return len(armed)
+
+
+def _rearm_hook(state: _Installed, module, args) -> None:
+    if not tracing():
+        state.rearm()
+
+
+def uninstall_checkpoint_offload(model: torch.nn.Module) -> int:
+    """Undo `install_checkpoint_offload` on `model` or any module inside it: each layer gets back the
+    checkpointing function it had (or none). Returns the number of layers disarmed (0 when none was armed)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"tigon.memory.uninstall_checkpoint_offload: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    count = 0
+    for module in model.modules():
+        state = module.__dict__.pop(_STATE, None)
+        if state is not None:
+            state.disarm()
+            count += len(state.armed)
+    return count
+
+
+def checkpoint_offload_installed(model: torch.nn.Module) -> bool:
+    """Whether `install_checkpoint_offload` armed `model` or a module inside it."""
+    return isinstance(model, torch.nn.Module) and any(_STATE in m.__dict__ for m in model.modules())
