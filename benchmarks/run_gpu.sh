@@ -7,38 +7,41 @@
 #
 #   tests       the README's test command, natively: python -m pytest tests -q -n TEST_WORKERS (12), failures named
 #               (tests.log)
-#   ops         gpu_check.py without its tests: ceilings and every op benchmark (<gpu>_ops.md, <gpu>_ops.json)
-#   decode      bench_decode: tigon at batch 1 and 8 beside HF static cache + compile at batch 1
+#   ops         gpu-check without its tests: ceilings and every op benchmark (<gpu>_ops.md, <gpu>_ops.json)
+#   decode      decode: tigon at batch 1 and 8 beside HF static cache + compile at batch 1
 #               (<gpu>_decode.md, <gpu>_decode.json)
-#   decode-8b   bench_decode --model llama3-8b: tigon and HF static cache + compile at batch 1 and 8, prompts
+#   decode-8b   decode --model llama3-8b: tigon and HF static cache + compile at batch 1 and 8, prompts
 #               DECODE_8B_PROMPTS (default 512,8192), with the weight + KV read bound (<gpu>_decode_8b.md, .json);
 #               with BASELINE also that tree's tigon rows at prompt 512 (<gpu>_decode_8b_base.md)
-#   decode-ops  bench_decode_ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
-#   decode-norm bench_decode_ops --norm-cost at the 8B and 1.5B shapes: decode_linear with and without its fused
+#   decode-ops  decode-ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
+#   decode-norm decode-ops --norm-cost at the 8B and 1.5B shapes: decode_linear with and without its fused
 #               norm, at the statistics steps NORM_STATS_ELEMS (default 0,2048,4096), and the norm as its own launch
 #               (<gpu>_decode_norm_<model>.json)
-#   e2e         bench_e2e: the 1.5B training step, E2E_VARIANTS (tigon,liger) of E2E_CONFIGS (llama; also qwen3,
+#   e2e         e2e: the 1.5B training step, E2E_VARIANTS (tigon,liger) of E2E_CONFIGS (llama; also qwen3,
 #               gemma2) (<gpu>_e2e.md, <gpu>_e2e.json)
-#   e2e-compile bench_e2e --compile: torch.compile over HF, over a patched model (default mode and reduce-overhead's
+#   e2e-compile e2e --compile: torch.compile over HF, over a patched model (default mode and reduce-overhead's
 #               CUDA graphs), and patched alone; E2E_COMPILE_VARIANTS overrides the non-default ones (<gpu>_e2e_compile.md)
-#   lce         bench_cross_entropy --only linear_cross_entropy,flce_completion_only: the fused linear CE beside its
+#   lce         cross-entropy --only linear_cross_entropy,flce_completion_only: the fused linear CE beside its
 #               peers, all rows labelled and half of them -100 (<gpu>_lce.md)
-#   losses      bench_losses: DPO, GRPO, JSD fused-linear losses beside eager, TRL's head and Liger (<gpu>_losses.md)
-#   attention   bench_training_attention --write-table: each backend per mask, and hf/attention_table.py's rows
+#   losses      losses: DPO, GRPO, JSD fused-linear losses beside eager, TRL's head and Liger (<gpu>_losses.md)
+#   attention   training-attention --write-table: each backend per mask, and hf/attention_table.py's rows
 #               (<gpu>_attention.md)
-#   sft         bench_sft_packed: padded HF / Liger / Tigon vs packed Tigon on a length mix (<gpu>_sft.md)
-#   qlora       bench_lora's QLoRA rows (NF4 decoder projections; needs bitsandbytes): liger / tigon (<gpu>_qlora.md)
-#   moe         bench_moe: one Qwen3-30B-A3B experts block, HF eager / grouped_mm / tigon (<gpu>_moe.md)
-#   lora        bench_lora: the 8B PEFT LoRA job (checkpointing, 2 x 4096), liger / tigon-nolora / tigon (<gpu>_lora.md)
-#   qk-norm-rope bench_norms --only qk_norm_rope: the fused QK-norm + RoPE beside tigon's two ops, torch.compile, Liger
+#   sft         sft-packed: padded HF / Liger / Tigon vs packed Tigon on a length mix (<gpu>_sft.md)
+#   qlora       lora's QLoRA rows (NF4 decoder projections; needs bitsandbytes): liger / tigon (<gpu>_qlora.md)
+#   moe         moe: one Qwen3-30B-A3B experts block, HF eager / grouped_mm / tigon (<gpu>_moe.md)
+#   lora        lora: the 8B PEFT LoRA job (checkpointing, 2 x 4096), liger / tigon-nolora / tigon (<gpu>_lora.md)
+#   qk-norm-rope norms --only qk_norm_rope: the fused QK-norm + RoPE beside tigon's two ops, torch.compile, Liger
 #               and eager at Qwen3's head_dim 64 and 128 (<gpu>_qk_norm_rope.md, <gpu>_qk_norm_rope.json), then
-#               tune.py --ops qk_norm_rope: the QKNormRopeConfig sweep (<gpu>_qk_norm_rope_tune.json)
+#               tune --ops qk_norm_rope: the QKNormRopeConfig sweep (<gpu>_qk_norm_rope_tune.json)
 #
 # <gpu> is the GPU's short name ("h200"), as in benchmarks/results/<gpu>.md, whose tables these files refresh.
 # RESULTS_DIR is the folder it writes (default ./tigon-bench-results). BUDGET_S bounds the whole run (default 570 s).
 # DECODE_VARIANTS overrides the decode step's variants.
+# Each benchmark runs as `python3 -m benchmarks NAME` from the tree's root (`python3 -m benchmarks --list` names them).
 # BASELINE=DIR (a tree with src/ and benchmarks/ of another commit) adds, to decode, decode-8b and e2e, a run of that
-# tree in the same run, for side-by-side numbers (<gpu>_decode_base.md, <gpu>_e2e_base.md). Wheels in .whl/ (for
+# tree in the same run, for side-by-side numbers (<gpu>_decode_base.md, <gpu>_e2e_base.md): a tree whose benchmarks/ is
+# the package runs `python3 -m benchmarks NAME` from its own root; an older tree, its flat scripts
+# (benchmarks/bench_decode.py, or `python3 -m tigon.bench_decode` before those). Wheels in .whl/ (for
 # packages the machine lacks: pytest-xdist, liger-kernel, bitsandbytes, ...) are installed offline into /tmp/site first.
 # Each step's tables come first; logs and plots are kept while fewer than 7 files are in RESULTS_DIR; everything every
 # step wrote (JSON, logs, the rewritten attention table) also goes into RESULTS_DIR/raw.tgz.
@@ -76,7 +79,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 \
         || log "pip: some wheels were not installed (run.log)"
 fi
-export PYTHONPATH="src:/tmp/site:benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 {
     git log -1 --format='commit %H %s' 2>/dev/null
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
@@ -88,9 +91,20 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 
       | sed -e 's/nvidia//' -e 's/[^a-z0-9]\{1,\}/_/g' -e 's/^_//' -e 's/_$//')
 GPU="${GPU:-cpu}"
 
-base=(env PYTHONPATH="${BASELINE:-}/src:/tmp/site:${BASELINE:-}/benchmarks")  # the baseline tree first on the path
-base_decode=(python3 "${BASELINE:-}/benchmarks/bench_decode.py")
-[[ -n "${BASELINE:-}" && ! -f "$BASELINE/benchmarks/bench_decode.py" ]] && base_decode=(python3 -m tigon.bench_decode)
+bench=(python3 -m benchmarks)  # this tree's benchmarks package (the working directory is its root)
+# The baseline tree first on the path, its benchmarks by its own layout: the package (run from its root, so that
+# `-m benchmarks` finds its package and not this tree's), the flat scripts, or the decode bench inside tigon.
+[[ -n "${BASELINE:-}" ]] && BASELINE=$(cd "$BASELINE" && pwd)  # absolute: the package layout runs from its root
+if [[ -n "${BASELINE:-}" && -f "$BASELINE/benchmarks/__main__.py" ]]; then
+    base=(env -C "$BASELINE" PYTHONPATH="$BASELINE/src:/tmp/site")
+    base_decode=(python3 -m benchmarks decode); base_e2e=(python3 -m benchmarks e2e)
+else
+    base=(env PYTHONPATH="${BASELINE:-}/src:/tmp/site:${BASELINE:-}/benchmarks")
+    base_decode=(python3 "${BASELINE:-}/benchmarks/bench_decode.py")
+    base_e2e=(python3 "${BASELINE:-}/benchmarks/bench_e2e.py")
+    [[ -n "${BASELINE:-}" && ! -f "$BASELINE/benchmarks/bench_decode.py" ]] \
+        && base_decode=(python3 -m tigon.bench_decode)
+fi
 T=/tmp/run_gpu
 rm -rf "$T" && mkdir -p "$T"
 
@@ -98,13 +112,13 @@ for s in "$@"; do
     case "$s" in
         tests) step tests 420 python3 -m pytest tests -q -n "${TEST_WORKERS:-12}" -rfE -o cache_dir=/tmp/pytest_cache -p no:randomly \
                    >"$T/tests.log" 2>&1; grep -E "^(FAILED|ERROR)| (passed|failed)" "$T/tests.log" | tail -n 25 | tee -a "$LOG"; keep "$T/tests.log" tests.log ;;
-        ops) step ops 300 python3 benchmarks/gpu_check.py --no-tests --out "$T/ops" --tag "${GPU}_ops" --budget 280 \
+        ops) step ops 300 "${bench[@]}" gpu-check --no-tests --out "$T/ops" --tag "${GPU}_ops" --budget 280 \
                  >>"$LOG" 2>&1
              keep "$T/ops/${GPU}_ops.md" "${GPU}_ops.md"; keep "$T/ops/${GPU}_ops.json" "${GPU}_ops.json"
              extras+=("$T/ops/gpu_check.log gpu_check.log")
              for p in "$T"/ops/*.png; do extras+=("$p $(basename "$p")"); done ;;
         decode)
-            step decode 200 python3 benchmarks/bench_decode.py --out "$T/decode" \
+            step decode 200 "${bench[@]}" decode --out "$T/decode" \
                 --variants "${DECODE_VARIANTS:-tigon,hf-static-compile@1}" --batches 1,8 --budget 190 >>"$LOG" 2>&1
             keep "$T/decode/decode.md" "${GPU}_decode.md"; keep "$T/decode/decode.json" "${GPU}_decode.json"
             extras+=("$T/decode/decode_latency.png ${GPU}_decode_latency.png")
@@ -116,7 +130,7 @@ for s in "$@"; do
             fi ;;
         decode-8b)  # the bench's budget ends 30 s before the step's timeout, so it writes its tables
             b8=$(( BUDGET - SECONDS - 30 )); (( b8 > 550 )) && b8=550
-            step decode-8b 580 python3 benchmarks/bench_decode.py --model llama3-8b --out "$T/decode_8b" \
+            step decode-8b 580 "${bench[@]}" decode --model llama3-8b --out "$T/decode_8b" \
                 --variants "${DECODE_8B_VARIANTS:-tigon,hf-static-compile}" --batches 1,8 \
                 --prompts "${DECODE_8B_PROMPTS:-512,8192}" --budget "$(( b8 > 1 ? b8 : 1 ))" >>"$LOG" 2>&1
             keep "$T/decode_8b/decode.md" "${GPU}_decode_8b.md"; keep "$T/decode_8b/decode.json" "${GPU}_decode_8b.json"
@@ -130,54 +144,54 @@ for s in "$@"; do
         decode-norm)
             for model in llama3-8b 1.5b; do
                 mkdir -p "$T/decode_norm"
-                step "decode-norm-$model" 120 python3 benchmarks/bench_decode_ops.py --model "$model" --norm-cost \
+                step "decode-norm-$model" 120 "${bench[@]}" decode-ops --model "$model" --norm-cost \
                     --stats-elems "${NORM_STATS_ELEMS:-0,2048,4096}" --out "$T/decode_norm" >>"$LOG" 2>&1
                 keep "$T/decode_norm/decode_norm_cost_$model.json" "${GPU}_decode_norm_$model.json"
             done ;;
-        decode-ops) step decode-ops 100 python3 benchmarks/bench_decode_ops.py --out "$T/decode_ops" --quick >>"$LOG" 2>&1
+        decode-ops) step decode-ops 100 "${bench[@]}" decode-ops --out "$T/decode_ops" --quick >>"$LOG" 2>&1
             keep "$T/decode_ops/decode_ops.md" "${GPU}_decode_ops.md"
             keep "$T/decode_ops/decode_ops.json" "${GPU}_decode_ops.json" ;;
         e2e)
-            step e2e 420 python3 benchmarks/bench_e2e.py --out "$T/e2e" --variants "${E2E_VARIANTS:-tigon,liger}" \
+            step e2e 420 "${bench[@]}" e2e --out "$T/e2e" --variants "${E2E_VARIANTS:-tigon,liger}" \
                 --configs "${E2E_CONFIGS:-llama}" >>"$LOG" 2>&1
             keep "$T/e2e/e2e.md" "${GPU}_e2e.md"; keep "$T/e2e/e2e.json" "${GPU}_e2e.json"
             if [[ -n "${BASELINE:-}" ]]; then
-                step e2e-base 150 "${base[@]}" python3 "$BASELINE/benchmarks/bench_e2e.py" \
+                step e2e-base 150 "${base[@]}" "${base_e2e[@]}" \
                     --out "$T/e2e_base" --variants tigon >>"$LOG" 2>&1
                 keep "$T/e2e_base/e2e.md" "${GPU}_e2e_base.md"
                 extras+=("$T/e2e_base/e2e.json ${GPU}_e2e_base.json")
             fi ;;
         e2e-compile)
-            step e2e-compile 420 python3 benchmarks/bench_e2e.py --out "$T/e2e_compile" \
+            step e2e-compile 420 "${bench[@]}" e2e --out "$T/e2e_compile" \
                 --variants "${E2E_COMPILE_VARIANTS:-tigon,tigon_compile_graphs}" --compile \
                 >>"$LOG" 2>&1
             keep "$T/e2e_compile/e2e.md" "${GPU}_e2e_compile.md" ;;
         lce) mkdir -p "$T/lce"
-             step lce 300 python3 benchmarks/bench_cross_entropy.py --only linear_cross_entropy,flce_completion_only --budget 290 \
+             step lce 300 "${bench[@]}" cross-entropy --only linear_cross_entropy,flce_completion_only --budget 290 \
                  --json "$T/lce/lce.json" >"$T/lce/lce.md" 2>>"$LOG"
              keep "$T/lce/lce.md" "${GPU}_lce.md" ;;
-        losses) step losses 300 python3 benchmarks/bench_losses.py --out "$T/losses" --budget 290 >>"$LOG" 2>&1
+        losses) step losses 300 "${bench[@]}" losses --out "$T/losses" --budget 290 >>"$LOG" 2>&1
             keep "$T/losses/losses.md" "${GPU}_losses.md" ;;
         attention)
-            step attention 360 python3 benchmarks/bench_training_attention.py --out "$T/attention" --budget 350 \
+            step attention 360 "${bench[@]}" training-attention --out "$T/attention" --budget 350 \
                 --write-table >>"$LOG" 2>&1
             mkdir -p "$T/attention" && cp src/tigon/hf/attention_table.py "$T/attention/" 2>/dev/null
             for f in "$T"/attention/*.md; do keep "$f" "${GPU}_attention.md"; done ;;
-        sft) step sft 300 python3 benchmarks/bench_sft_packed.py --out "$T/sft" >>"$LOG" 2>&1
+        sft) step sft 300 "${bench[@]}" sft-packed --out "$T/sft" >>"$LOG" 2>&1
             for f in "$T"/sft/*.md; do keep "$f" "${GPU}_sft.md"; done ;;
-        moe) step moe 200 python3 benchmarks/bench_moe.py --out "$T/moe" >>"$LOG" 2>&1
+        moe) step moe 200 "${bench[@]}" moe --out "$T/moe" >>"$LOG" 2>&1
             keep "$T/moe/moe.md" "${GPU}_moe.md" ;;
-        qlora) step qlora 200 python3 benchmarks/bench_lora.py --variants liger-qlora,tigon-qlora --out "$T/qlora" --steps 3 \
+        qlora) step qlora 200 "${bench[@]}" lora --variants liger-qlora,tigon-qlora --out "$T/qlora" --steps 3 \
                    --timeout 90 >>"$LOG" 2>&1
             keep "$T/qlora/lora.md" "${GPU}_qlora.md" ;;
-        lora) step lora 300 python3 benchmarks/bench_lora.py --out "$T/lora" --steps 4 --timeout 95 >>"$LOG" 2>&1
+        lora) step lora 300 "${bench[@]}" lora --out "$T/lora" --steps 4 --timeout 95 >>"$LOG" 2>&1
             keep "$T/lora/lora.md" "${GPU}_lora.md" ;;
         qk-norm-rope) mkdir -p "$T/qk_norm_rope"
-            step qk-norm-rope 240 python3 benchmarks/bench_norms.py --only qk_norm_rope --budget 200 \
+            step qk-norm-rope 240 "${bench[@]}" norms --only qk_norm_rope --budget 200 \
                 --json "$T/qk_norm_rope/qk_norm_rope.json" >"$T/qk_norm_rope/qk_norm_rope.md" 2>>"$LOG"
             keep "$T/qk_norm_rope/qk_norm_rope.md" "${GPU}_qk_norm_rope.md"
             keep "$T/qk_norm_rope/qk_norm_rope.json" "${GPU}_qk_norm_rope.json"
-            step qk-norm-rope-tune 180 python3 benchmarks/tune.py --ops qk_norm_rope --out "$T/qk_norm_rope" >>"$LOG" 2>&1
+            step qk-norm-rope-tune 180 "${bench[@]}" tune --ops qk_norm_rope --out "$T/qk_norm_rope" >>"$LOG" 2>&1
             keep "$T/qk_norm_rope/tune.json" "${GPU}_qk_norm_rope_tune.json" ;;
         *) log "unknown step: $s"; failed=$((failed + 1)) ;;
     esac

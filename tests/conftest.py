@@ -129,17 +129,17 @@ def device(request):
 # Tests that take 10-80 s on a CI core (pytest --durations on the 2-core CI machine), longest first. They run
 # before the rest, so that xdist's workers are not left waiting on one of them at the end of the run.
 LONG_FIRST = (
-    "tests/test_benchmarks_smoke.py::test_decode_bench_quick",
+    "tests/benchmarks/test_smoke.py::test_decode_bench_quick",
     "tests/distributed/",
     "tests/test_cli.py::test_bench_decode_quick",
-    "tests/test_bench_attention_smoke.py",
+    "tests/benchmarks/test_training_attention_smoke.py",
     "tests/memory/test_kv_cache.py::test_lazy_cache_under_the_fused_decode_layer",
     "tests/decode/test_hf_generate_graph.py",
-    "tests/test_benchmarks_smoke.py::test_quick_bench",
+    "tests/benchmarks/test_smoke.py::test_quick_bench",
     "tests/hf/test_training_extras.py::test_trl_sft_trainer",
-    "tests/test_bench_lora_smoke.py",
-    "tests/test_benchmarks_smoke.py::test_decode_bench_ttft_at_new_prompt_lengths",
-    "tests/test_bench_optim_smoke.py",
+    "tests/benchmarks/test_lora_smoke.py",
+    "tests/benchmarks/test_smoke.py::test_decode_bench_ttft_at_new_prompt_lengths",
+    "tests/benchmarks/test_optim_smoke.py",
     "tests/decode/test_specializations.py::test_new_prompt_lengths_add_no_specialization",
     "tests/ops/test_compile_targets.py::test_every_kernel_compiles_for",
 )

@@ -14,7 +14,7 @@ import types
 import pytest
 
 import tigon
-from tests._bench import bench_module
+from benchmarks.tools import harness
 from tigon import cli
 from tigon.cli import bench, env
 
@@ -37,7 +37,7 @@ def test_bare_tigon_exits_2_with_usage(capsys):
         cli.main([])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: tigon") and "{env,bench,demo}" in err
+    assert err.startswith("usage: tigon") and "{env,bench,demo,tune}" in err
 
 
 def test_env_names_every_public_op_its_path_and_launch(capsys):
@@ -102,7 +102,7 @@ def test_bench_writes_to_a_named_folder_by_default(monkeypatch):
     seen = {}
 
     def fake_module(name):
-        if name == "gpu_check":
+        if name == "gpu-check":
             return types.SimpleNamespace(main=lambda argv: seen.setdefault("ops", argv) and 0)
         parser = argparse.ArgumentParser()
         parser.add_argument("--out")
@@ -126,7 +126,6 @@ def test_bench_decode_options_go_after_decode(capsys):
 
 
 def test_cpu_bench_report_says_its_timings_are_not_representative():
-    harness = bench_module("_harness")
     row = dict(op="rms_norm", case="4x64", provider="tigon", device="cpu", fwd_us=10.0, fb_us=30.0,
                fwd_GBps=1.0, fb_GBps=2.0, fb_pct_ceiling=3.0)
     text = "\n".join(harness.markdown_tables([row], {}))
@@ -151,6 +150,16 @@ def test_benchmarks_dir_is_the_checkouts_folder(monkeypatch, tmp_path):
     assert bench.benchmarks_dir() == os.path.join(os.path.dirname(SRC), "benchmarks")
     monkeypatch.setenv("TIGON_BENCHMARKS", str(tmp_path))  # a folder without the tools is passed over
     assert bench.benchmarks_dir() == os.path.join(os.path.dirname(SRC), "benchmarks")
+    for name in ("gpu_check.py", "bench_decode.py"):  # and so is the flat layout of older checkouts
+        (tmp_path / name).write_text("")
+    assert bench.benchmarks_dir() == os.path.join(os.path.dirname(SRC), "benchmarks")
+
+
+def test_bench_runs_the_modules_of_python_m_benchmarks():
+    from benchmarks.generation import bench_decode
+    from benchmarks.ops import gpu_check
+
+    assert bench._benchmark_module("gpu-check") is gpu_check and bench._benchmark_module("decode") is bench_decode
 
 
 def test_import_tigon_loads_nothing_from_benchmarks():

@@ -487,14 +487,9 @@ def test_the_benchmarks_ranking_is_what_the_table_reads(tmp_path, monkeypatch):
     both ran, by the geometric mean of the speedups; a backend slower on one shape, or not a table backend
     (varlen_maxT), stays out."""
     import importlib.util
-    import os
-    import sys
     from types import SimpleNamespace
 
-    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
-    monkeypatch.syspath_prepend(bench_dir)
-    sys.modules.pop("bench_training_attention", None)
-    import bench_training_attention as bench
+    from benchmarks.training import bench_training_attention as bench
 
     def row(kind, case, provider, us, backend=None):
         return dict(op=kind, case=case, provider=provider, fb_us=us, backend_of={provider: backend or provider})

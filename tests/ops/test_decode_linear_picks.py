@@ -3,8 +3,6 @@ kernel runs as named (whole BLOCK_K steps per split, its shared memory within Ho
 
 import ast
 import importlib
-import os
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ from tigon.ops import decode_linear_picks as picks
 from tigon.ops.config import DecodeLinearConfig
 
 dl = importlib.import_module("tigon.ops.decode_linear")
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 FAKE_GPU = "FAKE GPU"
 # Llama-3-8B's q/k/v launch (K 4096, 4096 + 2 x 1024 columns) at batch 1, as bench_decode_ops --emit-picks keys it.
 FAKE_KEY = (4096, 6144, 1, "norm")
@@ -123,9 +120,7 @@ def test_every_table_entry_is_a_launch_the_kernel_runs_as_named():
 
 @pytest.fixture(scope="module")
 def bench():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    return importlib.import_module("bench_decode_ops")
+    return importlib.import_module("benchmarks.generation.bench_decode_ops")
 
 
 def test_the_8b_sweep_times_only_launches_the_kernel_runs_as_named(bench):

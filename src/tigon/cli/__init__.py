@@ -3,8 +3,8 @@
     tigon --version
     tigon env                       versions, the GPU, every op of tigon.ops: its path here, its launch settings
     tigon bench [--quick] [--out DIR] [--budget S] [--sections A,B] [--device D] [--tests]
-                                    the op benchmarks (benchmarks/gpu_check.py of a source checkout)
-    tigon bench decode [...]        the decode benchmark (benchmarks/bench_decode.py: HF generate vs
+                                    the op benchmarks (python -m benchmarks gpu-check of a source checkout)
+    tigon bench decode [...]        the decode benchmark (python -m benchmarks decode: HF generate vs
                                     tigon.generate); `tigon bench decode --help` lists its options
     tigon demo [...]                fine-tune a small model with Tigon off, then on (tigon.cli.demo)
     tigon tune [--attention] [--decode-linear] [--model M] [--dry-run] [--cache PATH]
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "(Triton kernel, interpreter or PyTorch reference) and where its launch settings "
                                "come from (a measured table, a rule, the config defaults).")
     b = sub.add_parser("bench", help="run the benchmarks of a source checkout (`tigon bench --help`)",
-                       description="Without a subcommand: the op benchmarks of benchmarks/gpu_check.py (every op "
+                       description="Without a subcommand: the op benchmarks of benchmarks/ops/gpu_check.py (every op "
                                    "against torch eager, torch.compile and Liger-Kernel, one markdown and JSON "
                                    "report in --out). On a CPU the timings only check that the harness runs.",
                        epilog=f"{bench.BENCHMARKS_MISSING.split(':')[0]} (beside src/, under the current "

@@ -1,5 +1,6 @@
-"""`tigon bench` and `tigon bench decode`: run the benchmark tools of a source checkout's benchmarks/ folder
-(found beside src/, under the current directory or at $TIGON_BENCHMARKS)."""
+"""`tigon bench` and `tigon bench decode`: run the benchmarks package of a source checkout (its benchmarks/ folder,
+found beside src/, under the current directory or at $TIGON_BENCHMARKS), as `python -m benchmarks gpu-check` and
+`python -m benchmarks decode` do from the checkout's root."""
 
 import argparse
 import importlib
@@ -17,7 +18,7 @@ BENCHMARKS_MISSING = ("tigon bench needs the benchmarks/ folder of a source chec
 
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
-    """The options of `tigon bench` (the op benchmarks of benchmarks/gpu_check.py)."""
+    """The options of `tigon bench` (the op benchmarks of benchmarks/ops/gpu_check.py)."""
     b.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run (works on a CPU)")
     b.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: ./{DEFAULT_OUT})")
     b.add_argument("--budget", type=positive_float, default=None, help="seconds for the whole run (default 550)")
@@ -28,29 +29,32 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
 
 def benchmarks_dir():
     """benchmarks/ of a source checkout: $TIGON_BENCHMARKS, beside src/ (editable install or PYTHONPATH=src),
-    or under the current directory; None when none of them has the benchmark tools."""
+    or under the current directory; None when none of them holds the benchmarks package."""
     candidates = [os.environ.get("TIGON_BENCHMARKS"), Path(__file__).resolve().parents[3] / "benchmarks",
                   Path.cwd() / "benchmarks"]
     for c in candidates:
-        if c and (Path(c) / "gpu_check.py").is_file() and (Path(c) / "bench_decode.py").is_file():
+        if c and all((Path(c) / f).is_file() for f in ("__init__.py", "ops/gpu_check.py",
+                                                         "generation/bench_decode.py")):
             return str(c)
     return None
 
 
 def _benchmark_module(name: str):
-    """Import benchmarks/<name>.py of the source checkout (its folder put first on sys.path, so its siblings
-    import by plain name); None, after the message on stderr, when there is no benchmarks/ folder."""
+    """The module of `python -m benchmarks NAME` ("gpu-check", "decode") of the source checkout, whose root goes
+    first on sys.path (the one place a checkout's benchmarks package becomes importable); None, after the message
+    on stderr, when there is no benchmarks/ folder."""
     where = benchmarks_dir()
     if where is None:
         print(BENCHMARKS_MISSING, file=sys.stderr)
         return None
-    if where not in sys.path:
-        sys.path.insert(0, where)
-    return importlib.import_module(name)
+    root = str(Path(where).resolve().parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module("benchmarks").load(name)
 
 
 def cmd_bench(args) -> int:
-    gpu_check = _benchmark_module("gpu_check")
+    gpu_check = _benchmark_module("gpu-check")
     if gpu_check is None:
         return 2
     argv = ["--quick"] if args.quick else []
@@ -79,10 +83,11 @@ def _check_bench_decode_values(full, rest) -> None:
 
 
 def cmd_bench_decode(rest) -> int:
-    """benchmarks/bench_decode.py with the options after `tigon bench decode` (its own parser reads them)."""
+    """benchmarks/generation/bench_decode.py with the options after `tigon bench decode` (its own parser reads
+    them)."""
     try:
         with _log.requires_extra("tigon bench decode"):
-            bench_decode = _benchmark_module("bench_decode")
+            bench_decode = _benchmark_module("decode")
     except ModuleNotFoundError as e:
         print(f"tigon: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,10 @@
 """The statistics of a `tigon.generate` call: the step clock, the TTFT phases, the one percentile rule.
 
-`percentile` is the rule every p50/p99 of Tigon uses (the stats, their Prometheus gauges, benchmarks/
-bench_decode.py): nearest rank, `sorted[ceil(q * n) - 1]`, the smallest value with at least a fraction q of the
-values at or below it. (For the benchmark's 255 decode steps it picks the element the peer benchmarks' index rule
-`sorted[int(q * n)]` picks, at q = 0.5 and 0.99; the two rules part only where q * n is an integer.)
+`percentile` is the rule every p50/p99 of Tigon uses (the stats, their Prometheus gauges,
+benchmarks/generation/bench_decode.py): nearest rank, `sorted[ceil(q * n) - 1]`, the smallest value with at least a
+fraction q of the values at or below it. (For the benchmark's 255 decode steps it picks the element the peer
+benchmarks' index rule `sorted[int(q * n)]` picks, at q = 0.5 and 0.99; the two rules part only where q * n is an
+integer.)
 """
 
 import math

@@ -2,7 +2,7 @@
 
 The defaults are the measured ones (H200 sweeps, docs/ops/<op>.md). A caller, or a benchmark that sweeps a
 setting, passes a config to the op (`rms_norm(..., config=RMSNormConfig(bwd_per_sm=4))`, `decode_linear(...,
-config=DecodeLinearConfig(...))`, benchmarks/tune.py); nothing assigns module attributes. Every field is a plain
+config=DecodeLinearConfig(...))`, benchmarks/ops/tune.py); nothing assigns module attributes. Every field is a plain
 int (a bool is stored as 0 / 1), so `ints()` hands a config across a custom-op boundary (torch.compile), whose
 schema takes ints, not dataclasses, and the launcher reads the ints back.
 """

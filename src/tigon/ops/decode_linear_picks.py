@@ -5,12 +5,12 @@ card, for this torch and Triton), then from `MEASURED_PICKS` below, and None sen
 (`decode_linear._rule_config`); `source` says which in words (`tigon env`).
 
 `MEASURED_PICKS[gpu name][(K, N, batch bucket, kind)]` is the `DecodeLinearConfig.ints()` tuple
-(block_n, block_k, num_warps, num_stages, split_k[, stats_elems]) that `benchmarks/bench_decode_ops.py` timed
+(block_n, block_k, num_warps, num_stages, split_k[, stats_elems]) that `benchmarks/generation/bench_decode_ops.py` timed
 fastest for that projection in 16-bit weights, where it beat the rule's own launch (`--emit-picks FILE` writes the
 entries of a run as a dict literal to paste under the GPU's name). N is the output width of the launch (q + k + v
 for the fused projection; one of gate / up with a GLU). A launch with no entry, a 4-byte dtype, more than 16 rows or an
 unmeasured GPU runs the rule (`decode_linear._rule_config`), so the shapes the rule was tuned at (the 1.5B Llama
-of benchmarks/bench_decode.py) launch as the rule says, but for the one 1.5B entry.
+of benchmarks/generation/bench_decode.py) launch as the rule says, but for the one 1.5B entry.
 
 Batch buckets: 1 (one row) and 16 (2 to 16 rows: the kernel pads rows to 16, so these share one tile shape;
 measured at batch 8). Kinds name what the launch fuses: "plain", or "+"-joined "norm", "glu", "residual"

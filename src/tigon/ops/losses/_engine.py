@@ -94,7 +94,7 @@ def chunk_rows(N: int, V: int, itemsize: int, cfg: FusedLinearLossConfig) -> int
 
 
 # (BLOCK_V, num_warps) of each row kernel on CUDA when the config leaves them 0. grad: the best of the H200 sweep
-# (benchmarks/sweep_loss_kernels.py, [512, 128256] bf16: 74 us, 84% of a D2D copy; 4096 x 4 warps was 98 us).
+# (benchmarks/ops/sweep_loss_kernels.py, [512, 128256] bf16: 74 us, 84% of a D2D copy; 4096 x 4 warps was 98 us).
 # stats and jsd were swept before their rewrite to per-slot accumulators (no barrier inside a loop now); their
 # values are chosen from ptxas's register counts (sm_90a, bf16), not timed: stats 4096 x 8 is 48 registers, so 5
 # programs fit an SM and a 512-row chunk is resident at once, ~32 KB of loads in flight per SM as the grad kernel's

@@ -1,0 +1,884 @@
+"""Decode benchmark: Hugging Face `generate` against `tigon.generate` on a 1.5B Llama config, or the Llama-3-8B
+shape (`--model llama3-8b`).
+
+    PYTHONPATH=src python -m benchmarks decode --out DIR [--model llama-1.5b|llama3-8b] [--variants ...]
+        [--batches 1,8] [--swa-batches 1] [--prompts 512,8192 | --prompt 512] [--new 256] [--budget S]
+        [--prometheus FILE] [--profile] [--quick]
+    tigon bench decode ...      (the same from a source checkout, then prints the table)
+
+A benchmark of the checkout, not part of the package: it uses tigon's public API (tigon.patch, tigon.generate,
+tigon.decode's stats helpers TTFT_PHASES and percentile, tigon.metrics.prometheus_text) and its sibling
+benchmarks.generation.decode_profile. The HF and Tigon rows' p50/p99 use the stats' nearest-rank rule
+(tigon.decode.percentile).
+
+The method of the peer reference timings (REFERENCE_TIMINGS), so the numbers compare: each variant in its own
+process, model from config (hidden 2048, intermediate 8192, 16 layers, 32 heads / 8 KV heads, vocab 128256),
+bf16, random init, sdpa; greedy, a random prompt, every new token forced (no EOS). One warm-up call, then
+one timed call with the peak-memory counter reset just before it (weights included).
+
+- HF variants: per-step timestamps from a stopping criterion that synchronizes (the reference method's timer).
+  `hf-static-compile` is `cache_implementation="static"`, which `generate` compiles itself on CUDA (the
+  2.70 ms row of REFERENCE_TIMINGS; the explicit reduce-overhead compile fails in transformers 5.17).
+- Tigon variants: `tigon.patch(model)` then `tigon.generate(..., return_stats=True)` with its default
+  attention ("auto": the "tigon" attention implementation for the call); its steps are CUDA events recorded
+  after each step, read once at the end (no sync in the loop). The first decode step of the graph path
+  includes the capture. `wall_ms_per_step` (host clock around the whole call, minus TTFT) is a cross-check of
+  the events. `*-hf-attn` is the same with `attention="hf"` (HF's sdpa in the loop), for comparison.
+- `swa-*`: Mistral with sliding_window 1024 and a 4096-token prompt (every layer's ring wraps): swa-tigon
+  replays a CUDA graph (the tigon attention), swa-tigon-hf-attn cannot (HF's mask past the ring) and runs
+  eagerly; `swa-tigon-full` is the same model with the window off, so every layer holds all 4352 tokens (no
+  wrap): the "ring past capacity within 5% of full-cache step time" target compares swa-tigon with it.
+
+- `--profile`: after its timed call each tigon variant runs torch.profiler (CUDA activity) over three more
+  calls with the timed call's ring size: `max_new_tokens=1` (the TTFT: prefill and first token), 3 and
+  3 + PROFILE_STEPS. The 3-token call has one replayed step, the longer one PROFILE_STEPS more; their kernel
+  counts differ by PROFILE_STEPS x (kernels per step), so the longer call's last kernels are exactly its last
+  PROFILE_STEPS decode steps (replay + token choice), whatever the profiler sees outside them. Kernel time (the
+  time some kernel ran: under programmatic dependent launch a kernel's traced interval starts while its
+  predecessor runs, and the overlap is given to the predecessor) is bucketed by name (BUCKETS) and set against
+  the measured p50 step: the difference is launch gaps and idle.
+  GEMM bandwidth = bytes of the weights GEMMs read per step (every parameter once, the input embedding
+  left out unless tied to the lm_head: a lookup reads B rows of it) / GEMM time. On a CPU (--quick) the
+  profiler sees CPU ops only: the same tables over aten ops by self CPU time (interpreted Triton kernels
+  are not ops and do not show).
+- Variants take `@B[+B...]` to run at those batches only: `--variants tigon,hf-static-compile@1`.
+- `--model llama3-8b`: the Llama-3-8B shape (hidden 4096, intermediate 14336, 32 layers, 32 / 8 heads of 128,
+  vocab 128256, rope_theta 500000; bf16, random init on the GPU), default variants tigon,hf-static-compile and
+  prompts 512,8192. `--prompts` runs every Llama variant at each prompt length (TTFT and decode steps per row;
+  32768 works too, at the cost of time).
+- The read bound: after the variants the parent process times a device-to-device copy of 2 GiB
+  (triton.testing.do_bench, median; (read + write) bytes / time: the copy ceiling, in the same run). Each row's
+  bound is the bytes one decode step must read, the weights (every parameter once, the untied input embedding
+  left out: a lookup reads B rows of it) plus the keys and values its attention reads (the mean context of the
+  decode steps: prompt + new / 2 tokens, the window's at most), over that ceiling; `% of bound` = bound / p50.
+
+Writes DIR/decode.json, DIR/decode.md and DIR/decode_latency.png (without matplotlib: no PNG). `--budget`
+skips the variants that no longer fit, with a note in the table. `--quick`: a 2-layer toy on the CPU.
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+from benchmarks.generation.decode_profile import BUCKETS, PROFILE_STEPS, profile_tigon, sync
+from benchmarks.tools import checkout
+from tigon.cli.bench import DEFAULT_OUT
+
+LLAMA_1B5 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+MODELS = {"llama-1.5b": LLAMA_1B5, "llama3-8b": LLAMA3_8B}
+DEFAULT_MODEL = "llama-1.5b"
+TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=512, max_position_embeddings=256)
+VARIANTS = ("hf-eager", "hf-static-compile", "tigon", "tigon-nograph", "tigon-hf-attn", "swa-hf-static-compile",
+            "swa-tigon", "swa-tigon-full", "swa-tigon-hf-attn")
+DEFAULT_VARIANTS = ("tigon,hf-static-compile,tigon-nograph,hf-eager,swa-tigon,swa-tigon-full,swa-hf-static-compile,"
+                    "tigon-hf-attn,swa-tigon-hf-attn")
+DEFAULT_VARIANTS_BY_MODEL = {"llama3-8b": "tigon,hf-static-compile"}
+DEFAULT_PROMPTS = {"llama-1.5b": "512", "llama3-8b": "512,8192"}
+WINDOW, SWA_PROMPT = 1024, 4096
+# --quick (a smoke run under Triton's interpreter): one prefill-only repeat and a 2-token warm-up, which runs every
+# kernel once (there is no CUDA graph to capture on a CPU).
+QUICK = dict(prompt=16, new=8, window=8, swa_prompt=24, batches="1,2", profile_steps=2, ttft_repeats=1, warmup_new=2)
+PROFILE_NEED_S = 15  # the three profiled calls and the trace parsing of a 1.5B tigon row on an H200
+# Seconds a variant needs on an H200 (process start, model build, warm-up, timed call); the budget check
+# skips a variant with less than this left. Measured compile of the static decode step: ~40-60 s.
+# swa-tigon-hf-attn: two eager 256-step calls (warm-up and timed) at an estimated 20-60 ms per step.
+NEED_S = {"hf-static-compile": 110, "swa-hf-static-compile": 120, "hf-eager": 60, "swa-tigon-hf-attn": 70}
+NEED_DEFAULT_S = 50
+# The 8B rows: a guess, unmeasured until a run times them (6x the weights to build, 2x the layers to compile).
+NEED_SCALE = {"llama3-8b": 1.5}
+COPY_ELEMENTS = 1 << 30  # bf16: a 2 GiB copy (4 GiB read + written), as the ops benchmarks' copy ceiling
+TTFT_REPEATS = 5  # prefill-only calls after the timed one; their median is the TTFT the targets are checked on
+TARGETS = dict(b1_ms=1.0, b8_ms=1.4, p99_over_p50=1.15, ttft_ms=15.0, ring_over_full=1.05)
+# Issue 18's targets at the Llama-3-8B shape: % of the read bound, speedup and TTFT ratio against
+# hf-static-compile at the same batch and prompt.
+TARGETS_8B = dict(pct_of_bound=85.0, over_hf=1.5, p99_over_p50=1.1, ttft_over_hf=0.8, ring_over_full=1.05)
+TARGETS_BY_MODEL = {"llama-1.5b": TARGETS, "llama3-8b": TARGETS_8B}
+# HF's own rows measured with this method, to check a run against (tigon's rows are this benchmark's).
+REFERENCE_TIMINGS = ("Peer reference timings (same method, H200, torch 2.11, transformers 5.17): HF eager "
+                     "DynamicCache p50 64-68 ms/step (batch 1), 55.6 (batch 8); HF static cache + compile 2.70 ms "
+                     "(batch 1), 3.93 ms (batch 8); Mistral sliding window 1024, prompt 4096, static + compile "
+                     "2.87 ms (batch 1).")
+
+
+def model_config(spec):
+    """The config dict of a spec's model: the toy with --quick, else MODELS[spec["model"]]."""
+    return dict(TOY if spec["quick"] else MODELS[spec.get("model", DEFAULT_MODEL)])
+
+
+def build(spec):
+    """The spec's model (random init, eval, sdpa) on its device and a random prompt of [batch, prompt] ids."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    cfg = model_config(spec)
+    cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], spec["prompt"] + spec["new"])
+    device = torch.device(spec["device"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            if spec["family"] == "mistral":
+                model = MistralForCausalLM(MistralConfig(**cfg, sliding_window=spec["window"]))
+            else:
+                model = LlamaForCausalLM(LlamaConfig(**cfg))
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.eval()
+    model.config._attn_implementation = "sdpa"
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(10, cfg["vocab_size"] - 10, (spec["batch"], spec["prompt"]), generator=g).to(device)
+    return model, ids
+
+
+def _peak_reset(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib(device):
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
+def ttft_repeats(spec) -> int:
+    return QUICK["ttft_repeats"] if spec["quick"] else TTFT_REPEATS
+
+
+def idle_repeats(spec, first_token_s, ids):
+    """With spec["ttft_idle"] = S > 0: the prefill-only calls again, each after S seconds with the GPU idle. An
+    8k prefill runs at the power cap, and the cap follows the recent power draw: back to back, each prefill
+    starts throttled; after an idle second it starts at full clock (the power draw an isolated request sees)."""
+    out = []
+    for _ in range(ttft_repeats(spec) if spec.get("ttft_idle") else 0):
+        time.sleep(spec["ttft_idle"])
+        out.append(first_token_s(ids))
+    return out
+
+
+def new_length_prompts(spec, ids):
+    """The prompts of the TTFT calls at new lengths: the first P - 1, ..., P - n tokens of the row's prompt
+    (spec["ttft_new_lengths"] = n), shapes this process has not run: what a server's next request with another
+    prompt length pays (cuDNN plans, Triton specializations, recompiles), where the repeats measure a warm shape."""
+    return [ids[:, :ids.shape[1] - k] for k in range(1, spec.get("ttft_new_lengths", 0) + 1)]
+
+
+def _child_hf(spec, model, ids):
+    import torch
+    from transformers import StoppingCriteria
+
+    device = ids.device
+
+    class Stamp(StoppingCriteria):
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores, **kw):
+            sync(device)
+            self.t.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    new = spec["new"]
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    if spec["variant"].endswith("static-compile"):
+        kw["cache_implementation"] = "static"
+    t = time.perf_counter()
+    if kw.get("cache_implementation"):
+        model.generate(ids, **kw)  # the full length: the auto-compile's recompiles happen here, not below
+    else:
+        warm = QUICK["warmup_new"] if spec["quick"] else 8
+        model.generate(ids, **dict(kw, max_new_tokens=warm, min_new_tokens=warm))
+    sync(device)
+    warmup_s = time.perf_counter() - t
+    _peak_reset(device)
+    stamp = Stamp()
+    t0 = time.perf_counter()
+    model.generate(ids, stopping_criteria=[stamp], **kw)
+    sync(device)
+    t1 = time.perf_counter()
+    ts = stamp.t
+    steps = [b - a for a, b in zip(ts, ts[1:])]
+
+    def first_token_s(prompt):  # a prefill-only call's TTFT
+        stamp = Stamp()
+        t_r = time.perf_counter()
+        model.generate(prompt, stopping_criteria=[stamp], **dict(kw, max_new_tokens=1, min_new_tokens=1))
+        return stamp.t[0] - t_r
+
+    # the first token alone, again: one call's TTFT is host-noise sensitive
+    repeats = [first_token_s(ids) for _ in range(ttft_repeats(spec))]
+    idle = idle_repeats(spec, first_token_s, ids)
+    fresh = [first_token_s(short) for short in new_length_prompts(spec, ids)]
+    return dict(ttft_s=ts[0] - t0, ttft_repeats_s=repeats, ttft_idle_repeats_s=idle, ttft_new_length_s=fresh,
+                step_s=steps, total_s=t1 - t0,
+                peak_gib=_peak_gib(device), warmup_s=warmup_s, cuda_graph=None, stats=None)
+
+
+def _child_tigon(spec, model, ids):
+    import tigon
+
+    model.generation_config.eos_token_id = None  # every new token forced, as the HF rows' min_new_tokens
+    report = str(tigon.patch(model))
+    variant = spec["variant"]
+    kw = dict(max_new_tokens=spec["new"], cuda_graph=not variant.endswith("nograph"), return_stats=True,
+              attention="hf" if variant.endswith("hf-attn") else "auto")
+    device = ids.device
+    t = time.perf_counter()
+    warm = dict(kw, max_new_tokens=QUICK["warmup_new"]) if spec["quick"] and ids.device.type == "cpu" else kw
+    tigon.generate(model, ids, **warm)  # Triton JIT and autotuning (and the CUDA graph's capture)
+    sync(device)
+    warmup_s = time.perf_counter() - t
+    _peak_reset(device)
+    t0 = time.perf_counter()
+    seqs, stats = tigon.generate(model, ids, **kw)
+    sync(device)
+    t1 = time.perf_counter()
+    assert seqs.shape == (ids.shape[0], ids.shape[1] + spec["new"]), seqs.shape
+    peak = stats["peak_memory_bytes"]
+    first_token_s = lambda prompt: tigon.generate(model, prompt, **dict(kw, max_new_tokens=1))[1]["ttft_s"]  # noqa: E731
+    repeats = [first_token_s(ids) for _ in range(ttft_repeats(spec))]
+    idle = idle_repeats(spec, first_token_s, ids)
+    fresh = [first_token_s(short) for short in new_length_prompts(spec, ids)]
+    out = dict(ttft_s=stats["ttft_s"], ttft_repeats_s=repeats, ttft_idle_repeats_s=idle, ttft_new_length_s=fresh,
+               step_s=list(stats["step_s"]),
+               total_s=t1 - t0,
+               peak_gib=peak / 2**30 if peak is not None else None, warmup_s=warmup_s,
+               cuda_graph=stats["cuda_graph"], attention=stats["attention"], stats=stats,
+               patch=report.splitlines()[0] if report else None)
+    if spec.get("profile"):
+        try:
+            steps = QUICK["profile_steps"] if spec["quick"] else PROFILE_STEPS
+            out["profile"] = profile_tigon(model, ids, kw, spec, stats, steps)
+        except Exception as e:  # noqa: BLE001 - a failing profile is a note; the timed row stands
+            out["profile"] = dict(error=f"{type(e).__name__}: {e}"[:600])
+    return out
+
+
+def child(spec):
+    """One variant in this process: build, warm up, time; returns the result row."""
+    import torch
+
+    from tigon.decode import percentile  # the stats' rule (nearest rank), for the HF rows too
+
+    model, ids = build(spec)
+    with torch.no_grad():
+        r = (_child_tigon if "tigon" in spec["variant"] else _child_hf)(spec, model, ids)
+    steps = r.pop("step_s")
+    ordered = sorted(steps)
+    mean = sum(steps) / len(steps) if steps else float("nan")
+    wall_step = (r["total_s"] - r["ttft_s"]) / len(steps) if steps else None
+    rep = sorted(r.get("ttft_repeats_s") or [])
+    fresh = r.get("ttft_new_length_s") or []
+    row = dict(spec, ttft_ms=1e3 * r["ttft_s"], ttft_median_ms=1e3 * rep[len(rep) // 2] if rep else None,
+               ttft_repeats_ms=[round(1e3 * v, 2) for v in rep], p50_ms=1e3 * percentile(ordered, 0.5),
+               p99_ms=1e3 * percentile(ordered, 0.99), mean_ms=1e3 * mean, tokens_per_s=spec["batch"] / mean,
+               wall_ms_per_step=1e3 * wall_step if wall_step else None, total_s=r["total_s"],
+               peak_gib=r["peak_gib"], warmup_s=r["warmup_s"], cuda_graph=r["cuda_graph"],
+               attention=r.get("attention"), step_ms=[round(1e3 * s, 4) for s in steps])
+    if fresh:
+        row["ttft_new_length_ms"] = [round(1e3 * v, 2) for v in fresh]
+    idle = sorted(r.get("ttft_idle_repeats_s") or [])
+    if idle:
+        row["ttft_idle_repeats_ms"] = [round(1e3 * v, 2) for v in idle]
+        row["ttft_idle_median_ms"] = 1e3 * idle[len(idle) // 2]
+    if r.get("patch"):
+        row["patch"] = r["patch"]
+    if r.get("profile"):
+        row["profile"] = r["profile"]
+    if r["stats"] is not None:
+        row["stats"] = {k: v for k, v in r["stats"].items()}
+    return row
+
+
+def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profile=False, model=DEFAULT_MODEL,
+         ttft_new_lengths=0, ttft_idle=0.0):
+    """One spec per (prompt, variant, batch), prompt outermost; `prompt` is one length or a list. The swa-*
+    variants use the Mistral form of the model's config, the long prompt (once, whatever `prompt` is) and
+    `swa_batches` (default: `batches`). A variant "name@1+8" runs at batches 1 and 8 only. `profile` marks the
+    tigon variants for `profile_tigon`; `model` is a key of MODELS; `ttft_new_lengths` n > 0 adds n TTFT calls at
+    the prompt lengths P - 1 ... P - n to every row (`new_length_prompts`); `ttft_idle` S > 0 repeats the
+    prefill-only calls each after S idle seconds (`idle_repeats`)."""
+    if model not in MODELS:
+        raise SystemExit(f"bench_decode: unknown model {model!r}; choose from {', '.join(MODELS)}")
+    window = QUICK["window"] if quick else WINDOW
+    swa_prompt = QUICK["swa_prompt"] if quick else SWA_PROMPT
+    prompts = [prompt] if isinstance(prompt, int) else list(prompt)
+    parsed = []
+    for item in variants:
+        v, _, only = item.partition("@")
+        if v not in VARIANTS:
+            raise SystemExit(f"bench_decode: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+        try:
+            own = [int(b) for b in only.split("+")] if only else None
+        except ValueError:
+            raise SystemExit(f"bench_decode: {item!r}: batches after @ are integers joined by +") from None
+        parsed.append((v, own))
+    specs = []
+    for i, length in enumerate(prompts):
+        for v, own in parsed:
+            swa = v.startswith("swa-")
+            if swa and i:
+                continue
+            for b in own or ((swa_batches or batches) if swa else batches):
+                spec = dict(variant=v, family="mistral" if swa else "llama", batch=b,
+                            prompt=swa_prompt if swa else length, new=new,
+                            window=None if (not swa or v == "swa-tigon-full") else window, quick=quick,
+                            device=device, model=model)
+                if profile and "tigon" in v:
+                    spec["profile"] = True
+                if ttft_new_lengths:
+                    if ttft_new_lengths >= spec["prompt"]:
+                        raise SystemExit(f"bench_decode: --ttft-new-lengths {ttft_new_lengths} must be below the "
+                                         f"prompt length {spec['prompt']}")
+                    spec["ttft_new_lengths"] = ttft_new_lengths
+                if ttft_idle:
+                    spec["ttft_idle"] = ttft_idle
+                specs.append(spec)
+    return specs
+
+
+def _row(spec, p_stdout, p_stderr, rc):
+    line = [x for x in p_stdout.splitlines() if x.startswith("RESULT ")]
+    if line:
+        return json.loads(line[-1][7:])
+    tail = [x for x in p_stderr.strip().splitlines() if x.strip()][-3:]
+    return dict(spec, error=" | ".join(tail)[-600:] or f"exit {rc}")
+
+
+def _run_inline(specs, log):
+    """--quick on a CPU: every variant in this process (a smoke run of the code paths; starting a process per
+    variant costs ~4 s of imports each). Tigon patches instances only, and each variant builds its own model."""
+    rows = []
+    for spec in sorted(specs, key=lambda s: "tigon" in s["variant"]):
+        t = time.time()
+        try:
+            row = child(spec)
+        except Exception as e:  # noqa: BLE001 - a failing variant is a row, as in a subprocess
+            row = dict(spec, error=f"{type(e).__name__}: {e}"[:600])
+        row["process_s"] = time.time() - t
+        rows.append(row)
+        log(f"{'FAILED' if 'error' in row else 'DONE'} {spec['variant']} batch {spec['batch']} (in process)")
+    return rows
+
+
+def run_plan(specs, budget_s, timeout_s=300, log=print, inline=False):
+    """Each spec in its own process, one after the other; a spec that no longer fits the budget is skipped."""
+    if inline:
+        return _run_inline(specs, log)
+    rows = []
+    deadline = time.time() + budget_s
+    for spec in specs:
+        left = deadline - time.time()
+        need = 0 if spec["quick"] else round(NEED_SCALE.get(spec.get("model"), 1.0) * (
+            NEED_S.get(spec["variant"], NEED_DEFAULT_S) + (PROFILE_NEED_S if spec.get("profile") else 0)))
+        label = f"{spec['variant']} batch {spec['batch']} prompt {spec['prompt']}"
+        if left < need:
+            row = dict(spec, skipped=f"time budget: {left:.0f} s left, needs ~{need} s")
+            log(f"SKIP {label}: {row['skipped']}")
+            rows.append(row)
+            continue
+        t = time.time()
+        try:
+            # the tigon this process imported and this benchmarks package (checkout.child_env)
+            p = checkout.run_module(__file__, ["--child", json.dumps(spec)], timeout=max(10, min(timeout_s, left)))
+            row = _row(spec, p.stdout, p.stderr, p.returncode)
+        except subprocess.TimeoutExpired:
+            row = dict(spec, error=f"timeout after {time.time() - t:.0f} s")
+        row["process_s"] = time.time() - t
+        rows.append(row)
+        log(f"{'FAILED' if 'error' in row else 'DONE'} {label} ({row['process_s']:.0f} s): "
+            + (row.get("error") or f"p50 {row['p50_ms']:.3f} ms/step, TTFT {row['ttft_ms']:.1f} ms"))
+    return rows
+
+
+def weight_read_bytes(cfg, dtype_bytes):
+    """Bytes of the weights one decode step reads for a Llama-style config: every projection, norm and the
+    lm_head once; the untied input embedding left out (a lookup reads B rows of it), as decode_profile's
+    weight_bytes counts a model's parameters."""
+    h, i, n_layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // heads
+    layer = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * i + 2 * h  # q k v, o, gate up down, 2 norms
+    return dtype_bytes * (n_layers * layer + h + cfg["vocab_size"] * h)
+
+
+def kv_read_bytes(cfg, batch, prompt, new, window, dtype_bytes):
+    """Mean bytes of keys and values one decode step's attention reads: decode step j (1 .. new - 1) attends
+    over prompt + j cached tokens (at most the window's), every layer, K and V, every row."""
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * d * dtype_bytes
+    contexts = [min(prompt + j, window) if window else prompt + j for j in range(1, new)]
+    mean = sum(contexts) / len(contexts) if contexts else prompt
+    return batch * per_token * mean
+
+
+def read_bound(row, copy_GBps):
+    """{weight_read_bytes, kv_read_bytes, bound_ms, pct_of_bound} of a finished row at the copy ceiling: the
+    bound is (weights + KV) / ceiling, pct_of_bound = 100 x bound / p50 (100 = every step at the ceiling)."""
+    cfg = model_config(row)
+    dtype_bytes = 2 if row["device"].startswith("cuda") else 4  # bf16 on CUDA, fp32 on a CPU, as build()
+    weights = weight_read_bytes(cfg, dtype_bytes)
+    kv = kv_read_bytes(cfg, row["batch"], row["prompt"], row["new"], row["window"], dtype_bytes)
+    bound_ms = (weights + kv) / (copy_GBps * 1e9) * 1e3
+    return dict(weight_read_bytes=weights, kv_read_bytes=kv, bound_ms=bound_ms,
+                pct_of_bound=100 * bound_ms / row["p50_ms"])
+
+
+def copy_ceiling(device, quick):
+    """The copy ceiling: GB/s of `dst.copy_(src)`, (read + write) bytes / time. On CUDA a 2 GiB bf16 copy timed by
+    triton.testing.do_bench (median); with --quick or on a CPU 32 MiB, median of 5 perf_counter copies (a smoke
+    run of the arithmetic, not a ceiling)."""
+    import torch
+
+    device = torch.device(device)
+    n = COPY_ELEMENTS if device.type == "cuda" and not quick else 1 << 24
+    ms, how = _time_copy(torch, device, n)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the 4 GiB of the copy back to the device
+    moved = 2 * n * 2
+    return dict(GBps=moved / (ms * 1e-3) / 1e9, bytes=moved, ms=ms, how=f"{n * 2 / 2**20:.0f} MiB copy, {how}")
+
+
+def _time_copy(torch, device, n):
+    src = torch.ones(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median"), "do_bench median"
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return 1e3 * sorted(times)[2], "perf_counter median of 5"
+
+
+def bound_lines(rows, ceiling):
+    """The read-bound section: each finished row's weight + KV bytes per step, bound and % of it."""
+    done = [r for r in rows if r.get("bound_ms") is not None]
+    if not done:
+        return []
+    lines = ["", "### Weight + KV read bound", "",
+             f"Copy ceiling {ceiling['GBps']:.0f} GB/s ({ceiling['how']}, (read + write) / time, this run). Bound = "
+             "(weights + mean KV a decode step reads) / ceiling; % of bound = bound / p50.", "",
+             "| model | variant | batch | prompt | weights MB | KV MB/step | bound ms/step | p50 ms/step "
+             "| % of bound |",
+             "|" + "---|" * 9]
+    for r in done:
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | "
+                     f"{r['weight_read_bytes'] / 1e6:.1f} | {r['kv_read_bytes'] / 1e6:.1f} | {r['bound_ms']:.3f} | "
+                     f"{r['p50_ms']:.3f} | {r['pct_of_bound']:.1f}% |")
+    return lines
+
+
+def _num(x, fmt=".2f"):
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def _model_name(r):
+    model = r.get("model", DEFAULT_MODEL)
+    if r["family"] == "llama":
+        return model if not r["quick"] else "llama-toy"
+    size = "" if r["quick"] or model == DEFAULT_MODEL else model.split("-")[-1] + "-"
+    return f"mistral-{size}" + (f"swa{r['window']}" if r["window"] else "full")
+
+
+def _baseline(rows, r):
+    """hf-static-compile's row (swa-hf-static-compile's for swa-*) at r's model, batch and prompt."""
+    want = "swa-hf-static-compile" if r["variant"].startswith("swa-") else "hf-static-compile"
+    return next((x for x in rows if x["variant"] == want and x["batch"] == r["batch"] and x["prompt"] == r["prompt"]
+                 and x.get("model") == r.get("model") and "p50_ms" in x), None)
+
+
+def _ttft(r):
+    """The row's TTFT for the targets: the median of the prefill-only calls, else the timed call's."""
+    return r["ttft_median_ms"] if r.get("ttft_median_ms") is not None else r["ttft_ms"]
+
+
+def targets(rows):
+    """(target, value, verdict) for each target with its rows present; a row's model picks its targets
+    (TARGETS_BY_MODEL)."""
+    out = []
+    ok = {r["variant"] + str(r["batch"]): r for r in rows if "p50_ms" in r}
+    for r in rows:
+        if "p50_ms" not in r or r["variant"] != "tigon":
+            continue
+        if r.get("model", DEFAULT_MODEL) == "llama3-8b":
+            out += _targets_8b(rows, r)
+            continue
+        limit = TARGETS["b1_ms"] if r["batch"] == 1 else TARGETS["b8_ms"] if r["batch"] == 8 else None
+        if limit is not None:
+            out.append((f"tigon batch {r['batch']} p50 <= {limit} ms/step", f"{r['p50_ms']:.3f} ms",
+                        r["p50_ms"] <= limit))
+        if r["prompt"] == 512:
+            median = r.get("ttft_median_ms")
+            how = (f" (median of {len(r['ttft_repeats_ms'])} prefill-only calls)" if median is not None
+                   else " (the timed call)")
+            out.append((f"tigon batch {r['batch']} TTFT <= {TARGETS['ttft_ms']:.0f} ms (prompt 512)",
+                        f"{_ttft(r):.1f} ms{how}", _ttft(r) <= TARGETS["ttft_ms"]))
+    for r in rows:
+        if "p50_ms" in r and r["variant"] in ("tigon", "swa-tigon", "swa-tigon-full"):
+            model = r.get("model", DEFAULT_MODEL)
+            limit = TARGETS_BY_MODEL[model]["p99_over_p50"]
+            at = f" prompt {r['prompt']}" if model != DEFAULT_MODEL else ""  # the 1.5B's labels as before
+            ratio = r["p99_ms"] / r["p50_ms"]
+            out.append((f"{r['variant']} batch {r['batch']}{at} p99 <= {limit}x p50", f"{ratio:.3f}x", ratio <= limit))
+    for r in ok.values():
+        full = ok.get("swa-tigon-full" + str(r["batch"]))
+        if r["variant"] == "swa-tigon" and full:
+            ratio = r["p50_ms"] / full["p50_ms"]
+            out.append((f"batch {r['batch']}: ring past capacity p50 <= {TARGETS['ring_over_full']}x full cache",
+                        f"{ratio:.3f}x ({r['p50_ms']:.3f} vs {full['p50_ms']:.3f} ms)",
+                        ratio <= TARGETS["ring_over_full"]))
+    return out
+
+
+def _targets_8b(rows, r):
+    """Issue 18's targets of one tigon row at the Llama-3-8B shape."""
+    t, at = TARGETS_8B, f"batch {r['batch']} prompt {r['prompt']}"
+    out = []
+    if r.get("pct_of_bound") is not None:
+        out.append((f"tigon {at} >= {t['pct_of_bound']:.0f}% of the weight + KV read bound",
+                    f"{r['pct_of_bound']:.1f}% ({r['bound_ms']:.3f} of {r['p50_ms']:.3f} ms)",
+                    r["pct_of_bound"] >= t["pct_of_bound"]))
+    base = _baseline(rows, r)
+    if base:
+        speed = base["p50_ms"] / r["p50_ms"]
+        out.append((f"tigon {at} p50 >= {t['over_hf']}x hf-static-compile", f"x{speed:.2f}", speed >= t["over_hf"]))
+        ratio = _ttft(r) / _ttft(base)
+        out.append((f"tigon {at} TTFT <= {t['ttft_over_hf']}x hf-static-compile's",
+                    f"{ratio:.2f}x ({_ttft(r):.1f} vs {_ttft(base):.1f} ms)", ratio <= t["ttft_over_hf"]))
+        if r.get("ttft_idle_median_ms") and base.get("ttft_idle_median_ms"):
+            a, b = r["ttft_idle_median_ms"], base["ttft_idle_median_ms"]
+            out.append((f"tigon {at} TTFT after {r['ttft_idle']:g} s idle <= {t['ttft_over_hf']}x "
+                        "hf-static-compile's", f"{a / b:.2f}x ({a:.1f} vs {b:.1f} ms)", a / b <= t["ttft_over_hf"]))
+    return out
+
+
+def markdown(rows, meta):
+    lines = [f"## Decode: {meta.get('title', 'tigon.generate vs HF generate')}", "",
+             "| model | variant | batch | prompt | new | TTFT ms | TTFT median ms | p50 ms/step | p99 ms/step "
+             "| p99/p50 | mean ms/step | wall ms/step | tokens/s | peak GiB | graph "
+             "| speedup vs hf-static-compile (p50) |",
+             "|" + "---|" * 16]
+    for r in rows:
+        head = f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | {r['new']} |"
+        if "p50_ms" not in r:
+            lines.append(head + f" {r.get('skipped') or 'error: ' + str(r.get('error'))[:200]} |" + " |" * 10)
+            continue
+        base = _baseline(rows, r)
+        speed = f"x{base['p50_ms'] / r['p50_ms']:.2f}" if base else "-"
+        graph = "-" if r.get("cuda_graph") is None else ("yes" if r["cuda_graph"] else "no")
+        lines.append(head + f" {_num(r['ttft_ms'], '.1f')} | {_num(r.get('ttft_median_ms'), '.1f')} | "
+                     f"{_num(r['p50_ms'], '.3f')} | {_num(r['p99_ms'], '.3f')} | "
+                     f"{_num(r['p99_ms'] / r['p50_ms'], '.2f')} | {_num(r['mean_ms'], '.3f')} | "
+                     f"{_num(r.get('wall_ms_per_step'), '.3f')} | {_num(r['tokens_per_s'], '.0f')} | "
+                     f"{_num(r['peak_gib'])} | {graph} | {speed} |")
+    checks = targets(rows)
+    if checks:
+        lines += ["", "| target | measured | met |", "|---|---|---|"]
+        lines += [f"| {t} | {v} | {'yes' if ok else '**no**'} |" for t, v, ok in checks]
+    skipped = [r for r in rows if r.get("skipped")]
+    lines += ["", REFERENCE_TIMINGS,
+              "tokens/s = batch / mean decode step (the reference timings' definition). TTFT: prefill + first token "
+              "(tigon: from the call, cache allocation included), in the timed call; TTFT median: of "
+              f"{TTFT_REPEATS} prefill-only calls after it ({QUICK['ttft_repeats']} with --quick; "
+              "max_new_tokens=1; one call's TTFT moves with the host's noise). wall ms/step: host clock around "
+              "the timed call minus TTFT, over the decode steps (a cross-check of the per-step timer). The graph "
+              "path's first decode step includes the CUDA-graph capture."]
+    lines += new_length_lines(rows) + idle_lines(rows)
+    if skipped:
+        names = ", ".join(f"{r['variant']} b{r['batch']}" for r in skipped)
+        lines.append(f"Skipped for the time budget: {names}.")
+    if meta.get("copy_ceiling"):
+        lines += bound_lines(rows, meta["copy_ceiling"])
+    lines += ttft_phase_lines(rows) + profile_lines(rows)
+    return "\n".join(lines) + "\n"
+
+
+def idle_lines(rows):
+    """The prefill-only calls made after an idle pause (--ttft-idle), beside the back-to-back median."""
+    done = [r for r in rows if r.get("ttft_idle_repeats_ms")]
+    if not done:
+        return []
+    lines = ["", f"TTFT of prefill-only calls each after {done[0]['ttft_idle']:g} s of idle GPU (ms; the median above "
+             "is of back-to-back calls):", "", "| model | variant | batch | prompt | back-to-back median | after idle, "
+             "sorted | median |", "|---|---|---|---|---|---|---|"]
+    for r in done:
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | "
+                     f"{_num(r.get('ttft_median_ms'), '.1f')} | {', '.join(map(str, r['ttft_idle_repeats_ms']))} | "
+                     f"{_num(r['ttft_idle_median_ms'], '.1f')} |")
+    return lines
+
+
+def new_length_lines(rows):
+    """The TTFT calls at prompt lengths the process had not run, beside the warm median (--ttft-new-lengths)."""
+    done = [r for r in rows if r.get("ttft_new_length_ms")]
+    if not done:
+        return []
+    lines = ["", "TTFT at new prompt lengths (P - 1, P - 2, ...: shapes the process had not run; ms):", "",
+             "| model | variant | batch | prompt | warm median | at new lengths | worst / warm |", "|" + "---|" * 7]
+    for r in done:
+        fresh, warm = r["ttft_new_length_ms"], _ttft(r)
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | {_num(warm, '.1f')} | "
+                     f"{', '.join(f'{v:.1f}' for v in fresh)} | {_num(max(fresh) / warm, '.2f')} |")
+    return lines
+
+
+def ttft_phase_lines(rows):
+    """The tigon rows' TTFT split by phase (stats["ttft_phases_s"] / ["ttft_host_phases_s"])."""
+    done = [r for r in rows if (r.get("stats") or {}).get("ttft_phases_s")]
+    if not done:
+        return []
+    from tigon.decode import TTFT_PHASES
+
+    lines = ["", "### TTFT by phase (timed call; ms, device / host)", "",
+             "| model | variant | batch | prompt | TTFT | " + " | ".join(TTFT_PHASES) + " |",
+             "|" + "---|" * (5 + len(TTFT_PHASES))]
+    for r in done:
+        dev, host = r["stats"]["ttft_phases_s"], r["stats"].get("ttft_host_phases_s") or {}
+        cells = [f"{_num(1e3 * dev[k], '.2f')} / {_num(1e3 * host[k] if k in host else None, '.2f')}"
+                 for k in TTFT_PHASES]
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | "
+                     f"{_num(r['ttft_ms'], '.1f')} | "
+                     + " | ".join(cells) + " |")
+    lines.append("device: CUDA-event interval between the phase's boundaries (when the stream reached them; sums "
+                 "to TTFT); host: perf_counter wall time of the phase. host ~ device: the GPU waited on the host "
+                 "(host-bound); device > host: GPU-bound, or queued behind earlier work. On a CPU both are the "
+                 "host clock.")
+    return lines
+
+
+def profile_lines(rows):
+    """The --profile section: per decode step and per TTFT, kernel time by bucket."""
+    done = [r for r in rows if isinstance(r.get("profile"), dict)]  # a failed variant's row keeps its spec's True
+    if not done:
+        return []
+    names = [name for name, _ in BUCKETS]
+    ok = [r for r in done if "decode" in r["profile"]]
+    activity = ok[0]["profile"]["activity"] if ok else "cuda kernels"
+    unit = "kernels" if activity == "cuda kernels" else "ops"
+    steps = ok[0]["profile"]["decode"]["steps"] if ok else PROFILE_STEPS
+    lines = ["", f"### Decode-step profile (torch.profiler, {activity}; ms per step over {steps} decode steps)", "",
+             f"| model | variant | batch | prompt | {unit}/step | {unit} ms | summed durations | " + " | ".join(names)
+             + f" | measured p50 | p50 - {unit} (gaps) | traced span | GEMM GB/s |",
+             "|" + "---|" * (11 + len(names))]
+    for r in done:
+        head = f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} |"
+        prof = r["profile"]
+        if "decode" not in prof:
+            lines.append(head + f" profile failed: {prof.get('error')} |" + " |" * (6 + len(names)))
+            continue
+        d = prof["decode"]
+        lines.append(head + f" {_num(d['kernels'], '.1f')} | {_num(d['kernel_ms'], '.3f')} | "
+                     f"{_num(d['launched_ms'], '.3f')} | "
+                     + " | ".join(_num(d["buckets_ms"][k], ".3f") for k in names)
+                     + f" | {_num(d['measured_p50_ms'], '.3f')} | {_num(d['gap_ms'], '.3f')} | "
+                     f"{_num(d['span_ms'], '.3f')} | {_num(d['gemm_GBps'], '.0f')} |")
+    lines += ["", f"{unit} ms: the time some kernel ran, overlaps counted once (the buckets too: with programmatic "
+              "dependent launch a kernel starts while its predecessor runs and waits; the overlap is the "
+              "predecessor's); summed durations: the profiler's kernel durations added up, waits included."]
+    blind = [f"{r['variant']} b{r['batch']}" for r in ok if not r["profile"]["decode"]["kernels"]]
+    if blind:
+        lines += ["", f"No {unit} seen in the decode steps of {', '.join(blind)}: this torch/CUPTI did not trace the "
+                  "replayed CUDA graph's kernels (run the *-nograph variant, or Nsight Systems)."]
+    lines += ["", "### TTFT profile (one generate call with max_new_tokens=1; ms)", "",
+              f"| model | variant | batch | prompt | {unit} | {unit} ms | " + " | ".join(names)
+              + " | traced span | TTFT (timed call) | TTFT (traced call) |", "|" + "---|" * (9 + len(names))]
+    for r in ok:
+        f = r["profile"]["prefill"]
+        lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | "
+                     f"{_num(f['kernels'], '.0f')} | "
+                     f"{_num(f['kernel_ms'], '.3f')} | " + " | ".join(_num(f["buckets_ms"][k], ".3f") for k in names)
+                     + f" | {_num(f['span_ms'], '.3f')} | {_num(f['measured_ttft_ms'], '.2f')} | "
+                     f"{_num(f['traced_ttft_ms'], '.2f')} |")
+    for r in ok:
+        d = r["profile"]["decode"]
+        lines += ["", f"Top {unit} per decode step, {r['variant']} batch {r['batch']} prompt {r['prompt']} "
+                  f"({d['located']}; GEMM weight "
+                  f"bytes {d['gemm_weight_bytes'] / 1e6:.1f} MB of {d['param_bytes'] / 1e6:.1f} MB of parameters):", ""]
+        lines += [f"- {t['ms']:.4f} ms, {t['per_step']:g}x, {t['bucket']}: `{t['name']}`" for t in d["top"]]
+    lines += ["", f"Buckets by {unit[:-1]} name: gemm (cuBLAS gemm/gemv/nvjet/cutlass), attention (tigon "
+              "decode_attention; sdpa/flash in a prefill), rope_kv_write, norms, glu (tigon kernels), other triton "
+              "(any other bare kernel name), other torch (ATen kernels, copies, sampling). gaps = measured p50 (the "
+              "untraced timed call) minus the kernel time: launch gaps and idle. traced span: first kernel start to "
+              "last kernel end over the steps (the profiler adds per-kernel overhead). GEMM GB/s = GEMM weight bytes / "
+              "GEMM time per step (the input embedding is a lookup and left out unless tied)."]
+    return lines
+
+
+def plot(rows, path):
+    """Latency of each decode step, one line per variant; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    done = [r for r in rows if r.get("step_ms")]
+    if not done:
+        return False
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)  # up to 20 distinct lines (the default plan draws 14)
+    for r in done:
+        ax.plot(range(1, len(r["step_ms"]) + 1), r["step_ms"], lw=1,
+                label=f"{_model_name(r)} {r['variant']} b{r['batch']}")
+    ax.set_yscale("log")
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("ms per step (log)")
+    ax.set_title("Decode latency per step")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def prometheus_rows(rows):
+    """The tigon rows' stats as one Prometheus exposition, labelled by model, variant and batch."""
+    from tigon.metrics import prometheus_text
+
+    runs = [({"model": _model_name(r), "variant": r["variant"], "batch": str(r["batch"])}, r["stats"])
+            for r in rows if r.get("stats")]
+    return prometheus_text(runs) if runs else ""
+
+
+def build_parser(prog="bench_decode"):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=tuple(MODELS),
+                   help=f"the Llama shape (default {DEFAULT_MODEL}; llama3-8b: Llama-3-8B's, random init)")
+    p.add_argument("--variants", default=None, help=f"comma-separated, in run order (default {DEFAULT_VARIANTS}; "
+                   f"with --model llama3-8b {DEFAULT_VARIANTS_BY_MODEL['llama3-8b']}; all: {','.join(VARIANTS)})")
+    p.add_argument("--batches", default=None, help="comma-separated (default 1,8)")
+    p.add_argument("--swa-batches", default=None, help="batches of the swa-* variants (default 1)")
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens of the Llama rows (default 512)")
+    p.add_argument("--prompts", default=None, help="comma-separated prompt lengths, each a set of Llama rows "
+                   "(default 512; with --model llama3-8b 512,8192; 32768 also works); not with --prompt")
+    p.add_argument("--new", type=int, default=None, help="new tokens, all forced (default 256)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run (default 540)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per variant process (default 300)")
+    p.add_argument("--quick", action="store_true", help="a 2-layer toy config and a few tokens (runs on a CPU)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--prometheus", default=None, help="also write the tigon rows' stats in the Prometheus text format")
+    p.add_argument("--profile", action="store_true", help="also profile each tigon variant's decode step and TTFT "
+                   "(torch.profiler, kernel time by bucket; a section in decode.md)")
+    p.add_argument("--ttft-new-lengths", type=count, default=0, metavar="N",
+                   help="after the TTFT repeats, N prefill-only calls at prompt lengths P-1 ... P-N, each a shape "
+                        "the process has not run (default 0: none)")
+    p.add_argument("--ttft-idle", type=float, default=0.0, metavar="S",
+                   help="also repeat the prefill-only calls each after S seconds of idle GPU, beside the back-to-back "
+                        "ones (the power cap follows recent draw; default 0: not done)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def count(text) -> int:
+    """An integer >= 0 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"an integer >= 0, got {text!r}")
+    return value
+
+
+def int_list(text, flag):
+    """Positive integers from "1,8"; SystemExit naming the flag otherwise."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = None
+    if values is None or any(v <= 0 for v in values):
+        raise SystemExit(f"bench_decode: {flag} takes positive integers joined by commas, got {text!r}")
+    return values
+
+
+def prompt_lengths(prompt, prompts, model, quick):
+    """The prompt lengths of the Llama rows: --prompts, else --prompt, else the model's DEFAULT_PROMPTS (the
+    toy's with --quick)."""
+    if prompt is not None and prompts is not None:
+        raise SystemExit("bench_decode: give --prompt or --prompts, not both")
+    if prompts is not None:
+        return int_list(prompts, "--prompts")
+    if prompt is not None:
+        return int_list(str(prompt), "--prompt")
+    return [QUICK["prompt"]] if quick else int_list(DEFAULT_PROMPTS[model], "--prompts")
+
+
+def main(argv=None, log=print, prog="bench_decode"):
+    a = build_parser(prog).parse_args(argv)
+    if a.child:
+        print("RESULT " + json.dumps(child(json.loads(a.child))), flush=True)
+        return 0
+    import torch
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu" and not a.quick:
+        log(f"bench_decode: no CUDA device: the {a.model} config on a CPU would take hours; use --quick")
+        return 2
+    quick, model = a.quick, a.model
+    variants = [v for v in (a.variants or DEFAULT_VARIANTS_BY_MODEL.get(model, DEFAULT_VARIANTS)).split(",") if v]
+    batches = int_list(a.batches or (QUICK["batches"] if quick else "1,8"), "--batches")
+    swa_batches = int_list(a.swa_batches or ("" if quick else "1"), "--swa-batches") or None
+    prompts = prompt_lengths(a.prompt, a.prompts, model, quick)
+    new = a.new or (QUICK["new"] if quick else 256)
+    if not a.ttft_idle >= 0:
+        raise SystemExit(f"bench_decode: --ttft-idle must be >= 0 seconds, got {a.ttft_idle}")
+    out = a.out
+    os.makedirs(out, exist_ok=True)
+    t0 = time.time()
+    specs = plan(variants, batches, prompts, new, quick, device, swa_batches, profile=a.profile, model=model,
+                 ttft_new_lengths=a.ttft_new_lengths, ttft_idle=a.ttft_idle)
+    rows = run_plan(specs, a.budget, a.timeout, log=log, inline=quick and device == "cpu")
+    name = "" if model == DEFAULT_MODEL or quick else f", {model}"
+    meta = dict(title="tigon.generate vs HF generate" + name + (" (quick toy on " + device + ")" if quick else ""),
+                device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
+                model=model, prompts=prompts, wall_s=time.time() - t0, targets=TARGETS_BY_MODEL[model],
+                reference_timings=REFERENCE_TIMINGS)
+    try:  # after the variants: the parent's own CUDA context and 4 GiB are gone before any child starts
+        meta["copy_ceiling"] = copy_ceiling(device, quick)
+    except Exception as e:  # noqa: BLE001 - a failed ceiling leaves the bound columns out, the rows stand
+        meta["copy_ceiling_error"] = f"{type(e).__name__}: {e}"[:300]
+    for r in rows:
+        if "p50_ms" in r and meta.get("copy_ceiling"):
+            r.update(read_bound(r, meta["copy_ceiling"]["GBps"]))
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    with open(os.path.join(out, "decode.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    md = markdown(rows, meta)
+    with open(os.path.join(out, "decode.md"), "w") as f:
+        f.write(md)
+    if not plot(rows, os.path.join(out, "decode_latency.png")):
+        md += "(no decode_latency.png: matplotlib is not installed, or no row finished)\n"
+    if a.prometheus:
+        with open(a.prometheus, "w") as f:
+            f.write(prometheus_rows(rows))
+    log(md)
+    return 0 if any("p50_ms" in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

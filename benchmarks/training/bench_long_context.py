@@ -1,0 +1,209 @@
+"""Long-context LoRA training: peak memory and step time per sequence length, and the longest step that runs.
+
+The job: Llama-3-8B shape (random init from its config), bf16 base, PEFT LoRA r=16 on all seven projections,
+gradient checkpointing (non-reentrant), batch 1, labels = input_ids, AdamW on the adapters. Variants, each in its
+own process (an OOM costs that variant only), every length of --seqs in ascending order inside it:
+- hf: HF + PEFT, nothing else;
+- liger: apply_liger_kernel_to_llama() before the model is built;
+- liger-tiled: liger with each decoder MLP replaced by Liger's LigerTiledSwiGLUMLP (its default shards);
+- tigon: tigon.patch(model);
+- tigon-offload: tigon.patch(model, offload_checkpoints=True, tile_mlp=True): checkpoints in pinned host memory
+  and the MLP over tiles of the sequence (docs/memory/offload.md, docs/memory/tiling.md).
+Each length: one warm-up step, then --steps timed steps (--steps 0: one step, timed; wall time after a
+synchronize; the median); peak = max_memory_allocated over those steps. --cap-gib caps the card
+(torch.cuda.set_per_process_memory_fraction), so an H200 stands in for an 80 GB card. --longest N runs one
+more child, tigon-offload at N tokens, one step (peak and time).
+The slope per 1K tokens is fitted over the lengths that ran (least squares), with the longest length that fits
+the cap by that slope.
+
+    python -m benchmarks long-context --out DIR [--variants ...] [--seqs 16384,32768,65536] [--longest 262144]
+    python -m benchmarks long-context --smoke      # CPU: 2 tiny layers, Tigon's kernels interpreted
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import time
+
+from benchmarks.tools import checkout
+
+VARIANTS = ("hf", "liger", "liger-tiled", "tigon", "tigon-offload")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FULL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+            vocab_size=128256, num_hidden_layers=32)
+SMOKE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+             num_hidden_layers=2)
+
+
+def build(variant, smoke, dev, max_len):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if variant.startswith("liger"):
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(swiglu=variant == "liger")
+    cfg = LlamaConfig(**(SMOKE if smoke else FULL), rope_theta=500000.0, max_position_embeddings=max_len,
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with dev:
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if variant == "liger-tiled":
+        from liger_kernel.transformers import LigerTiledSwiGLUMLP
+
+        for layer in model.model.layers:
+            tiled = LigerTiledSwiGLUMLP(cfg).to(dev, torch.bfloat16)
+            tiled.load_state_dict(layer.mlp.state_dict())
+            layer.mlp = tiled
+    if variant.startswith("tigon"):
+        import tigon
+
+        extra = dict(offload_checkpoints=True, tile_mlp=True) if variant == "tigon-offload" else {}
+        tigon.patch(model, **extra)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
+    model.enable_input_require_grads()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
+                            fused=dev.type == "cuda")
+    return model, opt, cfg.vocab_size
+
+
+def child(variant, a):
+    import torch
+
+    cuda = not a.smoke
+    dev = torch.device("cuda" if cuda else "cpu")
+    if cuda and a.cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total))
+    seqs = a.seqs
+    model, opt, vocab = build(variant, a.smoke, dev, max(seqs))
+    rows = []
+    for seq in seqs:
+        g = torch.Generator(device=dev).manual_seed(seq)
+        ids = torch.randint(0, vocab, (1, seq), device=dev, generator=g)
+        row = dict(variant=variant, seq=seq)
+        try:
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            times = []
+            for i in range(1 + a.steps if a.steps else 1):
+                t0 = time.perf_counter()
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.synchronize()
+                if i or not a.steps:  # --steps 0: the one step is the timed one
+                    times.append((time.perf_counter() - t0) * 1e3)
+            ms = sorted(times)[len(times) // 2]
+            row.update(step_ms=round(ms, 1), tok_s=round(seq / ms * 1e3), loss=float(loss),
+                       peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+        except torch.OutOfMemoryError:
+            row["error"] = "OOM"
+            rows.append(row)
+            break  # longer lengths cannot fit either
+        rows.append(row)
+        del ids
+    return rows
+
+
+def slope(rows):
+    """(GiB per 1K tokens, intercept GiB) of peak against length, least squares over the rows that ran."""
+    pts = [(r["seq"] / 1e3, r["peak_gib"]) for r in rows if r.get("peak_gib") is not None]
+    if len(pts) < 2:
+        return None
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    return b, my - b * mx
+
+
+def run_child(variant, seqs, a, steps=None):
+    needs = ["peft"] + (["liger_kernel"] if variant.startswith("liger") else [])
+    missing = next((n for n in needs if importlib.util.find_spec(n) is None), None)
+    if missing:
+        return [dict(variant=variant, skipped=f"{missing} not installed")]
+    cmd = ["--child", variant, "--seqs", ",".join(map(str, seqs)), "--steps", str(a.steps if steps is None else steps)]
+    cmd += ["--cap-gib", str(a.cap_gib)] + (["--smoke"] if a.smoke else [])
+    env = os.environ.copy()
+    if a.smoke:
+        env.setdefault("TRITON_INTERPRET", "1")
+    try:
+        proc = checkout.run_module(__file__, cmd, timeout=a.timeout, env=env)
+        line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT ")), None)
+        return json.loads(line[7:]) if line else [dict(variant=variant, error=(proc.stderr or "no output")[-300:])]
+    except subprocess.TimeoutExpired:
+        return [dict(variant=variant, error=f"timeout after {a.timeout} s")]
+
+
+def markdown(rows, a):
+    out = [f"Long-context LoRA (Llama-3-8B shape, r=16 on 7 projections, checkpointing, batch 1), cap {a.cap_gib} GiB",
+           "", "| variant | tokens | step ms | tokens/s | peak GiB | note |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['variant']} | {r.get('seq', '-')} | {r.get('step_ms', '-')} | {r.get('tok_s', '-')} | "
+                   f"{r.get('peak_gib', '-')} | {r.get('error') or r.get('skipped') or ''} |")
+    out += ["", "| variant | GiB per 1K tokens | longest by the slope at the cap |", "|---|---|---|"]
+    for v in dict.fromkeys(r["variant"] for r in rows):
+        fit = slope([r for r in rows if r["variant"] == v and r.get("seq") in a.seqs])
+        if fit:
+            longest = int((a.cap_gib - fit[1]) / fit[0] * 1e3) if fit[0] > 0 else None
+            out.append(f"| {v} | {fit[0]:.3f} | {longest} |")
+    return "\n".join(out)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--seqs", default=None, help="comma-separated lengths (default 16384,32768,65536; smoke 64,96)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per length, after one warm-up step")
+    p.add_argument("--longest", type=int, default=0, help="also one tigon-offload step at this many tokens")
+    p.add_argument("--cap-gib", type=float, default=80.0)
+    p.add_argument("--timeout", type=int, default=600, help="seconds per variant")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out")
+    p.add_argument("--child")
+    a = p.parse_args(argv)
+    a.seqs = [int(s) for s in (a.seqs or ("64,96" if a.smoke else "16384,32768,65536")).split(",")]
+    unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.child:
+        try:
+            print("RESULT " + json.dumps(child(a.child, a)), flush=True)
+        except Exception as e:  # noqa: BLE001 - the parent reports the failure in the table
+            print("RESULT " + json.dumps([dict(variant=a.child, error=f"{type(e).__name__}: {str(e)[:300]}")]))
+        return None
+    rows = []
+    for v in a.variants.split(","):
+        rows += run_child(v, a.seqs, a)
+        print(json.dumps(rows[-1]), flush=True)
+    if a.longest:
+        rows += run_child("tigon-offload", [a.longest], a, steps=0)
+        print(json.dumps(rows[-1]), flush=True)
+    md = markdown(rows, a)
+    print(md)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "long_context.md"), "w") as f:
+            f.write(md + "\n")
+        with open(os.path.join(a.out, "long_context.json"), "w") as f:
+            json.dump(dict(config={k: v for k, v in vars(a).items() if k != "child"}, rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
