@@ -78,3 +78,11 @@ def test_memory_options_need_an_instance():
     for kw in (dict(offload_checkpoints=True), dict(tile_mlp=True)):
         with pytest.raises(ValueError, match="model instance"):
             tigon.patch(model_type="llama", **kw)
+
+
+def test_the_report_carries_the_memory_plan():
+    model = _checkpointed()
+    report = tigon.patch(model, offload_checkpoints=True)
+    assert report.memory_plan.endswith("for LoRA)") and "GiB at 4096 tokens a row" in report.memory_plan
+    assert "memory plan: " in str(report)
+    assert not tigon.patch(_checkpointed()).memory_plan

@@ -32,6 +32,9 @@ from ..memory import (
     uninstall_checkpoint_offload,
     uninstall_tiled_mlp,
 )
+from ..memory import (
+    plan as memory_plan,
+)
 from . import attention as tigon_attention
 from . import (
     attention_table,
@@ -70,6 +73,8 @@ class PatchReport:
     # {layer kind: {mask kind: backend}} of the "tigon" training attention (training_attention.layer_plan), for
     # the device the model was on when patched; empty when the model keeps its own attention.
     attention_backends: dict = dataclasses.field(default_factory=dict)
+    # with offload_checkpoints / tile_mlp: tigon.memory.plan's prediction for the model as patched (one line)
+    memory_plan: str = ""
 
     def add(self, piece: str, n: int = 1) -> None:
         self.replaced[piece] += n
@@ -82,6 +87,7 @@ class PatchReport:
         rows += [f"  {piece:<58} {n:>5}" for piece, n in sorted(self.replaced.items())]
         rows += [f"  training attention, {layer}: " + ", ".join(f"{kind} -> {b}" for kind, b in plan.items())
                  for layer, plan in self.attention_backends.items()]
+        rows += [f"  memory plan: {self.memory_plan}"] if self.memory_plan else []
         rows += [f"  skipped: {piece}: {reason}" for piece, reason in self.skipped]
         return "\n".join(rows)
 
@@ -421,12 +427,14 @@ def _attention_patch(model, report, attention) -> None:
 
     The semantics never depend on the GPU: the decoder model's forward is wrapped (training_attention.
     packed_model_forward) so that a padding-free packed row (position_ids restarting per example, no
-    attention_mask) attends within each example whatever the implementation. The table
-    (hf/attention_table.py) only ranks the kernels of the "tigon" implementation; where it has no row, "tigon" runs
-    HF's own pick. attention=True switches any model to "tigon"; "auto" switches a model on HF's sdpa, and one on
-    eager where the table ranks a kernel above HF's pick for one of its mask kinds (elsewhere eager stays, with its
-    own numerics), and keeps an implementation the user chose (flash_attention_2, flex_attention, a hub kernel);
-    attention=False keeps any. Where the model keeps its implementation, packed rows run HF's own packed-sequence
+    attention_mask) attends within each example whatever the implementation. The ranking
+    (hf/attention_table.py: the user cache of `tigon tune`, else the shipped table, else for an unmeasured GPU the
+    rule, the backends that beat HF's pick on every measured GPU; docs/tuning.md) only orders the kernels of the
+    "tigon" implementation, and ends with HF's own pick, which runs where nothing ranks above it (and on a CPU).
+    attention=True switches any model to "tigon"; "auto" switches a model on HF's sdpa, and one on eager where the
+    ranking puts a kernel above HF's pick for one of its mask kinds (elsewhere eager stays, with its own numerics),
+    and keeps an implementation the user chose (flash_attention_2, flex_attention, a hub kernel); attention=False
+    keeps any. Where the model keeps its implementation, packed rows run HF's own packed-sequence
     mask (the wrapper turns the training cache off for them)."""
     hf = unwrap_model(model)
     impl = hf.config._attn_implementation
@@ -510,6 +518,8 @@ def _memory_options(model, offload, tile):
 
 
 def _memory_patch(hf, report, keep_on_card, tile_tokens) -> None:
+    if keep_on_card is None and tile_tokens is None:
+        return
     if tile_tokens is not None:  # after the MLP swap: the tiled forward wraps the modules the model now holds
         report.add(f"tiled MLP ({tile_tokens} tokens a tile)", install_tiled_mlp(hf, tile_tokens=tile_tokens))
     if keep_on_card is not None:
@@ -518,6 +528,28 @@ def _memory_patch(hf, report, keep_on_card, tile_tokens) -> None:
         except RuntimeError as e:  # no pinned host memory: nothing was armed
             raise RuntimeError(f"tigon.patch: offload_checkpoints: {e}") from e
         report.add(f"checkpoint in host memory ({keep_on_card} kept on the card)", n)
+    report.memory_plan = _plan_line(hf, keep_on_card, tile_tokens)
+
+
+def _plan_line(hf, keep_on_card, tile_tokens) -> str:
+    """tigon.memory.plan for the model's trainable parameters as they are now, one row of 4096 and 8192 tokens:
+    the peak, its slope per 1K tokens and, on a GPU, the longest row that fits the card. Empty where the plan
+    does not model the architecture."""
+    offload = False if keep_on_card is None else keep_on_card
+    tile = 4096 if tile_tokens == "auto" else tile_tokens  # "auto" is chosen at the first step: 4096 stands in
+    try:
+        at = [memory_plan(hf, seq_len=t, offload_checkpoints=offload, tile_tokens=tile) for t in (4096, 8192)]
+    except (ValueError, TypeError, AttributeError) as e:
+        _log.get_logger().debug("tigon.patch: no memory plan for this model: %s", e)
+        return ""
+    slope = (at[1].peak - at[0].peak) / 4
+    line = (f"{at[0].peak / 2**30:.1f} GiB at 4096 tokens a row, +{slope / 2**30:.2f} GiB per 1K tokens (the "
+            "parameters that train now, AdamW; tigon.memory.plan(model, seq_len=..., lora_rank=...) for LoRA)")
+    device = _model_device(hf)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        line += f"; longest row on this card: {at[0].longest_seq_len(total)} tokens"
+    return line
 
 
 def patch_hf_model(
@@ -544,11 +576,13 @@ def patch_hf_model(
     example, no attention_mask) attends within each example on every device and with every attention setting.
     attention (instance only) chooses the implementation: True switches the model to "tigon" (`tigon.hf.attention`:
     decode steps over a RollingKVCache run decode_attention on the ring; training and prefill run
-    `tigon.hf.training_attention`: sliding windows and softcapping without a [T, T] mask, on the backend the table
-    hf/attention_table.py measured fastest for the GPU, else HF's own pick). "auto" (the default) does so for a
-    model on HF's sdpa, and on eager where the table has a faster kernel for the GPU; it keeps an implementation
-    the user chose; False never switches. The table picks
-    kernels only: every choice computes the same attention.
+    `tigon.hf.training_attention`: sliding windows and softcapping without a [T, T] mask, on the first backend of
+    hf/attention_table.py's ranking for the GPU that takes the call: the user cache `tigon tune` wrote, else the
+    shipped table, else for an unmeasured GPU the rule (the backends that beat HF's pick on every measured GPU;
+    docs/tuning.md), then HF's own pick, which a CPU always runs). "auto" (the default) does so for a model on
+    HF's sdpa, and on eager where the ranking puts a faster kernel first for the GPU; it keeps an implementation
+    the user chose; False never switches. The ranking picks kernels only: every choice computes the same
+    attention.
     lora=True (instance only) runs the model's PEFT LoRA Linear layers through tigon.ops.lora_linear, also those
     that get_peft_model adds after the patch (tigon.hf.lora); lora=False leaves them to PEFT.
     moe_experts (instance only) switches the model's routed experts (transformers' `@use_experts_implementation`
