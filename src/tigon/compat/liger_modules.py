@@ -3,8 +3,9 @@ constructor and forward signatures, parameter names and initialisation, so code 
 `LigerRMSNorm(hidden, eps)` or calls `LigerFusedLinearCrossEntropyLoss()(lm_head.weight, h, y)` runs Tigon's
 kernels. Each is a subclass of the Tigon module it maps onto (isinstance checks and from_hf keep working).
 
-Liger options that only choose among Liger's own kernels (in_place, row_mode, impl, mode, backend, num_shards)
-are accepted and kept as attributes; Tigon's kernels make those choices themselves. The loss options
+Liger options that only choose among Liger's own kernels (in_place, row_mode, impl, mode, backend) are accepted
+and kept as attributes; Tigon's kernels make those choices themselves. The tiled MLPs' num_shards does tile: the
+MLP runs shard by shard over the tokens (tigon.memory.tiled_apply). The loss options
 Tigon's kernels do not compute themselves (class weights, a separate z-loss, token scaling, token accuracy,
 predicted tokens) are computed around them with Liger's values (liger_ce_options.py).
 """

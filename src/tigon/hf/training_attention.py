@@ -15,7 +15,9 @@ logits capped as softcap * tanh(s / softcap) (Gemma-2). How it gets here without
   no mask; needs the collator's cu_seq_lens / max_length for a packed row), FlexAttention (a block mask from the
   document ids, built once per forward and shared by the layers, score_mod for softcap), flash_attn's kernels
   when installed, or HF's own pick (SDPA; eager for softcap) with the dense mask built here from the same
-  document ids. Unmeasured GPUs and CPUs run HF's pick, so they compute exactly what HF computes.
+  document ids. The ranking is the user cache's (`tigon tune`), the shipped table's, or for an unmeasured GPU the
+  rule's (backends that beat HF's pick on every measured GPU; docs/tuning.md), then HF's pick; a CPU runs HF's
+  pick, so it computes exactly what HF computes.
 
 No host sync: the document ids come from HF's packed-sequence detection (a device cumsum) or from `cu_seq_lens`
 by a device searchsorted; nothing here reads a tensor value on the host. (HF's own detection, outside Tigon, does

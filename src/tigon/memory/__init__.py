@@ -1,5 +1,10 @@
 """Memory: RollingBuffer, the workspace arena kernels borrow scratch from (`workspace(device)`: the device's
 shared one; docs/memory/rolling_buffer.md), and RollingKVCache, the ring-buffer KV cache (docs/memory/kv_cache.md).
+For training at long context: gradient checkpoints in pinned host memory, fetched one layer ahead of their backward
+(`install_checkpoint_offload`; docs/memory/offload.md), a decoder layer's MLP over tiles of the sequence
+(`install_tiled_mlp`, `tiled_apply`; docs/memory/tiling.md), and `plan`, the peak memory of a training step by
+component before it runs (docs/memory/plan.md). `tigon.patch(model, offload_checkpoints=..., tile_mlp=...)`
+installs the first two.
 
 RollingBuffer is defined in tigon/ops/_rolling_buffer.py, beside the kernels that borrow from it (ops imports
 nothing above it), and this package is its public name. RollingKVCache subclasses transformers' Cache, so it loads
