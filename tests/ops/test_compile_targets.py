@@ -255,6 +255,37 @@ def _cases(full: bool):
             ops.rope_kv_append(key, value, cos, sin, kc, vc, torch.full((C,), -1),
                                torch.tensor([3]), query=q)
         add(f"kv_write-{dt}", kv)
+    # quant_linear: both kernels, every kind; recorded with the GPU launch plan (sm_count 132) and, for the
+    # fp8 cases below sm_89, the bytes-decoding path (Triton has no e4m3 there)
+    ql = importlib.import_module("tigon.ops.quant_linear")
+    from tigon.ops.quantized_weight import QuantizedWeight
+
+    def ql_gpu(kernel, kw, cc, only=TARGETS):
+        return dict(ASM=True, only=only, **({"UPCAST": False} if kernel == "_quant_mm_kernel" else {}))
+
+    for kind, group, act, rows, native in (("int4", 128, None, 1, True), ("int4", 32, "silu", 8, True),
+                                           ("int4", 128, "silu", 512, True), ("nf4", 64, None, 1, True),
+                                           ("nf4", 64, "silu", 40, True), ("fp8", 128, "silu", 1, True),
+                                           ("fp8", 0, None, 8, True), ("fp8", 128, None, 1, False),
+                                           ("fp8", 0, "silu", 40, False)):
+        def quant(kind=kind, group=group, act=act, rows=rows, native=native):
+            N, K = 512, 1024
+            if kind == "fp8":
+                shape = (N,) if group == 0 else (N // group, K // group)
+                data = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
+            else:
+                shape, data = (N, K // group), torch.zeros(N, K // 2, dtype=torch.uint8)
+            qw = QuantizedWeight(kind, data, torch.ones(shape, dtype=bf16), None, group, (N, K), bf16)
+            plan, native_of, sms = ql._plan, ql._fp8_native, ql._launch.sm_count
+            ql._plan = lambda *a: plan.__wrapped__(*a[:6], torch.device("cuda", 0), a[7])
+            ql._fp8_native, ql._launch.sm_count = (lambda device: native), (lambda index: 132)
+            try:
+                ops.quant_linear(rand(rows, K), qw, activation=act)
+            finally:
+                ql._plan, ql._fp8_native, ql._launch.sm_count = plan, native_of, sms
+        add(f"quant_linear-{kind}-g{group}-{act}-m{rows}-{'native' if native else 'bytes'}", quant,
+            lambda kernel, kw, cc, native=native, kind=kind: ql_gpu(
+                kernel, kw, cc, (89, 90) if kind == "fp8" and native else TARGETS))
     return cases
 
 

@@ -29,6 +29,8 @@ from .losses import *  # noqa: F403  (fused-linear preference / RL / distillatio
 from .losses import __all__ as _losses_all
 from .moe import moe_combine, moe_permute
 from .qk_norm_rope import qk_norm_rope
+from .quant_linear import QuantLinearConfig, quant_linear
+from .quantized_weight import QuantizedWeight
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope
 from .swiglu import geglu, swiglu
@@ -41,6 +43,8 @@ __all__ = [
     "GLUConfig",
     "LinearCrossEntropyConfig",
     "QKNormRopeConfig",
+    "QuantLinearConfig",
+    "QuantizedWeight",
     "RMSNormConfig",
     "RopeConfig",
     "RopeKVWriteConfig",
@@ -62,6 +66,7 @@ __all__ = [
     "moe_combine",
     "moe_permute",
     "qk_norm_rope",
+    "quant_linear",
     "rms_norm",
     "rope_kv_append",
     "rope_kv_write",

@@ -1,0 +1,165 @@
+"""quant_linear against a bf16 matmul at Llama-3-8B projection shapes, as % of the weight-read bound.
+
+For each shape (qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096 with the SiLU GLU, down 4096 x 14336), each
+weight kind and each row count (1 and 8: decode; 512: prefill), the time of `tigon.ops.quant_linear` (median of
+triton.testing.do_bench) and of `x @ W.T` on the same weight in bf16. The byte model of one call: the weight's
+`QuantizedWeight.nbytes` (packed data, scales, zeros, perm) plus x and y; the bound is those bytes at the copy
+ceiling measured in the same run (a device-to-device copy of a 1 GiB buffer: 2 GiB moved), and `pct_of_bound` is
+bound time / measured time. Prefill rows report TFLOP/s as well (2 M N K flops).
+
+    python -m benchmarks quant-linear --out results.json            # on a GPU
+    python -m benchmarks quant-linear --sweep --kinds int4 --rows 1   # also a small grid of launch configs
+    python -m benchmarks quant-linear --smoke --out /tmp/q.json     # tiny shapes on the CPU (interpreter)
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+SHAPES = {"qkv": (6144, 4096, None), "o": (4096, 4096, None), "gate_up": (28672, 4096, "silu"),
+          "down": (4096, 14336, None)}
+SMOKE_SHAPES = {"tiny_glu": (48, 256, "silu")}
+# kind name -> (QuantizedWeight kind, group size, zero points)
+KINDS = {"int4": ("int4", 128, False), "int4_zeros": ("int4", 128, True), "nf4": ("nf4", 64, False),
+         "fp8": ("fp8", 128, False), "fp8_channel": ("fp8", 0, False)}
+# --sweep: launch configs around the defaults, per kernel (the GEMV at M = 1, the tensor-core kernel above)
+SWEEP_GEMV = [dict(block_n=bn, block_k=bk, prefetch=pf) for bn in (32, 64, 128) for bk in (128, 256, 512)
+              for pf in (0, 1)]
+SWEEP_DECODE = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128)
+                for w in (4, 8)] + [dict(gemv_max_rows=16)]
+SWEEP_PREFILL = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st) for bm in (64, 128)
+                 for bn in (64, 128) for bk in (32, 64) for w in (4, 8) for st in (3, 4)]
+
+
+def make_weight(kind, N, K, dtype, device, gen):
+    from tigon.ops import QuantizedWeight
+    from tigon.ops.quantized_weight import pack_int4
+
+    qkind, G, zeros = KINDS[kind]
+    if qkind == "fp8":
+        data = torch.randn(N, K, generator=gen, device=device).to(torch.float8_e4m3fn)
+        shape = (N,) if G == 0 else (-(-N // G), -(-K // G))
+        return QuantizedWeight("fp8", data, torch.rand(shape, generator=gen, device=device).to(dtype) * 0.01,
+                               None, G, (N, K), dtype)
+    codes = torch.randint(0, 16, (N, K), generator=gen, device=device, dtype=torch.uint8)
+    scales = (torch.rand(N, K // G, generator=gen, device=device) * 0.01).to(dtype)
+    z = torch.full((N, K // G), 8.0, device=device, dtype=dtype) if zeros else None
+    return QuantizedWeight(qkind, pack_int4(codes), scales, z, G, (N, K), dtype)
+
+
+def timer(device, smoke):
+    """ms of one call: triton.testing.do_bench's median on a GPU, one timed call after a warm-up on the CPU."""
+    if not smoke:
+        import triton
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def cpu_time(fn):
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    return cpu_time
+
+
+def copy_ceiling_gbps(device, smoke, bench):
+    n = (16 << 20) if smoke else (1 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def measure(bench, ceiling, x, qw, w16, act, sweep) -> dict:
+    """One row: quant_linear (the default launch, or the best of SWEEP) and x @ w16.T, timed and checked."""
+    from tigon.ops import QuantLinearConfig, quant_linear
+    from tigon.ops.quant_linear import quant_linear_reference
+
+    (M, K), N = x.shape, qw.shape[0]
+    n_out = N // 2 if act else N
+    io_bytes = (M * K + M * n_out) * x.element_size()
+    moved = qw.nbytes + io_bytes
+    best = None
+    grid = SWEEP_GEMV if M == 1 else SWEEP_DECODE if M <= 16 else SWEEP_PREFILL
+    for cfg in [None] + ([QuantLinearConfig(**c) for c in grid] if sweep else []):
+        try:
+            ms = bench(lambda cfg=cfg: quant_linear(x, qw, activation=act, config=cfg))
+        except Exception as e:  # a swept config the GPU cannot run (shared memory): a note, not a stop
+            print(f"  M={M} {cfg}: {type(e).__name__}", file=sys.stderr)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    ms, cfg = best
+    got = quant_linear(x, qw, activation=act, config=cfg)
+    want = quant_linear_reference(x, qw, activation=act)
+    rel = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+    bf16_ms = bench(lambda: x @ w16.T)
+    bound_ms = moved / (ceiling * 1e9) * 1e3
+    return dict(N=N, K=K, activation=act, group_size=qw.group_size, M=M, ms=ms, gbps=moved / (ms * 1e-3) / 1e9,
+                bytes=moved, bound_ms=bound_ms, pct_of_bound=100 * bound_ms / ms, bf16_ms=bf16_ms,
+                bf16_pct_of_bound=100 * (w16.numel() * 2 + io_bytes) / (ceiling * 1e9) * 1e3 / bf16_ms,
+                speedup_vs_bf16=bf16_ms / ms, tflops=2 * M * N * K / (ms * 1e-3) / 1e12,
+                max_rel_err_vs_reference=rel, config=None if cfg is None else dataclasses.asdict(cfg))
+
+
+def run(args) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16
+    bench = timer(device, args.smoke)
+    ceiling = copy_ceiling_gbps(device, args.smoke, bench)
+    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: copy ceiling {ceiling:.0f} GB/s")
+    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes}
+    rows_list = args.rows or ([1, 17] if args.smoke else [1, 8, 512])
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for shape, (N, K, act) in shapes.items():
+        w16 = torch.randn(N, K, generator=gen, device=device).to(dtype)
+        for kind in args.kinds:
+            qw = make_weight(kind, N, K, dtype, device, gen)
+            for M in rows_list:
+                x = torch.randn(M, K, generator=gen, device=device).to(dtype)
+                row = measure(bench, ceiling, x, qw, w16, act, args.sweep)
+                row.update(shape=shape, kind=kind)
+                rows.append(row)
+                print(f"{shape:8s} {kind:11s} M={M:<4d} {row['ms'] * 1e3:9.1f} us {row['gbps']:7.0f} GB/s "
+                      f"{row['pct_of_bound']:5.1f}% of bound | bf16 {row['bf16_ms'] * 1e3:8.1f} us "
+                      f"({row['speedup_vs_bf16']:.2f}x) err {row['max_rel_err_vs_reference']:.1e}")
+    return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+                torch=torch.__version__, triton=_triton_version(), copy_ceiling_gbps=ceiling, dtype=str(dtype),
+                rows=rows)
+
+
+def _triton_version():
+    import triton
+
+    return triton.__version__
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
+    p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs; report the best")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rows", nargs="+", type=int, help="rows M (default 1 8 512; 1 17 with --smoke)")
+    args = p.parse_args(argv)
+    if args.smoke and not torch.cuda.is_available():
+        # before the first tigon import decorates its kernels (a no-op when the caller set it already)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    result = run(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

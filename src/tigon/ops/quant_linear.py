@@ -1,0 +1,612 @@
+"""Weight-only quantized linear layers: y = x @ W^T with W kept in 4 or 8 bits (a `QuantizedWeight`), dequantized in
+registers; activations are never quantized. docs/ops/quant_linear.md has the formats, the byte model and the design.
+
+Both kernels read W in tiles of [BLOCK_N, GPT, GW]: GPT chunks of GW columns along K, each chunk inside one scale
+group (GW = the largest power of two dividing both the group size and BLOCK_K), so a [BLOCK_N, GPT] tile of
+scales serves a tile.
+- `_quant_gemv_kernel`, the decode step (M <= `gemv_max_rows`, default 1): CUDA-core FMAs, one row of x a
+  program; each chunk is summed against x and scaled once (s * sum(v x), v the stored value), split-K filling the
+  GPU, the splits summed in a fixed order by the last program of a tile to arrive.
+- `_quant_mm_kernel`, the rest (a few decode rows on tensor cores with M padded to 16, and the prefill GEMM): each
+  tile is dequantized in fp32, rounded to x's dtype and fed to `tl.dot` (fp32 accumulation); fp8 tiles with one
+  scale a row are exact in x's dtype and scaled after the dot.
+int4 is read as 32-bit words of 8 codes, each code turned into the fp32 1 + q / 16 by a shift and a LOP3 (no
+int -> float conversion); nf4 codes index a 256 x 2 table (the value pair of a byte: one 8-byte gather a byte);
+`perm` is applied to x's columns in the loads. Inference only.
+"""
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch, _library, _pdl, reference
+from . import _rolling_buffer as _ws
+from .decode_linear import _act
+from .quantized_weight import KINDS, NF4, QuantizedWeight, linear_reference
+
+ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
+KIND_CODES = {kind: i for i, kind in enumerate(KINDS)}  # int4 0, nf4 1, fp8 2
+OP = "tigon.ops.quant_linear"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantLinearConfig:
+    """The launch of `tigon.ops.quant_linear` (speed only, never the result); 0 = chosen from the shapes
+    (`_plan`). Powers of two: block_m (>= 16), block_n, block_k (>= 16), num_warps. gemv_max_rows: up to this many
+    rows run the FMA kernel, more the tensor-core one (-1: the default, 1). split_k: programs sharing one K range.
+    prefetch (GEMV): 1 loads the next tile before summing this one, 0 does not (-1: the default, 0)."""
+
+    block_m: int = 0
+    block_n: int = 0
+    block_k: int = 0
+    num_warps: int = 0
+    num_stages: int = 0
+    split_k: int = 0
+    gemv_max_rows: int = -1
+    prefetch: int = -1
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            least = -1 if f.name in ("gemv_max_rows", "prefetch") else 0
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"QuantLinearConfig: {f.name} must be an int >= {least}, got {v!r}")
+            if f.name in ("block_m", "block_n", "block_k", "num_warps") and v & (v - 1):
+                raise ValueError(f"QuantLinearConfig: {f.name} must be 0 or a power of two, got {v}")
+        for name in ("block_m", "block_k"):
+            if 0 < getattr(self, name) < 16:
+                raise ValueError(f"QuantLinearConfig: {name} must be 0 or >= 16 (tl.dot), got {getattr(self, name)}")
+        if self.prefetch > 1:
+            raise ValueError(f"QuantLinearConfig: prefetch must be -1, 0 or 1, got {self.prefetch}")
+
+    def ints(self) -> list[int]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+_DEFAULT_CONFIG = QuantLinearConfig()
+
+
+@triton.jit
+def _load_tile(D, S, Z, o_n, m_n, k0, k_end, G: tl.constexpr, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
+               KIND: tl.constexpr, WORDS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALES: tl.constexpr,
+               EVEN_K: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr):
+    """The stored weight tile at columns k0.. (k0 a multiple of BLOCK_K = GPT * GW; nothing is read at or past
+    k_end): raw, [BLOCK_N, GPT, GW // 8] int32 words (int4 with WORDS), [BLOCK_N, GPT, GW // 2] bytes (int4, nf4)
+    or [BLOCK_N, GPT, GW] fp8 values, 0 where masked; s, z [BLOCK_N, GPT], the chunks' scales and zero points in
+    fp32 (z = 8 for symmetric int4, 0 for nf4 and fp8; both 0 when not SCALES). EVEN_K: a tile is all in or all
+    out, so the mask is constant along K and the loads stay 16 B wide."""
+    o_g = tl.arange(0, GPT)
+    p_row = D + o_n.to(tl.int64)[:, None, None] * stride_dn
+    if KIND == 2:
+        kk = tl.multiple_of(k0, GPT * GW) + o_g[:, None] * GW + tl.arange(0, GW)[None, :]
+        p, m_k = p_row + kk[None, :, :], kk < k_end
+    elif WORDS:
+        kw = tl.multiple_of(k0 // 8, GPT * GW // 8) + o_g[:, None] * (GW // 8) + tl.arange(0, GW // 8)[None, :]
+        p, m_k = p_row + kw[None, :, :], 8 * kw < k_end
+    else:
+        kb = tl.multiple_of(k0 // 2, GPT * GW // 2) + o_g[:, None] * (GW // 2) + tl.arange(0, GW // 2)[None, :]
+        p, m_k = p_row + kb[None, :, :], 2 * kb < k_end
+    if EVEN_K:
+        m = m_n[:, None, None] & (k0 < k_end)
+    else:
+        m = m_n[:, None, None] & m_k[None, :, :]
+    if D.dtype.element_ty.is_floating():
+        raw = tl.load(p, mask=m, other=0.0)
+    else:
+        raw = tl.load(p, mask=m, other=0)
+    s = tl.zeros([o_n.shape[0], GPT], tl.float32)
+    z = tl.zeros([o_n.shape[0], GPT], tl.float32)
+    if SCALES:
+        k_c = k0 + o_g * GW
+        rows = o_n
+        if KIND == 2:  # fp8 blocks are G x G
+            rows = o_n // G
+        m_s = m_n[:, None] & (k_c < k_end)[None, :]
+        s = tl.load(S + rows.to(tl.int64)[:, None] * stride_sn + (k_c // G)[None, :] * stride_sg, mask=m_s, other=0.0)
+        s = s.to(tl.float32)
+        if HAS_ZEROS:
+            p_z = Z + o_n.to(tl.int64)[:, None] * stride_zn + (k_c // G)[None, :] * stride_zg
+            z = tl.load(p_z, mask=m_s, other=0.0).to(tl.float32)
+        elif KIND == 0:
+            z += 8.0
+    return raw, s, z
+
+
+@triton.jit
+def _values(raw, T, KIND: tl.constexpr, WORDS: tl.constexpr, FP8_BITS: tl.constexpr, ASM: tl.constexpr,
+            GPT: tl.constexpr, GW: tl.constexpr):
+    """The fp32 values [BLOCK_N, GPT, GW] of a `_load_tile` tile, in K order: 1 + q / 16 for the int4 codes q (the
+    low nibble first); nf4 table values (one 8-byte gather a byte: its two nibbles' values); fp8 values (FP8_BITS:
+    from the bytes, where Triton has no e4m3 conversion: before sm_89).
+
+    int4 without int -> float conversions (a quarter of the FMA rate on sm_90: they made the GEMV compute-bound):
+    the fp32 with bits 0x3F800000 | q << 19 (q in the mantissa's top 4 bits) is 1 + q / 16 exactly, one shift
+    and one LOP3 a code from its word; the callers take 16 v - 16 = q back exactly, or fold it into a sum."""
+    if KIND == 2 and FP8_BITS:
+        # e4m3 |b| = (exponent e, mantissa m) in 4 + 3 bits: as the fp16 with bits |b| << 7 it reads
+        # 2^(e - 15) (1 + m / 8), or (m / 8) 2^-14 for e = 0; times 2^8 that is e4m3's value, subnormals included
+        b = raw.to(tl.int32)
+        h = ((b & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        v = tl.where(b >= 128, -h, h)
+    elif KIND == 2:
+        v = raw.to(tl.float32)
+    elif KIND == 1:
+        b2 = (raw.to(tl.int32) * 2)[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]
+        v = tl.reshape(tl.load(T + b2), [raw.shape[0], GPT, GW])
+    elif WORDS:  # code i of word j is column 8 j + i; >> is arithmetic, its sign bits land outside the mask
+        # each join adds the innermost dim: [.., a, b, c] flattens to 4 a + 2 b + c, and the last join picks c
+        v = tl.join(tl.join(tl.join(raw << 19, raw << 3), tl.join(raw << 11, raw >> 5)),
+                    tl.join(tl.join(raw << 15, raw >> 1), tl.join(raw << 7, raw >> 9)))
+        v = tl.reshape(_code_bits(v, ASM), [raw.shape[0], GPT, GW]).to(tl.float32, bitcast=True)
+    else:
+        b = raw.to(tl.int32)
+        v = _code_bits(tl.interleave(b << 19, b << 15), ASM).to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def _code_bits(b, ASM: tl.constexpr):
+    """(b & 0x780000) | 0x3F800000: the code in bits 19..22 under the exponent of 1.0. ASM: one LOP3 (the compiler
+    makes two, its and / or taking one immediate each, on the GEMV's critical path of integer ops)."""
+    if ASM:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x780000, 0x3F800000, 0xea;", "=r,r", [b],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    return (b & 0x780000) | 0x3F800000
+
+
+@triton.jit
+def _gemv_sum(raw, s, z, T, x, sx, KIND: tl.constexpr, WORDS: tl.constexpr, FP8_BITS: tl.constexpr,
+              ASM: tl.constexpr, PER_CHANNEL: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr):
+    """A tile's [BLOCK_N, GPT] contribution to y: per chunk, the sum of values times x, scaled once; for int4,
+    sum((q - z) x) = 16 sum((1 + q / 16) x) - (16 + z) sum(x)."""
+    t = tl.sum(_values(raw, T, KIND, WORDS, FP8_BITS, ASM, GPT, GW) * x[None, :, :], axis=2)
+    if KIND == 0:
+        t = s * (16.0 * t - (16.0 + z) * sx[None, :])
+    elif not PER_CHANNEL:
+        t = s * t
+    return t
+
+
+@triton.jit
+def _x_tile(p_x, P, o_x, k0, k_end, HAS_PERM: tl.constexpr):
+    """x's [GPT, GW] columns of the tile at k0 (through perm), 0 at and past k_end."""
+    m_x = k0 + o_x < k_end
+    kk = k0 + o_x
+    if HAS_PERM:
+        kk = tl.load(P + kk, mask=m_x, other=0)
+    return tl.load(p_x + kk, mask=m_x, other=0.0)
+
+
+@triton.jit(do_not_specialize=["M", "N"])  # N: may be 1, and `N.to` must see a tensor
+def _quant_gemv_kernel(
+    X,  # [M, K] activations, unit stride on K
+    D,  # [N, K // 2] uint8 (int4, nf4) or [N, K] float8_e4m3fn (its bytes with FP8_BITS) data, unit stride on K
+    S, Z,  # scales [N, K / G] (int4, nf4), [N] (fp8 per channel) or [ceil(N / G), ceil(K / G)] (fp8); zeros like S
+    P,  # [K] int perm: stored column j multiplies x[:, P[j]] (read when HAS_PERM)
+    T,  # [256, 2] fp32: the nf4 values of each byte's (low, high) nibbles (read for nf4)
+    BIAS, R, Y,  # [N] bias, [M, N_OUT] residual, [M, N_OUT] output
+    WS, CNT,  # fp32 [SPLIT_K, M, N] split-K partials; int32 [tiles] zeroed arrival counters
+    M, N, K, N_OUT, K_SPLIT,
+    stride_xm, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg, stride_rm, stride_ym,
+    G: tl.constexpr,  # group size (int4, nf4), block size (fp8; 1 per channel)
+    KIND: tl.constexpr, WORDS: tl.constexpr, FP8_BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    RESIDUAL: tl.constexpr, PER_CHANNEL: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr, PREFETCH: tl.constexpr,
+    ASM: tl.constexpr,  # inline PTX (a GPU; the interpreter has none)
+    PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N_OUT
+    o_x = tl.arange(0, GPT)[:, None] * GW + tl.arange(0, GW)[None, :]  # [GPT, GW] column offsets in a tile
+    p_x = X + row.to(tl.int64) * stride_xm
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    acc = tl.zeros([BLOCK_N, GPT], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, GPT], dtype=tl.float32)
+    if PDL:
+        _pdl.wait(PDL)
+    if PREFETCH:
+        # Triton's pipeliner stages only the loads that feed a tl.dot: here the next tile's loads are issued by hand
+        # before this tile's math (two tiles in flight a program, at twice the registers: half the programs an SM)
+        w, s, z = _load_tile(D, S, Z, o_n, m_n, k_lo, k_hi, G, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
+                             KIND, WORDS, HAS_ZEROS, not PER_CHANNEL, EVEN_K, GPT, GW)
+        w_u, s_u, z_u = w, s, z
+        if ACT != 0:  # up's rows sit N_OUT below gate's
+            w_u, s_u, z_u = _load_tile(D, S, Z, o_n + N_OUT, m_n, k_lo, k_hi, G, stride_dn, stride_sn, stride_sg,
+                                       stride_zn, stride_zg, KIND, WORDS, HAS_ZEROS, not PER_CHANNEL, EVEN_K, GPT, GW)
+        x = _x_tile(p_x, P, o_x, k_lo, k_hi, HAS_PERM)
+        for k0 in range(k_lo, k_hi, GPT * GW):
+            k1 = k0 + GPT * GW
+            w1, s1, z1 = _load_tile(D, S, Z, o_n, m_n, k1, k_hi, G, stride_dn, stride_sn, stride_sg, stride_zn,
+                                    stride_zg, KIND, WORDS, HAS_ZEROS, not PER_CHANNEL, EVEN_K, GPT, GW)
+            x1 = _x_tile(p_x, P, o_x, k1, k_hi, HAS_PERM)
+            xf = x.to(tl.float32)
+            sx = tl.sum(xf, axis=1)
+            acc += _gemv_sum(w, s, z, T, xf, sx, KIND, WORDS, FP8_BITS, ASM, PER_CHANNEL, GPT, GW)
+            if ACT != 0:
+                w1_u, s1_u, z1_u = _load_tile(D, S, Z, o_n + N_OUT, m_n, k1, k_hi, G, stride_dn, stride_sn,
+                                              stride_sg, stride_zn, stride_zg, KIND, WORDS, HAS_ZEROS,
+                                              not PER_CHANNEL, EVEN_K, GPT, GW)
+                acc_u += _gemv_sum(w_u, s_u, z_u, T, xf, sx, KIND, WORDS, FP8_BITS, ASM, PER_CHANNEL, GPT, GW)
+                w_u, s_u, z_u = w1_u, s1_u, z1_u
+            w, s, z, x = w1, s1, z1, x1
+    else:
+        for k0 in range(k_lo, k_hi, GPT * GW):
+            w, s, z = _load_tile(D, S, Z, o_n, m_n, k0, k_hi, G, stride_dn, stride_sn, stride_sg, stride_zn,
+                                 stride_zg, KIND, WORDS, HAS_ZEROS, not PER_CHANNEL, EVEN_K, GPT, GW)
+            xf = _x_tile(p_x, P, o_x, k0, k_hi, HAS_PERM).to(tl.float32)
+            sx = tl.sum(xf, axis=1)
+            acc += _gemv_sum(w, s, z, T, xf, sx, KIND, WORDS, FP8_BITS, ASM, PER_CHANNEL, GPT, GW)
+            if ACT != 0:
+                w_u, s_u, z_u = _load_tile(D, S, Z, o_n + N_OUT, m_n, k0, k_hi, G, stride_dn, stride_sn, stride_sg,
+                                           stride_zn, stride_zg, KIND, WORDS, HAS_ZEROS, not PER_CHANNEL, EVEN_K,
+                                           GPT, GW)
+                acc_u += _gemv_sum(w_u, s_u, z_u, T, xf, sx, KIND, WORDS, FP8_BITS, ASM, PER_CHANNEL, GPT, GW)
+    if PDL:
+        _pdl.start(PDL)
+    o_m = tl.zeros([1], dtype=tl.int32) + row
+    _finish(tl.sum(acc, axis=1)[None, :], tl.sum(acc_u, axis=1)[None, :], S, BIAS, R, Y, WS, CNT,
+            row * tl.num_programs(0) + pid_n, pid_k, o_m, o_m < M, o_n, m_n, M, N, N_OUT, stride_sn, stride_rm,
+            stride_ym, HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL, SPLIT_K)
+
+
+@triton.jit
+def _dot(x, w, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    if UPCAST:  # the interpreter computes raw 16-bit products wrongly: fp32 numpy matmul instead
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return tl.dot(x, tl.trans(w), input_precision=PRECISION)
+
+
+@triton.jit
+def _mm_tile(x, D, T, S, Z, o_n, m_n, k0, k_end, G: tl.constexpr, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
+             KIND: tl.constexpr, WORDS: tl.constexpr, FP8_BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+             PER_CHANNEL: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+             ASM: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] @ (this weight tile)^T in fp32, the tile dequantized in fp32 and rounded to x's dtype."""
+    raw, s, z = _load_tile(D, S, Z, o_n, m_n, k0, k_end, G, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
+                           KIND, WORDS, HAS_ZEROS, not PER_CHANNEL, EVEN_K, GPT, GW)
+    v = _values(raw, T, KIND, WORDS, FP8_BITS, ASM, GPT, GW)
+    if KIND == 2 and (PER_CHANNEL or GPT == 1):  # fp8 values are exact in x's dtype: scale after the dot
+        d = _dot(x, tl.reshape(v, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION)
+        if not PER_CHANNEL:
+            d = d * tl.reshape(s, [o_n.shape[0]])[None, :]
+    elif KIND == 0:  # (q - z) s = v (16 s) - (16 + z) s, one FMA an element
+        w = v * (16.0 * s)[:, :, None] - ((16.0 + z) * s)[:, :, None]
+        d = _dot(x, tl.reshape(w, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION)
+    else:
+        w = (v - z[:, :, None]) * s[:, :, None]
+        d = _dot(x, tl.reshape(w, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION)
+    return d
+
+
+@triton.jit(do_not_specialize=["M", "N"])  # N: may be 1, and `N.to` must see a tensor
+def _quant_mm_kernel(
+    X, D, S, Z, P, T, BIAS, R, Y, WS, CNT,  # as in _quant_gemv_kernel
+    M, N, K, N_OUT, K_SPLIT,
+    stride_xm, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg, stride_rm, stride_ym,
+    G: tl.constexpr,  # group size (int4, nf4), block size (fp8; 1 per channel)
+    KIND: tl.constexpr, WORDS: tl.constexpr, FP8_BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    RESIDUAL: tl.constexpr, PER_CHANNEL: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GPT: tl.constexpr, GW: tl.constexpr, GROUP_M: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+):
+    # GROUP_M row blocks share a band of column blocks, so their weight tiles are read from L2 after the first
+    tile = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_blocks = tl.cdiv(N_OUT, BLOCK_N)
+    first_m = tile // (GROUP_M * n_blocks) * GROUP_M
+    rows_in_group = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    pid_m = first_m + tile % (GROUP_M * n_blocks) % rows_in_group
+    pid_n = tile % (GROUP_M * n_blocks) // rows_in_group
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N_OUT
+    o_k = tl.arange(0, GPT * GW)
+    p_x = X + o_m.to(tl.int64)[:, None] * stride_xm
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PDL:
+        _pdl.wait(PDL)
+    for k0 in range(k_lo, k_hi, GPT * GW):
+        kk = k0 + o_k
+        m_k = kk < K
+        if HAS_PERM:
+            kk = tl.load(P + kk, mask=m_k, other=0)
+        x = tl.load(p_x + kk[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        acc += _mm_tile(x, D, T, S, Z, o_n, m_n, k0, k_hi, G, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
+                        KIND, WORDS, FP8_BITS, HAS_ZEROS, PER_CHANNEL, EVEN_K, UPCAST, PRECISION, ASM, GPT,
+                        GW)
+        if ACT != 0:
+            acc_u += _mm_tile(x, D, T, S, Z, o_n + N_OUT, m_n, k0, k_hi, G, stride_dn, stride_sn, stride_sg, stride_zn,
+                              stride_zg, KIND, WORDS, FP8_BITS, HAS_ZEROS, PER_CHANNEL, EVEN_K, UPCAST, PRECISION,
+                              ASM, GPT, GW)
+    if PDL:
+        _pdl.start(PDL)
+    _finish(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n, m_n, M, N, N_OUT, stride_sn,
+            stride_rm, stride_ym, HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL, SPLIT_K)
+
+
+@triton.jit
+def _finish(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n, m_n, M, N, N_OUT, stride_sn, stride_rm,
+            stride_ym, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr, PER_CHANNEL: tl.constexpr,
+            SPLIT_K: tl.constexpr):
+    """Sum the splits (the last program of a tile to arrive reads the others' partials in split order: the same
+    sum every run, as ops/decode_linear.py), then the epilogue."""
+    if SPLIT_K > 1:
+        m_y = m_m[:, None] & m_n[None, :]
+        slice_size = N.to(tl.int64) * M
+        o_ws = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+        tl.store(WS + pid_k * slice_size + o_ws, acc, mask=m_y)
+        if ACT != 0:
+            tl.store(WS + pid_k * slice_size + o_ws + N_OUT, acc_u, mask=m_y)
+        tl.debug_barrier()  # every thread's stores before the counter's gpu-scope release
+        if tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            acc = tl.zeros(acc.shape, dtype=tl.float32)
+            acc_u = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(WS + s * slice_size + o_ws, mask=m_y, other=0.0, cache_modifier=".cg")
+                if ACT != 0:
+                    acc_u += tl.load(WS + s * slice_size + o_ws + N_OUT, mask=m_y, other=0.0, cache_modifier=".cg")
+            tl.store(CNT + tile, 0)  # every split has arrived: the counter is free for the next call
+            _epilogue(acc, acc_u, S, BIAS, R, Y, o_m, m_m, o_n, m_n, N_OUT, stride_sn, stride_rm, stride_ym,
+                      HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL)
+    else:
+        _epilogue(acc, acc_u, S, BIAS, R, Y, o_m, m_m, o_n, m_n, N_OUT, stride_sn, stride_rm, stride_ym, HAS_BIAS,
+                  ACT, RESIDUAL, PER_CHANNEL)
+
+
+@triton.jit
+def _epilogue(acc, acc_u, S, BIAS, R, Y, o_m, m_m, o_n, m_n, N_OUT, stride_sn, stride_rm, stride_ym,
+              HAS_BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """Per-channel scale, bias; with ACT act(gate) * up on the rounded halves; + residual on the rounded product."""
+    dt = Y.dtype.element_ty
+    if PER_CHANNEL:
+        acc *= tl.load(S + o_n.to(tl.int64) * stride_sn, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        if ACT != 0:
+            acc_u *= tl.load(S + (o_n + N_OUT).to(tl.int64) * stride_sn, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        if ACT != 0:
+            acc_u += tl.load(BIAS + N_OUT + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    y = acc
+    if ACT != 0:
+        y = _act(acc.to(dt).to(tl.float32), ACT) * acc_u.to(dt).to(tl.float32)
+    m_y = m_m[:, None] & m_n[None, :]
+    if RESIDUAL:
+        p_r = R + o_m.to(tl.int64)[:, None] * stride_rm + o_n[None, :]
+        y = y.to(dt).to(tl.float32) + tl.load(p_r, mask=m_y, other=0.0).to(tl.float32)
+    tl.store(Y + o_m.to(tl.int64)[:, None] * stride_ym + o_n[None, :], y.to(dt), mask=m_y)
+
+
+@functools.lru_cache(maxsize=8)
+def _nf4_pairs(device: torch.device) -> torch.Tensor:
+    """[256, 2] fp32: NF4[byte & 15], NF4[byte >> 4] for every byte (made once a device: warm up before a CUDA graph
+    capture, like every first call)."""
+    table, b = torch.tensor(NF4, dtype=torch.float32), torch.arange(256)
+    return torch.stack((table[b & 15], table[b >> 4]), dim=1).contiguous().to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _fp8_native(device: torch.device) -> bool:
+    """Whether Triton converts float8_e4m3fn on `device`: from sm_89 (and in the interpreter); before, the kernels
+    decode the bytes (`_values`)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    gemv: bool
+    block_m: int
+    block_n: int
+    gw: int  # columns of a chunk under one scale
+    gpt: int  # chunks a tile: BLOCK_K = gpt * gw
+    num_warps: int
+    num_stages: int
+    k_split: int
+    split: int
+    prefetch: bool
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torch.device,
+          cfg: QuantLinearConfig) -> _Plan:
+    """The launch for these shapes (cached: no host work a call); every field of `cfg` that is not 0 wins. GPU
+    defaults, by the byte model in docs/ops/quant_linear.md (to be swept on H100 / H200): the GEMV streams 64 rows
+    x 256 columns a step (8 KiB of int4 a program, 16 B a lane on 4 warps); the decode dot 16 x 128 x 64 tiles;
+    the prefill GEMM 64 or 128 x 128 x 64. Rows <= 16 split K until enough programs stream the weight (below);
+    the interpreter splits in 2, so the tests' default launches sum splits."""
+    gpu = device.type == "cuda"
+    gemv = M <= (1 if cfg.gemv_max_rows < 0 else cfg.gemv_max_rows)
+    # (block_m, block_n, block_k, num_warps, num_stages), from the sm_90 SASS of each kernel (docs/ops/quant_linear.md,
+    # "Instructions an element"): wider column blocks spread x's conversion and the per-step overhead over more
+    # weight elements; nf4 keeps 32 columns (its gathers need the registers). The interpreter pays per program and
+    # per op, not per element: one or two wide tiles over the tests' shapes.
+    if gemv:
+        picked = (1, 32 if kind == "nf4" else 64, 256, 4, 1) if gpu else (1, 64, 128, 4, 1)
+    elif M <= _launch.DECODE_ROWS:
+        picked = (16, 64 if glu else 128, 64, 4, 3) if gpu else (16, 64, 128, 4, 1)
+    elif gpu:
+        # a GLU keeps two accumulators: 64 columns (128 x 128 x 2 fp32 spilled on sm_90 in fp8)
+        picked = (64, 64 if glu else 128, 64, 4, 3) if M <= 64 else (128, 64 if glu else 128, 64, 8, 3)
+    else:
+        picked = (32, 64, 128, 4, 1)
+    block_m, block_n, block_k, warps, stages = picked
+    if not gemv:
+        block_m = cfg.block_m or block_m
+    block_n = cfg.block_n or block_n if gemv else max(16, cfg.block_n or block_n)  # tl.dot: >= 16
+    block_k = min(cfg.block_k or block_k, max(16, _launch.next_power_of_2(K)))
+    pow2_g = G & -G  # the largest power of two dividing the group (fp8 per channel: G = 0, one chunk a tile)
+    if kind == "fp8" and not gemv and 16 <= pow2_g < block_k:
+        block_k = pow2_g  # one fp8 block a tile: the dot runs on exact fp8 values, scaled after
+    gw = block_k if G == 0 else min(pow2_g, block_k)
+    split = cfg.split_k
+    if not split and M <= _launch.DECODE_ROWS:
+        steps = _launch.cdiv(K, block_k)
+        if gpu:
+            # programs an SM: the GEMV 8 (~64 registers a thread at 4 warps on sm_90: 8 fit), 4 with a GLU (~128
+            # registers) and in the dot kernel; the most splits under that which divide the K steps evenly and leave
+            # each split two steps
+            tiles = _launch.cdiv(n_out, block_n) * (M if gemv else 1)
+            want = (4 if glu or not gemv else 8) * _launch.sm_count(device.index or 0) / tiles
+            split = max([d for d in range(1, steps // 2 + 1) if steps % d == 0 and d <= max(want, 1)], default=1)
+        else:
+            split = 2  # the tests' default launches sum two splits
+    split = split or 1
+    k_split = _launch.cdiv(_launch.cdiv(K, split), block_k) * block_k
+    return _Plan(gemv, block_m, block_n, gw, block_k // gw, cfg.num_warps or warps, cfg.num_stages or stages,
+                 k_split, _launch.cdiv(K, k_split), cfg.prefetch == 1)
+
+
+def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, act, config):
+    """x [M, K] (unit stride on K); returns [M, n_out]. config: None or `QuantLinearConfig.ints()`."""
+    M, K = x.shape
+    n_out = n // 2 if act else n
+    y = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    if M == 0 or n_out == 0:
+        return y
+    cfg = QuantLinearConfig(*config) if config is not None else _DEFAULT_CONFIG
+    plan = _plan(M, n_out, K, KINDS[kind], group_size, bool(act), x.device, cfg)
+    n_blocks = _launch.cdiv(n_out, plan.block_n)
+    tiles = n_blocks * (M if plan.gemv else _launch.cdiv(M, plan.block_m))
+    ws = cnt = y
+    if plan.split > 1:  # pinned, as decode_linear's: counters stay zero between calls, and a graph replays them
+        arena = _ws.workspace(x.device)
+        ws = arena.pinned("quant_linear.partials", max(plan.split * M * n, 1 << 18), torch.float32)
+        cnt = arena.pinned("quant_linear.counters", max(tiles, 1 << 12), torch.int32, zeros=True)
+    per_channel = kind == 2 and group_size == 0
+    fp8_bits = kind == 2 and not _fp8_native(x.device)
+    data = _launch.unit_last(data)
+    if fp8_bits:
+        data = data.view(torch.uint8)
+    # int4 in 32-bit words (8 codes a load element, no byte extraction) when every chunk is whole words
+    words = kind == 0 and plan.gw % 8 == 0 and data.shape[1] % 4 == 0 and data.stride(0) % 4 == 0 and (
+        data.storage_offset() % 4 == 0)
+    if words:
+        data = data.view(torch.int32)
+    table = _nf4_pairs(x.device) if kind == 1 else scales
+    if kind != 0:
+        zeros = None  # zero points are int4's only (`dequantize` reads none for nf4 and fp8)
+    z = zeros if zeros is not None else scales
+    pdl = _pdl.enabled(x.device)
+    args = (x, data, scales, z, perm if perm is not None else data, table, bias if bias is not None else y,
+            residual if residual is not None else y, y, ws, cnt, M, n, K, n_out, plan.k_split,
+            x.stride(0), data.stride(0), scales.stride(0), scales.stride(-1) if scales.dim() == 2 else 0,
+            z.stride(0), z.stride(-1) if z.dim() == 2 else 0, residual.stride(0) if residual is not None else 0,
+            y.stride(0))
+    flags = dict(G=max(group_size, 1), KIND=kind, WORDS=words, FP8_BITS=fp8_bits, HAS_ZEROS=zeros is not None,
+                 HAS_PERM=perm is not None, HAS_BIAS=bias is not None, ACT=act, RESIDUAL=residual is not None,
+                 PER_CHANNEL=per_channel, SPLIT_K=plan.split, EVEN_K=K % (plan.gpt * plan.gw) == 0, GPT=plan.gpt,
+                 GW=plan.gw, PDL=pdl, ASM=x.device.type == "cuda" and torch.version.hip is None,
+                 num_warps=plan.num_warps, num_stages=plan.num_stages,
+                 **_pdl.launch_options(pdl))
+    if plan.gemv:
+        _quant_gemv_kernel[(n_blocks, M, plan.split)](*args, BLOCK_N=plan.block_n, PREFETCH=plan.prefetch, **flags)
+    else:
+        _quant_mm_kernel[(tiles, plan.split)](
+            *args, UPCAST=x.device.type == "cpu", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8, **flags)
+    return y
+
+
+@torch.library.custom_op("tigon::quant_linear", mutates_args=())
+def quant_linear_op(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    perm: torch.Tensor | None, bias: torch.Tensor | None, residual: torch.Tensor | None, kind: int,
+                    group_size: int, n: int, activation: int, config: list[int] | None = None) -> torch.Tensor:
+    """x [M, K] and a QuantizedWeight's tensors; returns [M, n] ([M, n // 2] with an activation)."""
+    return _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, activation, config)
+
+
+@quant_linear_op.register_fake
+def _(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, activation, config=None):
+    return x.new_empty((x.shape[0], n // 2 if activation else n))
+
+
+def quant_linear_reference(x, qw, *, bias=None, residual=None, activation=None):
+    """The spec: `linear_reference` (fp32 math, rounded to qw.dtype), then the GLU on the rounded halves (rounded),
+    then the residual sum (rounded): the roundings of the unfused modules (a quantized Linear, the GLU, the add)."""
+    y = linear_reference(x, qw, bias)
+    if activation is not None:
+        gate, up = y.chunk(2, dim=-1)
+        y = (reference.swiglu if activation == "silu" else reference.geglu)(gate, up)
+    if residual is not None:
+        y = (y.float() + residual.float()).to(y.dtype)
+    return y
+
+
+def _validate(x, qw, bias, residual, activation, config) -> int:
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"{OP}: qw must be a tigon.ops.QuantizedWeight, got {type(qw).__name__}")
+    if config is not None and not isinstance(config, QuantLinearConfig):
+        raise TypeError(f"{OP}: config must be a tigon.ops.QuantLinearConfig or None, got {type(config).__name__}")
+    _launch.check_tensor(OP, "x", x)
+    _launch.check_min_dim(OP, "x", x)
+    if x.dtype != qw.dtype:
+        raise TypeError(f"{OP}: x has dtype {x.dtype} but qw.dtype is {qw.dtype} (the output's dtype)")
+    N, K = qw.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"{OP}: x must have shape [..., K={K}] (qw.shape {tuple(qw.shape)}), got {tuple(x.shape)}")
+    if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
+        raise ValueError(f"{OP}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    if activation is not None and N % 2:
+        raise ValueError(f"{OP}: activation={activation!r} needs qw's N rows to be [gate; up], an even count, got {N}")
+    if qw.kind != "fp8" and qw.group_size % 2:
+        raise ValueError(f"{OP}: qw.group_size must be even for {qw.kind} (a byte's two codes share a group), "
+                         f"got {qw.group_size}")
+    _launch.check_tensor(OP, "qw.scales", qw.scales)
+    if qw.zeros is not None:
+        _launch.check_tensor(OP, "qw.zeros", qw.zeros)
+    if qw.perm is not None and (qw.perm.dtype.is_floating_point or qw.perm.dtype.is_complex or
+                                qw.perm.dtype == torch.bool):
+        raise TypeError(f"{OP}: qw.perm must be an integer tensor, got {qw.perm.dtype}")
+    n_out = N // 2 if activation is not None else N
+    if bias is not None:
+        _launch.check_tensor(OP, "bias", bias, floating=False)
+        _launch.check_same_dtype(OP, "x", x, bias=bias)
+        _launch.check_shape(OP, "bias", bias, (N,))
+    if residual is not None:
+        _launch.check_tensor(OP, "residual", residual, floating=False)
+        _launch.check_same_dtype(OP, "x", x, residual=residual)
+        _launch.check_shape(OP, "residual", residual, tuple(x.shape[:-1]) + (n_out,))
+    _launch.check_same_device(OP, "x", x, **{"qw.data": qw.data, "qw.scales": qw.scales, "qw.zeros": qw.zeros,
+                                             "qw.perm": qw.perm}, bias=bias, residual=residual)
+    if qw.perm is not None and qw.perm.numel() and _library.host_checks(x.device):
+        if int(qw.perm.min()) < 0 or int(qw.perm.max()) >= K:
+            raise ValueError(f"{OP}: qw.perm must hold column indices in [0, {K}), got values in "
+                             f"[{int(qw.perm.min())}, {int(qw.perm.max())}]")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, bias, residual)):
+        raise RuntimeError(f"{OP}: inference only, no backward; call it under torch.no_grad() or on detached tensors")
+    return n_out
+
+
+def quant_linear(x, qw, *, bias=None, residual=None, activation=None, config=None):
+    """x [..., K] @ W^T + bias for a quantized weight W [N, K] (`QuantizedWeight`), in x's dtype (= qw.dtype).
+
+    activation "silu" / "gelu_tanh": W's rows are [gate; up] and the result is act(gate) * up, [..., N // 2].
+    residual [..., N_out]: added last. Rounding as the unfused modules (`quant_linear_reference`). Up to
+    `gemv_max_rows` rows (1) run the decode GEMV, more the tensor-core kernel (M > 16: the prefill GEMM); on a
+    device without the kernels, the reference. config: a `QuantLinearConfig` (speed only). Inference only: a
+    RuntimeError if x, bias or residual needs a gradient."""
+    n_out = _validate(x, qw, bias, residual, activation, config)
+    if not _library.use_kernels("quant_linear", x):
+        return quant_linear_reference(x, qw, bias=bias, residual=residual, activation=activation)
+    lead = x.shape[:-1]
+    x2 = _launch.as_rows(x)
+    r2 = _launch.unit_last(residual.reshape(-1, n_out)) if residual is not None else None
+    y = _library.dispatch(quant_linear_op, None, _launch_kernel, x2, qw.data, qw.scales, qw.zeros, qw.perm,
+                          bias.contiguous() if bias is not None else None, r2, KIND_CODES[qw.kind], qw.group_size,
+                          qw.shape[0], ACTIVATIONS[activation], config.ints() if config is not None else None)
+    return y.reshape(*lead, n_out)
+
+
+__all__ = ["QuantLinearConfig", "QuantizedWeight", "quant_linear", "quant_linear_reference"]

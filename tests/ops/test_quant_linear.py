@@ -1,0 +1,382 @@
+"""quant_linear: x @ W^T for a 4- or 8-bit weight (`QuantizedWeight`), with bias, GLU and residual epilogues.
+
+Every output is checked against the exact product of x with `dequantize(qw)` (fp64), within the error model of the
+kernels (`_tol`), per element:
+- the fp32 sums over K: u32 * (sum_ulps(K) + 4) * sum_k |x_k| m_k, where m_k = (|q_k| + |z|) |s| for int4 (the GEMV
+  sums raw codes and subtracts z * sum(x) once a chunk) and |w_k| otherwise;
+- the tensor-core kernel (more rows than `gemv_max_rows`) rounds each dequantized tile to x's dtype:
+  2 u(dtype) * sum_k |x_k w_k| more;
+- each rounding to the dtype (the output; with a GLU the two halves and the product; with a residual the product
+  and the sum): 2 u(dtype) of the value (a whole ulp: Triton's interpreter truncates), carried through the GLU by
+  its slope (|silu'|, |gelu_tanh'| < 1.13) plus GLU_ULPS u32 |gate up| for its fp32 math.
+`test_fp32_model_rejects_a_wrong_output` is the model's negative control. The conftest's NaN-poisoned allocations
+make any output element left unwritten fail the finiteness check.
+"""
+
+import dataclasses
+import importlib
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests._grid import U32, UNIT_ROUNDOFF, assert_tol, sum_ulps
+from tigon import ops
+from tigon.ops import _library
+from tigon.ops.quant_linear import QuantLinearConfig, quant_linear, quant_linear_reference
+from tigon.ops.quantized_weight import QuantizedWeight, dequantize, pack_int4, unpack_int4
+
+ql = importlib.import_module("tigon.ops.quant_linear")  # the module: tigon.ops.quant_linear is the function
+
+GLU_ULPS = 8.0
+GLU_SLOPE = 1.13  # max |d act / d gate| of silu (1.0998) and gelu_tanh (1.1289)
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# (kind, group_size, zeros, perm, N, K): every kind, groups 32 / 64 / 128, odd N; fp8 blocks partial in N and K
+CASES = {
+    "int4-g32": ("int4", 32, False, False, 40, 256),
+    "int4-zeros-g64": ("int4", 64, True, False, 38, 256),
+    "int4-perm-g128": ("int4", 128, True, True, 40, 256),
+    "int4-zeros-g12": ("int4", 12, True, False, 20, 96),  # 4-column chunks: the codes read as bytes, not words
+    "nf4-g32": ("nf4", 32, False, False, 24, 192),
+    "nf4-g128": ("nf4", 128, False, True, 40, 256),
+    "fp8-channel": ("fp8", 0, False, False, 37, 200),
+    "fp8-block128": ("fp8", 128, False, False, 40, 200),
+    "fp8-block32": ("fp8", 32, False, False, 40, 96),
+    "fp8-block48": ("fp8", 48, False, False, 50, 120),  # 16-column chunks: scaled before the dot
+}
+
+
+def _weight(kind, G, zeros, perm, N, K, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "fp8":
+        data = (torch.randn(N, K, generator=g) * 3).to(torch.float8_e4m3fn)
+        shape = (N,) if G == 0 else (-(-N // G), -(-K // G))
+        return QuantizedWeight("fp8", data, (torch.rand(shape, generator=g) * 0.2 + 0.05).to(dtype), None, G, (N, K),
+                               dtype)
+    codes = torch.randint(0, 16, (N, K), generator=g)
+    scales = ((torch.rand(N, K // G, generator=g) + 0.5) * 0.05).to(dtype)
+    z = (torch.rand(N, K // G, generator=g) * 15).to(dtype) if zeros else None  # float zero points, as the spec
+    p = torch.randperm(K, generator=g) if perm else None
+    return QuantizedWeight(kind, pack_int4(codes), scales, z, G, (N, K), dtype, p)
+
+
+def _on(qw, device):
+    move = {f: getattr(qw, f).to(device) for f in ("data", "scales", "zeros", "perm") if getattr(qw, f) is not None}
+    return dataclasses.replace(qw, **move)
+
+
+def _magnitudes(qw):
+    """(W, m): the exact weight and the per-element magnitude the kernels' fp32 sums are bounded by (fp64)."""
+    w = dequantize(qw).double()
+    if qw.kind != "int4":
+        return w, w.abs()
+    G = qw.group_size
+    s = qw.scales.double().repeat_interleave(G, 1).abs()
+    z = 8.0 if qw.zeros is None else qw.zeros.double().repeat_interleave(G, 1).abs()
+    return w, (unpack_int4(qw.data).double() + z + 32) * s  # the GEMV sums 1 + q / 16 and x apart: 16 + q, 16 + z
+
+
+def _act64(g, activation):
+    return F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
+
+
+def _exact_and_tol(x, qw, *, bias=None, residual=None, activation=None, dot=False):
+    dt = x.dtype
+    r = 2 * UNIT_ROUNDOFF[dt]  # one rounding to the dtype (a whole ulp)
+    xs = x.double()
+    if qw.perm is not None:
+        xs = xs[..., qw.perm]
+    w, m = _magnitudes(qw)
+    acc = xs @ w.T + (bias.double() if bias is not None else 0.0)
+    tol = U32 * (sum_ulps(qw.shape[1]) + 4) * (xs.abs() @ m.T)
+    if dot and dt != FP32:
+        tol = tol + r * (xs.abs() @ w.abs().T)
+    tol = tol + r * acc.abs()
+    y = acc
+    if activation is not None:
+        (g, u), (tg, tu) = acc.chunk(2, dim=-1), tol.chunk(2, dim=-1)
+        y = _act64(g, activation) * u
+        tol = (GLU_SLOPE * u.abs() * tg + _act64(g, activation).abs() * tu + GLU_SLOPE * tg * tu
+               + GLU_ULPS * U32 * g.abs() * u.abs() + r * y.abs())
+    if residual is not None:
+        y = y + residual.double()
+        tol = tol + r * y.abs()
+    return y, tol
+
+
+def _check(name, got, x, qw, **kw):
+    rows = x.numel() // x.shape[-1]
+    cfg = kw.pop("config", None)
+    gemv_rows = 1 if cfg is None or cfg.gemv_max_rows < 0 else cfg.gemv_max_rows
+    y, tol = _exact_and_tol(x, qw, dot=rows > gemv_rows, **kw)
+    assert got.dtype == x.dtype
+    assert_tol(name, got, y, tol)
+
+
+def _x(*shape, dtype, seed=1):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Every kind on both kernels
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("M", [1, 3, 19])
+def test_every_kind_both_kernels(device, case, M):
+    kind, G, zeros, perm, N, K = CASES[case]
+    dtype = (FP32, BF16, FP16)[(list(CASES).index(case) + M) % 3]  # every case sees two or three dtypes
+    qw = _on(_weight(kind, G, zeros, perm, N, K, dtype), device)
+    x = _x(M, K, dtype=dtype).to(device)
+    before = ops.dispatch_counts[("quant_linear", "triton")]
+    got = quant_linear(x, qw)
+    assert ops.dispatch_counts[("quant_linear", "triton")] == before + 1  # the kernels ran, not the reference
+    _check(case, got, x, qw)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Epilogues, layouts, launches
+
+
+@pytest.mark.parametrize("case, dtype, M, activation, bias, residual", [
+    ("int4-zeros-g64", BF16, 1, "silu", True, True),
+    ("int4-g32", FP16, 5, "gelu_tanh", False, True),
+    ("nf4-g32", FP32, 20, "silu", True, False),
+    ("fp8-channel", BF16, 1, "gelu_tanh", True, True),  # per-channel scales of the up half, in the epilogue
+    ("fp8-block32", FP32, 4, "silu", False, False),
+    ("int4-perm-g128", FP16, 18, None, True, True),
+    ("fp8-block128", FP32, 1, None, True, True),
+])
+def test_epilogues(device, case, dtype, M, activation, bias, residual):
+    kind, G, zeros, perm, N, K = CASES[case]
+    N += N % 2
+    qw = _on(_weight(kind, G, zeros, perm, N, K, dtype, seed=M), device)
+    x = _x(2, M, K, dtype=dtype).to(device)  # leading dims: [2, M] rows
+    n_out = N // 2 if activation else N
+    b = _x(N, dtype=dtype, seed=3).to(device) if bias else None
+    r = _x(2, M, n_out, dtype=dtype, seed=4).to(device) * 4 if residual else None
+    got = quant_linear(x, qw, bias=b, residual=r, activation=activation)
+    assert got.shape == (2, M, n_out)
+    _check(case, got, x, qw, bias=b, residual=r, activation=activation)
+
+
+def test_large_gate_values_reach_both_activation_tails(device):
+    qw = _on(_weight("int4", 32, False, False, 16, 64, FP32), device)
+    x = _x(3, 64, dtype=FP32).to(device) * 60  # gates of +-hundreds: exp overflows to inf on one side
+    for act in ("silu", "gelu_tanh"):
+        _check(act, quant_linear(x, qw, activation=act), x, qw, activation=act)
+
+
+def test_non_contiguous_x_and_residual(device):
+    kind, G, zeros, perm, N, K = CASES["int4-zeros-g64"]
+    qw = _on(_weight(kind, G, zeros, perm, N, K, BF16), device)
+    base = _x(K, 6, dtype=BF16).to(device)
+    r = _x(N, 3, dtype=BF16, seed=5).to(device)
+    for x, res in ((base.t()[::2], r.t()), (base.t()[:1], r.t()[:1]), (base.t().reshape(2, 3, K)[:, ::2], None)):
+        res = res.reshape(*x.shape[:-1], N) if res is not None else None
+        _check("non-contiguous", quant_linear(x, qw, residual=res), x, qw, residual=res)
+
+
+@pytest.mark.parametrize("shape, M, config", [
+    (("int4", 32, False, False, 20, 192), 1, QuantLinearConfig(block_n=16, block_k=64, split_k=3)),  # 2 x 3 tiles
+    (("int4", 64, True, False, 12, 128), 1, QuantLinearConfig(block_n=8, block_k=32, split_k=1)),  # 2 steps a group
+    (("nf4", 32, False, False, 24, 128), 2, QuantLinearConfig(block_n=32, block_k=64, split_k=2, gemv_max_rows=4)),
+    (("fp8", 128, False, False, 20, 200), 1, QuantLinearConfig(block_n=32, block_k=128, gemv_max_rows=0)),
+    (("int4", 32, True, True, 20, 128), 17, QuantLinearConfig(block_m=16, block_n=32, block_k=64, split_k=2)),
+    (("fp8", 48, False, False, 50, 120), 3, QuantLinearConfig(block_n=64, block_k=16, split_k=4)),  # ragged K
+    (("int4", 32, True, True, 20, 192), 1, QuantLinearConfig(block_k=64, split_k=2, prefetch=1)),
+    (("nf4", 64, False, False, 24, 192), 1, QuantLinearConfig(block_k=64, split_k=1, prefetch=1)),
+    (("fp8", 32, False, False, 20, 100), 1, QuantLinearConfig(block_k=64, prefetch=1)),  # ragged K
+], ids=["gemv-split3", "gemv-narrow-k", "gemv-2-rows", "dot-1-row", "split-prefill", "dot-split4", "prefetch-int4",
+        "prefetch-nf4", "prefetch-fp8"])
+def test_launch_configs(device, shape, M, config):
+    qw = _on(_weight(*shape, FP16), device)
+    x = _x(M, shape[-1], dtype=FP16).to(device)
+    _check("glu", quant_linear(x, qw, activation="silu", config=config), x, qw, activation="silu", config=config)
+    _check("plain", quant_linear(x, qw, config=config), x, qw, config=config)
+    _assert_counters_clean(device)
+
+
+def test_split_k_is_deterministic(device):
+    qw = _on(_weight("int4", 32, True, False, 20, 256, BF16), device)
+    x = _x(1, 256, dtype=BF16).to(device)
+    cfg = QuantLinearConfig(block_n=32, block_k=64, split_k=4)
+    first = quant_linear(x, qw, config=cfg)
+    assert all(torch.equal(first, quant_linear(x, qw, config=cfg)) for _ in range(2))  # split sums in split order
+
+
+@pytest.mark.parametrize("case, M", [("fp8-block48", 1), ("fp8-channel", 3), ("fp8-block128", 17)])
+def test_fp8_from_its_bytes(device, monkeypatch, case, M):
+    # Before sm_89 Triton has no e4m3 conversion: the kernels decode the bytes, every value of the format included
+    monkeypatch.setattr(ql, "_fp8_native", lambda device: False)
+    kind, G, zeros, perm, N, K = CASES[case]
+    qw = _on(_weight(kind, G, zeros, perm, N, K, FP32), device)
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    every = torch.where(every.isnan(), 0.0, every).to(torch.float8_e4m3fn)  # 0x7f, 0xff: NaN, no weight's value
+    qw = dataclasses.replace(qw, data=every.repeat(N * K // 256 + 1)[: N * K].view(N, K).to(device))
+    x = _x(M, K, dtype=FP32).to(device)
+    _check(case, quant_linear(x, qw), x, qw)
+
+
+def _assert_counters_clean(device):
+    counters = ql._ws.workspace(device).pinned("quant_linear.counters", 1, torch.int32)
+    assert not counters.any()  # the last split of every tile set its counter back to 0
+
+
+def test_plan_picks_the_kernel_and_split(monkeypatch):
+    monkeypatch.setattr(ql._launch, "sm_count", lambda index: 132)
+    monkeypatch.setattr(ql, "_plan", ql._plan.__wrapped__)  # not the cache: the SM count above
+    cuda = torch.device("cuda", 0)
+    cfg = QuantLinearConfig()
+    o_proj = ql._plan(1, 4096, 4096, "int4", 128, False, cuda, cfg)  # 64 column blocks of 64
+    assert o_proj.gemv and o_proj.split == 8 and o_proj.gw * o_proj.gpt == 256 and o_proj.gw == 128
+    gate_up = ql._plan(1, 14336, 4096, "int4", 128, True, cuda, cfg)
+    assert gate_up.split == 2  # 224 column blocks of gate and up: 2.4 of 4 programs an SM wanted
+    qkv = ql._plan(1, 6144, 4096, "int4", 128, False, cuda, cfg)
+    assert qkv.split == 8 and qkv.k_split == 512  # 11 wanted, at most 8: two K steps a split
+    down = ql._plan(1, 4096, 14336, "int4", 128, False, cuda, cfg)
+    assert down.split == 14 and down.k_split * 14 == 14336  # 16.5 wanted: 14 divides the 56 K steps
+    batch8 = ql._plan(8, 4096, 4096, "fp8", 128, False, cuda, cfg)
+    assert not batch8.gemv and (batch8.block_m, batch8.block_n) == (16, 128) and batch8.split == 16
+    assert batch8.gpt == 1 and batch8.gw == 64
+    prefill = ql._plan(512, 4096, 4096, "nf4", 32, False, cuda, cfg)
+    assert (prefill.block_m, prefill.block_n, prefill.split, prefill.gw, prefill.gpt) == (128, 128, 1, 32, 2)
+    assert ql._plan(512, 14336, 4096, "fp8", 128, True, cuda, cfg).block_n == 64
+    odd = ql._plan(8, 64, 14336, "int4", 14336, False, cuda, cfg)  # one group over K (GPTQ group -1)
+    assert odd.gw * odd.gpt == 64 and odd.gpt == 1
+
+
+def test_fp32_model_rejects_a_wrong_output(device):
+    kind, G, zeros, perm, N, K = CASES["int4-zeros-g64"]
+    qw = _on(_weight(kind, G, zeros, perm, N, K, FP32), device)
+    for M in (1, 5):
+        x = _x(M, K, dtype=FP32).to(device)
+        got = quant_linear(x, qw)
+        _check("right", got, x, qw)
+        with pytest.raises(AssertionError):
+            _check("1e-3 off", got * (1 + 1e-3), x, qw)
+        with pytest.raises(AssertionError):  # the zero points dropped (read as symmetric)
+            _check("zero point", got, x, dataclasses.replace(qw, zeros=None))
+
+
+def test_empty_rows(device):
+    qw = _on(_weight("int4", 32, False, False, 8, 64, BF16), device)
+    assert quant_linear(_x(0, 64, dtype=BF16).to(device), qw).shape == (0, 8)
+    assert quant_linear(_x(2, 0, 64, dtype=BF16).to(device), qw, activation="silu").shape == (2, 0, 4)
+
+
+def test_no_backward_is_a_clear_error(device):
+    qw = _on(_weight("nf4", 32, False, False, 8, 64, FP32), device)
+    x = _x(2, 64, dtype=FP32).to(device).requires_grad_()
+    with pytest.raises(RuntimeError, match="tigon.ops.quant_linear: inference only"):
+        quant_linear(x, qw)
+    with torch.no_grad():
+        _check("no_grad", quant_linear(x, qw), x.detach(), qw)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dispatch, compile
+
+
+def test_reference_path_without_the_interpreter(monkeypatch):
+    monkeypatch.setattr(_library, "interpreter_on", lambda: False)
+    qw = _weight(*CASES["int4-perm-g128"], BF16)
+    x, r = _x(3, 256, dtype=BF16), _x(3, 20, dtype=BF16, seed=2)
+    before = ops.dispatch_counts[("quant_linear", "reference")]
+    got = quant_linear(x, qw, residual=r, activation="gelu_tanh")
+    assert ops.dispatch_counts[("quant_linear", "reference")] == before + 1
+    assert torch.equal(got, quant_linear_reference(x, qw, residual=r, activation="gelu_tanh"))
+    _check("reference", got, x, qw, residual=r, activation="gelu_tanh", config=QuantLinearConfig(gemv_max_rows=0))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: quant_linear(x, qw), fullgraph=True, backend="aot_eager")
+    plain = quant_linear(x, qw)
+    torch.testing.assert_close(compiled(x), plain, rtol=0, atol=2 * UNIT_ROUNDOFF[BF16] * plain.abs().max().item())
+
+
+def test_compile_fullgraph_uses_the_custom_op(device):
+    qw = _on(_weight(*CASES["fp8-block32"], FP32), device)
+    cfg = QuantLinearConfig(block_n=16, block_k=32, split_k=2)
+
+    def fn(x, r):
+        return quant_linear(x * 2, qw, residual=r, config=cfg) + 1
+
+    x, r = _x(3, 96, dtype=FP32).to(device), _x(3, 40, dtype=FP32, seed=2).to(device)
+    torch._dynamo.reset()
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    before = ops.dispatch_counts[("quant_linear", "triton")]
+    got = torch.compile(fn, fullgraph=True, backend=backend)(x, r)
+    assert ops.dispatch_counts[("quant_linear", "triton")] == before  # traced: no eager dispatch
+    torch.testing.assert_close(got, fn(x, r), rtol=0, atol=0)
+
+
+def test_opcheck(device):
+    qw = _on(_weight(*CASES["int4-zeros-g64"], BF16), device)
+    x, b = _x(2, 256, dtype=BF16).to(device), _x(38, dtype=BF16).to(device)
+    args = (x, qw.data, qw.scales, qw.zeros, qw.perm, b, None, 0, 64, 38, 1, None)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.tigon.quant_linear, args, test_utils=utils)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def _qw():
+    return _weight("int4", 32, False, False, 8, 64, BF16)
+
+
+BAD = [
+    (dict(qw="int4"), TypeError, "tigon.ops.quant_linear: qw must be a tigon.ops.QuantizedWeight"),
+    (dict(x=_x(2, 64, dtype=FP16)), TypeError, "quant_linear: x has dtype torch.float16 but qw.dtype"),
+    (dict(x=_x(2, 65, dtype=BF16)), ValueError, r"quant_linear: x must have shape \[..., K=64\]"),
+    (dict(x=torch.zeros(2, 64, dtype=torch.int32)), TypeError, "quant_linear: x must be float32"),
+    (dict(activation="relu"), ValueError, "quant_linear: activation must be one of"),
+    (dict(activation="silu", qw=_weight("fp8", 0, False, False, 7, 64, BF16)), ValueError,
+     "quant_linear: activation='silu' needs qw's N rows to be"),
+    (dict(bias=_x(8, dtype=FP32)), TypeError, "quant_linear: bias has dtype torch.float32"),
+    (dict(bias=_x(4, dtype=BF16)), ValueError, r"quant_linear: bias must have shape \(8,\)"),
+    (dict(residual=_x(2, 8, dtype=FP16)), TypeError, "quant_linear: residual has dtype"),
+    (dict(residual=_x(2, 8, dtype=BF16), activation="silu"), ValueError,
+     r"quant_linear: residual must have shape \(2, 4\)"),
+    (dict(config=dict(block_n=16)), TypeError, "quant_linear: config must be a tigon.ops.QuantLinearConfig"),
+    (dict(x=_x(2, 30, dtype=BF16), qw=QuantizedWeight("int4", torch.zeros(8, 15, dtype=torch.uint8),
+                                                      torch.ones(8, 10), None, 3, (8, 30), BF16)),
+     ValueError, "quant_linear: qw.group_size must be even for int4"),
+    (dict(qw=dataclasses.replace(_qw(), perm=torch.arange(64) + 1)), ValueError,
+     r"quant_linear: qw.perm must hold column indices in \[0, 64\)"),
+    (dict(qw=dataclasses.replace(_qw(), perm=torch.arange(64.0))), TypeError,
+     "quant_linear: qw.perm must be an integer tensor"),
+]
+
+
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+@pytest.mark.parametrize("over, exc, match", BAD, ids=[m.split(": ")[1][:30] for _, _, m in BAD])
+def test_bad_input(monkeypatch, path, over, exc, match):
+    # validation runs before the dispatch: both paths refuse the same input with the same message
+    monkeypatch.setattr(_library, "interpreter_on", lambda: path == "kernel")
+    kw = dict(x=_x(2, 64, dtype=BF16), qw=_qw())
+    kw.update(over)
+    x, qw = kw.pop("x"), kw.pop("qw")
+    with pytest.raises(exc, match=match):
+        quant_linear(x, qw, **kw)
+
+
+@pytest.mark.parametrize("field, value", [("block_n", 24), ("block_m", 8), ("block_k", 8), ("split_k", -1),
+                                          ("num_warps", True), ("prefetch", 2)])
+def test_config_is_validated(field, value):
+    with pytest.raises(ValueError, match=f"QuantLinearConfig: {field} must be"):
+        QuantLinearConfig(**{field: value})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The benchmark script
+
+
+def test_benchmark_smoke(tmp_path):
+    bench = importlib.import_module("benchmarks.generation.bench_quant_linear")
+    out = tmp_path / "quant.json"
+    bench.main(["--smoke", "--kinds", "int4", "nf4", "fp8", "--rows", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kind"] for r in rows} >= {"int4", "nf4", "fp8"} and all(math.isfinite(r["ms"]) for r in rows)
