@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "tigon"
 # lowest first; a module may import its own package and the ones below it
 # (tigon.generation re-exports tigon.decode with deprecation warnings; tigon.metrics reads the stats dict only.)
-LAYERS = [("ops", "_log"), ("memory",), ("modules", "optim"), ("hf",), ("compat", "decode"),
+LAYERS = [("ops", "_log"), ("memory",), ("modules", "optim", "quant"), ("hf",), ("compat", "decode"),
           ("api", "generation", "metrics"), ("cli", "__init__")]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 OPS_MAY_IMPORT = {"torch", "triton", "numpy"}
