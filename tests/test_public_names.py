@@ -57,3 +57,10 @@ def test_entry_points_carry_their_public_names():
     assert (tigon.patch.__name__, tigon.unpatch.__name__) == ("patch", "unpatch")
     assert (tigon.patch.__qualname__, tigon.patch.__module__) == ("patch", "tigon.api")  # help() and repr()
     assert "cuda_graph=True" in tigon.patch.__doc__ and "model_type" in tigon.unpatch.__doc__
+
+
+def test_quantize_is_public_at_the_top_level():
+    import tigon
+    from tigon import quant
+
+    assert "quantize" in tigon.__all__ and tigon.quantize is quant.quantize

@@ -6,12 +6,14 @@ instance it also installs the fused decoder-layer step (`tigon.decode.layer_step
 run Tigon's decoder forward, so HF's own `model.generate(ids, past_key_values=RollingKVCache(...))` on the "tigon"
 attention decodes with it. `patch(model, cuda_graph=True)` also installs `tigon.decode.hf_graph` (that
 generate's decode steps replay a CUDA graph) and, where `attention` is left "auto", switches the model to the
-"tigon" attention, which the graph needs. `unpatch(model)` undoes all of it.
+"tigon" attention, which the graph needs. On an instance holding quantized projections (GPTQ, AWQ,
+compressed-tensors, FP8, bitsandbytes NF4) it swaps them for QuantLinear modules (`tigon.quant.adopt`), whose
+decode layers then run the fused quantized step. `unpatch(model)` undoes all of it.
 """
 
 import functools
 import inspect
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from . import _log
 
@@ -25,13 +27,56 @@ with _log.requires_extra("tigon.patch"):  # tigon.hf and tigon.decode import tra
     from .hf.patching import patch_hf_model as _hf_patch
     from .hf.patching import unpatch_hf_model as _hf_unpatch
     from .hf.unwrap import unwrap_model
+    from .quant import adopt, release
+    from .quant.importers import format_of
+
+_ADOPTED = "_tigon_quant_adopted"  # on the transformers model: the projections tigon.patch swapped (names)
+
+
+def _set_up_for_kbit_training(hf) -> bool:
+    """Every parameter outside LoRA adapters frozen (what peft.prepare_model_for_kbit_training leaves), and no
+    adapters yet or some trainable: a QLoRA run is being set up, not an inference."""
+    adapters, frozen = False, True
+    for name, p in hf.named_parameters():
+        if "lora_" in name:
+            adapters = True
+            if p.requires_grad:
+                return True
+        elif p.requires_grad:
+            frozen = False
+    return frozen and not adapters
+
+
+def _adopt(model, report, quantized) -> None:
+    """tigon.quant.adopt on the transformers model under `model`, its swaps and skips written into `report`."""
+    hf = unwrap_model(model)
+    if quantized == "auto" and _set_up_for_kbit_training(hf):
+        if any(format_of(m) is not None for m in hf.modules()):
+            report.skip("quantized projections", "the model is set up for k-bit training (every base parameter "
+                        "frozen, LoRA adapters trainable or not added yet): the checkpoint's modules stay, for "
+                        "get_peft_model and the training step; quantized=True adopts them anyway")
+        return
+    skipped = {}
+    swapped = adopt(hf, skipped=skipped)
+    if swapped:
+        report.add("QuantLinear (quantized projections: tigon.ops.quant_linear)", len(swapped))
+        hf.__dict__.setdefault(_ADOPTED, []).extend(swapped)
+    for name, reason in skipped.items():
+        report.skip(f"quantized {name}", reason)
 
 
 @functools.wraps(_hf_patch, assigned=("__doc__",))  # keeps the name tigon.patch
-def patch(model: "torch.nn.Module | None" = None, *, cuda_graph: bool = False, **options) -> "PatchReport":
+def patch(model: "torch.nn.Module | None" = None, *, cuda_graph: bool = False,
+          quantized: bool | Literal["auto"] = "auto", **options) -> "PatchReport":
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"tigon.patch: cuda_graph must be True or False, got {type(cuda_graph).__name__} "
                         f"{cuda_graph!r}")
+    if not isinstance(quantized, bool) and quantized != "auto":
+        raise TypeError(f"tigon.patch: quantized must be True, False or 'auto', got {type(quantized).__name__} "
+                        f"{quantized!r}")
+    if quantized is True and model is None:
+        raise ValueError("tigon.patch: quantized=True swaps a model instance's quantized projections: "
+                         "tigon.patch(model, quantized=True)")
     if cuda_graph and model is None:
         raise ValueError("tigon.patch: cuda_graph=True puts the CUDA-graph decode step on a model instance: "
                          "tigon.patch(model, cuda_graph=True)")
@@ -45,6 +90,8 @@ def patch(model: "torch.nn.Module | None" = None, *, cuda_graph: bool = False, *
         hf_graph.uninstall(model)
     report = _hf_patch(model, **options)
     if model is not None:
+        if quantized:  # after the HF patch: the LoRA marks sit on the checkpoint's modules, which adopt keeps
+            _adopt(model, report, quantized)
         layer_step.install(model)
     if cuda_graph or graphed:
         hf_graph.install(model)
@@ -56,11 +103,20 @@ patch.__doc__ = (_hf_patch.__doc__ or "") + """
     cuda_graph=True (instance only): HF's `model.generate(ids, past_key_values=RollingKVCache(...))` captures
     its decode step in a CUDA graph on the second decode step and replays it after (`tigon.decode.hf_graph`);
     it implies attention=True ("auto" becomes True; False is a ValueError). cuda_graph=False leaves an
-    installed graph step in place (`tigon.unpatch` or `tigon.decode.hf_graph.uninstall` takes it off)."""
+    installed graph step in place (`tigon.unpatch` or `tigon.decode.hf_graph.uninstall` takes it off).
+    quantized (instance only) swaps the model's quantized projections (GPTQ, AWQ, compressed-tensors, FP8,
+    bitsandbytes NF4) for `tigon.quant.QuantLinear` modules (`tigon.quant.adopt`; what it leaves, and why, is in
+    the report's skipped list): quant_linear's kernels in inference, the fused quantized decode step; where a
+    gradient may be wanted they run the checkpoint's module, so training is unchanged. "auto" (the default)
+    does so except on a model set up for k-bit training (every base parameter frozen, as
+    peft.prepare_model_for_kbit_training leaves it, and LoRA adapters trainable or not added yet: get_peft_model
+    must still see the checkpoint's modules, and the repacked copy would only cost memory); True always; False
+    never. unpatch puts the checkpoint's modules back."""
 _params = list(inspect.signature(_hf_patch).parameters.values())
 patch.__signature__ = inspect.Signature(
-    _params[:1] + [inspect.Parameter("cuda_graph", inspect.Parameter.KEYWORD_ONLY, default=False,
-                                    annotation=bool)] + _params[1:],
+    _params[:1] + [inspect.Parameter("cuda_graph", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool),
+                   inspect.Parameter("quantized", inspect.Parameter.KEYWORD_ONLY, default="auto",
+                                     annotation=bool | Literal["auto"])] + _params[1:],
     return_annotation=inspect.signature(_hf_patch).return_annotation)
 
 
@@ -72,3 +128,6 @@ def unpatch(model: "torch.nn.Module | None" = None, **options) -> None:
     _hf_unpatch(model, **options)  # checks the arguments first
     if model is not None:
         layer_step.uninstall(model)
+        hf = unwrap_model(model, "tigon.unpatch")
+        if hf.__dict__.pop(_ADOPTED, None):
+            release(hf)  # the checkpoint's modules back (and the decode step's stacked weights dropped)

@@ -34,6 +34,11 @@ Mistral, Qwen2 without q/k/v bias, Qwen3, ...),
 Tigon's RMSNorm modules in "llama" casting with no offset, plain bias-free nn.Linear projections in the model
 dtype, a SwiGLU or GeGLU MLP, no hooks, no autograd. Anything else returns None and the layer runs its forward
 as before. (Fusing RoPE and the cache write into the q/k/v projection measured slower: docs/ops/decode_linear.md.)
+
+Quantized layers (every projection a `tigon.quant.QuantLinear`, from `tigon.quantize` or adopted from a checkpoint
+by `tigon.patch`, or a PEFT LoRA layer around one) run `_quantized_step`: the same step on `quant_linear` launches
+over weights stacked once a layer (`tigon.quant.stack`), biases allowed; their prefill runs the layer's forward,
+whose QuantLinear modules call quant_linear's GEMM.
 """
 
 import contextlib
@@ -46,6 +51,7 @@ from .. import ops
 from ..hf.causal_lm import fused_prenorm_decoder_forward
 from ..hf.forward_source import has_qk_norm, sliding_window_of
 from ..hf.instance_forward import is_tigon_forward
+from ..hf.lora import plan_qlora
 from ..hf.ring_decode import NAME, mask_usable, ring_decode, ring_layer, slot_positions
 from ..memory.kv_cache import RollingKVCache
 from ..modules import RMSNorm
@@ -54,6 +60,8 @@ from ..ops._launch import DECODE_ROWS
 from ..ops.rms_norm import rms_norm_rows
 from ..ops.rope import check_cos_sin
 from ..ops.swiglu import glu_rows
+from ..quant import stack as quant_stack
+from ..quant.module import QuantLinear
 
 _ACT = {SwiGLUMLP: "silu", GeGLUMLP: "gelu_tanh"}
 # From this many rows a decode step normalizes in an RMSNorm launch of its own before the q/k/v and gate/up
@@ -79,21 +87,33 @@ def _norm_ok(norm, dtype) -> bool:
             and not norm._forward_pre_hooks)
 
 
-def _weights(layer, dtype):
-    """(attention projections, gate, up, down, activation) when the fused step computes the layer exactly.
-    Every prefill and decode-step forward checks it, so modules and weights are read with `member` (24 us a
-    layer less on a 2-core x86 CI machine: 32 -> 12 us)."""
+def _layer_ok(layer, dtype):
+    """(attention, MLP, activation) when the layer's norms, MLP kind and hooks are what the fused step computes
+    (the projections are checked apart: plain or quantized), else None."""
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return None
     attn, mlp = member(layer, "self_attn"), member(layer, "mlp")
     if not (_norm_ok(member(layer, "input_layernorm"), dtype)
             and _norm_ok(member(layer, "post_attention_layernorm"), dtype)):
         return None
-    projs = [member(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if not all(_plain(p, dtype) for p in projs):
-        return None
     act = _ACT.get(type(mlp))
     if act is None or mlp._forward_hooks or mlp._forward_pre_hooks:
+        return None
+    if has_qk_norm(attn) and not (_norm_ok(member(attn, "q_norm"), dtype) and _norm_ok(member(attn, "k_norm"), dtype)):
+        return None
+    return attn, mlp, act
+
+
+def _weights(layer, dtype):
+    """(attention projections, gate, up, down, activation) when the fused step computes the layer exactly.
+    Every prefill and decode-step forward checks it, so modules and weights are read with `member` (24 us a
+    layer less on a 2-core x86 CI machine: 32 -> 12 us)."""
+    found = _layer_ok(layer, dtype)
+    if found is None:
+        return None
+    attn, mlp, act = found
+    projs = [member(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if not all(_plain(p, dtype) for p in projs):
         return None
     down = member(mlp, "down_proj")
     if not _plain(down, dtype):
@@ -108,8 +128,6 @@ def _weights(layer, dtype):
         if not (_plain(gate, dtype) and _plain(up, dtype)):
             return None
         gate, up = member(gate, "weight"), member(up, "weight")
-    if has_qk_norm(attn) and not (_norm_ok(member(attn, "q_norm"), dtype) and _norm_ok(member(attn, "k_norm"), dtype)):
-        return None
     return [member(p, "weight") for p in projs], gate, up, member(down, "weight"), act
 
 
@@ -244,6 +262,23 @@ def _normed_projection(x, norm, weights, activation=None):
     return ops.decode_linear(x, weights, norm_weight=norm.weight, eps=norm.eps, activation=activation)
 
 
+def _attend(attn, ring, q, k, v, attention_mask, position_embeddings):
+    """The attention output `[b, heads * head_dim]` of one decode step from the q, k, v projections `[b, N]`
+    (views are fine): the q/k norms where the layer has them, RoPE and the ring write, decode attention."""
+    b, d = q.shape[0], attn.head_dim
+    q, k, v = q.view(b, 1, -1, d), k.view(b, 1, -1, d), v.view(b, 1, -1, d)
+    if has_qk_norm(attn):  # Qwen3: RMSNorm on the head dim before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = position_embeddings
+    # The ring's next position advances in the attention kernel, not in a kernel of its own.
+    keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2),
+                                       advance=False)
+    slot_pos = slot_positions(ring, attention_mask, b)
+    out = ring_decode(ring, q, keys, values, slot_pos, scaling=attn.scaling, sliding_window=sliding_window_of(attn),
+                      softcap=None, advanced=False)
+    return out.reshape(b, -1)
+
+
 def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, position_embeddings):
     """The layer's output for one decode step, or None where the layer must run its own forward."""
     attn = _tigon_attention(layer, position_embeddings)
@@ -257,27 +292,108 @@ def decode_layer_step(layer, hidden_states, attention_mask, past_key_values, pos
         return None
     found = _weights(layer, hidden_states.dtype)
     if found is None:
-        return None
+        return _quantized_step(layer, attn, ring, hidden_states, attention_mask, position_embeddings)
     (wq, wk, wv, wo), gate, up, down, act = found
     x = hidden_states.view(b, -1)
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    nq, nk, d = wq.shape[0], wk.shape[0], attn.head_dim
-    cos, sin = position_embeddings
+    nq, nk = wq.shape[0], wk.shape[0]
     qkv = _normed_projection(x, ln1, [wq, wk, wv])
-    q = qkv[:, :nq].view(b, 1, -1, d)
-    k = qkv[:, nq:nq + nk].view(b, 1, -1, d)
-    v = qkv[:, nq + nk:].view(b, 1, -1, d)
-    if has_qk_norm(attn):  # Qwen3: RMSNorm on the head dim before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    # The ring's next position advances in the attention kernel, not in a kernel of its own.
-    keys, values, q = ring.update_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2),
-                                       advance=False)
-    slot_pos = slot_positions(ring, attention_mask, b)
-    out = ring_decode(ring, q, keys, values, slot_pos, scaling=attn.scaling, sliding_window=sliding_window_of(attn),
-                  softcap=None, advanced=False)
-    h = ops.decode_linear(out.reshape(b, -1), wo, residual=x)
+    out = _attend(attn, ring, qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:], attention_mask, position_embeddings)
+    h = ops.decode_linear(out, wo, residual=x)
     m = _normed_projection(h, ln2, [gate, up], activation=act)
     return ops.decode_linear(m, down, residual=h).view_as(hidden_states)
+
+
+def _quantized(layer, dtype):
+    """(LayerStack, the projection modules by group, activation) when every projection of the layer is a
+    QuantLinear or a PEFT LoRA layer around one (`tigon.quant.stack`) and the rest is what the fused step
+    computes; else None."""
+    found = _layer_ok(layer, dtype)
+    if found is None:
+        return None
+    attn, mlp, act = found
+    qkv = [member(attn, name) for name in ("q_proj", "k_proj", "v_proj")]
+    gate_up = [member(mlp, "gate_up_proj")] if mlp.fused_gate_up else [member(mlp, "gate_proj"),
+                                                                        member(mlp, "up_proj")]
+    o, down = member(attn, "o_proj"), member(mlp, "down_proj")
+    stack = quant_stack.layer_stack(layer, qkv, o, gate_up, down, dtype)
+    return None if stack is None else (stack, (qkv, [o], gate_up, [down]), act)
+
+
+def _adapters(modules, x):
+    """Per module, None (a QuantLinear) or the LoRA adapters ([A], [B], [scaling], [p]) PEFT's forward adds to its
+    base layer's product (`hf.lora.plan_qlora`: the conditions under which lora_add computes it); None in place
+    of the list where a module must run its own forward (no plan, or dropout active)."""
+    found = []
+    for m in modules:
+        if type(m) is QuantLinear:
+            found.append(None)
+            continue
+        plan = plan_qlora(m, x, (), {}) if hasattr(m, "lora_A") else None  # a PEFT LoRA layer, else no plan
+        if plan is None or any(p > 0 for p in plan[3]):
+            return None
+        found.append(plan)
+    return found
+
+
+def _outputs(group, x, adapters):
+    """Each projection's output `[b, N_i]` of x for a stacked group (views of one quant_linear launch) or one
+    launch a projection, with its adapters added (lora_add), as the modules compute them."""
+    if group.stacked:
+        w, bias = group.weights[0]
+        y = ops.quant_linear(x, w, bias=bias)
+        outs = y.split(group.sizes, dim=-1) if len(group.sizes) > 1 else (y,)
+    else:
+        outs = [ops.quant_linear(x, w, bias=bias) for w, bias in group.weights]
+    return [y if a is None else ops.lora_add(y.contiguous(), x, *a) for y, a in zip(outs, adapters)]
+
+
+def _quantized_step(layer, attn, ring, hidden_states, attention_mask, position_embeddings):
+    """`decode_layer_step` for a layer of quantized projections (QuantLinear), or None:
+
+        h1  = rms_norm_rows(x, input_layernorm)
+        qkv = quant_linear(h1, [Wq; Wk; Wv])                 # one launch where the layouts stack
+        a   = the plain step's RoPE, ring write and attention (`_attend`)
+        h   = quant_linear(a, Wo, residual=x)
+        m   = quant_linear(rms_norm_rows(h), [Wgate; Wup], activation=act)
+        out = quant_linear(m, Wdown, residual=h)
+
+    The norms always run as launches of their own (quant_linear has no norm prologue). A PEFT LoRA layer around
+    a QuantLinear (a QLoRA model adopted by tigon.patch) adds its adapters to its slice of the output
+    (`ops.lora_add`, as `hf.lora.qlora_forward`); its residual add and GLU then run after the adapters."""
+    found = _quantized(layer, hidden_states.dtype)
+    if found is None:
+        return None
+    stack, modules, act = found
+    b = hidden_states.shape[0]
+    x = hidden_states.view(b, -1)
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    h1, _ = rms_norm_rows(x, ln1.weight, ln1.eps)
+    # every plan before the ring is written: the adapters depend on the inputs' dtype and device only
+    plans = [_adapters(group, h1) for group in modules]
+    if any(p is None for p in plans):
+        return None
+    qkv_a, o_a, gate_up_a, down_a = plans
+    q, k, v = _outputs(stack.qkv, h1, qkv_a)
+    out = _attend(attn, ring, q, k, v, attention_mask, position_embeddings)
+    if o_a[0] is None:
+        w, bias = stack.o.weights[0]
+        h = ops.quant_linear(out, w, bias=bias, residual=x)
+        h2, _ = rms_norm_rows(h, ln2.weight, ln2.eps)
+    else:  # the residual add after the adapters: fused into the norm, as the module forward does
+        h2, h = rms_norm_rows(_outputs(stack.o, out, o_a)[0], ln2.weight, ln2.eps, residual=x)
+    if stack.gate_up.stacked and all(a is None for a in gate_up_a):
+        w, bias = stack.gate_up.weights[0]
+        m = ops.quant_linear(h2, w, bias=bias, activation=act)
+    else:
+        parts = _outputs(stack.gate_up, h2, gate_up_a)
+        m = glu_rows(parts[0], None, act) if len(parts) == 1 else glu_rows(parts[0], parts[1], act)
+    if down_a[0] is None:
+        w, bias = stack.down.weights[0]
+        y = ops.quant_linear(m, w, bias=bias, residual=h)
+    else:
+        y = h + _outputs(stack.down, m, down_a)[0]
+    return y.view_as(hidden_states)
 
 
 LAYER_STEP = "_tigon_layer_step"  # the key fused_prenorm_decoder_forward reads in the layer's __dict__
@@ -316,6 +432,7 @@ def uninstall(model, layers=None) -> None:
     """Take the fused layer step off `layers` (default: every layer of `model`, and the record of `install`)."""
     if layers is None:
         model.__dict__.pop(_INSTALLED, None)
+        quant_stack.drop_stacks(model)  # the quantized layers' stacked weights (kept across fused_decode calls)
     for layer in model.modules() if layers is None else layers:
         layer.__dict__.pop(LAYER_STEP, None)
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..quant.module import QuantLinear
 
 MARK = "_tigon_lora"
 _LAYER_MODULE = "peft.tuners.lora.layer"
@@ -105,8 +106,11 @@ def plan(layer, x, args, kwargs):
 def plan_qlora(layer, x, args, kwargs):
     """([A], [B], [scaling], [dropout p]) when base_layer(x) followed by lora_add computes what PEFT's forward of
     the bitsandbytes LoRA `layer` would for this call, else None. The base layer runs as a module, so hooks on it
-    run as they would under PEFT's forward; the adapter modules are not called, so they must have none."""
+    run as they would under PEFT's forward; the adapter modules are not called, so they must have none. A base
+    layer that `tigon.quant.adopt` swapped for a QuantLinear is judged by the module it holds (`.original`)."""
     base = layer.base_layer
+    if isinstance(base, QuantLinear) and base.original is not None:
+        base = base.original
     if args or kwargs or getattr(base, MARK, None) is None or not isinstance(x, torch.Tensor):
         return None
     if layer.disable_adapters or layer.merged or type(base) not in _classes("bitsandbytes.nn") or _global_hooks():

@@ -1,0 +1,285 @@
+"""Quantized models on the fused decode step: QuantLinear projections (tigon.quantize, or a bitsandbytes NF4
+checkpoint adopted by tigon.patch, with or without PEFT LoRA adapters) decode through `_quantized_step`.
+
+The reference of each case is the same model run by Hugging Face's own module forwards with its QuantLinear
+modules (no patch; `tigon.quant.adopt` for the checkpoint): fp32 greedy tokens must be equal. The fused step
+is proven to run by the quant_linear launches it makes (4 a layer and step where q|k|v and gate|up stack, 7 for
+the module forwards). Most cases run the reference ops (the model plumbing is under test; the kernels are
+tests/ops' job), one the interpreted kernels. bitsandbytes' own CPU forward is not the reference: it differs
+from the product of its own dequantized weight by ~2% (tests/quant/test_importers_bnb.py checks the import).
+"""
+
+import copy
+
+import pytest
+import torch
+
+import tigon
+from tests.hf._tiny import batch, op_calls, prompt_ids, tiny_model
+from tigon import ops
+from tigon.memory import RollingKVCache
+from tigon.ops import _library
+from tigon.quant import QuantLinear, adopt, quantize, release
+from tigon.quant.stack import STACK, concat
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYERS = 2
+
+
+@pytest.fixture
+def reference_path(monkeypatch):
+    """Every op on its PyTorch reference, each call still counted in ops.dispatch_counts."""
+    monkeypatch.setattr(_library, "use_kernels", lambda op, x: _library.record(op, "reference") or False)
+
+
+def _quantized(model_type, fmt, **overrides):
+    model = tiny_model(model_type, attn_implementation="sdpa", **overrides).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return quantize(model, fmt, group_size=32)
+
+
+def _greedy(model, ids, new, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new, do_sample=False, **kw)
+
+
+def _launches(prefill_rows_calls, steps, per_layer):
+    """quant_linear calls of a tigon.generate: the prefill's module forwards, then `per_layer` a decode step."""
+    return prefill_rows_calls + steps * LAYERS * per_layer
+
+
+@pytest.mark.parametrize("model_type,fmt", [("llama", "int4"), ("llama", "fp8"), ("qwen2", "int4")],
+                         ids=["int4", "fp8", "int4-qkv-bias"])
+def test_generate_runs_the_fused_quantized_step(model_type, fmt, reference_path):
+    ref = _quantized(model_type, fmt)
+    patched = copy.deepcopy(ref)
+    tigon.patch(patched)
+    ids = prompt_ids(2, 6)
+    want = _greedy(ref, ids, 4)
+    before = op_calls("quant_linear")
+    got = tigon.generate(patched, ids, max_new_tokens=4, cuda_graph=False)
+    # the prefill runs the layers' forwards (7 QuantLinear GEMMs a layer), each of 3 decode steps 4 launches
+    assert op_calls("quant_linear") - before == _launches(7 * LAYERS, 3, 4)
+    assert torch.equal(got, want)
+    # HF's own generate over a RollingKVCache on the patched model: the same step
+    before = op_calls("quant_linear")
+    got = _greedy(patched, ids, 4, past_key_values=RollingKVCache(patched.config, batch_size=2, capacity=16))
+    assert op_calls("quant_linear") - before == _launches(7 * LAYERS, 3, 4)
+    assert torch.equal(got, want)
+
+
+def test_layouts_that_do_not_stack_launch_apart(reference_path):
+    """q_proj and gate_proj with an act-order permutation of their own: q, k, v launch one by one, gate and up
+    too (their GLU after); the tokens stay the module forwards'."""
+    ref = _quantized("llama", "int4")
+    for layer in ref.model.layers:
+        for m in (layer.self_attn.q_proj, layer.mlp.gate_proj):
+            m.perm = torch.randperm(m.in_features, generator=torch.Generator().manual_seed(3))
+    patched = copy.deepcopy(ref)
+    tigon.patch(patched)
+    ids = prompt_ids(1, 5)
+    before, glu = op_calls("quant_linear"), op_calls("swiglu")
+    got = tigon.generate(patched, ids, max_new_tokens=3, cuda_graph=False)
+    assert op_calls("quant_linear") - before == _launches(7 * LAYERS, 2, 3 + 1 + 2 + 1)
+    assert op_calls("swiglu") - glu == LAYERS * 3  # the prefill's module GLU and each decode step's glu_rows
+    assert torch.equal(got, _greedy(ref, ids, 3))
+
+
+def test_stack_follows_the_weights_and_unpatch_drops_it(reference_path):
+    ref, other = _quantized("llama", "int4"), quantize(tiny_model("llama", seed=5).eval(), "int4", group_size=32)
+    patched = copy.deepcopy(ref)
+    tigon.patch(patched)
+    ids = prompt_ids(1, 5)
+    tigon.generate(patched, ids, max_new_tokens=2, cuda_graph=False)
+    stacks = [layer.__dict__[STACK] for layer in patched.model.layers]
+    patched.model.layers[0].load_state_dict(other.model.layers[0].state_dict())  # in place: new versions
+    ref.model.layers[0].load_state_dict(other.model.layers[0].state_dict())
+    assert torch.equal(tigon.generate(patched, ids, max_new_tokens=3, cuda_graph=False), _greedy(ref, ids, 3))
+    assert patched.model.layers[0].__dict__[STACK] is not stacks[0]
+    assert patched.model.layers[1].__dict__[STACK] is stacks[1]  # unchanged weights: built once
+    tigon.unpatch(patched)
+    assert not any(STACK in m.__dict__ for m in patched.modules())
+
+
+def test_concat_joins_rows_where_one_layout_holds_them():
+    from tigon.ops.quantized_weight import dequantize
+    from tigon.quant import quantize_rtn
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 64, generator=g), torch.randn(16, 64, generator=g)
+    for kind, group in (("int4", 32), ("nf4", 16), ("fp8", 16), ("fp8", 0)):
+        qa, qb = (quantize_rtn(w, kind, group, dtype=torch.float32) for w in (a, b))
+        joined = concat([qa, qb], torch.bfloat16)
+        assert joined.shape == (48, 64) and joined.dtype == torch.bfloat16
+        assert torch.equal(dequantize(joined), torch.cat([dequantize(qa), dequantize(qb)]))
+    qa, qb = (quantize_rtn(w, "fp8", 32, dtype=torch.float32) for w in (b, a))
+    assert concat([qa, qb], torch.float32) is None  # 16 rows would split a 32 x 32 block
+    qa, qb = quantize_rtn(a, "int4", 32, dtype=torch.float32), quantize_rtn(b, "int4", 16, dtype=torch.float32)
+    assert concat([qa, qb], torch.float32) is None  # group sizes differ
+
+
+def test_interpreted_kernels_decode_int4():
+    """The Triton kernels (the interpreter on CPU): rms_norm_rows, quant_linear's GEMV and the decode step."""
+    ref = _quantized("llama", "int4")
+    patched = copy.deepcopy(ref)
+    tigon.patch(patched)
+    ids = prompt_ids(1, 5)
+    want = _greedy(ref, ids, 3)
+    before = ops.dispatch_counts[("quant_linear", "triton")]
+    got = tigon.generate(patched, ids, max_new_tokens=3, cuda_graph=False)
+    assert ops.dispatch_counts[("quant_linear", "triton")] - before == _launches(7 * LAYERS, 2, 4)
+    assert torch.equal(got, want)
+
+
+def test_a_quantized_layer_refuses_a_gradient_and_an_adopted_one_trains_through_its_original():
+    model = _quantized("llama", "int4")
+    q = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"QuantLinear model.layers.0.self_attn.q_proj\(.*no backward"):
+        q(x)
+    with torch.no_grad():
+        assert q(x).shape == (2, 64)
+    original = torch.nn.Linear(64, 64)
+    object.__setattr__(q, "original", original)  # as adopt sets it: the module runs where grads are wanted
+    assert torch.equal(q(x), original(x)) and q(x).requires_grad
+    q.train()  # training mode: the original's forward even for an input without grad (its weights may want one)
+    assert torch.equal(q(x.detach()), original(x.detach()))
+    q.eval()
+    y = q(x.detach())
+    assert not y.requires_grad and torch.equal(y, ops.quant_linear(x.detach(), q.quantized_weight))
+
+
+def test_patch_argument_checks():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="tigon.patch: quantized must be True, False or 'auto'"):
+        tigon.patch(model, quantized="yes")
+    with pytest.raises(ValueError, match="tigon.patch: quantized=True swaps a model instance's"):
+        tigon.patch(model_type="llama", quantized=True)
+    assert "quantized" in str(__import__("inspect").signature(tigon.patch))
+
+
+# -- bitsandbytes NF4 checkpoints (CPU backend of bitsandbytes >= 0.48) ------------------------------------------
+
+@pytest.fixture(scope="module")
+def nf4_path(tmp_path_factory):
+    bnb = pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    w = torch.randn(64, 128)
+    try:
+        packed, state = bnb.functional.quantize_4bit(w, quant_type="nf4")
+        bnb.functional.dequantize_4bit(packed, state)
+    except Exception as e:  # a build without a CPU backend raises from its native library
+        pytest.skip(f"bitsandbytes {bnb.__version__} cannot run NF4 on the CPU: {type(e).__name__}: {e}")
+    path = tmp_path_factory.mktemp("nf4") / "base"
+    # rows a multiple of bnb's 64-code block (tests/hf/test_qlora.py says why)
+    tiny_model("llama", intermediate_size=128, attn_implementation="sdpa").save_pretrained(path)
+    return path
+
+
+def _nf4(path, lora=False):
+    import peft
+    import transformers
+
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_compute_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map="cpu",
+                                                              dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    if lora:  # the QLoRA recipe, the adapters made to matter
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        torch.manual_seed(0)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS),
+                                                           lora_dropout=0.0))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def _adopted_greedy(model, ids, new):
+    """The model's tokens on its module forwards with the checkpoint's projections as QuantLinear (no patch)."""
+    assert len(adopt(model)) == LAYERS * len(PROJECTIONS)
+    try:
+        return _greedy(model, ids, new)
+    finally:
+        release(model)
+
+
+def test_nf4_checkpoint_adopted_by_patch_and_put_back_by_unpatch(nf4_path, reference_path):
+    model = _nf4(nf4_path)
+    modules = dict(model.named_modules())
+    ids = prompt_ids(2, 6)
+    want = _adopted_greedy(model, ids, 4)
+    report = tigon.patch(model)
+    try:
+        assert report.replaced["QuantLinear (quantized projections: tigon.ops.quant_linear)"] == 14
+        assert type(model.model.layers[0].self_attn.q_proj) is QuantLinear
+        before = op_calls("quant_linear")
+        got = tigon.generate(model, ids, max_new_tokens=4, cuda_graph=False)
+        assert op_calls("quant_linear") - before == _launches(7 * LAYERS, 3, 4)
+    finally:
+        tigon.unpatch(model)
+    assert torch.equal(got, want)
+    assert dict(model.named_modules()).keys() == modules.keys()
+    assert all(m is modules[n] for n, m in model.named_modules())  # the checkpoint's own modules, not copies
+
+
+def test_qlora_model_generates_fused_and_trains_as_unpatched(nf4_path, reference_path):
+    model = _nf4(nf4_path, lora=True)
+    ids, labels = batch()
+    model.train()
+    loss_ref = model(input_ids=ids, labels=labels).loss
+    loss_ref.backward()
+    grads_ref = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+
+    report = tigon.patch(model)  # trainable adapters: a QLoRA run, left on the checkpoint's modules
+    assert any(piece == "quantized projections" for piece, _ in report.skipped)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    tigon.unpatch(model)
+
+    report = tigon.patch(model, quantized=True)
+    try:
+        assert report.replaced["QuantLinear (quantized projections: tigon.ops.quant_linear)"] == 14
+        adds = op_calls("lora_add")
+        loss = model(input_ids=ids, labels=labels).loss  # QuantLinear runs the bnb module: training unchanged
+        loss.backward()
+        assert op_calls("lora_add") - adds == LAYERS * len(PROJECTIONS)  # hf.lora sees through to the original
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad, grads_ref[n], rtol=1e-4, atol=1e-6)
+        model.eval()
+        gen_ids = prompt_ids(2, 6)
+        tigon.unpatch(model)
+        want = _adopted_greedy(model, gen_ids, 4)  # PEFT's forward over QuantLinear base layers, unpatched
+        tigon.patch(model, quantized=True)
+        before, adds = op_calls("quant_linear"), op_calls("lora_add")
+        got = tigon.generate(model, gen_ids, max_new_tokens=4, cuda_graph=False)
+        assert op_calls("quant_linear") - before == _launches(7 * LAYERS, 3, 4)
+        assert op_calls("lora_add") - adds == 7 * LAYERS * 4  # every adapter, the prefill's and each step's
+    finally:
+        tigon.unpatch(model)
+    assert torch.equal(got, want)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_gpu_bf16_quantized_decode_close_to_hf(fmt):
+    """bf16 on the GPU: the stacked launches split K differently from the per-module ones, so the first tokens
+    and the graph replay are compared, not every token."""
+    ref = _quantized("llama", fmt).cuda().bfloat16()
+    patched = copy.deepcopy(ref)
+    tigon.patch(patched)
+    ids = prompt_ids(2, 9).cuda()
+    want = _greedy(ref, ids, 3)
+    before = ops.dispatch_counts[("quant_linear", "triton")]
+    got = tigon.generate(patched, ids, max_new_tokens=3, cuda_graph=False)
+    assert ops.dispatch_counts[("quant_linear", "triton")] - before == _launches(7 * LAYERS, 2, 4)
+    assert torch.equal(got[:, :10], want[:, :10])
+    assert torch.equal(tigon.generate(patched, ids, max_new_tokens=12, cuda_graph=False),
+                       tigon.generate(patched, ids, max_new_tokens=12))
