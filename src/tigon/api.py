@@ -47,14 +47,23 @@ def _set_up_for_kbit_training(hf) -> bool:
     return frozen and not adapters
 
 
+def _qlora_base(hf) -> bool:
+    """A bitsandbytes 4-bit model with no LoRA adapters yet: NF4 is the base QLoRA trains on, and get_peft_model
+    must see bitsandbytes' modules. Serving such a model fused takes quantized=True."""
+    if any("lora_" in name for name, _ in hf.named_parameters()):
+        return False
+    return any(format_of(m) == "bnb4" for m in hf.modules())
+
+
 def _adopt(model, report, quantized) -> None:
     """tigon.quant.adopt on the transformers model under `model`, its swaps and skips written into `report`."""
     hf = unwrap_model(model)
-    if quantized == "auto" and _set_up_for_kbit_training(hf):
+    if quantized == "auto" and (_set_up_for_kbit_training(hf) or _qlora_base(hf)):
         if any(format_of(m) is not None for m in hf.modules()):
-            report.skip("quantized projections", "the model is set up for k-bit training (every base parameter "
-                        "frozen, LoRA adapters trainable or not added yet): the checkpoint's modules stay, for "
-                        "get_peft_model and the training step; quantized=True adopts them anyway")
+            report.skip("quantized projections", "the model is set up for k-bit training (a bitsandbytes 4-bit "
+                        "base with no adapters yet, or every base parameter frozen with LoRA adapters trainable or "
+                        "not added yet): the checkpoint's modules stay, for get_peft_model and the training step; "
+                        "quantized=True adopts them anyway")
         return
     skipped = {}
     swapped = adopt(hf, skipped=skipped)
@@ -109,8 +118,9 @@ patch.__doc__ = (_hf_patch.__doc__ or "") + """
     the report's skipped list): quant_linear's kernels in inference, the fused quantized decode step; where a
     gradient may be wanted they run the checkpoint's module, so training is unchanged. "auto" (the default)
     does so except on a model set up for k-bit training (every base parameter frozen, as
-    peft.prepare_model_for_kbit_training leaves it, and LoRA adapters trainable or not added yet: get_peft_model
-    must still see the checkpoint's modules, and the repacked copy would only cost memory); True always; False
+    peft.prepare_model_for_kbit_training leaves it, and LoRA adapters trainable or not added yet; or a
+    bitsandbytes 4-bit model with no adapters, the QLoRA base: get_peft_model must still see the checkpoint's
+    modules, and the repacked copy would only cost memory; True serves such a model fused); True always; False
     never. unpatch puts the checkpoint's modules back."""
 _params = list(inspect.signature(_hf_patch).parameters.values())
 patch.__signature__ = inspect.Signature(

@@ -215,7 +215,11 @@ def test_nf4_checkpoint_adopted_by_patch_and_put_back_by_unpatch(nf4_path, refer
     modules = dict(model.named_modules())
     ids = prompt_ids(2, 6)
     want = _adopted_greedy(model, ids, 4)
-    report = tigon.patch(model)
+    base = tigon.patch(model)  # no adapters: a QLoRA base, which "auto" leaves to get_peft_model
+    assert "quantized projections" in dict(base.skipped)
+    assert type(model.model.layers[0].self_attn.q_proj) is not QuantLinear
+    tigon.unpatch(model)
+    report = tigon.patch(model, quantized=True)  # serving it fused
     try:
         assert report.replaced["QuantLinear (quantized projections: tigon.ops.quant_linear)"] == 14
         assert type(model.model.layers[0].self_attn.q_proj) is QuantLinear
