@@ -1,6 +1,6 @@
 """The `tigon` command: --version, usage, `tigon env`, `tigon bench` (its help, output folder, missing benchmarks
-folder, CPU wording), `tigon demo`, missing packages, and bad option values (usage errors with exit status 2,
-never tracebacks)."""
+folder, the `python -m benchmarks NAME` child it starts, CPU wording), `tigon demo`, missing packages, and bad option
+values (usage errors with exit status 2, never tracebacks)."""
 
 import argparse
 import importlib
@@ -14,7 +14,7 @@ import types
 import pytest
 
 import tigon
-from benchmarks.tools import harness
+from benchmarks.tools import checkout, harness
 from tigon import cli
 from tigon.cli import bench, env
 
@@ -100,21 +100,12 @@ def test_bench_help_describes_its_subcommands(capsys):
 
 def test_bench_writes_to_a_named_folder_by_default(monkeypatch):
     seen = {}
-
-    def fake_module(name):
-        if name == "gpu-check":
-            return types.SimpleNamespace(main=lambda argv: seen.setdefault("ops", argv) and 0)
-        parser = argparse.ArgumentParser()
-        parser.add_argument("--out")
-        parser.add_argument("--quick", action="store_true")
-        return types.SimpleNamespace(build_parser=lambda prog: parser,
-                                     main=lambda argv, prog: seen.setdefault("decode", argv) and 0)
-
     monkeypatch.setenv("OUT", "/somewhere/else")
-    monkeypatch.setattr(bench, "_benchmark_module", fake_module)
+    monkeypatch.setattr(bench, "run_benchmark", lambda name, argv: seen.setdefault(name, argv) and 0)
     assert cli.main(["bench", "--quick"]) == 0 and cli.main(["bench", "decode", "--quick"]) == 0
-    assert seen["ops"][seen["ops"].index("--out") + 1] == "tigon-bench-results"
-    assert seen["decode"] == ["--quick", "--out", "tigon-bench-results"]
+    assert seen["gpu-check"][seen["gpu-check"].index("--out") + 1] == "tigon-bench-results"
+    assert seen["decode"] == ["--quick"]  # bench_decode's own default: the same folder
+    assert bench.DEFAULT_OUT == checkout.DEFAULT_OUT == "tigon-bench-results"
     seen.clear()  # an explicit folder is kept
     assert cli.main(["bench", "decode", "--out", "mine"]) == 0 and seen["decode"] == ["--out", "mine"]
 
@@ -155,11 +146,16 @@ def test_benchmarks_dir_is_the_checkouts_folder(monkeypatch, tmp_path):
     assert bench.benchmarks_dir() == os.path.join(os.path.dirname(SRC), "benchmarks")
 
 
-def test_bench_runs_the_modules_of_python_m_benchmarks():
-    from benchmarks.generation import bench_decode
-    from benchmarks.ops import gpu_check
-
-    assert bench._benchmark_module("gpu-check") is gpu_check and bench._benchmark_module("decode") is bench_decode
+def test_bench_runs_python_m_benchmarks_of_the_checkout_with_this_tigon(capsys):
+    root = os.path.dirname(SRC)
+    assert bench.child_command("decode", ["--quick"]) == [sys.executable, "-m", "benchmarks", "decode", "--quick"]
+    env = bench.child_env(root, {"PYTHONPATH": os.pathsep.join(["/elsewhere", root])})
+    assert env["PYTHONPATH"].split(os.pathsep) == [SRC, root, "/elsewhere"] and env["PYTHONUNBUFFERED"] == "1"
+    # a real child: its output comes back through this process's streams, its exit status is the command's
+    assert bench.run_benchmark("render-table", ["--topic", "moe"]) == 0
+    assert "| Tigon (" in capsys.readouterr().out
+    assert bench.run_benchmark("no-such-bench", []) == 2
+    assert "unknown benchmark 'no-such-bench'" in capsys.readouterr().err
 
 
 def test_import_tigon_loads_nothing_from_benchmarks():
@@ -182,6 +178,15 @@ def test_demo_without_transformers_says_which_extra(monkeypatch, capsys, tmp_pat
                               out=str(tmp_path))
     with pytest.raises(ImportError, match=r'tigon demo needs .* pip install "tigon\[hf\]"'):
         demo.run(args)
+
+
+def test_bench_decode_without_transformers_says_which_extra(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else
+                        real(name, *a))
+    monkeypatch.setattr(bench, "run_benchmark", lambda name, argv: pytest.fail("started without transformers"))
+    assert cli.main(["bench", "decode", "--quick"]) == 2
+    assert 'tigon bench decode needs the \'transformers\' package' in capsys.readouterr().err
 
 
 def test_patch_and_generate_without_transformers_say_which_extra(monkeypatch):
@@ -232,11 +237,13 @@ def test_bench_decode_quick_prints_the_table_and_writes_prometheus(tmp_path, cap
     assert "hf-eager" not in text  # only tigon rows carry generate's stats
 
 
-def test_bench_decode_help_names_the_command(capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["bench", "decode", "--help"])
-    assert e.value.code == 0
-    assert "tigon bench decode" in capsys.readouterr().out
+def test_bench_decode_help_and_unknown_options_are_the_benchmarks_own(capsys):
+    assert cli.main(["bench", "decode", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--prompts" in out and "default ./tigon-bench-results" in out
+    assert cli.main(["bench", "decode", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --bogus" in err and "Traceback" not in err
 
 
 BAD_VALUES = [
@@ -263,7 +270,6 @@ BAD_VALUES = [
     (["bench", "decode", "--new", "0"], "argument --new: expected a positive integer, got 0"),
     (["bench", "decode", "--timeout", "0"], "argument --timeout: expected a positive finite number"),
     (["bench", "decode", "--device", "tpu"], "argument --device: expected cpu or cuda, got 'tpu'"),
-    (["bench", "decode", "--bogus"], "unrecognized arguments: --bogus"),
     (["env", "extra"], "unrecognized arguments: extra"),
 ]
 if not __import__("torch").cuda.is_available():

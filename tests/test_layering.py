@@ -1,17 +1,19 @@
-"""The layering, read from the imports (ops < memory < modules, optim < hf < compat, decode < api < cli): every
-import (module level, inside a function, or by importlib.import_module("tigon....")) points down the list below
-or stays within its own package, ops/ needs torch and Triton only, and no two modules import each other through
-any chain."""
+"""The layering, read from the imports (ops < memory, modules, optim, quant, metrics < hf < compat, decode < api <
+the package root < cli): every import (module level, inside a function, or by importlib.import_module("tigon...."))
+points down the list below or stays within its own package, ops/ needs torch and Triton only, and no two modules import
+each other through any chain. The package and the checkout's benchmarks/ stand side by side at the top: tigon never
+imports them (`tigon bench` runs `python -m benchmarks NAME` as a child process), and they never import tigon.cli."""
 
 import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "tigon"
-# lowest first; a module may import its own package and the ones below it
+BENCHMARKS = SRC.parent / "benchmarks"
+# lowest first; a module may import its own package and those of lower layers, never one of its own layer
 # (tigon.generation re-exports tigon.decode with deprecation warnings; tigon.metrics reads the stats dict only.)
-LAYERS = [("ops", "_log"), ("memory",), ("modules", "optim", "quant"), ("hf",), ("compat", "decode"),
-          ("api", "generation", "metrics"), ("cli", "__init__")]
+LAYERS = [("ops", "_log"), ("memory", "modules", "optim", "quant", "metrics"), ("hf",), ("compat", "decode"),
+          ("api", "generation"), ("__init__",), ("cli",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 OPS_MAY_IMPORT = {"torch", "triton", "numpy"}
 
@@ -115,3 +117,35 @@ def test_no_cycles():
         if v not in index:
             strongconnect(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def _absolute_imports(path: Path) -> set[str]:
+    """Every module name an absolutely-importing file names: `import a.b`, `from a import b` (as a and a.b), and
+    importlib.import_module("a.b")."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.add(node.args[0].value)
+    return found
+
+
+def test_the_package_never_imports_the_benchmarks():
+    # The benchmarks are a checkout's tools, not installed with tigon: `tigon bench` starts them as a process.
+    bad = [f"{_module_name(p)} -> {name}" for p in sorted(PACKAGE.rglob("*.py")) for name in _imports(p)
+           if name.split(".")[0] == "benchmarks"]
+    assert not bad, bad
+
+
+def test_the_benchmarks_never_import_the_command():
+    # They measure the library; the `tigon` command launches them, so an import of tigon.cli would point back up.
+    files = sorted(BENCHMARKS.rglob("*.py"))
+    assert len(files) > 10
+    bad = [f"{p.relative_to(BENCHMARKS.parent)} -> {name}" for p in files for name in _absolute_imports(p)
+           if name == "tigon.cli" or name.startswith("tigon.cli.")]
+    assert not bad, bad

@@ -1,7 +1,8 @@
 """Decode benchmark: Hugging Face `generate` against `tigon.generate` on a 1.5B Llama config, or the Llama-3-8B
-shape (`--model llama3-8b`).
+shape (`--model llama3-8b`), in bf16 or quantized weights (`--weights`; the 70B shape `--model llama3-70b`).
 
-    PYTHONPATH=src python -m benchmarks decode --out DIR [--model llama-1.5b|llama3-8b] [--variants ...]
+    PYTHONPATH=src python -m benchmarks decode --out DIR [--model llama-1.5b|llama3-8b|llama3-70b]
+        [--weights bf16|int4|nf4|fp8] [--variants ...]
         [--batches 1,8] [--swa-batches 1] [--prompts 512,8192 | --prompt 512] [--new 256] [--budget S]
         [--prometheus FILE] [--profile] [--quick]
     tigon bench decode ...      (the same from a source checkout, then prints the table)
@@ -52,6 +53,20 @@ one timed call with the peak-memory counter reset just before it (weights includ
   left out: a lookup reads B rows of it) plus the keys and values its attention reads (the mean context of the
   decode steps: prompt + new / 2 tokens, the window's at most), over that ceiling; `% of bound` = bound / p50.
 
+- `--weights int4|nf4|fp8` (default bf16): the random-init model is quantized round-to-nearest
+  (`tigon.quantize(model, fmt, group_size=128)`, nf4 64; --quick 32 for the toy's 64 features) in each
+  variant's process before the variant runs, so tigon and HF's own `generate` run the same quantized model (HF
+  through QuantLinear's module forward: static cache + compile where it works, else the dynamic cache eagerly;
+  the row's `hf_path` says which). The read bound then counts the packed projections (QuantizedWeight.nbytes:
+  codes, scales) measured on the model, plus the bf16 norms and lm_head and the KV; the bf16 model's bound is
+  reported beside it. Except at the 70B shape a separate process reports fidelity once: KL(bf16 ||
+  quantized) and top-1 agreement of the next-token distributions over one FIDELITY_PROMPT-token prompt (the bf16
+  logits are taken, then the same model is quantized in place: one copy of the weights at a time).
+- `--model llama3-70b` (80 layers, hidden 8192, intermediate 28672, 64 / 8 heads; quantized only: its bf16
+  weights are ~140 GB): built on the meta device, then layer by layer materialized on the GPU, initialized as
+  HF initializes it and quantized at once, so no more than one bf16 layer exists; tigon rows decode into a
+  RING_70B-token ring (`capacity`), batch 1 by default.
+
 Writes DIR/decode.json, DIR/decode.md and DIR/decode_latency.png (without matplotlib: no PNG). `--budget`
 skips the variants that no longer fit, with a note in the table. `--quick`: a 2-layer toy on the CPU.
 """
@@ -66,13 +81,22 @@ import time
 
 from benchmarks.generation.decode_profile import BUCKETS, PROFILE_STEPS, profile_tigon, sync
 from benchmarks.tools import checkout
-from tigon.cli.bench import DEFAULT_OUT
+from benchmarks.tools.checkout import DEFAULT_OUT
 
 LLAMA_1B5 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
-MODELS = {"llama-1.5b": LLAMA_1B5, "llama3-8b": LLAMA3_8B}
+LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+MODELS = {"llama-1.5b": LLAMA_1B5, "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+WEIGHTS = ("bf16", "int4", "nf4", "fp8")
+GROUP_SIZE = {"int4": 128, "nf4": 64, "fp8": 128}  # tigon.quantize's group_size (fp8: square blocks of this side)
+QUICK_GROUP_SIZE = 32  # divides the toy's 64 and 128 features
+QUANTIZED_ONLY = ("llama3-70b",)  # built layer by layer, each quantized at once (build_layerwise)
+RING_70B = 32768  # the tigon rows' ring (KV capacity) at the 70B shape
+FIDELITY_PROMPT = 512  # tokens of the fidelity prompt (--quick: QUICK["prompt"])
+FIDELITY_NEED_S = 60  # seconds of the fidelity process (a guess: build, quantize, 2 forwards), NEED_SCALE'd
 DEFAULT_MODEL = "llama-1.5b"
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=512, max_position_embeddings=256)
@@ -80,8 +104,9 @@ VARIANTS = ("hf-eager", "hf-static-compile", "tigon", "tigon-nograph", "tigon-hf
             "swa-tigon", "swa-tigon-full", "swa-tigon-hf-attn")
 DEFAULT_VARIANTS = ("tigon,hf-static-compile,tigon-nograph,hf-eager,swa-tigon,swa-tigon-full,swa-hf-static-compile,"
                     "tigon-hf-attn,swa-tigon-hf-attn")
-DEFAULT_VARIANTS_BY_MODEL = {"llama3-8b": "tigon,hf-static-compile"}
-DEFAULT_PROMPTS = {"llama-1.5b": "512", "llama3-8b": "512,8192"}
+DEFAULT_VARIANTS_BY_MODEL = {"llama3-8b": "tigon,hf-static-compile", "llama3-70b": "tigon"}
+DEFAULT_PROMPTS = {"llama-1.5b": "512", "llama3-8b": "512,8192", "llama3-70b": "512"}
+DEFAULT_BATCHES = {"llama3-70b": "1"}
 WINDOW, SWA_PROMPT = 1024, 4096
 # --quick (a smoke run under Triton's interpreter): one prefill-only repeat and a 2-token warm-up, which runs every
 # kernel once (there is no CUDA graph to capture on a CPU).
@@ -90,17 +115,22 @@ PROFILE_NEED_S = 15  # the three profiled calls and the trace parsing of a 1.5B 
 # Seconds a variant needs on an H200 (process start, model build, warm-up, timed call); the budget check
 # skips a variant with less than this left. Measured compile of the static decode step: ~40-60 s.
 # swa-tigon-hf-attn: two eager 256-step calls (warm-up and timed) at an estimated 20-60 ms per step.
-NEED_S = {"hf-static-compile": 110, "swa-hf-static-compile": 120, "hf-eager": 60, "swa-tigon-hf-attn": 70}
+NEED_S = {"hf-static-compile": 110, "swa-hf-static-compile": 120, "hf-eager": 60, "swa-tigon-hf-attn": 70,
+          "fidelity": FIDELITY_NEED_S}
 NEED_DEFAULT_S = 50
 # The 8B rows: a guess, unmeasured until a run times them (6x the weights to build, 2x the layers to compile).
-NEED_SCALE = {"llama3-8b": 1.5}
+NEED_SCALE = {"llama3-8b": 1.5, "llama3-70b": 3.0}
 COPY_ELEMENTS = 1 << 30  # bf16: a 2 GiB copy (4 GiB read + written), as the ops benchmarks' copy ceiling
 TTFT_REPEATS = 5  # prefill-only calls after the timed one; their median is the TTFT the targets are checked on
 TARGETS = dict(b1_ms=1.0, b8_ms=1.4, p99_over_p50=1.15, ttft_ms=15.0, ring_over_full=1.05)
 # Issue 18's targets at the Llama-3-8B shape: % of the read bound, speedup and TTFT ratio against
 # hf-static-compile at the same batch and prompt.
 TARGETS_8B = dict(pct_of_bound=85.0, over_hf=1.5, p99_over_p50=1.1, ttft_over_hf=0.8, ring_over_full=1.05)
-TARGETS_BY_MODEL = {"llama-1.5b": TARGETS, "llama3-8b": TARGETS_8B}
+# Issue 42's targets of quantized weights: % of the format's read bound, speedup against HF's own generate on the
+# same quantized model, batch 8 against batch 1, and at the 8B shape, batch 1, prompt 512, the H200's ms/token.
+TARGETS_QUANT = dict(pct_of_bound=80.0, over_hf=3.0, b8_over_b1=1.3, p99_over_p50=1.1,
+                     ms_8b_h200={"int4": 1.4, "fp8": 2.35})
+TARGETS_BY_MODEL = {"llama-1.5b": TARGETS, "llama3-8b": TARGETS_8B, "llama3-70b": TARGETS_QUANT}
 # HF's own rows measured with this method, to check a run against (tigon's rows are this benchmark's).
 REFERENCE_TIMINGS = ("Peer reference timings (same method, H200, torch 2.11, transformers 5.17): HF eager "
                      "DynamicCache p50 64-68 ms/step (batch 1), 55.6 (batch 8); HF static cache + compile 2.70 ms "
@@ -113,8 +143,10 @@ def model_config(spec):
     return dict(TOY if spec["quick"] else MODELS[spec.get("model", DEFAULT_MODEL)])
 
 
-def build(spec):
-    """The spec's model (random init, eval, sdpa) on its device and a random prompt of [batch, prompt] ids."""
+def build(spec, quantized=True):
+    """The spec's model (random init, eval, sdpa) on its device and a random prompt of [batch, prompt] ids. With
+    spec["weights"] (int4, nf4, fp8) and `quantized` the model's projections are quantized (`quantize_model`;
+    a QUANTIZED_ONLY model is built layer by layer, `build_layerwise`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -126,18 +158,83 @@ def build(spec):
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with device:
-            if spec["family"] == "mistral":
-                model = MistralForCausalLM(MistralConfig(**cfg, sliding_window=spec["window"]))
-            else:
-                model = LlamaForCausalLM(LlamaConfig(**cfg))
+        if spec["family"] == "mistral":
+            make = lambda: MistralForCausalLM(MistralConfig(**cfg, sliding_window=spec["window"]))  # noqa: E731
+        else:
+            make = lambda: LlamaForCausalLM(LlamaConfig(**cfg))  # noqa: E731
+        if spec.get("model") in QUANTIZED_ONLY:
+            model = build_layerwise(make, spec, device)
+        else:
+            with device:
+                model = make()
     finally:
         torch.set_default_dtype(prev)
     model = model.eval()
+    if quantized and spec.get("weights") and spec.get("model") not in QUANTIZED_ONLY:
+        quantize_model(model, spec)
     model.config._attn_implementation = "sdpa"
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(10, cfg["vocab_size"] - 10, (spec["batch"], spec["prompt"]), generator=g).to(device)
     return model, ids
+
+
+def quantize_model(model, spec):
+    """`tigon.quantize(model, spec["weights"], group_size=spec["group_size"])`, in place (the lm_head stays bf16)."""
+    import tigon
+
+    return tigon.quantize(model, spec["weights"], group_size=spec["group_size"])
+
+
+def build_layerwise(make, spec, device):
+    """The model of `make()` (a causal LM with `model.layers`) built on the meta device, then each decoder layer in
+    turn materialized on `device`, initialized by the model's `_init_weights` and quantized (`quantize_model`)
+    before the next: the peak is the quantized model plus one bf16 layer (a 70B model's bf16 weights would not
+    fit). The embeddings, final norm, rotary tables and lm_head are materialized last, in the model dtype."""
+    import torch
+
+    from tigon.quant import QuantLinear
+
+    with torch.device("meta"):
+        model = make()
+    for i, layer in enumerate(model.model.layers):
+        _materialize(model, layer, device)
+        quantize_model(layer, spec)
+        for name, m in layer.named_modules():
+            if isinstance(m, QuantLinear):
+                m.layer_name = f"model.layers.{i}.{name}"  # as tigon.quantize on the whole model names it
+    for part in (model.model.embed_tokens, model.model.norm, model.model.rotary_emb, model.lm_head):
+        _materialize(model, part, device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"bench_decode: build_layerwise left {len(left)} tensors on the meta device: {left[:4]}")
+    return model
+
+
+def _materialize(model, module, device):
+    """`module`'s tensors allocated on `device` and set as the model's own initialization sets them."""
+    import torch
+
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for m in module.modules():
+            model._init_weights(m)
+
+
+def projection_bytes(model):
+    """Bytes of the model's quantized projections a decode step reads: QuantizedWeight.nbytes (codes, scales,
+    zeros) summed over its QuantLinear modules."""
+    from tigon.quant import QuantLinear
+
+    return sum(m.quantized_weight.nbytes for m in model.modules() if isinstance(m, QuantLinear))
+
+
+def fused_quantized_layers(model):
+    """[layers that ran the fused quantized decode step, decoder layers]: a layer that did holds its stacked
+    weights (tigon.quant.stack.STACK); one that did not ran its modules' own forwards."""
+    from tigon.quant.stack import STACK
+
+    layers = model.model.layers
+    return [sum(STACK in layer.__dict__ for layer in layers), len(layers)]
 
 
 def _peak_reset(device):
@@ -196,11 +293,16 @@ def _child_hf(spec, model, ids):
     if spec["variant"].endswith("static-compile"):
         kw["cache_implementation"] = "static"
     t = time.perf_counter()
-    if kw.get("cache_implementation"):
-        model.generate(ids, **kw)  # the full length: the auto-compile's recompiles happen here, not below
-    else:
-        warm = QUICK["warmup_new"] if spec["quick"] else 8
-        model.generate(ids, **dict(kw, max_new_tokens=warm, min_new_tokens=warm))
+    fallback = None
+    try:
+        _hf_warm_up(spec, model, ids, kw)
+    except Exception as e:  # noqa: BLE001 - a quantized model's static + compile may fail: its eager path then
+        if not (spec.get("weights") and kw.get("cache_implementation")):
+            raise
+        fallback = f"{type(e).__name__}: {e}"[:300]
+        _hf_uncompile(model)
+        kw.pop("cache_implementation")
+        _hf_warm_up(spec, model, ids, kw)
     sync(device)
     warmup_s = time.perf_counter() - t
     _peak_reset(device)
@@ -222,9 +324,38 @@ def _child_hf(spec, model, ids):
     repeats = [first_token_s(ids) for _ in range(ttft_repeats(spec))]
     idle = idle_repeats(spec, first_token_s, ids)
     fresh = [first_token_s(short) for short in new_length_prompts(spec, ids)]
-    return dict(ttft_s=ts[0] - t0, ttft_repeats_s=repeats, ttft_idle_repeats_s=idle, ttft_new_length_s=fresh,
-                step_s=steps, total_s=t1 - t0,
-                peak_gib=_peak_gib(device), warmup_s=warmup_s, cuda_graph=None, stats=None)
+    out = dict(ttft_s=ts[0] - t0, ttft_repeats_s=repeats, ttft_idle_repeats_s=idle, ttft_new_length_s=fresh,
+               step_s=steps, total_s=t1 - t0,
+               peak_gib=_peak_gib(device), warmup_s=warmup_s, cuda_graph=None, stats=None)
+    if spec.get("weights"):
+        out["hf_path"] = hf_path(kw, hasattr(model, "_compiled_call"), fallback)
+    return out
+
+
+def _hf_warm_up(spec, model, ids, kw):
+    if kw.get("cache_implementation"):
+        model.generate(ids, **kw)  # the full length: the auto-compile's recompiles happen here, not below
+    else:
+        warm = QUICK["warmup_new"] if spec["quick"] else 8
+        model.generate(ids, **dict(kw, max_new_tokens=warm, min_new_tokens=warm))
+
+
+def _hf_uncompile(model):
+    """Forget a failed auto-compile: generate's compiled call and dynamo's caches."""
+    import torch
+
+    model.__dict__.pop("_compiled_call", None)
+    torch._dynamo.reset()
+
+
+def hf_path(kw, compiled, fallback=None):
+    """How an HF row of a quantized model decoded: its cache, whether generate compiled the decode step, and why
+    a failed static + compile fell back to the dynamic cache."""
+    if fallback:
+        return f"dynamic cache, eager (static cache + compile failed: {fallback})"
+    if not kw.get("cache_implementation"):
+        return "dynamic cache, eager"
+    return "static cache + torch.compile" if compiled else "static cache, eager (generate did not compile)"
 
 
 def _child_tigon(spec, model, ids):
@@ -235,6 +366,8 @@ def _child_tigon(spec, model, ids):
     variant = spec["variant"]
     kw = dict(max_new_tokens=spec["new"], cuda_graph=not variant.endswith("nograph"), return_stats=True,
               attention="hf" if variant.endswith("hf-attn") else "auto")
+    if spec.get("capacity"):
+        kw["capacity"] = spec["capacity"]  # the ring (RING_70B at the 70B shape)
     device = ids.device
     t = time.perf_counter()
     warm = dict(kw, max_new_tokens=QUICK["warmup_new"]) if spec["quick"] and ids.device.type == "cpu" else kw
@@ -258,6 +391,8 @@ def _child_tigon(spec, model, ids):
                peak_gib=peak / 2**30 if peak is not None else None, warmup_s=warmup_s,
                cuda_graph=stats["cuda_graph"], attention=stats["attention"], stats=stats,
                patch=report.splitlines()[0] if report else None)
+    if spec.get("weights"):
+        out["fused_layers"] = fused_quantized_layers(model)
     if spec.get("profile"):
         try:
             steps = QUICK["profile_steps"] if spec["quick"] else PROFILE_STEPS
@@ -273,7 +408,10 @@ def child(spec):
 
     from tigon.decode import percentile  # the stats' rule (nearest rank), for the HF rows too
 
+    if spec["variant"] == "fidelity":
+        return fidelity(spec)
     model, ids = build(spec)
+    quantized_bytes = projection_bytes(model) if spec.get("weights") else None
     with torch.no_grad():
         r = (_child_tigon if "tigon" in spec["variant"] else _child_hf)(spec, model, ids)
     steps = r.pop("step_s")
@@ -296,6 +434,11 @@ def child(spec):
         row["ttft_idle_median_ms"] = 1e3 * idle[len(idle) // 2]
     if r.get("patch"):
         row["patch"] = r["patch"]
+    if quantized_bytes is not None:
+        row["projection_bytes"] = quantized_bytes
+    for key in ("hf_path", "fused_layers"):
+        if r.get(key):
+            row[key] = r[key]
     if r.get("profile"):
         row["profile"] = r["profile"]
     if r["stats"] is not None:
@@ -303,16 +446,30 @@ def child(spec):
     return row
 
 
+def group_size(weights, quick):
+    """tigon.quantize's group_size for `weights` (GROUP_SIZE; QUICK_GROUP_SIZE with --quick)."""
+    return QUICK_GROUP_SIZE if quick else GROUP_SIZE[weights]
+
+
 def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profile=False, model=DEFAULT_MODEL,
-         ttft_new_lengths=0, ttft_idle=0.0):
+         ttft_new_lengths=0, ttft_idle=0.0, weights="bf16"):
     """One spec per (prompt, variant, batch), prompt outermost; `prompt` is one length or a list. The swa-*
     variants use the Mistral form of the model's config, the long prompt (once, whatever `prompt` is) and
     `swa_batches` (default: `batches`). A variant "name@1+8" runs at batches 1 and 8 only. `profile` marks the
     tigon variants for `profile_tigon`; `model` is a key of MODELS; `ttft_new_lengths` n > 0 adds n TTFT calls at
     the prompt lengths P - 1 ... P - n to every row (`new_length_prompts`); `ttft_idle` S > 0 repeats the
-    prefill-only calls each after S idle seconds (`idle_repeats`)."""
+    prefill-only calls each after S idle seconds (`idle_repeats`). `weights` other than bf16 puts `weights` and
+    `group_size` in every spec (the model is quantized so); a QUANTIZED_ONLY model needs them, has no swa-*
+    variants, and its specs hold the tigon rows' ring, `capacity` (RING_70B; unset with --quick)."""
     if model not in MODELS:
         raise SystemExit(f"bench_decode: unknown model {model!r}; choose from {', '.join(MODELS)}")
+    if weights not in WEIGHTS:
+        raise SystemExit(f"bench_decode: unknown weights {weights!r}; choose from {', '.join(WEIGHTS)}")
+    if model in QUANTIZED_ONLY and weights == "bf16":
+        raise SystemExit(f"bench_decode: --model {model} is built quantized only (its bf16 weights would not fit "
+                         "one GPU): pass --weights int4, nf4 or fp8")
+    if model in QUANTIZED_ONLY and any(v.startswith("swa-") for v in variants):
+        raise SystemExit(f"bench_decode: --model {model} runs the Llama variants only, not swa-*")
     window = QUICK["window"] if quick else WINDOW
     swa_prompt = QUICK["swa_prompt"] if quick else SWA_PROMPT
     prompts = [prompt] if isinstance(prompt, int) else list(prompt)
@@ -346,6 +503,10 @@ def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profil
                     spec["ttft_new_lengths"] = ttft_new_lengths
                 if ttft_idle:
                     spec["ttft_idle"] = ttft_idle
+                if weights != "bf16":
+                    spec.update(weights=weights, group_size=group_size(weights, quick))
+                if model in QUANTIZED_ONLY and not quick:
+                    spec["capacity"] = RING_70B
                 specs.append(spec)
     return specs
 
@@ -400,19 +561,89 @@ def run_plan(specs, budget_s, timeout_s=300, log=print, inline=False):
         row["process_s"] = time.time() - t
         rows.append(row)
         log(f"{'FAILED' if 'error' in row else 'DONE'} {label} ({row['process_s']:.0f} s): "
-            + (row.get("error") or f"p50 {row['p50_ms']:.3f} ms/step, TTFT {row['ttft_ms']:.1f} ms"))
+            + (row.get("error") or _done(row)))
     return rows
+
+
+def _done(row):
+    if "kl_mean" in row:
+        return f"KL {row['kl_mean']:.3g}, top-1 agreement {100 * row['top1_agreement']:.1f}%"
+    return f"p50 {row['p50_ms']:.3f} ms/step, TTFT {row['ttft_ms']:.1f} ms"
+
+
+def fidelity_spec(model, weights, quick, device):
+    """The spec of the fidelity process (`fidelity`): batch 1, one FIDELITY_PROMPT-token prompt."""
+    return dict(variant="fidelity", family="llama", batch=1, prompt=QUICK["prompt"] if quick else FIDELITY_PROMPT,
+                new=0, window=None, quick=quick, device=device, model=model, weights=weights,
+                group_size=group_size(weights, quick))
+
+
+def fidelity(spec):
+    """The bf16 model's next-token logits over the spec's prompt, then the same model quantized in place and its
+    logits again: `logit_fidelity` of the two (one copy of the weights in memory at a time)."""
+    import torch
+
+    if spec.get("model") in QUANTIZED_ONLY:
+        raise ValueError(f"bench_decode: fidelity needs the bf16 model, which {spec['model']} is never built as")
+    model, ids = build(spec, quantized=False)
+    with torch.no_grad():
+        ref = model(ids).logits[0].float()
+        quantize_model(model, spec)
+        got = model(ids).logits[0].float()
+    return dict(spec, **logit_fidelity(ref, got))
+
+
+def logit_fidelity(ref, got):
+    """{kl_mean, kl_max, top1_agreement, positions} of [positions, vocab] logits: KL(softmax(ref) ||
+    softmax(got)) per position in fp32 (its mean and max), and the fraction of positions whose argmax agrees."""
+    import torch
+
+    lp, lq = torch.log_softmax(ref.float(), -1), torch.log_softmax(got.float(), -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean()
+    return dict(kl_mean=kl.mean().item(), kl_max=kl.max().item(), top1_agreement=top1.item(),
+                positions=int(ref.shape[0]))
+
+
+def projection_shapes(cfg):
+    """[(out_features, in_features)] of one decoder layer's projections of a Llama-style config: q, k, v, o, gate,
+    up, down."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // heads
+    return [(heads * d, h), (kv_heads * d, h), (kv_heads * d, h), (h, heads * d), (i, h), (i, h), (h, i)]
 
 
 def weight_read_bytes(cfg, dtype_bytes):
     """Bytes of the weights one decode step reads for a Llama-style config: every projection, norm and the
     lm_head once; the untied input embedding left out (a lookup reads B rows of it), as decode_profile's
     weight_bytes counts a model's parameters."""
-    h, i, n_layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or h // heads
-    layer = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * i + 2 * h  # q k v, o, gate up down, 2 norms
-    return dtype_bytes * (n_layers * layer + h + cfg["vocab_size"] * h)
+    projections = cfg["num_hidden_layers"] * sum(n * k for n, k in projection_shapes(cfg))
+    return dtype_bytes * projections + unquantized_read_bytes(cfg, dtype_bytes)
+
+
+def unquantized_read_bytes(cfg, dtype_bytes):
+    """Bytes of what `tigon.quantize` leaves in the model dtype and a decode step reads: each layer's two norms,
+    the final norm and the lm_head (the input embedding is a lookup of B rows, left out)."""
+    h = cfg["hidden_size"]
+    return dtype_bytes * (cfg["num_hidden_layers"] * 2 * h + h + cfg["vocab_size"] * h)
+
+
+def quantized_weight_bytes(n, k, weights, group, scale_bytes):
+    """QuantizedWeight.nbytes of an [n, k] weight quantized by tigon.quantize (symmetric: no zero points):
+    int4 / nf4 two codes a byte and one scale of `scale_bytes` (the model dtype's) per `group` along K; fp8 a
+    byte an element and one fp32 scale per `group` x `group` block (per row with group 0)."""
+    if weights == "fp8":
+        blocks = n if group == 0 else -(-n // group) * -(-k // group)
+        return n * k + 4 * blocks
+    return n * k // 2 + n * (k // group) * scale_bytes
+
+
+def quantized_read_bytes(cfg, weights, group, dtype_bytes):
+    """Bytes of the weights a decode step of the quantized model reads: its projections' QuantizedWeight.nbytes
+    (`quantized_weight_bytes`, scales in the model dtype) plus `unquantized_read_bytes`."""
+    layer = sum(quantized_weight_bytes(n, k, weights, group, dtype_bytes) for n, k in projection_shapes(cfg))
+    return cfg["num_hidden_layers"] * layer + unquantized_read_bytes(cfg, dtype_bytes)
 
 
 def kv_read_bytes(cfg, batch, prompt, new, window, dtype_bytes):
@@ -427,14 +658,25 @@ def kv_read_bytes(cfg, batch, prompt, new, window, dtype_bytes):
 
 def read_bound(row, copy_GBps):
     """{weight_read_bytes, kv_read_bytes, bound_ms, pct_of_bound} of a finished row at the copy ceiling: the
-    bound is (weights + KV) / ceiling, pct_of_bound = 100 x bound / p50 (100 = every step at the ceiling)."""
+    bound is (weights + KV) / ceiling, pct_of_bound = 100 x bound / p50 (100 = every step at the ceiling). A
+    quantized row's weights are its projections' bytes measured on the model (row["projection_bytes"], else
+    `quantized_read_bytes`'s count of them) plus `unquantized_read_bytes`; it also gets the model's bound in the
+    model dtype (bf16_bound_ms, for reference)."""
     cfg = model_config(row)
     dtype_bytes = 2 if row["device"].startswith("cuda") else 4  # bf16 on CUDA, fp32 on a CPU, as build()
-    weights = weight_read_bytes(cfg, dtype_bytes)
+    weights = full = weight_read_bytes(cfg, dtype_bytes)
+    if row.get("weights"):
+        if row.get("projection_bytes") is not None:
+            weights = row["projection_bytes"] + unquantized_read_bytes(cfg, dtype_bytes)
+        else:
+            weights = quantized_read_bytes(cfg, row["weights"], row["group_size"], dtype_bytes)
     kv = kv_read_bytes(cfg, row["batch"], row["prompt"], row["new"], row["window"], dtype_bytes)
-    bound_ms = (weights + kv) / (copy_GBps * 1e9) * 1e3
-    return dict(weight_read_bytes=weights, kv_read_bytes=kv, bound_ms=bound_ms,
-                pct_of_bound=100 * bound_ms / row["p50_ms"])
+    ms = lambda nbytes: nbytes / (copy_GBps * 1e9) * 1e3  # noqa: E731
+    out = dict(weight_read_bytes=weights, kv_read_bytes=kv, bound_ms=ms(weights + kv),
+               pct_of_bound=100 * ms(weights + kv) / row["p50_ms"])
+    if row.get("weights"):
+        out["bf16_bound_ms"] = ms(full + kv)
+    return out
 
 
 def copy_ceiling(device, quick):
@@ -472,17 +714,51 @@ def bound_lines(rows, ceiling):
     done = [r for r in rows if r.get("bound_ms") is not None]
     if not done:
         return []
+    quant = any(r.get("weights") for r in done)
     lines = ["", "### Weight + KV read bound", "",
              f"Copy ceiling {ceiling['GBps']:.0f} GB/s ({ceiling['how']}, (read + write) / time, this run). Bound = "
-             "(weights + mean KV a decode step reads) / ceiling; % of bound = bound / p50.", "",
+             "(weights + mean KV a decode step reads) / ceiling; % of bound = bound / p50."
+             + (" Quantized weights: the projections' QuantizedWeight.nbytes (codes and scales) measured on the "
+                "model, plus the norms and lm_head in the model dtype (bf16; fp32 on a CPU); bf16 bound: the same "
+                "model's bound unquantized, for reference." if quant else ""), "",
              "| model | variant | batch | prompt | weights MB | KV MB/step | bound ms/step | p50 ms/step "
-             "| % of bound |",
-             "|" + "---|" * 9]
+             "| % of bound |" + (" bf16 bound ms/step |" if quant else ""),
+             "|" + "---|" * (10 if quant else 9)]
     for r in done:
         lines.append(f"| {_model_name(r)} | {r['variant']} | {r['batch']} | {r['prompt']} | "
                      f"{r['weight_read_bytes'] / 1e6:.1f} | {r['kv_read_bytes'] / 1e6:.1f} | {r['bound_ms']:.3f} | "
-                     f"{r['p50_ms']:.3f} | {r['pct_of_bound']:.1f}% |")
+                     f"{r['p50_ms']:.3f} | {r['pct_of_bound']:.1f}% |"
+                     + (f" {_num(r.get('bf16_bound_ms'), '.3f')} |" if quant else ""))
     return lines
+
+
+def quantized_lines(rows, meta):
+    """A quantized run's notes: how each HF row decoded (hf_path) and the fidelity of the quantized logits."""
+    lines = []
+    paths = [r for r in rows if r.get("hf_path")]
+    if paths:
+        lines += ["", "HF rows on the quantized model (QuantLinear's module forward):", ""]
+        lines += [f"- {_model_name(r)} {r['variant']} batch {r['batch']} prompt {r['prompt']}: {r['hf_path']}"
+                  for r in paths]
+    fused = [r for r in rows if r.get("fused_layers")]
+    if fused:
+        lines += ["", "Tigon rows' decoder layers that ran the fused quantized decode step (the rest ran their "
+                  "modules' forwards): " + ", ".join(f"{r['variant']} batch {r['batch']} prompt {r['prompt']} "
+                                                     f"{r['fused_layers'][0]} of {r['fused_layers'][1]}"
+                                                     for r in fused) + "."]
+    f = meta.get("fidelity")
+    if not f:
+        return lines
+    head = f"### Fidelity: {f['weights']} weights against the bf16 model"
+    if "kl_mean" not in f:
+        return lines + ["", head, "", f"not measured: {f.get('skipped') or f.get('error')}"]
+    return lines + ["", head, "", f"Next-token distributions of one {f['prompt']}-token random prompt (batch 1), the "
+                    "same random-init model before and after tigon.quantize (round-to-nearest); reported, not a "
+                    "target.", "",
+                    "| model | weights | group size | positions | KL(bf16 \\|\\| quantized) mean | KL max "
+                    "| top-1 agreement |", "|" + "---|" * 7,
+                    f"| {_model_name(dict(f, weights=None))} | {f['weights']} | {f['group_size']} | {f['positions']} | "
+                    f"{f['kl_mean']:.3g} | {f['kl_max']:.3g} | {100 * f['top1_agreement']:.1f}% |"]
 
 
 def _num(x, fmt=".2f"):
@@ -490,18 +766,22 @@ def _num(x, fmt=".2f"):
 
 
 def _model_name(r):
+    """The model column: the shape's name (llama-toy with --quick), its weights after it when quantized."""
     model = r.get("model", DEFAULT_MODEL)
     if r["family"] == "llama":
-        return model if not r["quick"] else "llama-toy"
-    size = "" if r["quick"] or model == DEFAULT_MODEL else model.split("-")[-1] + "-"
-    return f"mistral-{size}" + (f"swa{r['window']}" if r["window"] else "full")
+        name = model if not r["quick"] else "llama-toy"
+    else:
+        size = "" if r["quick"] or model == DEFAULT_MODEL else model.split("-")[-1] + "-"
+        name = f"mistral-{size}" + (f"swa{r['window']}" if r["window"] else "full")
+    return f"{name} {r['weights']}" if r.get("weights") else name
 
 
 def _baseline(rows, r):
-    """hf-static-compile's row (swa-hf-static-compile's for swa-*) at r's model, batch and prompt."""
+    """hf-static-compile's row (swa-hf-static-compile's for swa-*) at r's model, weights, batch and prompt."""
     want = "swa-hf-static-compile" if r["variant"].startswith("swa-") else "hf-static-compile"
     return next((x for x in rows if x["variant"] == want and x["batch"] == r["batch"] and x["prompt"] == r["prompt"]
-                 and x.get("model") == r.get("model") and "p50_ms" in x), None)
+                 and x.get("model") == r.get("model") and x.get("weights") == r.get("weights") and "p50_ms" in x),
+                None)
 
 
 def _ttft(r):
@@ -516,6 +796,9 @@ def targets(rows):
     ok = {r["variant"] + str(r["batch"]): r for r in rows if "p50_ms" in r}
     for r in rows:
         if "p50_ms" not in r or r["variant"] != "tigon":
+            continue
+        if r.get("weights"):
+            out += _targets_quant(rows, r)
             continue
         if r.get("model", DEFAULT_MODEL) == "llama3-8b":
             out += _targets_8b(rows, r)
@@ -533,7 +816,7 @@ def targets(rows):
     for r in rows:
         if "p50_ms" in r and r["variant"] in ("tigon", "swa-tigon", "swa-tigon-full"):
             model = r.get("model", DEFAULT_MODEL)
-            limit = TARGETS_BY_MODEL[model]["p99_over_p50"]
+            limit = (TARGETS_QUANT if r.get("weights") else TARGETS_BY_MODEL[model])["p99_over_p50"]
             at = f" prompt {r['prompt']}" if model != DEFAULT_MODEL else ""  # the 1.5B's labels as before
             ratio = r["p99_ms"] / r["p50_ms"]
             out.append((f"{r['variant']} batch {r['batch']}{at} p99 <= {limit}x p50", f"{ratio:.3f}x", ratio <= limit))
@@ -566,6 +849,32 @@ def _targets_8b(rows, r):
             a, b = r["ttft_idle_median_ms"], base["ttft_idle_median_ms"]
             out.append((f"tigon {at} TTFT after {r['ttft_idle']:g} s idle <= {t['ttft_over_hf']}x "
                         "hf-static-compile's", f"{a / b:.2f}x ({a:.1f} vs {b:.1f} ms)", a / b <= t["ttft_over_hf"]))
+    return out
+
+
+def _targets_quant(rows, r):
+    """Issue 42's targets of one tigon row of a quantized model (TARGETS_QUANT)."""
+    t, fmt, at = TARGETS_QUANT, r["weights"], f"batch {r['batch']} prompt {r['prompt']}"
+    out = []
+    limit = t["ms_8b_h200"].get(fmt)
+    if r.get("model") == "llama3-8b" and not r["quick"] and (r["batch"], r["prompt"]) == (1, 512) and limit:
+        out.append((f"tigon {fmt} {at} p50 <= {limit} ms/token (the H200's target)", f"{r['p50_ms']:.3f} ms",
+                    r["p50_ms"] <= limit))
+    if r.get("pct_of_bound") is not None:
+        out.append((f"tigon {fmt} {at} >= {t['pct_of_bound']:.0f}% of the {fmt} read bound",
+                    f"{r['pct_of_bound']:.1f}% ({r['bound_ms']:.3f} of {r['p50_ms']:.3f} ms)",
+                    r["pct_of_bound"] >= t["pct_of_bound"]))
+    base = _baseline(rows, r)
+    if base:
+        speed = base["p50_ms"] / r["p50_ms"]
+        out.append((f"tigon {fmt} {at} p50 >= {t['over_hf']:g}x HF generate on the same {fmt} model",
+                    f"x{speed:.2f}", speed >= t["over_hf"]))
+    one = next((x for x in rows if x["variant"] == "tigon" and x["batch"] == 1 and x["prompt"] == r["prompt"]
+                and x.get("model") == r.get("model") and x.get("weights") == fmt and "p50_ms" in x), None)
+    if r["batch"] == 8 and one:
+        ratio = r["p50_ms"] / one["p50_ms"]
+        out.append((f"tigon {fmt} batch 8 prompt {r['prompt']} p50 <= {t['b8_over_b1']}x batch 1's",
+                    f"{ratio:.2f}x ({r['p50_ms']:.3f} vs {one['p50_ms']:.3f} ms)", ratio <= t["b8_over_b1"]))
     return out
 
 
@@ -606,7 +915,7 @@ def markdown(rows, meta):
         lines.append(f"Skipped for the time budget: {names}.")
     if meta.get("copy_ceiling"):
         lines += bound_lines(rows, meta["copy_ceiling"])
-    lines += ttft_phase_lines(rows) + profile_lines(rows)
+    lines += quantized_lines(rows, meta) + ttft_phase_lines(rows) + profile_lines(rows)
     return "\n".join(lines) + "\n"
 
 
@@ -762,10 +1071,14 @@ def prometheus_rows(rows):
 def build_parser(prog="bench_decode"):
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, choices=tuple(MODELS),
-                   help=f"the Llama shape (default {DEFAULT_MODEL}; llama3-8b: Llama-3-8B's, random init)")
+                   help=f"the Llama shape (default {DEFAULT_MODEL}; llama3-8b: Llama-3-8B's, random init; "
+                        "llama3-70b: the 70B shape, with --weights other than bf16 only)")
+    p.add_argument("--weights", default="bf16", choices=WEIGHTS,
+                   help="the projections' weights: bf16 (default), or the model quantized round-to-nearest by "
+                        "tigon.quantize (group 128, nf4 64) before each variant runs it")
     p.add_argument("--variants", default=None, help=f"comma-separated, in run order (default {DEFAULT_VARIANTS}; "
                    f"with --model llama3-8b {DEFAULT_VARIANTS_BY_MODEL['llama3-8b']}; all: {','.join(VARIANTS)})")
-    p.add_argument("--batches", default=None, help="comma-separated (default 1,8)")
+    p.add_argument("--batches", default=None, help="comma-separated (default 1,8; with --model llama3-70b 1)")
     p.add_argument("--swa-batches", default=None, help="batches of the swa-* variants (default 1)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens of the Llama rows (default 512)")
     p.add_argument("--prompts", default=None, help="comma-separated prompt lengths, each a set of Llama rows "
@@ -836,7 +1149,7 @@ def main(argv=None, log=print, prog="bench_decode"):
         return 2
     quick, model = a.quick, a.model
     variants = [v for v in (a.variants or DEFAULT_VARIANTS_BY_MODEL.get(model, DEFAULT_VARIANTS)).split(",") if v]
-    batches = int_list(a.batches or (QUICK["batches"] if quick else "1,8"), "--batches")
+    batches = int_list(a.batches or (QUICK["batches"] if quick else DEFAULT_BATCHES.get(model, "1,8")), "--batches")
     swa_batches = int_list(a.swa_batches or ("" if quick else "1"), "--swa-batches") or None
     prompts = prompt_lengths(a.prompt, a.prompts, model, quick)
     new = a.new or (QUICK["new"] if quick else 256)
@@ -846,13 +1159,23 @@ def main(argv=None, log=print, prog="bench_decode"):
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     specs = plan(variants, batches, prompts, new, quick, device, swa_batches, profile=a.profile, model=model,
-                 ttft_new_lengths=a.ttft_new_lengths, ttft_idle=a.ttft_idle)
-    rows = run_plan(specs, a.budget, a.timeout, log=log, inline=quick and device == "cpu")
+                 ttft_new_lengths=a.ttft_new_lengths, ttft_idle=a.ttft_idle, weights=a.weights)
+    inline = quick and device == "cpu"
+    rows = run_plan(specs, a.budget, a.timeout, log=log, inline=inline)
     name = "" if model == DEFAULT_MODEL or quick else f", {model}"
+    name += f", {a.weights} weights" if a.weights != "bf16" else ""
     meta = dict(title="tigon.generate vs HF generate" + name + (" (quick toy on " + device + ")" if quick else ""),
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
-                model=model, prompts=prompts, wall_s=time.time() - t0, targets=TARGETS_BY_MODEL[model],
+                model=model, prompts=prompts, wall_s=time.time() - t0,
+                targets=TARGETS_QUANT if a.weights != "bf16" else TARGETS_BY_MODEL[model],
                 reference_timings=REFERENCE_TIMINGS)
+    if a.weights != "bf16":
+        meta.update(weights=a.weights, group_size=group_size(a.weights, quick))
+        if model not in QUANTIZED_ONLY:  # it takes the bf16 model's logits: not at the 70B shape
+            left = a.budget - (time.time() - t0)
+            (meta["fidelity"],) = run_plan([fidelity_spec(model, a.weights, quick, device)], left, a.timeout,
+                                           log=log, inline=inline)
+        meta["wall_s"] = time.time() - t0
     try:  # after the variants: the parent's own CUDA context and 4 GiB are gone before any child starts
         meta["copy_ceiling"] = copy_ceiling(device, quick)
     except Exception as e:  # noqa: BLE001 - a failed ceiling leaves the bound columns out, the rows stand

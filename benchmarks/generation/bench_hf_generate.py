@@ -39,7 +39,7 @@ from pathlib import Path
 
 from benchmarks.generation.bench_decode import _peak_gib, _peak_reset  # one peak-memory rule for both decode benches
 from benchmarks.tools import checkout
-from tigon.cli.bench import DEFAULT_OUT
+from benchmarks.tools.checkout import DEFAULT_OUT
 
 LLAMA_1B5 = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)

@@ -36,7 +36,7 @@ import traceback
 from dataclasses import dataclass
 
 from benchmarks.tools import checkout
-from tigon.cli.bench import DEFAULT_OUT
+from benchmarks.tools.checkout import DEFAULT_OUT
 
 REPO = str(checkout.ROOT)
 

@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.ops import bench_norms
 from benchmarks.tools import harness as H
-from tigon.cli.bench import DEFAULT_OUT
+from benchmarks.tools.checkout import DEFAULT_OUT
 from tigon.ops.config import (
     CrossEntropyConfig,
     GLUConfig,

@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: src/, tests/, benchm
 BENCHMARKS = ROOT / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 SRC = ROOT / "src"
+# where a benchmark writes when --out is not given (under the current directory); `tigon bench` says the same
+DEFAULT_OUT = "tigon-bench-results"
 
 
 def module_name(file: str) -> str:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tigon.cli.bench import DEFAULT_OUT
+from benchmarks.tools.checkout import DEFAULT_OUT
 
 
 def main(argv=None):

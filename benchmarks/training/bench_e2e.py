@@ -26,8 +26,8 @@ import subprocess
 import time
 
 from benchmarks.tools import checkout
+from benchmarks.tools.checkout import DEFAULT_OUT
 from benchmarks.training.step_profile import profile_step
-from tigon.cli.bench import DEFAULT_OUT
 
 LLAMA_1B5 = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)

@@ -33,8 +33,8 @@ import sys
 import time
 
 from benchmarks.tools import checkout
+from benchmarks.tools.checkout import DEFAULT_OUT
 from benchmarks.training.bench_e2e import GEMMA2, HF_ATTENTION, LLAMA_1B5  # the e2e step's configs, HF's attention
-from tigon.cli.bench import DEFAULT_OUT
 
 VARIANTS = ("padded_hf", "padded_liger", "padded_tigon", "packed_tigon", "packed_tigon_position_ids")
 CONFIGS = {"llama": dict(LLAMA_1B5, tie_word_embeddings=False), "gemma2": GEMMA2}

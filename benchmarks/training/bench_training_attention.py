@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from benchmarks.tools import checkout
 from benchmarks.tools import harness as H
-from tigon.cli.bench import DEFAULT_OUT
+from benchmarks.tools.checkout import DEFAULT_OUT
 
 HEADS, KV_HEADS = 32, 8
 WINDOW, SOFTCAP = 4096, 50.0
