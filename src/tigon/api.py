@@ -76,7 +76,7 @@ def _adopt(model, report, quantized) -> None:
 
 @functools.wraps(_hf_patch, assigned=("__doc__",))  # keeps the name tigon.patch
 def patch(model: "torch.nn.Module | None" = None, *, cuda_graph: bool = False,
-          quantized: bool | Literal["auto"] = "auto", **options) -> "PatchReport":
+          quantized: bool | Literal["auto"] = False, **options) -> "PatchReport":
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"tigon.patch: cuda_graph must be True or False, got {type(cuda_graph).__name__} "
                         f"{cuda_graph!r}")
@@ -116,16 +116,19 @@ patch.__doc__ = (_hf_patch.__doc__ or "") + """
     quantized (instance only) swaps the model's quantized projections (GPTQ, AWQ, compressed-tensors, FP8,
     bitsandbytes NF4) for `tigon.quant.QuantLinear` modules (`tigon.quant.adopt`; what it leaves, and why, is in
     the report's skipped list): quant_linear's kernels in inference, the fused quantized decode step; where a
-    gradient may be wanted they run the checkpoint's module, so training is unchanged. "auto" (the default)
-    does so except on a model set up for k-bit training (every base parameter frozen, as
-    peft.prepare_model_for_kbit_training leaves it, and LoRA adapters trainable or not added yet; or a
+    gradient may be wanted they run the checkpoint's module, so training is unchanged. False (the default)
+    leaves them: measured on the H100, the quantized kernels reach 5-71% of their read bound and an int4 decode
+    layer takes about the bf16 layer's time (benchmarks/results/h100.md), so adopting is an opt-in until they
+    measure faster than the checkpoint's own kernels. "auto" adopts except on a model set up for k-bit
+    training (every base parameter frozen, as peft.prepare_model_for_kbit_training leaves it, and LoRA adapters
+    trainable or not added yet; or a
     bitsandbytes 4-bit model with no adapters, the QLoRA base: get_peft_model must still see the checkpoint's
     modules, and the repacked copy would only cost memory; True serves such a model fused); True always; False
     never. unpatch puts the checkpoint's modules back."""
 _params = list(inspect.signature(_hf_patch).parameters.values())
 patch.__signature__ = inspect.Signature(
     _params[:1] + [inspect.Parameter("cuda_graph", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool),
-                   inspect.Parameter("quantized", inspect.Parameter.KEYWORD_ONLY, default="auto",
+                   inspect.Parameter("quantized", inspect.Parameter.KEYWORD_ONLY, default=False,
                                      annotation=bool | Literal["auto"])] + _params[1:],
     return_annotation=inspect.signature(_hf_patch).return_annotation)
 

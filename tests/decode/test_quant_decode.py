@@ -215,7 +215,9 @@ def test_nf4_checkpoint_adopted_by_patch_and_put_back_by_unpatch(nf4_path, refer
     modules = dict(model.named_modules())
     ids = prompt_ids(2, 6)
     want = _adopted_greedy(model, ids, 4)
-    base = tigon.patch(model)  # no adapters: a QLoRA base, which "auto" leaves to get_peft_model
+    assert not tigon.patch(model).replaced.get("QuantLinear (quantized projections: tigon.ops.quant_linear)")
+    tigon.unpatch(model)  # the default leaves a checkpoint's modules
+    base = tigon.patch(model, quantized="auto")  # no adapters: a QLoRA base, which "auto" leaves to get_peft_model
     assert "quantized projections" in dict(base.skipped)
     assert type(model.model.layers[0].self_attn.q_proj) is not QuantLinear
     tigon.unpatch(model)
@@ -242,7 +244,7 @@ def test_qlora_model_generates_fused_and_trains_as_unpatched(nf4_path, reference
     grads_ref = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
 
-    report = tigon.patch(model)  # trainable adapters: a QLoRA run, left on the checkpoint's modules
+    report = tigon.patch(model, quantized="auto")  # trainable adapters: a QLoRA run, left on the checkpoint's modules
     assert any(piece == "quantized projections" for piece, _ in report.skipped)
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
     tigon.unpatch(model)
