@@ -7,8 +7,8 @@
 
 Importing tigon is cheap: no CUDA initialisation, no kernel compilation. Submodules load on first use.
 Layers, lowest first (each imports only those below it; tests/test_layering.py reads the imports):
-ops (torch + Triton) < memory < modules, optim, quant (4- and 8-bit weights) < hf < compat, decode (the inference
-wing) < api (patch/unpatch) < cli (the `tigon` command and its demo).
+ops (torch + Triton) < memory, modules, optim, quant (4- and 8-bit weights), metrics < hf < compat, decode (the
+inference wing) < api (patch/unpatch) < this package < cli (the `tigon` command and its demo).
 """
 
 import importlib
