@@ -104,6 +104,10 @@ def child(variant, a):
                 if i or not a.steps:  # --steps 0: the one step is the timed one
                     times.append((time.perf_counter() - t0) * 1e3)
             ms = sorted(times)[len(times) // 2]
+            if variant == "tigon-offload":  # the tile "auto" chose from free memory at the first step
+                from tigon.memory import tiled_mlp_tile_tokens
+
+                row["tile_tokens"] = tiled_mlp_tile_tokens(model)
             row.update(step_ms=round(ms, 1), tok_s=round(seq / ms * 1e3), loss=float(loss),
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
         except torch.OutOfMemoryError:

@@ -31,4 +31,7 @@ def test_slope_is_the_least_squares_line():
 def test_offload_child_steps_a_tiny_model():
     rows = bench.child("tigon-offload", bench.parse_args(["--smoke", "--seqs", "48", "--steps", "0"]))
     assert len(rows) == 1 and rows[0]["seq"] == 48 and rows[0]["step_ms"] > 0
+    from tigon.memory.tiling import CPU_AUTO_TILE_TOKENS
+
+    assert rows[0]["tile_tokens"] == CPU_AUTO_TILE_TOKENS  # "auto" on a CPU (48 tokens fit one tile)
     assert torch.isfinite(torch.tensor(rows[0]["loss"]))

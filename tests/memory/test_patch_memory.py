@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tigon
-from tigon.memory import checkpoint_offload_installed, tiled_mlp_installed
+from tigon.memory import checkpoint_offload_installed, tiled_mlp_installed, tiled_mlp_tile_tokens
 
 from ..hf._tiny import tiny_model
 
@@ -48,7 +48,9 @@ def test_tiled_mlp_matches_the_untiled_patched_step():
     tigon.unpatch(model)
     report = tigon.patch(model, tile_mlp=16, offload_checkpoints=2)
     assert report.replaced["tiled MLP (16 tokens a tile)"] == 2 and tiled_mlp_installed(model)
+    assert tiled_mlp_tile_tokens(model) is None  # no step yet
     loss_t, grads_t = _grads(model, ids)
+    assert tiled_mlp_tile_tokens(model) == 16
     # fp32, rows computed alone: the tiles change only which rows a GEMM sees (a few ulps of a K=96 reduction),
     # and the weight gradients sum 3 tile partials instead of one 45-row reduction
     torch.testing.assert_close(loss_t, loss, rtol=1e-6, atol=0)

@@ -14,11 +14,19 @@ lazily: `import tigon.ops` never pulls in transformers (an [hf] extra).
 from ..ops._rolling_buffer import RollingBuffer, workspace
 from .offload import checkpoint_offload_installed, install_checkpoint_offload, uninstall_checkpoint_offload
 from .plan import MemoryPlan, MemoryPlanError, plan
-from .tiling import auto_tile_tokens, install_tiled_mlp, tiled_apply, tiled_mlp_installed, uninstall_tiled_mlp
+from .tiling import (
+    auto_tile_tokens,
+    install_tiled_mlp,
+    tiled_apply,
+    tiled_mlp_installed,
+    tiled_mlp_tile_tokens,
+    uninstall_tiled_mlp,
+)
 
 __all__ = ["RollingBuffer", "RollingKVCache", "checkpoint_offload_installed", "install_checkpoint_offload",
            "uninstall_checkpoint_offload", "workspace",
-           "auto_tile_tokens", "install_tiled_mlp", "tiled_apply", "tiled_mlp_installed", "uninstall_tiled_mlp",
+           "auto_tile_tokens", "install_tiled_mlp", "tiled_apply", "tiled_mlp_installed", "tiled_mlp_tile_tokens",
+           "uninstall_tiled_mlp",
            "MemoryPlan", "MemoryPlanError", "plan"]
 
 

@@ -260,12 +260,16 @@ class _TilePlan:
     once, at the first call in training (the model is on its device by then), so every later step tiles the same
     way."""
 
-    __slots__ = ("tile_tokens", "free_bytes", "read")
+    __slots__ = ("tile_tokens", "free_bytes", "read", "last")
 
     def __init__(self, tile_tokens):
-        self.tile_tokens, self.free_bytes, self.read = tile_tokens, None, False
+        self.tile_tokens, self.free_bytes, self.read, self.last = tile_tokens, None, False, None
 
     def tokens(self, x: torch.Tensor, intermediate_size: int) -> int:
+        self.last = self._tokens(x, intermediate_size)
+        return self.last
+
+    def _tokens(self, x: torch.Tensor, intermediate_size: int) -> int:
         if self.tile_tokens != "auto":
             return self.tile_tokens
         if not self.read:
@@ -389,10 +393,21 @@ def uninstall_tiled_mlp(model: nn.Module) -> int:
     return undone
 
 
+def tiled_mlp_tile_tokens(model: nn.Module) -> Optional[int]:
+    """The tile length the installed MLPs of `model` chose at their last call in training ("auto" resolved; a
+    sequence no longer than it ran whole), None before the first or where none is installed."""
+    for mlp in _mlp_modules(model):
+        wrapper = mlp.__dict__.get(_MARK)
+        if wrapper is not None and wrapper.active and wrapper.plan.last is not None:
+            return wrapper.plan.last
+    return None
+
+
 def tiled_mlp_installed(model: nn.Module) -> bool:
     """Whether install_tiled_mlp is in effect on any MLP of the model."""
     return any(isinstance(m.__dict__.get(_MARK), _TiledMLPForward) for m in model.modules())
 
 
 __all__ = ["AUTO_TILE_FRACTION", "CPU_AUTO_TILE_TOKENS", "auto_tile_tokens", "install_tiled_mlp", "shard_tile_tokens",
+           "tiled_mlp_tile_tokens",
            "tiled_apply", "tiled_mlp_installed", "uninstall_tiled_mlp"]
