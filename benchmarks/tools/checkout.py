@@ -57,3 +57,15 @@ def run_module(file: str, args, *, timeout: float, env: dict | None = None) -> s
     child_env); its output captured as text. subprocess.TimeoutExpired past `timeout` seconds."""
     return subprocess.run(module_command(file, *args), cwd=ROOT, env=child_env(env), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def print_child_result(make, error_row) -> None:
+    """The child side of a per-variant process: print `RESULT <json>` of make(), or of error_row(message) when it
+    raises, so the parent reports the failure in its table instead of losing the variant."""
+    import json
+
+    try:
+        result = make()
+    except Exception as e:  # noqa: BLE001 - any failure becomes the variant's row
+        result = error_row(f"{type(e).__name__}: {str(e)[:300]}")
+    print("RESULT " + json.dumps(result), flush=True)

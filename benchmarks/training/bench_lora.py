@@ -292,10 +292,7 @@ def parse_args(argv=None):
 def main(argv=None):
     a = parse_args(argv)
     if a.child:
-        try:
-            print("RESULT " + json.dumps(child(a.child, a)), flush=True)
-        except Exception as e:  # noqa: BLE001 - the parent reports the failure in the table
-            print("RESULT " + json.dumps(dict(variant=a.child, error=f"{type(e).__name__}: {str(e)[:300]}")))
+        checkout.print_child_result(lambda: child(a.child, a), lambda msg: dict(variant=a.child, error=msg))
         return None
     variants = a.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
