@@ -140,6 +140,21 @@ class LigerGEGLUMLP(GeGLUMLP):
         self.config = config
 
 
+def _check_shards(module, num_shards) -> None:
+    if num_shards is not None and (isinstance(num_shards, bool) or not isinstance(num_shards, int)):
+        raise TypeError(f"{type(module).__name__}: num_shards must be None or an int, got "
+                        f"{type(num_shards).__name__}")
+
+
+def _sharded(module, forward, x):
+    """forward(x) shard by shard over the tokens, as Liger's tiled MLPs cut them (module.num_shards)."""
+    if x.dim() < 2:
+        raise ValueError(f"{type(module).__name__}: x must have shape [..., T, hidden], got {tuple(x.shape)}")
+    shards = math.ceil(x.shape[-2] / x.shape[-1]) if module.num_shards is None else module.num_shards
+    return tiled_apply(forward, x, shard_tile_tokens(x.shape[-2], shards),
+                       params=[p for p in module.parameters() if p.requires_grad])
+
+
 class LigerTiledSwiGLUMLP(LigerSwiGLUMLP):
     """liger_kernel.transformers.LigerTiledSwiGLUMLP(config, num_shards=None): the SwiGLU MLP run shard by shard
     over the tokens (tigon.memory.tiled_apply), so only one shard's intermediates are alive; the backward
@@ -147,18 +162,12 @@ class LigerTiledSwiGLUMLP(LigerSwiGLUMLP):
     ceil(T / num_shards) tokens, as torch.chunk cuts them. Tiles in eval too, as Liger's does."""
 
     def __init__(self, config, num_shards: Optional[int] = None):
-        if num_shards is not None and (isinstance(num_shards, bool) or not isinstance(num_shards, int)):
-            raise TypeError(f"{type(self).__name__}: num_shards must be None or an int, got "
-                            f"{type(num_shards).__name__}")
+        _check_shards(self, num_shards)
         super().__init__(config)
         self.num_shards = num_shards
 
     def forward(self, x):
-        if x.dim() < 2:
-            raise ValueError(f"{type(self).__name__}: x must have shape [..., T, hidden], got {tuple(x.shape)}")
-        shards = math.ceil(x.shape[-2] / x.shape[-1]) if self.num_shards is None else self.num_shards
-        return tiled_apply(super().forward, x, shard_tile_tokens(x.shape[-2], shards),
-                           params=[p for p in self.parameters() if p.requires_grad])
+        return _sharded(self, super().forward, x)
 
 
 class LigerTiledGEGLUMLP(LigerGEGLUMLP):
@@ -166,18 +175,12 @@ class LigerTiledGEGLUMLP(LigerGEGLUMLP):
     LigerTiledSwiGLUMLP."""
 
     def __init__(self, config, num_shards: Optional[int] = None):
-        if num_shards is not None and (isinstance(num_shards, bool) or not isinstance(num_shards, int)):
-            raise TypeError(f"{type(self).__name__}: num_shards must be None or an int, got "
-                            f"{type(num_shards).__name__}")
+        _check_shards(self, num_shards)
         super().__init__(config)
         self.num_shards = num_shards
 
     def forward(self, x):
-        if x.dim() < 2:
-            raise ValueError(f"{type(self).__name__}: x must have shape [..., T, hidden], got {tuple(x.shape)}")
-        shards = math.ceil(x.shape[-2] / x.shape[-1]) if self.num_shards is None else self.num_shards
-        return tiled_apply(super().forward, x, shard_tile_tokens(x.shape[-2], shards),
-                           params=[p for p in self.parameters() if p.requires_grad])
+        return _sharded(self, super().forward, x)
 
 
 class LigerBlockSparseTop2MLP(nn.Module):
