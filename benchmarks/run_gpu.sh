@@ -3,7 +3,7 @@
 # own timeout inside one budget, and leaves a short results folder: at most 8 files in RESULTS_DIR.
 #
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops decode-norm e2e e2e-compile
-#                                             lce losses attention sft lora qlora moe qk-norm-rope
+#                                             lce losses attention sft lora lora-autocast qlora moe qk-norm-rope
 #
 #   tests       the README's test command, natively: python -m pytest tests -q -n TEST_WORKERS (12), failures named
 #               (tests.log)
@@ -30,6 +30,8 @@
 #   qlora       lora's QLoRA rows (NF4 decoder projections; needs bitsandbytes): liger / tigon (<gpu>_qlora.md)
 #   moe         moe: one Qwen3-30B-A3B experts block, HF eager / grouped_mm / tigon (<gpu>_moe.md)
 #   lora        lora: the 8B PEFT LoRA job (checkpointing, 2 x 4096), liger / tigon-nolora / tigon (<gpu>_lora.md)
+#   lora-autocast  the same job's forward under bf16 autocast (the Trainer's bf16=True), liger / tigon
+#               (<gpu>_lora_autocast.md)
 #   qk-norm-rope norms --only qk_norm_rope: the fused QK-norm + RoPE beside tigon's two ops, torch.compile, Liger
 #               and eager at Qwen3's head_dim 64 and 128 (<gpu>_qk_norm_rope.md, <gpu>_qk_norm_rope.json), then
 #               tune --ops qk_norm_rope: the QKNormRopeConfig sweep (<gpu>_qk_norm_rope_tune.json)
@@ -186,6 +188,9 @@ for s in "$@"; do
             keep "$T/qlora/lora.md" "${GPU}_qlora.md" ;;
         lora) step lora 300 "${bench[@]}" lora --out "$T/lora" --steps 4 --timeout 95 >>"$LOG" 2>&1
             keep "$T/lora/lora.md" "${GPU}_lora.md" ;;
+        lora-autocast) step lora-autocast 220 "${bench[@]}" lora --autocast --variants liger,tigon \
+                           --out "$T/lora_autocast" --steps 4 --timeout 100 >>"$LOG" 2>&1
+            keep "$T/lora_autocast/lora.md" "${GPU}_lora_autocast.md" ;;
         qk-norm-rope) mkdir -p "$T/qk_norm_rope"
             step qk-norm-rope 240 "${bench[@]}" norms --only qk_norm_rope --budget 200 \
                 --json "$T/qk_norm_rope/qk_norm_rope.json" >"$T/qk_norm_rope/qk_norm_rope.md" 2>>"$LOG"

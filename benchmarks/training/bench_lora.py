@@ -23,7 +23,7 @@ base matmul at 8192 rows on CUDA is dequantize-to-bf16 + F.linear (its fused 4-b
 its backward dequantizes again: three dequantizations per projection a step under checkpointing.
 
     PYTHONPATH=src python -m benchmarks lora --out DIR [--variants liger,tigon-nolora,tigon] [--layers 32]
-        [--bs 2 --seq 4096 --steps 6] [--profile] [--no-double-quant]
+        [--bs 2 --seq 4096 --steps 6] [--profile] [--no-double-quant] [--autocast]
     PYTHONPATH=src python -m benchmarks lora --smoke [--variants ...]   # CPU, 2 tiny layers, one step each
 
 --smoke: every chosen variant (each in its own subprocess, as on the GPU) builds a 2-layer tiny Llama on the CPU
@@ -141,9 +141,14 @@ def build(variant, a, dev):
     return model, opt, ids, report, four_bit
 
 
-def step(model, opt, ids):
-    """One training step: forward with labels = ids, backward, optimizer step. Returns the loss tensor."""
-    loss = model(input_ids=ids, labels=ids).loss
+def step(model, opt, ids, autocast=False):
+    """One training step: forward with labels = ids, backward, optimizer step. Returns the loss tensor. autocast:
+    the forward under bf16 autocast, as the HF Trainer with bf16=True runs it (PEFT's fp32 adapters then multiply
+    in bf16)."""
+    import torch
+
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -156,7 +161,8 @@ def child(variant, a):
     base, qlora = parse_variant(variant)
     cuda = not a.smoke
     model, opt, ids, report, four_bit = build(variant, a, torch.device("cuda" if cuda else "cpu"))
-    out = dict(variant=variant, layers=a.layers, base="nf4" + (" dq" if a.double_quant else "") if qlora else "bf16")
+    out = dict(variant=variant, layers=a.layers, autocast=a.autocast,
+               base="nf4" + (" dq" if a.double_quant else "") if qlora else "bf16")
     if qlora:
         out["four_bit_layers"] = four_bit
     if report is not None:
@@ -176,7 +182,7 @@ def child(variant, a):
     times, losses = [], []
     for i in range(a.steps + warmup):
         clock.start()
-        loss = step(model, opt, ids)
+        loss = step(model, opt, ids, a.autocast)
         ms = clock.stop_ms()
         if i >= warmup:
             times.append(ms)
@@ -212,6 +218,8 @@ def _gib(x):
 
 def _markdown(rows, a, versions):
     lines = [f"# LoRA r=16, Llama-3-8B shape ({a.layers} layers), bf16, gradient checkpointing, {a.bs} x {a.seq}"
+             + (", forward under bf16 autocast (the Trainer's bf16=True)" if a.autocast
+                else ", no autocast (fp32 adapter GEMMs)")
              + (" (smoke: tiny config on the CPU)" if a.smoke else ""),
              "", "versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), "",
              "| variant | base projections | step ms | tokens/s | peak GiB | weights GiB | loss first -> last |",
@@ -253,7 +261,7 @@ def run_variant(v, a):
         return dict(variant=v, skipped=f"{missing} not installed")
     cmd = ["--child", v, "--bs", str(a.bs), "--seq", str(a.seq), "--steps", str(a.steps), "--layers", str(a.layers)]
     cmd += (["--profile"] if a.profile else []) + ([] if a.double_quant else ["--no-double-quant"])
-    cmd += ["--smoke"] if a.smoke else []
+    cmd += (["--smoke"] if a.smoke else []) + (["--autocast"] if a.autocast else [])
     env = os.environ.copy()
     if a.smoke:
         env.setdefault("TRITON_INTERPRET", "1")  # the child's CPU tensors run Tigon's kernels, interpreted
@@ -279,6 +287,8 @@ def parse_args(argv=None):
     p.add_argument("--no-double-quant", dest="double_quant", action="store_false",
                    help="QLoRA variants: plain fp32 absmax per block instead of NF4's nested (double) quant")
     p.add_argument("--smoke", action="store_true", help="2 tiny layers on the CPU, one step per variant")
+    p.add_argument("--autocast", action="store_true",
+                   help="the forward under bf16 autocast, as the HF Trainer with bf16=True (adapters in bf16)")
     p.add_argument("--timeout", type=int, default=400, help="seconds per variant")
     p.add_argument("--out", help="directory for lora.md and lora.json")
     p.add_argument("--child")

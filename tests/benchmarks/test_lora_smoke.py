@@ -96,3 +96,21 @@ def test_liger_qlora_builds_in_its_own_process(bench):
     assert "error" not in row, row.get("error")
     assert row["four_bit_layers"] == 14 and row["base"] == "nf4 dq"
     assert row["skipped"].startswith("built; no step")
+
+
+def test_tigon_variant_under_autocast_runs_every_projection_through_the_op(bench):
+    """--autocast (the Trainer's bf16=True): the forward under bf16 autocast still takes lora_linear for every LoRA
+    projection, twice under checkpointing, and the fp32 adapters are what the step updates."""
+    a = bench.parse_args(["--smoke", "--child", "tigon", "--seq", "16", "--autocast"])
+    assert a.autocast and not bench.parse_args(["--smoke"]).autocast
+    model, opt, ids, report, _ = bench.build("tigon", a, torch.device("cpu"))
+    try:
+        lora_b = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+        assert len(lora_b) == 14 and all(p.dtype == torch.float32 for p in lora_b.values())
+        calls = op_calls("lora_linear")
+        loss = bench.step(model, opt, ids, autocast=True)
+        assert torch.isfinite(loss)
+        assert op_calls("lora_linear") - calls == 14 * 2
+        assert all(p.detach().any() for p in lora_b.values())
+    finally:
+        tigon.unpatch(model)
