@@ -193,11 +193,12 @@ def test_patch_and_generate_without_transformers_say_which_extra(monkeypatch):
     real = importlib.import_module
 
     def without_transformers(name, package=None):
-        if name in ("tigon.api", "tigon.decode", "tigon.hf.patching"):
+        if name in ("tigon.decode", "tigon.hf.patching"):
             raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
         return real(name, package)
 
     monkeypatch.setattr(importlib, "import_module", without_transformers)
+    monkeypatch.delitem(vars(tigon), "patch", raising=False)  # published by its first access
     for name in ("patch", "generate", "DecodeSettings"):
         with pytest.raises(ImportError, match=rf'tigon.{name} needs the \'transformers\' package.*"tigon\[hf\]"'):
             getattr(tigon, name)
@@ -205,17 +206,22 @@ def test_patch_and_generate_without_transformers_say_which_extra(monkeypatch):
         tigon.no_such_name  # noqa: B018
 
 
-def test_tigon_api_without_transformers_says_which_extra(monkeypatch):
+def test_tigon_patch_without_transformers_says_which_extra(monkeypatch):
     def missing(name):
         raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
 
-    decode = types.ModuleType("tigon.decode")
-    decode.__getattr__ = missing  # `from .decode import hf_graph` fails as it does without transformers
-    monkeypatch.setitem(sys.modules, "tigon.decode", decode)
-    spec = importlib.util.spec_from_file_location("tigon.api", os.path.join(SRC, "tigon", "api.py"))
-    with pytest.raises(ImportError, match=r'^tigon.patch needs the \'transformers\' package, which is not '
-                                          r'installed: pip install "tigon\[hf\]"$'):
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    for module in ("tigon.decode", "tigon.hf.patching"):
+        fake = types.ModuleType(module)
+        fake.__getattr__ = missing  # `from .decode import hf_graph` fails as it does without transformers
+        monkeypatch.setitem(sys.modules, module, fake)
+    for name in ("patch", "unpatch"):
+        message = (rf'^tigon.{name} needs the \'transformers\' package, which is not installed: '
+                   r'pip install "tigon\[hf\]"$')
+        monkeypatch.delitem(vars(tigon), name, raising=False)
+        with pytest.raises(ImportError, match=message):
+            getattr(tigon, name)  # the first access reads tigon.hf.patching
+        with pytest.raises(ImportError, match=message):
+            getattr(tigon, f"_{name}")(None)  # the call imports tigon.hf and tigon.decode
 
 
 def test_unknown_command_exits_with_usage():

@@ -1,8 +1,9 @@
-"""The layering, read from the imports (ops < memory, modules, optim, quant, metrics < hf < compat, decode < api <
-the package root < cli): every import (module level, inside a function, or by importlib.import_module("tigon...."))
-points down the list below or stays within its own package, ops/ needs torch and Triton only, and no two modules import
-each other through any chain. The package and the checkout's benchmarks/ stand side by side at the top: tigon never
-imports them (`tigon bench` runs `python -m benchmarks NAME` as a child process), and they never import tigon.cli."""
+"""The layering, read from the imports (ops < memory, modules, optim, quant < hf < compat, decode < the package
+root, with tigon.patch and tigon.unpatch < cli): every import (module level, inside a function, or by
+importlib.import_module("tigon....")) points down the list below or stays within its own package, ops/ needs torch
+and Triton only, and no two modules import each other through any chain. The package and the checkout's benchmarks/
+stand side by side at the top: tigon never imports them (`tigon bench` runs `python -m benchmarks NAME` as a child
+process), and they never import tigon.cli."""
 
 import ast
 from pathlib import Path
@@ -11,9 +12,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "tigon"
 BENCHMARKS = SRC.parent / "benchmarks"
 # lowest first; a module may import its own package and those of lower layers, never one of its own layer
-# (tigon.generation re-exports tigon.decode with deprecation warnings; tigon.metrics reads the stats dict only.)
-LAYERS = [("ops", "_log"), ("memory", "modules", "optim", "quant", "metrics"), ("hf",), ("compat", "decode"),
-          ("api", "generation"), ("__init__",), ("cli",)]
+LAYERS = [("ops", "_log"), ("memory", "modules", "optim", "quant"), ("hf",), ("compat", "decode"), ("__init__",),
+          ("cli",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 OPS_MAY_IMPORT = {"torch", "triton", "numpy"}
 

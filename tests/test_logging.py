@@ -56,7 +56,7 @@ def test_missing_package_names_the_extra():
                              "tigon.patch")
     assert isinstance(e, ImportError) and e.name == "transformers.cache_utils"
     assert str(e) == "tigon.patch needs the 'transformers' package, which is not installed: pip install \"tigon[hf]\""
-    e = _log.missing_package(ModuleNotFoundError(name="prometheus_client"), "tigon.metrics")
+    e = _log.missing_package(ModuleNotFoundError(name="prometheus_client"), "tigon.decode.metrics")
     assert 'pip install "tigon[metrics]"' in str(e)
     assert "pip install torch" in str(_log.missing_package(ModuleNotFoundError(name="torch"), "tigon env"))
     assert _log.missing_package(ModuleNotFoundError(name="tigon.nothing"), "tigon.patch") is None

@@ -1,15 +1,13 @@
 """Packaging: the license file matches the metadata, the version lives in one place, the extras exist and name
 their floors, the transformers floor holds what tigon imports; py.typed ships; the changelog has the current version;
 docs/environment.md lists exactly the environment variables src/ reads; TIGON_LOG prints Tigon's log records (in a
-fresh interpreter); deprecated names warn once with their new name."""
+fresh interpreter)."""
 
 import ast
-import importlib
 import os
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -195,32 +193,6 @@ def test_changelog_has_unreleased_and_the_current_version():
     headings = re.findall(r"^## \[([^\]]+)\]", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
     assert headings[0] == "Unreleased"
     assert tigon.__version__ in headings
-
-
-@pytest.mark.parametrize("name, new", [("generate", "tigon.generate"),
-                                       ("DecodeSettings", "tigon.decode.DecodeSettings"),
-                                       ("TTFT_PHASES", "tigon.decode.TTFT_PHASES"),
-                                       ("LATENCY_BUCKETS", "tigon.metrics.LATENCY_BUCKETS"),
-                                       ("prometheus_text", "tigon.metrics.prometheus_text")])
-def test_tigon_generation_names_warn_once(monkeypatch, name, new):
-    from tigon import generation
-
-    monkeypatch.setattr(generation, "_warned", set())
-    with pytest.warns(DeprecationWarning, match=rf"tigon\.generation\.{name} is deprecated: use {re.escape(new)}$"):
-        value = getattr(generation, name)
-    home, _, attr = new.rpartition(".")
-    assert value is getattr(importlib.import_module(home), attr)  # the object the message names
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert getattr(generation, name) is value  # once per name and process
-
-
-def test_tigon_generation_unknown_name():
-    from tigon import generation
-
-    with pytest.raises(AttributeError, match="has no attribute 'loop'"):
-        generation.loop  # noqa: B018
-    assert "generate" in dir(generation)
 
 
 def test_entry_points_are_typed():

@@ -55,7 +55,7 @@ def test_entry_points_carry_their_public_names():
     import tigon
 
     assert (tigon.patch.__name__, tigon.unpatch.__name__) == ("patch", "unpatch")
-    assert (tigon.patch.__qualname__, tigon.patch.__module__) == ("patch", "tigon.api")  # help() and repr()
+    assert (tigon.patch.__qualname__, tigon.patch.__module__) == ("patch", "tigon")  # help() and repr()
     assert "cuda_graph=True" in tigon.patch.__doc__ and "model_type" in tigon.unpatch.__doc__
 
 

@@ -8,8 +8,8 @@ shape (`--model llama3-8b`), in bf16 or quantized weights (`--weights`; the 70B 
     tigon bench decode ...      (the same from a source checkout, then prints the table)
 
 A benchmark of the checkout, not part of the package: it uses tigon's public API (tigon.patch, tigon.generate,
-tigon.decode's stats helpers TTFT_PHASES and percentile, tigon.metrics.prometheus_text) and its sibling
-benchmarks.generation.decode_profile. The HF and Tigon rows' p50/p99 use the stats' nearest-rank rule
+tigon.decode's stats helpers TTFT_PHASES and percentile, tigon.decode.metrics.prometheus_text) and its
+sibling benchmarks.generation.decode_profile. The HF and Tigon rows' p50/p99 use the stats' nearest-rank rule
 (tigon.decode.percentile).
 
 The method of the peer reference timings (REFERENCE_TIMINGS), so the numbers compare: each variant in its own
@@ -1061,7 +1061,7 @@ def plot(rows, path):
 
 def prometheus_rows(rows):
     """The tigon rows' stats as one Prometheus exposition, labelled by model, variant and batch."""
-    from tigon.metrics import prometheus_text
+    from tigon.decode.metrics import prometheus_text
 
     runs = [({"model": _model_name(r), "variant": r["variant"], "batch": str(r["batch"])}, r["stats"])
             for r in rows if r.get("stats")]

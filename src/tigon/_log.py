@@ -127,7 +127,7 @@ def requires_extra(what: str):
     """Turn a ModuleNotFoundError of an optional package, raised inside the block, into one that says which
     extra to install (`missing_package`); any other error passes unchanged.
 
-        with _log.requires_extra("tigon.metrics"):
+        with _log.requires_extra("tigon.decode.metrics"):
             import prometheus_client
     """
     try:

@@ -708,8 +708,8 @@ def test_nearest_rank_percentile():
 
 
 def test_public_names_are_the_decode_wings():
-    """tigon.generate and tigon.DecodeSettings are tigon.decode's objects (tigon.metrics: tests/decode/test_metrics.py;
-    tigon.generation's old names and their deprecation warnings: tests/test_packaging.py)."""
+    """tigon.generate and tigon.DecodeSettings are tigon.decode's objects (tigon.decode.metrics:
+    tests/decode/test_metrics.py)."""
     import tigon
 
     assert tigon.generate is gen.generate

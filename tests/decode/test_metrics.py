@@ -1,4 +1,4 @@
-"""Prometheus metrics of generate's stats (tigon.metrics): one table (METRICS) behind prometheus_text,
+"""Prometheus metrics of generate's stats (tigon.decode.metrics): one table (METRICS) behind prometheus_text,
 StatsCollector and GenerationMetrics; several GenerationMetrics in one process; the extras named when
 prometheus_client or transformers is missing."""
 
@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from tests.hf._tiny import tiny_model
-from tigon import metrics
-from tigon.decode import loop
+from tigon.decode import loop, metrics
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -159,15 +158,16 @@ def test_without_prometheus_client_the_extra_is_named(monkeypatch):
         with pytest.raises(ImportError, match=f"{who} {extra}"):
             call()
     # the module itself imports without it
-    spec = importlib.util.spec_from_file_location("tigon._metrics_without_client", metrics.__file__)
+    spec = importlib.util.spec_from_file_location("tigon.decode._metrics_without_client", metrics.__file__)
     fresh = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, fresh)
     spec.loader.exec_module(fresh)
     assert [m.name for m in fresh.METRICS] == [m.name for m in metrics.METRICS]
 
 
-def test_imports_without_transformers():
-    """tigon.metrics reads the stats dict only: a process without transformers imports it (and builds the text)."""
+def test_its_file_runs_without_transformers():
+    """The metrics module reads the stats dict only: a process without transformers runs its file (its package,
+    tigon.decode, is what needs transformers)."""
     code = textwrap.dedent("""
         import sys
         class Absent:
@@ -175,12 +175,16 @@ def test_imports_without_transformers():
                 if name.partition(".")[0] == "transformers":
                     raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         sys.meta_path.insert(0, Absent())
-        import tigon.metrics
-        print("imported", tigon.metrics.METRICS[0].name, "transformers" in sys.modules)
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("tigon.decode._metrics_without_transformers", sys.argv[1])
+        metrics = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(metrics)
+        print("imported", metrics.METRICS[0].name, "transformers" in sys.modules)
     """)
     src = str(Path(__file__).resolve().parents[2] / "src")  # this checkout's tigon, installed or not
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    run = subprocess.run([sys.executable, "-c", code, metrics.__file__], capture_output=True, text=True, timeout=120,
+                         env=env)
     assert run.returncode == 0 and "imported calls_total False" in run.stdout, run.stderr
 
 
@@ -266,12 +270,14 @@ def test_generation_metrics_and_serve_refuse_bad_arguments():
 
 
 def test_metrics_have_one_door():
-    """tigon.metrics defines the metrics; tigon.decode neither defines nor re-exports them."""
+    """tigon.decode.metrics defines the metrics; tigon.decode neither defines nor re-exports them, and tigon has no
+    metrics module of its own."""
     import tigon
     from tigon import decode
 
-    assert tigon.metrics is metrics and importlib.util.find_spec("tigon.decode.metrics") is None
+    assert decode.metrics is metrics and importlib.util.find_spec("tigon.metrics") is None
+    assert "metrics" not in tigon.__all__ and "metrics" not in decode.__all__ and not hasattr(tigon, "metrics")
     for name in ("GenerationMetrics", "StatsCollector", "prometheus_text", "serve", "MetricsServer", "METRICS",
                  "Metric", "PREFIX", "LATENCY_BUCKETS", "TTFT_BUCKETS"):
-        assert getattr(metrics, name).__module__ == "tigon.metrics" if callable(getattr(metrics, name)) else True
+        assert getattr(metrics, name).__module__ == "tigon.decode.metrics" if callable(getattr(metrics, name)) else True
         assert not hasattr(decode, name) and name not in decode.__all__, name

@@ -18,17 +18,18 @@ Modules, in the order a decode call meets them:
     capture.py      the side-stream warm-up, then CUDA-graph capture without torch.cuda.graph's device sync
     sampling.py     token choice on the device (argmax, temperature / top-k / top-p)
     stats.py        the step clock, the TTFT phases, the one percentile rule, the stats dict
-    (the stats as Prometheus metrics live in `tigon.metrics`, which reads the stats dict only)
+    metrics.py      the stats as Prometheus metrics (`tigon.decode.metrics`, not re-exported here; it reads the
+                    stats dict only)
 
 How the fused layer step is reached (the one run-time link between hf/ and this package, hf/ never imports
 it): `tigon.patch` gives each Llama-style decoder layer Tigon's forward
 (`hf.causal_lm.fused_prenorm_decoder_forward`), which, in a no-grad step with a cache, calls the step held in
 `layer.__dict__["_tigon_layer_step"]` if there is one. `layer_step.install(model)` puts it there:
-`tigon.patch(model)` (tigon/api.py) does so for the instance, so HF's own `model.generate` over a
+`tigon.patch(model)` (tigon/__init__.py) does so for the instance, so HF's own `model.generate` over a
 RollingKVCache on the "tigon" attention runs the fused step; `tigon.generate` holds it for the duration of its
 call (`fused_decode`), so a class-level patched model gets it too.
 
-Layering: this package imports ops, memory, modules and hf; tigon/api.py, cli and demo import it.
+Layering: this package imports ops, memory, modules and hf; tigon/__init__.py (tigon.patch), cli and demo import it.
 """
 
 from . import hf_graph

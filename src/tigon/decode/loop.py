@@ -160,7 +160,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, *, max_new_tokens:
     time), decode_tokens_per_s, peak_memory_bytes (CUDA only, else None), new_tokens, batch_size, cuda_graph
     (whether the replay path ran), attention ("tigon" or "hf"), rotary_tables (the cos/sin tables the rotary
     modules read for the call; 0 = HF's modules computed them every step), prefill_graph ("recorded", "replayed"
-    or None: the eager prefill). `tigon.metrics` exposes them to Prometheus.
+    or None: the eager prefill). `tigon.decode.metrics` exposes them to Prometheus.
 
     Between calls the model keeps the last call's cache, its rotary tables and its recorded prefills
     (`tigon.decode.kept`); `tigon.decode.release(model)` frees them."""

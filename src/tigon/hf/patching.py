@@ -1,5 +1,5 @@
 """The Hugging Face half of tigon.patch() / tigon.unpatch(): one generic patcher driven by the family table in
-registry.py. Call `tigon.patch` / `tigon.unpatch` (tigon/api.py): they run patch_hf_model / unpatch_hf_model and,
+registry.py. Call `tigon.patch` / `tigon.unpatch` (tigon/__init__.py): they run patch_hf_model / unpatch_hf_model and,
 on a model instance, also install (and remove) the fused decode layer step, which these two do not.
 
 Two targets:

@@ -1,6 +1,6 @@
 """Prometheus metrics of `tigon.generate(..., return_stats=True)` statistics, one vocabulary for every surface.
 
-    from tigon.metrics import GenerationMetrics, serve
+    from tigon.decode.metrics import GenerationMetrics, serve
     metrics = GenerationMetrics(labelnames=("model",))   # on prometheus_client.REGISTRY
     server = serve(9464)                                 # http://127.0.0.1:9464/metrics
     seqs, stats = tigon.generate(model, ids, max_new_tokens=128, return_stats=True)
@@ -12,8 +12,8 @@
 `GenerationMetrics` (running totals), `StatsCollector` (the given calls only, replaced by `update`) and
 `prometheus_text` (StatsCollector rendered) all render it, so prometheus_text(stats) is exactly what a fresh
 GenerationMetrics exposes after observe(stats). Everything here needs prometheus_client (`tigon[metrics]`);
-importing this module does not, nor does it need transformers: it reads the stats dict only. This module is the
-one door to the metrics (`tigon.decode` does not re-export them).
+the module's own code imports neither it nor transformers: it reads the stats dict only (its package, tigon.decode,
+needs the `hf` extra). This module is the one door to the metrics (`tigon.decode` does not re-export them).
 """
 
 import bisect
@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import _log
+from .. import _log
 
 PREFIX = "tigon_generate_"
 LATENCY_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1,
