@@ -5,7 +5,8 @@ kernels (`_tol`), per element:
 - the fp32 sums over K: u32 * (sum_ulps(K) + 4) * sum_k |x_k| m_k, where m_k = (|q_k| + |z|) |s| for int4 (the GEMV
   sums raw codes and subtracts z * sum(x) once a chunk) and |w_k| otherwise;
 - the tensor-core kernel (more rows than `gemv_max_rows`) rounds each dequantized tile to x's dtype:
-  2 u(dtype) * sum_k |x_k w_k| more;
+  2 u(dtype) * sum_k |x_k w_k| more; the prefill path (`dequant_min_rows`) rounds W to x's dtype the same way, and
+  for fp8 with one scale a row its GEMM output before the scale, within the same term;
 - each rounding to the dtype (the output; with a GLU the two halves and the product; with a residual the product
   and the sum): 2 u(dtype) of the value (a whole ulp: Triton's interpreter truncates), carried through the GLU by
   its slope (|silu'|, |gelu_tanh'| < 1.13) plus GLU_ULPS u32 |gate up| for its fp32 math.
@@ -241,11 +242,134 @@ def test_plan_picks_the_kernel_and_split(monkeypatch):
     batch8 = ql._plan(8, 4096, 4096, "fp8", 128, False, cuda, cfg)
     assert not batch8.gemv and (batch8.block_m, batch8.block_n) == (16, 128) and batch8.split == 16
     assert batch8.gpt == 1 and batch8.gw == 64
-    prefill = ql._plan(512, 4096, 4096, "nf4", 32, False, cuda, cfg)
+    mm = QuantLinearConfig(dequant_min_rows=0)  # the dot kernel's prefill GEMM
+    prefill = ql._plan(512, 4096, 4096, "nf4", 32, False, cuda, mm)
     assert (prefill.block_m, prefill.block_n, prefill.split, prefill.gw, prefill.gpt) == (128, 128, 1, 32, 2)
-    assert ql._plan(512, 14336, 4096, "fp8", 128, True, cuda, cfg).block_n == 64
+    assert not prefill.dequant and ql._plan(512, 14336, 4096, "fp8", 128, True, cuda, mm).block_n == 64
     odd = ql._plan(8, 64, 14336, "int4", 14336, False, cuda, cfg)  # one group over K (GPTQ group -1)
     assert odd.gw * odd.gpt == 64 and odd.gpt == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prefill: W dequantized once, then one GEMM
+
+DEQUANT = QuantLinearConfig(dequant_min_rows=1)
+
+
+def _spy_dequant_mm(monkeypatch):
+    calls = []
+    real = ql._dequant_mm
+    monkeypatch.setattr(ql, "_dequant_mm", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dequant_path_every_kind(device, monkeypatch, case):
+    kind, G, zeros, perm, N, K = CASES[case]
+    dtype = (BF16, FP16)[list(CASES).index(case) % 2]
+    qw = _on(_weight(kind, G, zeros, perm, N, K, dtype), device)
+    x = _x(37, K, dtype=dtype).to(device)
+    calls = _spy_dequant_mm(monkeypatch)
+    _check(case, quant_linear(x, qw, config=DEQUANT), x, qw, config=DEQUANT)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("case, dtype, activation, bias, residual", [
+    ("int4-zeros-g64", BF16, "silu", True, True),
+    ("int4-perm-g128", FP16, "gelu_tanh", False, True),
+    ("nf4-g32", BF16, None, True, True),
+    ("fp8-channel", BF16, "silu", True, True),  # the scale of each half, then the bias, on the GEMM's output
+    ("fp8-channel", FP16, None, True, False),
+    ("fp8-channel", FP16, "gelu_tanh", False, True),  # the scale alone, in place on the GEMM's output
+    ("fp8-block48", FP16, "gelu_tanh", True, False),
+])
+def test_dequant_path_epilogues(device, monkeypatch, case, dtype, activation, bias, residual):
+    kind, G, zeros, perm, N, K = CASES[case]
+    N += N % 2
+    qw = _on(_weight(kind, G, zeros, perm, N, K, dtype, seed=2), device)
+    x = _x(37, K, dtype=dtype).to(device)
+    n_out = N // 2 if activation else N
+    b = _x(N, dtype=dtype, seed=3).to(device) if bias else None
+    r = _x(37, n_out, dtype=dtype, seed=4).to(device) * 4 if residual else None
+    calls = _spy_dequant_mm(monkeypatch)
+    got = quant_linear(x, qw, bias=b, residual=r, activation=activation, config=DEQUANT)
+    assert calls == [1] and got.shape == (37, n_out)
+    _check(case, got, x, qw, bias=b, residual=r, activation=activation, config=DEQUANT)
+
+
+def test_dequant_path_keeps_fp32_on_the_dot_kernel(device, monkeypatch):
+    # cuBLAS may run fp32 GEMMs in TF32 (a process-wide switch): fp32 x stays on the IEEE dot kernel
+    qw = _on(_weight(*CASES["int4-g32"], FP32), device)
+    x = _x(37, 256, dtype=FP32).to(device)
+    calls = _spy_dequant_mm(monkeypatch)
+    _check("fp32", quant_linear(x, qw, config=DEQUANT), x, qw, config=DEQUANT)
+    assert calls == []
+
+
+def _one_rounding(w32, dtype):
+    """The values w32 (fp32) may round to in dtype: to nearest, or (bf16 in Triton's interpreter) truncated."""
+    near = w32.to(dtype)
+    if dtype != BF16:
+        return near, near
+    return near, (w32.view(torch.int32) & -65536).view(torch.float32).to(dtype)  # exact: the low bits cleared
+
+
+# (kind, group_size, zeros, N, K, block_n, block_k): odd N, K not a multiple of the tile (odd for fp8), int4 as
+# words (32-column chunks) and as bytes (a group of 12: 4-column chunks), fp8 chunks narrower than the tile
+DEQUANT_SHAPES = [
+    ("int4", 32, False, 37, 96, 16, 64),
+    ("int4", 32, True, 21, 160, 16, 64),
+    ("int4", 12, True, 19, 72, 8, 32),
+    ("nf4", 32, False, 23, 160, 16, 64),
+    ("fp8", 0, False, 37, 101, 16, 32),
+    ("fp8", 32, False, 45, 77, 16, 64),
+    ("fp8", 48, False, 50, 120, 32, 64),
+]
+
+
+@pytest.mark.parametrize("bytes_fp8", [False, True], ids=["native", "fp8-bytes"])
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_dequant_kernel_writes_every_element(device, monkeypatch, dtype, bytes_fp8):
+    # the conftest's NaN-poisoned torch.empty: an element left unwritten is not equal to anything
+    monkeypatch.setattr(ql, "_fp8_native", lambda device: not bytes_fp8)
+    for kind, G, zeros, N, K, block_n, block_k in DEQUANT_SHAPES:
+        if bytes_fp8 and kind != "fp8":
+            continue
+        qw = _on(_weight(kind, G, zeros, kind == "int4", N, K, dtype), device)
+        cfg = QuantLinearConfig(block_n=block_n, block_k=block_k, dequant_min_rows=1)
+        plan = ql._plan(37, N, K, kind, G, False, device, cfg)
+        assert plan.dequant and (plan.block_n, plan.gpt * plan.gw) == (block_n, block_k)
+        got = ql._dequant(qw.data, qw.scales, qw.zeros, ql.KIND_CODES[kind], G, (N, K), dtype, plan).cpu()
+        qw = _on(qw, "cpu")
+        if kind == "int4" and zeros:  # the kernels' fp32 (q - z) s: (1 + q / 16) (16 s) - (16 + z) s
+            s = qw.scales.float().repeat_interleave(G, 1)
+            z = qw.zeros.float().repeat_interleave(G, 1)
+            w32 = (1 + unpack_int4(qw.data).float() / 16) * (16 * s) - (16 + z) * s
+            assert (w32 - dequantize(qw)).abs().max() <= 4 * U32 * (dequantize(qw).abs() + z * s.abs()).max()
+        elif kind == "fp8" and G == 0:  # exact, unscaled: the scale multiplies the GEMM's output
+            w32 = qw.data.float()
+        else:  # the same fp32 products as `dequantize` (int4 symmetric: exact in fp32 for 16-bit scales)
+            w32 = dequantize(qw)
+        near, trunc = _one_rounding(w32, dtype)
+        name = f"{kind}-g{G} {N}x{K}"
+        assert got.shape == (N, K) and got.dtype == dtype, name
+        assert ((got == near) | (got == trunc)).all(), f"{name}: {(got != near).sum().item()} elements differ"
+
+
+def test_plan_takes_the_dequant_path_from_its_threshold():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    plan = ql._plan.__wrapped__
+    default = QuantLinearConfig()
+    assert plan(256, 4096, 4096, "int4", 128, False, cuda, default).dequant
+    assert not plan(255, 4096, 4096, "int4", 128, False, cuda, default).dequant
+    assert not plan(4096, 4096, 4096, "int4", 128, False, cpu, default).dequant  # never by default off a GPU
+    assert not plan(4096, 4096, 4096, "int4", 128, False, cuda, QuantLinearConfig(dequant_min_rows=0)).dequant
+    assert plan(3, 64, 256, "nf4", 64, True, cpu, QuantLinearConfig(dequant_min_rows=3)).dequant
+    assert plan(1, 64, 256, "nf4", 64, True, cpu, DEQUANT).gemv  # the GEMV's rows stay the GEMV's
+    gate_up = plan(512, 14336, 4096, "int4", 128, True, cuda, default)
+    assert (gate_up.block_n, gate_up.gw, gate_up.gpt) == (32, 128, 2)
+    fp8 = plan(512, 4096, 4096, "fp8", 128, False, cuda, QuantLinearConfig(block_n=64, block_k=512))
+    assert fp8.dequant and (fp8.block_n, fp8.gw, fp8.gpt) == (64, 128, 4)  # one tile spans 4 blocks
 
 
 def test_fp32_model_rejects_a_wrong_output(device):
@@ -364,10 +488,17 @@ def test_bad_input(monkeypatch, path, over, exc, match):
 
 
 @pytest.mark.parametrize("field, value", [("block_n", 24), ("block_m", 8), ("block_k", 8), ("split_k", -1),
-                                          ("num_warps", True), ("prefetch", 2)])
+                                          ("num_warps", True), ("prefetch", 2), ("dequant_min_rows", -2),
+                                          ("dequant_min_rows", 1.0)])
 def test_config_is_validated(field, value):
     with pytest.raises(ValueError, match=f"QuantLinearConfig: {field} must be"):
         QuantLinearConfig(**{field: value})
+
+
+def test_config_round_trips_through_the_ops_ints():
+    cfg = QuantLinearConfig(block_n=32, gemv_max_rows=4, prefetch=1, dequant_min_rows=128)
+    assert QuantLinearConfig(*cfg.ints()) == cfg and cfg.ints()[-1] == 128
+    assert QuantLinearConfig().dequant_min_rows == -1
 
 
 # ----------------------------------------------------------------------------------------------------------

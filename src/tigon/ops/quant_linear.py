@@ -10,6 +10,9 @@ scales serves a tile.
 - `_quant_mm_kernel`, the rest (a few decode rows on tensor cores with M padded to 16, and the prefill GEMM): each
   tile is dequantized in fp32, rounded to x's dtype and fed to `tl.dot` (fp32 accumulation); fp8 tiles with one
   scale a row are exact in x's dtype and scaled after the dot.
+- `_dequant_kernel`, the prefill path (M >= `dequant_min_rows`, default 256 on a GPU, 16-bit x): W dequantized once
+  into a transient [N, K] buffer of x's dtype by the mm kernel's own tile code, then one cuBLAS GEMM and the
+  epilogue in torch; at prefill rows the GEMM's FLOPs, not the weight's bytes, set the time.
 int4 is read as 32-bit words of 8 codes, each code turned into the fp32 1 + q / 16 by a shift and a LOP3 (no
 int -> float conversion); nf4 codes index a 256 x 2 table (the value pair of a byte: one 8-byte gather a byte);
 `perm` is applied to x's columns in the loads. Inference only.
@@ -37,7 +40,10 @@ class QuantLinearConfig:
     """The launch of `tigon.ops.quant_linear` (speed only, never the result); 0 = chosen from the shapes
     (`_plan`). Powers of two: block_m (>= 16), block_n, block_k (>= 16), num_warps. gemv_max_rows: up to this many
     rows run the FMA kernel, more the tensor-core one (-1: the default, 1). split_k: programs sharing one K range.
-    prefetch (GEMV): 1 loads the next tile before summing this one, 0 does not (-1: the default, 0)."""
+    prefetch (GEMV): 1 loads the next tile before summing this one, 0 does not (-1: the default, 0).
+    dequant_min_rows: from this many rows (past `gemv_max_rows`, 16-bit x) W is dequantized into a buffer and one
+    cuBLAS GEMM runs (-1: the default, 256 on a GPU, never elsewhere; 0: never); block_n, block_k and num_warps
+    then set the dequantization's tile."""
 
     block_m: int = 0
     block_n: int = 0
@@ -47,11 +53,12 @@ class QuantLinearConfig:
     split_k: int = 0
     gemv_max_rows: int = -1
     prefetch: int = -1
+    dequant_min_rows: int = -1
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            least = -1 if f.name in ("gemv_max_rows", "prefetch") else 0
+            least = -1 if f.name in ("gemv_max_rows", "prefetch", "dequant_min_rows") else 0
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"QuantLinearConfig: {f.name} must be an int >= {least}, got {v!r}")
             if f.name in ("block_m", "block_n", "block_k", "num_warps") and v & (v - 1):
@@ -63,6 +70,7 @@ class QuantLinearConfig:
             raise ValueError(f"QuantLinearConfig: prefetch must be -1, 0 or 1, got {self.prefetch}")
 
     def ints(self) -> list[int]:
+        """The fields in order: the custom op's `config` argument (`QuantLinearConfig(*ints)` reads it back)."""
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
 
@@ -277,13 +285,45 @@ def _mm_tile(x, D, T, S, Z, o_n, m_n, k0, k_end, G: tl.constexpr, stride_dn, str
         d = _dot(x, tl.reshape(v, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION)
         if not PER_CHANNEL:
             d = d * tl.reshape(s, [o_n.shape[0]])[None, :]
-    elif KIND == 0:  # (q - z) s = v (16 s) - (16 + z) s, one FMA an element
-        w = v * (16.0 * s)[:, :, None] - ((16.0 + z) * s)[:, :, None]
-        d = _dot(x, tl.reshape(w, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION)
     else:
-        w = (v - z[:, :, None]) * s[:, :, None]
+        w = _scaled(v, s, z, KIND)
         d = _dot(x, tl.reshape(w, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION)
     return d
+
+
+@triton.jit
+def _scaled(v, s, z, KIND: tl.constexpr):
+    """The fp32 weight [BLOCK_N, GPT, GW] of a tile's `_values` v and its chunks' s, z: int4 (q - z) s as
+    v (16 s) - (16 + z) s, one FMA an element; otherwise (v - z) s (z = 0)."""
+    if KIND == 0:
+        return v * (16.0 * s)[:, :, None] - ((16.0 + z) * s)[:, :, None]
+    return (v - z[:, :, None]) * s[:, :, None]
+
+
+@triton.jit(do_not_specialize=["N"])
+def _dequant_kernel(
+    D, S, Z, T,  # as in _quant_gemv_kernel
+    W,  # [N, K] out, x's dtype: the stored weight (columns in stored order; fp8 per channel: unscaled)
+    N, K, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg, stride_wn,
+    G: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr, FP8_BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    PER_CHANNEL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """One [BLOCK_N, GPT * GW] tile of W a program, through the mm kernel's own `_load_tile`, `_values` and
+    `_scaled`: each element its fp32 value rounded once to W's dtype, as the mm kernel's tile before its dot.
+    fp8 with one scale a row is written exact and scaled after the GEMM (the mm kernel's order); fp8 blocks are
+    scaled here, as the mm kernel does where a tile spans several blocks' chunks."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    k0 = tl.program_id(1) * (GPT * GW)
+    raw, s, z = _load_tile(D, S, Z, o_n, m_n, k0, K, G, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
+                           KIND, WORDS, HAS_ZEROS, not PER_CHANNEL, EVEN_K, GPT, GW)
+    w = _values(raw, T, KIND, WORDS, FP8_BITS, ASM, GPT, GW)
+    if not PER_CHANNEL:
+        w = _scaled(w, s, z, KIND)
+    kk = k0 + tl.arange(0, GPT * GW)
+    tl.store(W + o_n.to(tl.int64)[:, None] * stride_wn + kk[None, :],
+             tl.reshape(w, [BLOCK_N, GPT * GW]).to(W.dtype.element_ty), mask=m_n[:, None] & (kk < K)[None, :])
 
 
 @triton.jit(do_not_specialize=["M", "N"])  # N: may be 1, and `N.to` must see a tensor
@@ -416,6 +456,7 @@ class _Plan:
     k_split: int
     split: int
     prefetch: bool
+    dequant: bool = False  # the prefill path: `_dequant_kernel` tiles of block_n x gpt * gw, then cuBLAS
 
 
 @functools.lru_cache(maxsize=1024)
@@ -425,9 +466,17 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
     defaults, by the byte model in docs/ops/quant_linear.md (to be swept on H100 / H200): the GEMV streams 64 rows
     x 256 columns a step (8 KiB of int4 a program, 16 B a lane on 4 warps); the decode dot 16 x 128 x 64 tiles;
     the prefill GEMM 64 or 128 x 128 x 64. Rows <= 16 split K until enough programs stream the weight (below);
-    the interpreter splits in 2, so the tests' default launches sum splits."""
+    the interpreter splits in 2, so the tests' default launches sum splits. From `dequant_min_rows` rows (256 on a
+    GPU) the dequantization's tiles: 32 x 256, 16 KiB of bf16 written a program (to be swept)."""
     gpu = device.type == "cuda"
     gemv = M <= (1 if cfg.gemv_max_rows < 0 else cfg.gemv_max_rows)
+    pow2_g = G & -G  # the largest power of two dividing the group (fp8 per channel: G = 0, one chunk a tile)
+    dequant_rows = cfg.dequant_min_rows if cfg.dequant_min_rows >= 0 else (256 if gpu else 0)
+    if not gemv and 0 < dequant_rows <= M:
+        block_n, block_k = cfg.block_n or (32 if gpu else 64), cfg.block_k or (256 if gpu else 128)
+        block_k = min(block_k, max(16, _launch.next_power_of_2(K)))
+        gw = block_k if G == 0 else min(pow2_g, block_k)
+        return _Plan(False, 1, block_n, gw, block_k // gw, cfg.num_warps or 4, 1, K, 1, False, dequant=True)
     # (block_m, block_n, block_k, num_warps, num_stages), from the sm_90 SASS of each kernel (docs/ops/quant_linear.md,
     # "Instructions an element"): wider column blocks spread x's conversion and the per-step overhead over more
     # weight elements; nf4 keeps 32 columns (its gathers need the registers). The interpreter pays per program and
@@ -446,7 +495,6 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
         block_m = cfg.block_m or block_m
     block_n = cfg.block_n or block_n if gemv else max(16, cfg.block_n or block_n)  # tl.dot: >= 16
     block_k = min(cfg.block_k or block_k, max(16, _launch.next_power_of_2(K)))
-    pow2_g = G & -G  # the largest power of two dividing the group (fp8 per channel: G = 0, one chunk a tile)
     if kind == "fp8" and not gemv and 16 <= pow2_g < block_k:
         block_k = pow2_g  # one fp8 block a tile: the dot runs on exact fp8 values, scaled after
     gw = block_k if G == 0 else min(pow2_g, block_k)
@@ -468,15 +516,86 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
                  k_split, _launch.cdiv(K, k_split), cfg.prefetch == 1)
 
 
+@functools.lru_cache(maxsize=64)
+def _without_dequant(cfg: QuantLinearConfig) -> QuantLinearConfig:
+    """cfg with the prefill path off (fp32 x), made once a config: no host work a call."""
+    return dataclasses.replace(cfg, dequant_min_rows=0)
+
+
+def _stored(data, kind, gw, device):
+    """(data, words, fp8_bits): the data as the kernels read it: fp8 as bytes where Triton has no e4m3
+    (`_fp8_native`); int4 as 32-bit words (8 codes a load element, no byte extraction) when every chunk of gw
+    columns is whole words."""
+    fp8_bits = kind == 2 and not _fp8_native(device)
+    data = _launch.unit_last(data)
+    if fp8_bits:
+        data = data.view(torch.uint8)
+    words = kind == 0 and gw % 8 == 0 and data.shape[1] % 4 == 0 and data.stride(0) % 4 == 0 and (
+        data.storage_offset() % 4 == 0)
+    if words:
+        data = data.view(torch.int32)
+    return data, words, fp8_bits
+
+
+def _dequant(data, scales, zeros, kind, group_size, shape, dtype, plan):
+    """W [N, K] in `dtype` (`_dequant_kernel`): a fresh buffer, columns in stored order (perm is x's)."""
+    N, K = shape
+    w = torch.empty((N, K), dtype=dtype, device=data.device)
+    if N == 0 or K == 0:
+        return w
+    data, words, fp8_bits = _stored(data, kind, plan.gw, data.device)
+    table = _nf4_pairs(data.device) if kind == 1 else scales
+    zeros = zeros if kind == 0 else None  # zero points are int4's only
+    z = zeros if zeros is not None else scales
+    block_k = plan.gpt * plan.gw
+    _dequant_kernel[(_launch.cdiv(N, plan.block_n), _launch.cdiv(K, block_k))](
+        data, scales, z, table, w, N, K, data.stride(0), scales.stride(0),
+        scales.stride(-1) if scales.dim() == 2 else 0, z.stride(0), z.stride(-1) if z.dim() == 2 else 0, w.stride(0),
+        G=max(group_size, 1), KIND=kind, WORDS=words, FP8_BITS=fp8_bits, HAS_ZEROS=zeros is not None,
+        PER_CHANNEL=kind == 2 and group_size == 0, EVEN_K=K % block_k == 0, BLOCK_N=plan.block_n, GPT=plan.gpt,
+        GW=plan.gw, ASM=data.device.type == "cuda" and torch.version.hip is None, num_warps=plan.num_warps)
+    return w
+
+
+def _dequant_mm(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, act, plan):
+    """The prefill path: W dequantized once (`_dequant`), x's columns gathered through perm (as the kernels'
+    loads), one cuBLAS GEMM (fp32 accumulation, rounded to x's dtype: the projection `quant_linear_reference`
+    rounds), then the epilogue in torch with the reference's roundings: fp8's per-channel scale and the bias in
+    fp32 on the GEMM's output (a bias alone in the GEMM: addmm), the GLU on the rounded halves, the residual.
+    torch's 16-bit elementwise ops compute in fp32 and round once, so the in-place ones are the same roundings."""
+    w = _dequant(data, scales, zeros, kind, group_size, (n, x.shape[1]), x.dtype, plan)
+    if perm is not None:
+        x = x.index_select(1, perm.long())  # stored column j multiplies x[:, perm[j]]
+    if kind == 2 and group_size == 0 and bias is not None:
+        y = (torch.mm(x, w.t()).float() * scales.float() + bias.float()).to(x.dtype)
+    elif kind == 2 and group_size == 0:
+        y = torch.mm(x, w.t()).mul_(scales)
+    elif bias is not None:
+        y = torch.addmm(bias, x, w.t())
+    else:
+        y = torch.mm(x, w.t())
+    del w  # back to the allocator before the epilogue's temporaries
+    if act:
+        gate, up = y.chunk(2, dim=1)
+        y = (reference.swiglu if act == ACTIVATIONS["silu"] else reference.geglu)(gate, up)
+    if residual is not None:
+        y = y.add_(residual)
+    return y
+
+
 def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, act, config):
     """x [M, K] (unit stride on K); returns [M, n_out]. config: None or `QuantLinearConfig.ints()`."""
     M, K = x.shape
     n_out = n // 2 if act else n
-    y = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     if M == 0 or n_out == 0:
-        return y
+        return torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     cfg = QuantLinearConfig(*config) if config is not None else _DEFAULT_CONFIG
+    if x.dtype == torch.float32:  # cuBLAS may run fp32 in TF32 (a process-wide switch): the IEEE dot kernel
+        cfg = _without_dequant(cfg)
     plan = _plan(M, n_out, K, KINDS[kind], group_size, bool(act), x.device, cfg)
+    if plan.dequant:
+        return _dequant_mm(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, act, plan)
+    y = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     n_blocks = _launch.cdiv(n_out, plan.block_n)
     tiles = n_blocks * (M if plan.gemv else _launch.cdiv(M, plan.block_m))
     ws = cnt = y
@@ -485,15 +604,7 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
         ws = arena.pinned("quant_linear.partials", max(plan.split * M * n, 1 << 18), torch.float32)
         cnt = arena.pinned("quant_linear.counters", max(tiles, 1 << 12), torch.int32, zeros=True)
     per_channel = kind == 2 and group_size == 0
-    fp8_bits = kind == 2 and not _fp8_native(x.device)
-    data = _launch.unit_last(data)
-    if fp8_bits:
-        data = data.view(torch.uint8)
-    # int4 in 32-bit words (8 codes a load element, no byte extraction) when every chunk is whole words
-    words = kind == 0 and plan.gw % 8 == 0 and data.shape[1] % 4 == 0 and data.stride(0) % 4 == 0 and (
-        data.storage_offset() % 4 == 0)
-    if words:
-        data = data.view(torch.int32)
+    data, words, fp8_bits = _stored(data, kind, plan.gw, x.device)
     table = _nf4_pairs(x.device) if kind == 1 else scales
     if kind != 0:
         zeros = None  # zero points are int4's only (`dequantize` reads none for nf4 and fp8)
@@ -594,8 +705,9 @@ def quant_linear(x, qw, *, bias=None, residual=None, activation=None, config=Non
 
     activation "silu" / "gelu_tanh": W's rows are [gate; up] and the result is act(gate) * up, [..., N // 2].
     residual [..., N_out]: added last. Rounding as the unfused modules (`quant_linear_reference`). Up to
-    `gemv_max_rows` rows (1) run the decode GEMV, more the tensor-core kernel (M > 16: the prefill GEMM); on a
-    device without the kernels, the reference. config: a `QuantLinearConfig` (speed only). Inference only: a
+    `gemv_max_rows` rows (1) run the decode GEMV, more the tensor-core kernel, and from `dequant_min_rows` (256 on
+    a GPU; bf16 / fp16 x) W is dequantized once into a buffer for one cuBLAS GEMM; on a device without the
+    kernels, the reference. config: a `QuantLinearConfig` (speed only). Inference only: a
     RuntimeError if x, bias or residual needs a gradient."""
     n_out = _validate(x, qw, bias, residual, activation, config)
     if not _library.use_kernels("quant_linear", x):
