@@ -263,12 +263,15 @@ def _cases(full: bool):
     def ql_gpu(kernel, kw, cc, only=TARGETS):
         return dict(ASM=True, only=only, **({"UPCAST": False} if kernel == "_quant_mm_kernel" else {}))
 
-    for kind, group, act, rows, native in (("int4", 128, None, 1, True), ("int4", 32, "silu", 8, True),
-                                           ("int4", 128, "silu", 512, True), ("nf4", 64, None, 1, True),
-                                           ("nf4", 64, "silu", 40, True), ("fp8", 128, "silu", 1, True),
-                                           ("fp8", 0, None, 8, True), ("fp8", 128, None, 1, False),
-                                           ("fp8", 0, "silu", 40, False)):
-        def quant(kind=kind, group=group, act=act, rows=rows, native=native):
+    # prefill: rows >= 256 dequantize the weight (_dequant_kernel) then run cuBLAS; dequant_min_rows=0 keeps the
+    # tensor-core GEMM, so both launches are compiled
+    for kind, group, act, rows, native, dq in (
+            ("int4", 128, None, 1, True, -1), ("int4", 32, "silu", 8, True, -1), ("int4", 128, "silu", 512, True, 0),
+            ("int4", 128, "silu", 512, True, -1), ("nf4", 64, None, 1, True, -1), ("nf4", 64, "silu", 40, True, -1),
+            ("nf4", 64, None, 300, True, -1), ("fp8", 128, "silu", 1, True, -1), ("fp8", 0, None, 8, True, -1),
+            ("fp8", 128, None, 300, True, -1), ("fp8", 128, None, 1, False, -1), ("fp8", 0, "silu", 40, False, -1),
+            ("fp8", 0, None, 300, False, -1)):
+        def quant(kind=kind, group=group, act=act, rows=rows, native=native, dq=dq):
             N, K = 512, 1024
             if kind == "fp8":
                 shape = (N,) if group == 0 else (N // group, K // group)
@@ -280,11 +283,12 @@ def _cases(full: bool):
             ql._plan = lambda *a: plan.__wrapped__(*a[:6], torch.device("cuda", 0), a[7])
             ql._fp8_native, ql._launch.sm_count = (lambda device: native), (lambda index: 132)
             try:
-                ops.quant_linear(rand(rows, K), qw, activation=act)
+                ops.quant_linear(rand(rows, K), qw, activation=act,
+                                 config=ql.QuantLinearConfig(dequant_min_rows=dq) if dq >= 0 else None)
             finally:
                 ql._plan, ql._fp8_native, ql._launch.sm_count = plan, native_of, sms
-        add(f"quant_linear-{kind}-g{group}-{act}-m{rows}-{'native' if native else 'bytes'}", quant,
-            lambda kernel, kw, cc, native=native, kind=kind: ql_gpu(
+        add(f"quant_linear-{kind}-g{group}-{act}-m{rows}-{'native' if native else 'bytes'}{'-mm' if dq == 0 else ''}",
+            quant, lambda kernel, kw, cc, native=native, kind=kind: ql_gpu(
                 kernel, kw, cc, (89, 90) if kind == "fp8" and native else TARGETS))
     return cases
 
