@@ -5,7 +5,8 @@ weight kind and each row count (1 and 8: decode; 512: prefill), the time of `tig
 triton.testing.do_bench) and of `x @ W.T` on the same weight in bf16. The byte model of one call: the weight's
 `QuantizedWeight.nbytes` (packed data, scales, zeros, perm) plus x and y; the bound is those bytes at the copy
 ceiling measured in the same run (a device-to-device copy of a 1 GiB buffer: 2 GiB moved), and `pct_of_bound` is
-bound time / measured time. Prefill rows report TFLOP/s as well (2 M N K flops).
+bound time / measured time. Prefill rows report TFLOP/s as well (2 M N K flops), and the tensor-core GEMM's time
+(`mm_kernel_ms`, dequant_min_rows=0) beside the default path's (from 256 rows on a GPU: dequantize, then cuBLAS).
 
     python -m benchmarks quant-linear --out results.json            # on a GPU
     python -m benchmarks quant-linear --sweep --kinds int4 --rows 1   # also a small grid of launch configs
@@ -33,8 +34,9 @@ SWEEP_GEMV = [dict(block_n=bn, block_k=bk, prefetch=pf) for bn in (32, 64, 128) 
               for pf in (0, 1)]
 SWEEP_DECODE = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128)
                 for w in (4, 8)] + [dict(gemv_max_rows=16)]
-SWEEP_PREFILL = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st) for bm in (64, 128)
-                 for bn in (64, 128) for bk in (32, 64) for w in (4, 8) for st in (3, 4)]
+# (the tensor-core GEMM's tiles: dequant_min_rows=0 keeps prefill rows off the dequantize-then-cuBLAS path)
+SWEEP_PREFILL = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, dequant_min_rows=0)
+                 for bm in (64, 128) for bn in (64, 128) for bk in (32, 64) for w in (4, 8) for st in (3, 4)]
 
 
 def make_weight(kind, N, K, dtype, device, gen):
@@ -101,11 +103,14 @@ def measure(bench, ceiling, x, qw, w16, act, sweep) -> dict:
     want = quant_linear_reference(x, qw, activation=act)
     rel = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
     bf16_ms = bench(lambda: x @ w16.T)
+    # prefill rows: the tensor-core GEMM too (the default at these rows dequantizes, then runs cuBLAS)
+    mm_ms = bench(lambda: quant_linear(x, qw, activation=act, config=QuantLinearConfig(dequant_min_rows=0))) \
+        if M > 16 else None
     bound_ms = moved / (ceiling * 1e9) * 1e3
     return dict(N=N, K=K, activation=act, group_size=qw.group_size, M=M, ms=ms, gbps=moved / (ms * 1e-3) / 1e9,
                 bytes=moved, bound_ms=bound_ms, pct_of_bound=100 * bound_ms / ms, bf16_ms=bf16_ms,
                 bf16_pct_of_bound=100 * (w16.numel() * 2 + io_bytes) / (ceiling * 1e9) * 1e3 / bf16_ms,
-                speedup_vs_bf16=bf16_ms / ms, tflops=2 * M * N * K / (ms * 1e-3) / 1e12,
+                speedup_vs_bf16=bf16_ms / ms, mm_kernel_ms=mm_ms, tflops=2 * M * N * K / (ms * 1e-3) / 1e12,
                 max_rel_err_vs_reference=rel, config=None if cfg is None else dataclasses.asdict(cfg))
 
 
@@ -130,7 +135,8 @@ def run(args) -> dict:
                 rows.append(row)
                 print(f"{shape:8s} {kind:11s} M={M:<4d} {row['ms'] * 1e3:9.1f} us {row['gbps']:7.0f} GB/s "
                       f"{row['pct_of_bound']:5.1f}% of bound | bf16 {row['bf16_ms'] * 1e3:8.1f} us "
-                      f"({row['speedup_vs_bf16']:.2f}x) err {row['max_rel_err_vs_reference']:.1e}")
+                      f"({row['speedup_vs_bf16']:.2f}x) err {row['max_rel_err_vs_reference']:.1e}"
+                      + (f" | GEMM kernel {row['mm_kernel_ms'] * 1e3:8.1f} us" if row["mm_kernel_ms"] else ""))
     return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                 torch=torch.__version__, triton=_triton_version(), copy_ceiling_gbps=ceiling, dtype=str(dtype),
                 rows=rows)
