@@ -72,8 +72,8 @@ def test_quantize_refusals_change_nothing():
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
     with pytest.raises(ValueError, match="fmt must be one of"):
         quantize(model, "int8")
-    with pytest.raises(NotImplementedError, match="calibration"):
-        quantize(model, "int4", calibration=[prompt_ids(1, 4)])
+    with pytest.raises(ValueError, match="calibration searches scales for 4-bit formats"):
+        quantize(model, "fp8", calibration=[prompt_ids(1, 4)])
     with pytest.raises(TypeError, match="skip must be a tuple"):
         quantize(model, "int4", skip="lm_head")
     quantize(model, "int4", group_size=32, skip=("lm_head", "mlp.down_proj"))
