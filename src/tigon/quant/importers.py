@@ -20,16 +20,27 @@ N = out_features, G = K / group_size groups; "packed along K" means element k of
   for B x B blocks, or a scalar). Both scales multiply: w = q * s. UE8M0 scales (powers of two) convert exactly.
 - bitsandbytes `Linear4bit`, NF4: the [N, K] codes flattened row-major, two a byte, the first in the HIGH nibble;
   absmax per block of `blocksize` codes (dequantized first when double-quantized: code2[q] * absmax2 + offset).
+- torchao (an `nn.Linear` whose `weight` is a torchao tensor subclass, groups of `block_size` (1, G)):
+  `IntxUnpackedToInt8Tensor` with target_dtype int4 (IntxWeightOnlyConfig; the weights of
+  Int8DynamicActivationIntxWeightConfig): qdata int8 [N, K] holding q in [-8, 7], scale and zero_point [N, K / G]
+  (int8 or float), w = (q - zp) * s. `Int4Tensor` (Int4WeightOnlyConfig's "plain" packing, mslk's kernels): qdata
+  [N, K / 2], element k of a row in byte k // 2, the low nibble for even k, each a two's-complement q in [-8, 7];
+  scale and zero_point [K / G, N]; w = q * s + z. `Int4OpaqueTensor` (PrototypeInt4WeightOnlyConfig, CPU) and
+  `Int4TilePackedTo4dTensor` ("tile_packed_to_4d", CUDA): torch's tinygemm packing of codes q in [0, 15] (read
+  back through torch's own packer, `_tinygemm_codes`), scale_and_zero [K / G, N, 2]; w = (q - 8) * s + z.
+  The float zero points z become the layout's zeros 8 - z / s, rounded once to fp32 (`_float_zeros`).
 
 Not imported (each raises ValueError with the reason; `tigon.quant.adopt` logs it and leaves the module alone):
 bits other than 4, GPTQ/AWQ kernels that repack the tensors for themselves (Marlin, ExLlama, Machete, BitBLAS,
-IPEX, fused CPU), bitsandbytes FP4 and 8-bit, blocks that straddle rows, non-square FP8 blocks, torchao tensors.
+IPEX, fused CPU), bitsandbytes FP4 and 8-bit, blocks that straddle rows, non-square FP8 blocks, the other torchao
+layouts (mslk's preshuffled int4, XPU / NPU "plain_int32", the int8-activation DA8W4 packing, packed intx,
+version-1 AffineQuantizedTensor, float8, nf4) and torchao tensors that pre-scale the activations.
 """
 
 import torch
 from torch import nn
 
-from tigon.ops.quantized_weight import NF4, QuantizedWeight, pack_int4
+from tigon.ops.quantized_weight import NF4, QuantizedWeight, pack_int4, unpack_int4
 
 # GPTQ / AWQ kernels whose buffers keep the checkpoint's packing after loading (the others repack at post_init)
 GPTQ_KERNELS = ("torch", "triton", "tritonv2", "cuda", "cuda-old")
@@ -278,13 +289,131 @@ def import_bnb4(module: nn.Module, *, dtype: torch.dtype | None = None) -> Quant
     return QuantizedWeight("nf4", data, absmax.float().reshape(n, k // block), None, block, (n, k), dtype)
 
 
+def _float_zeros(where, scales, zeros):
+    """Zero points in the float domain (w = (q - 8) * s + z) -> the layout's (w = (q - z') * s): z' = 8 - z / s,
+    computed in fp64 and rounded once to fp32, so w moves by at most half an fp32 ulp of z' times s."""
+    z = (8.0 - zeros.double() / scales.double()).float()
+    if not bool(torch.isfinite(z).all()):
+        _fail(where, "a group's zero point over its scale overflows fp32 (a constant group quantized with a "
+                     "vanishing scale)")
+    return z
+
+
+def _nibbles(t):
+    """The 4-bit fields of a tensor's bytes in memory order, the low nibble of each byte first."""
+    b = t.contiguous().view(torch.uint8).reshape(-1)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(-1)
+
+
+def _tinygemm_codes(where, packed, pack, n, k, device):
+    """The [N, K] codes that torch's int4 packer `pack` ([N, K] int32 codes -> its packed tensor) put into
+    `packed`. The packers (tinygemm's tensor-core tiles on CUDA, the vector-width blocks on CPU) only move each
+    4-bit code to a place set by the shape (and the CPU's vector width), so packing the codes' own flat indices a
+    nibble at a time, with the same op on `device`, says where each code went. Assumed: the codes move unchanged
+    (checked in part: each place must be filled once)."""
+    if n * k >= 2**31:
+        _fail(where, f"a [{n}, {k}] weight is too large to read back (2^31 codes or more)")
+    idx = torch.arange(n * k, dtype=torch.int32, device=device).reshape(n, k)
+    src = torch.zeros(n * k, dtype=torch.int32, device=device)
+    for b in range(max(1, ((n * k - 1).bit_length() + 3) // 4)):
+        src |= _nibbles(pack((idx >> (4 * b)) & 0xF)).to(torch.int32) << (4 * b)
+    src = src.long()
+    seen = torch.zeros(n * k, dtype=torch.bool, device=device)
+    if src.numel() == n * k and int(src.max()) < n * k:
+        seen[src] = True
+    if not bool(seen.all()):
+        _fail(where, "torch's int4 packer does not place each code once on this machine; cannot read it back")
+    nib = _nibbles(packed)
+    if nib.numel() != n * k:
+        _fail(where, f"the packed weight holds {nib.numel()} codes, not {n} x {k}")
+    codes = torch.empty(n * k, dtype=torch.int16, device=packed.device)
+    codes[src.to(packed.device)] = nib.to(torch.int16)
+    return codes.reshape(n, k)
+
+
+def _torchao_intx(where, w, n, k, gs):
+    if w.target_dtype != torch.int4:
+        _fail(where, f"only int4 IntxUnpackedToInt8Tensor is read, got target_dtype {w.target_dtype}")
+    codes = w.qdata.to(torch.int16) + 8
+    if int(codes.min()) < 0 or int(codes.max()) > 15:
+        _fail(where, "IntxUnpackedToInt8Tensor qdata holds values outside int4's [-8, 7]")
+    zp = w.zero_point
+    zeros = (zp.float() + 8) if zp.is_floating_point() else (zp.to(torch.int16) + 8).to(w.scale.dtype)
+    return codes, w.scale, zeros
+
+
+def _torchao_int4_plain(where, w, n, k, gs):
+    if w.qdata.dim() != 2 or tuple(w.qdata.shape) != (n, k // 2):
+        _fail(where, f"Int4Tensor qdata must be [{n}, {k // 2}], got {list(w.qdata.shape)}")
+    codes = unpack_int4(w.qdata.view(torch.uint8)) ^ 8  # two's-complement q -> q + 8
+    scales = w.scale.T
+    return codes, scales, _float_zeros(where, scales, w.zero_point.T)
+
+
+def _torchao_int4_cpu(where, w, n, k, gs):
+    if getattr(w, "act_mapping_type", None) is not None:
+        _fail(where, "Int4OpaqueTensor's int8-activation (DA8W4) packing is not read, only its weight-only one")
+    codes = _tinygemm_codes(where, w.qdata, lambda c: torch.ops.aten._convert_weight_to_int4pack_for_cpu(c, 1),
+                            n, k, torch.device("cpu"))
+    sz = w.scale_and_zero
+    return codes, sz[..., 0].T, _float_zeros(where, sz[..., 0].T, sz[..., 1].T)
+
+
+def _torchao_int4_tiles(where, w, n, k, gs):
+    if not torch.cuda.is_available():
+        _fail(where, "reading Int4TilePackedTo4dTensor needs CUDA (torch's tinygemm packer)")
+    q = w.qdata
+    if q.dim() != 4:
+        _fail(where, f"Int4TilePackedTo4dTensor qdata must be 4-d, got {list(q.shape)}")
+    inner = q.shape[3] * 2
+    n_pad, k_pad = q.shape[0] * 8, q.shape[1] * inner * 16
+
+    def pack(c):
+        pairs = (c[:, ::2] << 4 | c[:, 1::2]).to(torch.uint8)  # as torchao hands the codes to the packer
+        return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner)
+
+    codes = _tinygemm_codes(where, q, pack, n_pad, k_pad, q.device if q.is_cuda else torch.device("cuda"))
+    sz = w.scale_and_zero[: k // gs, :n]
+    return codes[:n, :k], sz[..., 0].T, _float_zeros(where, sz[..., 0].T, sz[..., 1].T)
+
+
+_TORCHAO = {"IntxUnpackedToInt8Tensor": _torchao_intx, "Int4Tensor": _torchao_int4_plain,
+            "Int4OpaqueTensor": _torchao_int4_cpu, "Int4TilePackedTo4dTensor": _torchao_int4_tiles}
+
+
+def import_torchao(module: nn.Module, *, dtype: torch.dtype | None = None) -> QuantizedWeight:
+    """An nn.Linear whose weight is a torchao int4 tensor (`_TORCHAO` lists the layouts read) -> int4
+    QuantizedWeight; `dtype` defaults to the weight's. Where the tensor quantizes the activations too (int8 per
+    token, fp8 rows), the weights are read and the activations stay in the model's dtype, as for FP8 checkpoints."""
+    where = "import_torchao"
+    w = getattr(module, "weight", None)
+    name = type(w).__name__
+    if not isinstance(w, torch.Tensor) or "torchao" not in type(w).__module__:
+        _fail(where, f"module.weight must be a torchao tensor, got {name}")
+    if name not in _TORCHAO:
+        _fail(where, f"unsupported torchao layout {name}; the layouts read are {sorted(_TORCHAO)}")
+    if not isinstance(module, nn.Linear):
+        _fail(where, f"only nn.Linear modules are read, got {type(module).__name__}")
+    if w.dim() != 2:
+        _fail(where, f"only 2-d weights are read, got a {w.dim()}-d {name}")
+    if getattr(w, "act_pre_scale", None) is not None:
+        _fail(where, f"{name} multiplies the activations by act_pre_scale first, which the layout has no place for")
+    n, k = w.shape
+    block = [int(b) for b in w.block_size]
+    if len(block) != 2 or block[0] != 1 or block[1] <= 0 or k % block[1]:
+        _fail(where, f"only groups along K are read (block_size (1, G), G dividing {k}), got {tuple(block)}")
+    codes, scales, zeros = _TORCHAO[name](where, w, n, k, block[1])
+    _check_features(where, module, n, k)
+    return _int4(where, codes, scales, zeros, block[1], None, dtype or w.dtype)
+
+
 IMPORTERS = {"gptq": import_gptq, "awq": import_awq, "compressed-tensors": import_compressed_tensors,
-             "fp8": import_fp8, "bnb4": import_bnb4}
+             "fp8": import_fp8, "bnb4": import_bnb4, "torchao": import_torchao}
 
 
 def format_of(module: nn.Module) -> str | None:
-    """The quantized format `module` holds ("gptq", "awq", "compressed-tensors", "fp8", "bnb4", or "bnb8",
-    "torchao", "quantized" for ones no importer reads), or None for a module with no quantized weight."""
+    """The quantized format `module` holds ("gptq", "awq", "compressed-tensors", "fp8", "bnb4", "torchao", or
+    "bnb8", "quantized" for ones no importer reads), or None for a module with no quantized weight."""
     if not isinstance(module, nn.Module) or isinstance(getattr(module, "base_layer", None), nn.Module):
         return None  # a wrapper (PEFT's LoRA layers) whose `weight` is its base layer's: the base layer is the one
     if all(isinstance(getattr(module, a, None), torch.Tensor) for a in ("qweight", "qzeros", "scales")):
