@@ -6,7 +6,8 @@ own process (an OOM costs that variant only), every length of --seqs in ascendin
 - hf: HF + PEFT, nothing else;
 - liger: apply_liger_kernel_to_llama() before the model is built;
 - liger-tiled: liger with each decoder MLP replaced by Liger's LigerTiledSwiGLUMLP (its default shards);
-- tigon: tigon.patch(model);
+- tigon: tigon.patch(model, offload_checkpoints=False) (the fused kernels, checkpoints on the card: the default
+  "auto" would move them to host memory at a length that does not fit);
 - tigon-offload: tigon.patch(model, offload_checkpoints=True, tile_mlp=True): checkpoints in pinned host memory
   and the MLP over tiles of the sequence (docs/memory/offload.md, docs/memory/tiling.md).
 Each length: one warm-up step, then --steps timed steps (--steps 0: one step, timed; wall time after a
@@ -62,7 +63,8 @@ def build(variant, smoke, dev, max_len):
     if variant.startswith("tigon"):
         import tigon
 
-        extra = dict(offload_checkpoints=True, tile_mlp=True) if variant == "tigon-offload" else {}
+        extra = dict(offload_checkpoints=True, tile_mlp=True) if variant == "tigon-offload" else dict(
+            offload_checkpoints=False)
         tigon.patch(model, **extra)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False

@@ -9,6 +9,12 @@ written for Liger binds the same way here, a misspelled flag is a TypeError in b
 of transformers' Trainer and axolotl (`inspect.signature(MODEL_TYPE_TO_APPLY_LIGER_FN[model_type])`) keeps
 the same keys. Each returns tigon.patch's PatchReport (Liger's return None), which lists what ran and what
 was left to Hugging Face and why.
+
+Tigon's two training-memory options of tigon.patch, `offload_checkpoints` and `tile_mlp` (TIGON_KEYS), ride
+along where a model instance is patched: the Trainer's (and TRL's SFTConfig's)
+`liger_kernel_config={"offload_checkpoints": True, "tile_mlp": True}`, `apply_liger_kernel_to_<family>(model=m,
+offload_checkpoints=True)`, `AutoLigerKernelForCausalLM.from_pretrained(..., tile_mlp=True)`. No Liger signature
+lists them, so transformers' filtering by signature is unchanged.
 """
 
 import difflib
@@ -43,6 +49,10 @@ _ORDER = ("relu_squared", "rope", "cross_entropy", "fused_linear_cross_entropy",
           "swiglu", "geglu", "model")
 _DEFAULTS = dict(relu_squared=True, rope=True, cross_entropy=False, fused_linear_cross_entropy=True, layer_norm=True,
                  rms_norm=True, swiglu=True, geglu=True, model=None)
+
+
+# tigon.patch's options that no Liger function takes, honoured wherever a model instance is patched
+TIGON_KEYS = ("offload_checkpoints", "tile_mlp")
 
 
 def _params(names, **defaults):
@@ -102,16 +112,24 @@ def _signature(params) -> inspect.Signature:
 
 
 def _bind(name, signature, args, kwargs):
+    """(model, extra keywords, Liger's flags, Tigon's options) of one call: TIGON_KEYS are taken out before the
+    Liger signature binds the rest."""
+    tigon = {k: kwargs.pop(k) for k in TIGON_KEYS if k in kwargs}
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as e:
-        close = [difflib.get_close_matches(k, signature.parameters, n=1) for k in kwargs
-                 if k not in signature.parameters]
+        known = [*signature.parameters, *TIGON_KEYS]
+        close = [difflib.get_close_matches(k, known, n=1) for k in kwargs if k not in signature.parameters]
         hint = f" (did you mean {close[0][0]!r}?)" if close and close[0] else ""
-        raise TypeError(f"{name}() {e}{hint}; it takes {', '.join(signature.parameters)}") from None
+        raise TypeError(f"{name}() {e}{hint}; it takes {', '.join(signature.parameters)} (and on a model, "
+                        f"{', '.join(TIGON_KEYS)})") from None
     bound.apply_defaults()
     flags = dict(bound.arguments)
-    return flags.pop("model"), flags.pop("kwargs", {}), flags
+    model = flags.pop("model")
+    if tigon and model is None:
+        raise ValueError(f"{name}: {', '.join(tigon)} is set on a model instance: {name}(model=model, "
+                         f"{next(iter(tigon))}=...)")
+    return model, flags.pop("kwargs", {}), flags, tigon
 
 
 def _patch_flags(name, flags):
@@ -135,11 +153,12 @@ def _text_tower(model):
     return None
 
 
-def _apply_text_tower(name, vlm_type, model, extra, flags):
+def _apply_text_tower(name, vlm_type, model, extra, flags, tigon):
     """A vision-language model: Tigon's patch on its language model, and with layer_norm=True (where Liger's
     function takes it) on the plain LayerNorms of the rest (vision tower, projector). Liger's functions with
     **kwargs (Llava, InternVL, SmolVLM) hand their flags and the extra keywords to the language model's own apply
-    function, dropping (with a warning) those it does not take; the others patch the tower with their own flags."""
+    function, dropping (with a warning) those it does not take; the others patch the tower with their own flags.
+    Tigon's options (TIGON_KEYS) go to the language model's patch."""
     logger = _log.get_logger()
     text_type = registry.VISION_LANGUAGE[vlm_type]
     spec = {**_patch_flags(name, flags), "layer_norm": False}  # the text towers have no LayerNorm
@@ -163,14 +182,14 @@ def _apply_text_tower(name, vlm_type, model, extra, flags):
         logger.warning("%s: the language model (%s) is not a family Tigon patches; left as it is", name, tower_type)
         return None
     if not any(n == "**" for n, _ in LIGER_PARAMETERS.get(vlm_type, _LLAMA)):
-        report = patch_hf_model(tower, **spec)
+        report = patch_hf_model(tower, **spec, **tigon)
     else:
         kwargs = {**{k: v for k, v in flags.items() if k != "layer_norm"}, **extra}
         taken = inspect.signature(apply).parameters
         dropped = sorted(set(kwargs) - set(taken))
         if dropped:
             logger.warning("%s: %s does not take %s; applied without them", name, apply.__name__, ", ".join(dropped))
-        report = apply(model=tower, **{k: v for k, v in kwargs.items() if k in taken})
+        report = apply(model=tower, **{k: v for k, v in kwargs.items() if k in taken}, **tigon)
     if flags.get("layer_norm") and report is not None:
         _patch_layer_norms(hf, tower, report)
     return report
@@ -207,13 +226,13 @@ def _apply_for(model_type):
     signature = _signature(params)
 
     def apply(*args, **kwargs):
-        model, extra, flags = _bind(name, signature, args, kwargs)
+        model, extra, flags, tigon = _bind(name, signature, args, kwargs)
         if model_type in _TEXT_TOWER_TYPES:
             _patch_flags(name, flags)  # the same ValueError for contradicting flags
-            return _apply_text_tower(name, model_type, model, extra, flags)
+            return _apply_text_tower(name, model_type, model, extra, flags, tigon)
         spec = _patch_flags(name, flags)
         # cross_entropy=True class-level: the ForCausalLM's loss_function too
-        report = (patch_hf_model(model, **spec) if model is not None
+        report = (patch_hf_model(model, **spec, **tigon) if model is not None
                   else patch_hf_model(model_type=model_type, **spec))
         if flags.get("relu_squared"):
             report.skip("ReLU^2", "Tigon has no ReLU^2 kernel: the MLP's activation stays HF's")
@@ -224,7 +243,8 @@ def _apply_for(model_type):
     source = ("liger-kernel 0.8.5's signature" if model_type in LIGER_PARAMETERS
               else "not in liger-kernel 0.8.5: Llama's")
     apply.__doc__ = (f"Patch {model_type} models (the class, or `model` only) with Tigon ({source}). "
-                     "TypeError for an argument it does not take.")
+                     f"With model=, also tigon.patch's {' and '.join(TIGON_KEYS)}. TypeError for an argument it "
+                     "does not take.")
     return apply
 
 
@@ -251,6 +271,18 @@ def _applicable(apply, kwargs):
     return {k: v for k, v in kwargs.items() if k in parameters and k != "model"}
 
 
+def _warn_unknown(caller, kwargs, applicable):
+    """Keys dropped that no apply function takes and Tigon does not know either (a misspelled key, not another
+    family's flag): one warning, with the closest known name."""
+    known = {n for fn in MODEL_TYPE_TO_APPLY_LIGER_FN.values() for n in inspect.signature(fn).parameters} - {"kwargs"}
+    known.update(TIGON_KEYS)
+    unknown = sorted(k for k in kwargs if k not in applicable and k not in known and k != "model")
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        _log.get_logger().warning("%s: %r is not a flag of any apply function nor of Tigon%s; ignored", caller, key,
+                                  f" (did you mean {close[0]!r}?)" if close else "")
+
+
 def _apply_liger_kernel(model_type, *, strict=False, **kwargs):
     """Liger's pre-initialization entry point: the class-level patch of `model_type`'s family with the keyword
     arguments its apply function takes (the others are dropped, as Liger does). A model type Tigon does not
@@ -261,16 +293,26 @@ def _apply_liger_kernel(model_type, *, strict=False, **kwargs):
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
     if apply is None:
         return _unsupported("_apply_liger_kernel", model_type, strict)
-    applicable = _applicable(apply, kwargs)
+    applicable = {k: v for k, v in _applicable(apply, kwargs).items() if k not in TIGON_KEYS}
+    left = [k for k in TIGON_KEYS if k in kwargs]
+    if left:
+        _log.get_logger().info("_apply_liger_kernel: %s set on a model instance only (the Trainer's "
+                               "_apply_liger_kernel_to_instance); not applied to the class", ", ".join(left))
     _log.get_logger().info("_apply_liger_kernel: %s with %s", apply.__name__, applicable)
     return apply(**applicable)
 
 
 def _apply_liger_kernel_to_instance(model, *, strict=False, **kwargs):
-    """What transformers' Trainer (use_liger_kernel=True, liger_kernel_config=kwargs) and axolotl call: the
-    family's apply function on this model instance, with the keyword arguments it takes. A model type Tigon does
-    not cover logs a warning and leaves the model alone (Liger's behaviour), or raises ValueError with
-    strict=True."""
+    """What transformers' Trainer (use_liger_kernel=True, liger_kernel_config=kwargs; TRL's SFTConfig the same)
+    and axolotl call: the family's apply function on this model instance, with the keyword arguments it takes,
+    and Tigon's `offload_checkpoints` and `tile_mlp` (tigon.patch's; docs/memory/offload.md):
+
+        TrainingArguments(..., gradient_checkpointing=True, use_liger_kernel=True,
+                          liger_kernel_config={"offload_checkpoints": True, "tile_mlp": True})
+
+    Other keys the function does not take are dropped, as Liger drops them (a config written for another
+    family); one no function takes at all logs a warning naming the closest flag. A model type Tigon does not
+    cover logs a warning and leaves the model alone (Liger's behaviour), or raises ValueError with strict=True."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if not model_type:
         if strict:
@@ -281,23 +323,25 @@ def _apply_liger_kernel_to_instance(model, *, strict=False, **kwargs):
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
     if apply is None:
         return _unsupported("_apply_liger_kernel_to_instance", model_type, strict)
-    applicable = _applicable(apply, kwargs)
+    applicable = {**_applicable(apply, kwargs), **{k: kwargs[k] for k in TIGON_KEYS if k in kwargs}}
+    _warn_unknown("_apply_liger_kernel_to_instance", kwargs, applicable)
     _log.get_logger().info("_apply_liger_kernel_to_instance: %s with %s", apply.__name__, applicable)
     return apply(model=model, **applicable)
 
 
 def _split_flags(model_type, kwargs):
-    """Liger's split of from_pretrained/from_config keywords: those the family's apply function takes go to it,
-    the rest to transformers (all of them for a model type Tigon does not cover)."""
+    """Liger's split of from_pretrained/from_config keywords: those the family's apply function takes (and
+    Tigon's TIGON_KEYS) go to it, the rest to transformers (all of them for a model type Tigon does not cover)."""
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
-    taken = set(inspect.signature(apply).parameters) - {"model", "kwargs"} if apply else set()
+    taken = (set(inspect.signature(apply).parameters) - {"model", "kwargs"}) | set(TIGON_KEYS) if apply else set()
     return {k: v for k, v in kwargs.items() if k in taken}, {k: v for k, v in kwargs.items() if k not in taken}
 
 
 class AutoLigerKernelForCausalLM:
     """AutoModelForCausalLM.from_pretrained / from_config, then the family's apply function on the model: the
-    keyword arguments that function takes (e.g. rope=False, geglu=False for Gemma) go to it, the rest to
-    transformers, as in Liger-Kernel. A model type Tigon does not cover loads as it is, with a warning."""
+    keyword arguments that function takes (e.g. rope=False, geglu=False for Gemma) and Tigon's offload_checkpoints
+    and tile_mlp go to it, the rest to transformers, as in Liger-Kernel. A model type Tigon does not cover loads
+    as it is, with a warning."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):

@@ -25,10 +25,13 @@ import torch
 
 from .. import _log
 from ..memory import (
+    auto_offload,
     checkpoint_offload_installed,
+    install_auto_offload,
     install_checkpoint_offload,
     install_tiled_mlp,
     tiled_mlp_installed,
+    uninstall_auto_offload,
     uninstall_checkpoint_offload,
     uninstall_tiled_mlp,
 )
@@ -496,30 +499,45 @@ def _quantized_lm_head(hf) -> str:
 
 
 def _memory_options(model, offload, tile):
-    """(keep_on_card or None, tile_tokens or None) from tigon.patch's offload_checkpoints and tile_mlp, checked
-    before anything changes on the model."""
+    """(keep_on_card, "auto" or None; tile_tokens or None) from tigon.patch's offload_checkpoints and tile_mlp,
+    checked before anything changes on the model. "auto" asks nothing of the model: on a model_type, or a model
+    without checkpointed layers, it is nothing."""
     for name, value, least in (("offload_checkpoints", offload, 0), ("tile_mlp", tile, 1)):
-        want = "a tile length in tokens (>= 1)" if name == "tile_mlp" else "a number of layers kept on the card (>= 0)"
+        if name == "offload_checkpoints" and isinstance(value, str) and value == "auto":
+            continue
+        want = ("True, False or a tile length in tokens (>= 1)" if name == "tile_mlp"
+                else "'auto', True, False or a number of layers kept on the card (>= 0)")
         if not isinstance(value, int):
-            raise TypeError(f"tigon.patch: {name} must be True, False or {want}, got {type(value).__name__}")
+            raise TypeError(f"tigon.patch: {name} must be {want}, got {type(value).__name__} {value!r}")
         if not isinstance(value, bool) and value < least:
-            raise ValueError(f"tigon.patch: {name} must be True, False or {want}, got {value}")
+            raise ValueError(f"tigon.patch: {name} must be {want}, got {value}")
         if value is not False and model is None:
             raise ValueError(f"tigon.patch: {name} is set on a model instance: tigon.patch(model, {name}=...)")
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    if offload is not False and model is not None and not any(
+    if offload is not False and offload != "auto" and model is not None and not any(
             isinstance(m, GradientCheckpointingLayer) for m in unwrap_model(model).modules()):
         raise ValueError("tigon.patch: offload_checkpoints needs a model whose decoder layers gradient "
-                         "checkpointing runs (transformers' GradientCheckpointingLayer); this one has none")
-    keep = None if offload is False else (1 if offload is True else offload)
+                         "checkpointing runs (transformers' GradientCheckpointingLayer); this one has none "
+                         "('auto' arms nothing on such a model)")
+    keep = None if offload is False else "auto" if offload == "auto" else (1 if offload is True else offload)
     tokens = None if tile is False else ("auto" if tile is True else tile)
     return keep, tokens
 
 
 def _memory_patch(hf, report, keep_on_card, tile_tokens) -> None:
-    if keep_on_card is None and tile_tokens is None:
-        return
+    """keep_on_card: an int installs the offload, "auto" the hook that arms it when a step would not fit the
+    card (tigon.memory.install_auto_offload; kept out where the offload is installed already), None neither;
+    an int or None takes an earlier "auto" off."""
+    if keep_on_card == "auto":
+        keep_on_card, before = None, auto_offload(hf)
+        state = install_auto_offload(hf) if before is not None or not checkpoint_offload_installed(hf) else None
+        if state is not None and before is None:  # unpatch's undo sets active to False (the hook goes), then
+            hf.__dict__.setdefault("_tigon_undo", []).append((state, "active", False))  # takes the offload off
+        if state is not None:
+            report.add("checkpoint in host memory when needed ('auto')", len(state.layers))
+    else:
+        uninstall_auto_offload(hf)
     if tile_tokens is not None:  # after the MLP swap: the tiled forward wraps the modules the model now holds
         report.add(f"tiled MLP ({tile_tokens} tokens a tile)", install_tiled_mlp(hf, tile_tokens=tile_tokens))
     if keep_on_card is not None:
@@ -528,7 +546,8 @@ def _memory_patch(hf, report, keep_on_card, tile_tokens) -> None:
         except RuntimeError as e:  # no pinned host memory: nothing was armed
             raise RuntimeError(f"tigon.patch: offload_checkpoints: {e}") from e
         report.add(f"checkpoint in host memory ({keep_on_card} kept on the card)", n)
-    report.memory_plan = _plan_line(hf, keep_on_card, tile_tokens)
+    if keep_on_card is not None or tile_tokens is not None:
+        report.memory_plan = _plan_line(hf, keep_on_card, tile_tokens)
 
 
 def _plan_line(hf, keep_on_card, tile_tokens) -> str:
@@ -565,7 +584,7 @@ def patch_hf_model(
     attention: bool | Literal["auto"] = "auto",
     lora: bool = True,
     moe_experts: bool | Literal["auto"] = "auto",
-    offload_checkpoints: bool | int = False,
+    offload_checkpoints: bool | int | Literal["auto"] = "auto",
     tile_mlp: bool | int = False,
     verbose: bool = False,
 ) -> PatchReport:
@@ -594,6 +613,12 @@ def patch_hf_model(
     go to pinned host memory during the forward and come back one layer ahead of their backward, overlapped with
     compute (tigon.memory.install_checkpoint_offload; docs/memory/offload.md). True keeps the last layer's input
     on the card (its backward comes first); an int keeps that many. Same losses and gradients bit for bit.
+    "auto" (the default) arms it only when a step would not fit the card otherwise: at the first training
+    forward of each new (batch, seq_len) on a CUDA card with gradient checkpointing on, tigon.memory.plan's peak
+    without offload is compared with the card's memory, and where it does not fit the offload is armed with the
+    most layers kept on the card that fit, with one warning on the "tigon" logger
+    (tigon.memory.install_auto_offload); nothing on a CPU, without checkpointing, or for a model the plan cannot
+    read or whose parameters are sharded. False never offloads.
     tile_mlp (instance only; for training at long context): each decoder layer's MLP runs over tiles of the
     sequence, so its [T, intermediate] activations never exist whole (tigon.memory.install_tiled_mlp;
     docs/memory/tiling.md). True chooses the tile from free memory; an int is the tile length in tokens.
