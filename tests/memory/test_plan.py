@@ -13,6 +13,7 @@ from tigon.memory import MemoryPlan, MemoryPlanError, plan
 
 transformers = pytest.importorskip("transformers")
 GIB = 2**30
+H100_BYTES = int(79.2 * GIB)  # what torch reports as an H100 80GB HBM3's total memory
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
@@ -31,6 +32,12 @@ MEASURED = [
     ("1.5B full, 8 x 2048, H100", LLAMA_1B5, dict(seq_len=2048, batch_size=8), 12.13),
     ("1.5B full, 8 x 2048, no checkpointing, H100", LLAMA_1B5,
      dict(seq_len=2048, batch_size=8, checkpointing=False), 23.93),
+    # offload + tile_mlp=True ("auto": the tile read from the H100's free memory at the first step, as the plan
+    # reads it from the card's bytes)
+    ("8B LoRA, 16K, offload + auto tile, H100", LLAMA3_8B,
+     dict(seq_len=16384, lora_rank=16, offload_checkpoints=True, tile_tokens="auto", budget_bytes=H100_BYTES), 18.71),
+    ("8B LoRA, 64K, offload + auto tile, H100", LLAMA3_8B,
+     dict(seq_len=65536, lora_rank=16, offload_checkpoints=True, tile_tokens="auto", budget_bytes=H100_BYTES), 25.60),
 ]
 
 
@@ -118,6 +125,23 @@ def test_longest_seq_len_inverts_the_peak(attention):
 def test_prediction_within_10_percent_of_the_measured_peak(name, fields, kwargs, measured_gib):
     predicted = plan(config(**fields), **kwargs).peak_allocated / GIB
     assert abs(predicted / measured_gib - 1) <= 0.10, (name, predicted, measured_gib)
+
+
+def test_auto_tile_is_the_tiling_rule_over_the_memory_free_at_the_first_step():
+    from tigon.memory.plan import CONTEXT_BYTES
+    from tigon.memory.tiling import CPU_AUTO_TILE_TOKENS, auto_tile_tokens
+
+    c = config(**LLAMA3_8B)
+    assert plan(c, seq_len=8192, tile_tokens="auto").tile_tokens == CPU_AUTO_TILE_TOKENS  # no card, no budget
+    assert plan(c, seq_len=8192).tile_tokens is None
+    fixed = plan(c, seq_len=65536, lora_rank=16, tile_tokens=8192)
+    auto = plan(c, seq_len=65536, lora_rank=16, tile_tokens="auto", budget_bytes=H100_BYTES)
+    free = H100_BYTES - CONTEXT_BYTES - fixed.weights
+    assert auto.tile_tokens == auto_tile_tokens(14336, 2, free) and auto.tile_tokens % 256 == 0
+    assert auto.tile_tokens > 8192 and auto.layer_working_set > fixed.layer_working_set  # a longer tile, more bytes
+    # a batch of rows shares the tile's budget, as install_tiled_mlp's rule does
+    assert plan(c, seq_len=65536, batch_size=2, lora_rank=16, tile_tokens="auto",
+                budget_bytes=H100_BYTES).tile_tokens == auto_tile_tokens(14336, 2, free, rows_per_token=2)
 
 
 def test_the_10_percent_check_rejects_a_plan_without_the_checkpoints():
@@ -226,6 +250,7 @@ def test_budget_too_small_names_the_largest_component_before_any_step():
     (dict(seq_len=8, checkpointing=False, offload_checkpoints=True), ValueError, "offload_checkpoints needs"),
     (dict(seq_len=8, offload_checkpoints=40), ValueError, r"offload_checkpoints must be in \[0, 16\]"),
     (dict(seq_len=8, tile_tokens=0), ValueError, "tile_tokens must be >= 1"),
+    (dict(seq_len=8, tile_tokens="whole"), ValueError, "tile_tokens must be an int >= 1, 'auto' or None"),
     (dict(seq_len=8, dtype=torch.int8), TypeError, "dtype must be"),
     (dict(seq_len=8, budget_bytes=-1), ValueError, "budget_bytes must be > 0"),
 ])

@@ -555,9 +555,8 @@ def _plan_line(hf, keep_on_card, tile_tokens) -> str:
     the peak, its slope per 1K tokens and, on a GPU, the longest row that fits the card. Empty where the plan
     does not model the architecture."""
     offload = False if keep_on_card is None else keep_on_card
-    tile = 4096 if tile_tokens == "auto" else tile_tokens  # "auto" is chosen at the first step: 4096 stands in
-    try:
-        at = [memory_plan(hf, seq_len=t, offload_checkpoints=offload, tile_tokens=tile) for t in (4096, 8192)]
+    try:  # "auto": the plan reads the tile the first step will pick from the memory free on the card
+        at = [memory_plan(hf, seq_len=t, offload_checkpoints=offload, tile_tokens=tile_tokens) for t in (4096, 8192)]
     except (ValueError, TypeError, AttributeError) as e:
         _log.get_logger().debug("tigon.patch: no memory plan for this model: %s", e)
         return ""

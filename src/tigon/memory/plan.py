@@ -16,6 +16,7 @@ import torch
 
 from ..ops._rolling_buffer import RollingBuffer
 from ..ops.linear_cross_entropy import chunk_rows
+from .tiling import auto_tile_tokens
 
 __all__ = ["MemoryPlan", "MemoryPlanError", "plan"]
 
@@ -298,6 +299,11 @@ class MemoryPlan:
     _job: _Job = dataclasses.field(repr=False, compare=False)  # what it was computed from
 
     @property
+    def tile_tokens(self):
+        """The MLP's tile length the plan assumed (tile_tokens="auto" resolved), None for an untiled MLP."""
+        return self._job.tile or None
+
+    @property
     def peak_allocated(self) -> int:
         return sum(getattr(self, c) for c in CARD)
 
@@ -387,12 +393,16 @@ def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets
     checkpointing: HF's gradient checkpointing (each layer's input kept). offload_checkpoints: True moves them
     to pinned host memory, an int keeps the last that many layers' on the card (install_checkpoint_offload's
     keep_on_card). tile_tokens: the MLP runs in tiles of that many tokens of each row (install_tiled_mlp; a
-    sequence no longer than a tile runs untiled). attention: "flash" ("sdpa", "flex": the same bytes) or "eager". loss:
-    "fused" (no logits) or "logits". dtype: of the activations (None: the model's embedding dtype, bf16 for a
+    sequence no longer than a tile runs untiled); "auto": the tile install_tiled_mlp's "auto" picks at the first
+    step, from the memory free then (the card, budget_bytes if given, less the CUDA context and the weights; on a
+    model off CUDA with no budget, the CPU's tile). attention: "flash" ("sdpa", "flex": the same bytes) or "eager".
+    loss: "fused" (no logits) or "logits". dtype: of the activations (None: the model's embedding dtype, bf16 for a
     config). budget_bytes: if given, raise MemoryPlanError naming the largest component when the peak exceeds
     it. Returns a MemoryPlan; docs/memory/plan.md has the formulas and how they were checked."""
+    if isinstance(tile_tokens, str) and tile_tokens != "auto":
+        raise ValueError(f"{_NAME}: tile_tokens must be an int >= 1, 'auto' or None, got {tile_tokens!r}")
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("lora_rank", lora_rank),
-                        ("tile_tokens", tile_tokens)):
+                        ("tile_tokens", None if tile_tokens == "auto" else tile_tokens)):
         if value is not None or name in ("seq_len", "batch_size"):
             _check_int(name, value)
     if lora_targets != "all" and (isinstance(lora_targets, str) or not lora_targets
@@ -429,6 +439,8 @@ def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets
         act = dtype or (emb.weight.dtype if emb is not None else torch.bfloat16)
         counted = _from_model(model, config, act, lora_rank, lora_targets, quantized_base, state)
     _, head_dim = _dims(config)
+    if tile_tokens == "auto":
+        tile_tokens = _auto_tile(model, config, act, counted, batch_size, budget_bytes)
     job = _Job(config.hidden_size, config.intermediate_size, layers, config.num_attention_heads,
                getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
                config.vocab_size, act.itemsize, **counted, batch=batch_size, checkpointing=checkpointing, kept=kept,
@@ -439,6 +451,21 @@ def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets
         if not result.fits(budget):
             _refuse(result, budget)
     return result
+
+
+def _auto_tile(model, config, act, counted, batch_size, budget_bytes) -> int:
+    """The tile install_tiled_mlp's "auto" picks: its rule over the memory free at the first training step, which
+    is the card (or budget_bytes) less the CUDA context and the weights (the gradients and optimizer state come
+    after the first forward)."""
+    card = None
+    if budget_bytes is not None:
+        card = _check_budget(_NAME, budget_bytes)
+    elif model is not None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if device.type == "cuda":
+            card = torch.cuda.get_device_properties(device).total_memory
+    free = None if card is None else max(0, card - CONTEXT_BYTES - counted["weights"])
+    return auto_tile_tokens(config.intermediate_size, act.itemsize, free, rows_per_token=batch_size)
 
 
 def _refuse(result: MemoryPlan, budget):
