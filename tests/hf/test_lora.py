@@ -184,3 +184,18 @@ def test_dropout_eval_equals_peft_and_train_replays_mask():
     for got, leaf in zip(grads, leaves):
         torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-5)
     tigon.unpatch(model)
+
+
+def test_a_copied_first_forward_hook_removes_itself_without_its_handle():
+    """A deep copy of a model patched before PEFT was imported carries the one-shot install hook but not its handle
+    (the handles are kept by module, weakly): its first forward installs and takes the hook off, with no error."""
+    import functools
+
+    pytest.importorskip("peft.tuners.lora.layer")
+    copy = torch.nn.Linear(4, 3)
+    copy.register_forward_pre_hook(functools.partial(tigon_lora._install_at_first_forward, qlora=False),
+                                   with_kwargs=True)
+    assert copy not in tigon_lora._PENDING
+    copy(torch.randn(2, 4))
+    assert not copy._forward_pre_hooks and not copy._forward_pre_hooks_with_kwargs
+    copy(torch.randn(2, 4))  # and stays off

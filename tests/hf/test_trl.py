@@ -57,7 +57,8 @@ def test_fused_head_matches_trl():
     finally:
         restore()
         tigon.unpatch(mine)
-    assert trl_utils._ChunkedLogProbFunction is _trls_own()
+    own = _trls_own()  # first: its collection may be what gives TRL its name back
+    assert trl_utils._ChunkedLogProbFunction is own
     m = ref.label_mask
     torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-5)
     for k in ("log_probs", "entropy", "mean_logits", "log_sum_sq_probs"):
@@ -207,6 +208,45 @@ def test_a_model_patched_before_trl_is_imported_routes_at_its_first_forward(monk
     finally:
         tigon_trl.release(model)
     assert utils._ChunkedLogProbFunction is trl_function and tigon_trl.MARK not in model.__dict__
+
+
+def test_a_model_dropped_without_unpatch_gives_trl_its_function_back_once_collected():
+    """A patched model nobody unpatches (kept alive by a reference cycle until the collector runs) must not keep TRL's
+    name routed: the unpatch of another model leaves it routed while the dropped one may still run, and collecting
+    the dropped one gives TRL its own function back."""
+    trl_function = _trls_own()
+    dropped, kept = tiny_model("llama", **TINY), tiny_model("llama", **TINY)
+    tigon.patch(dropped)
+    tigon.patch(kept)
+    dropped.__dict__["_cycle"] = [dropped]
+    gc.disable()  # the collector would take the dropped model at any allocation from here
+    try:
+        del dropped
+        tigon.unpatch(kept)
+        assert trl_utils._ChunkedLogProbFunction is tigon_trl.RoutedChunkedLogProb
+    finally:
+        gc.enable()
+    gc.collect()
+    assert trl_utils._ChunkedLogProbFunction is trl_function
+
+
+def test_a_copys_first_forward_after_trl_is_imported_leaves_trls_name(monkeypatch):
+    """A deep copy of a model patched before TRL was imported carries its one-shot hook, bound to the copy: the copy
+    is not armed, so its first forward routes nothing (no armed model would be left to give TRL its name back)."""
+    import sys
+
+    model = tiny_model("llama", **TINY)
+    utils = sys.modules[tigon_trl._UTILS]
+    trl_function = _trls_own()
+    monkeypatch.delitem(sys.modules, tigon_trl._UTILS)
+    undo = []
+    assert tigon_trl.arm(model, undo)
+    twin = copy.deepcopy(model)
+    tigon_trl.release(model)
+    monkeypatch.setitem(sys.modules, tigon_trl._UTILS, utils)
+    with torch.no_grad():
+        twin(batch(vocab=V, b=1, t=3)[0])
+    assert utils._ChunkedLogProbFunction is trl_function and twin not in tigon_trl._ARMED
 
 
 def test_a_quantized_head_is_not_armed():

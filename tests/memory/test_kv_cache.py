@@ -418,22 +418,26 @@ def test_lazy_cache_under_the_fused_decode_layer(prompt):
     # (decode_layer_step writes the ring through update_rope), a longer one goes through the direct prefill.
     import tigon
     from tigon import ops
-    from tigon.hf.attention import use_tigon_attention
+    from tigon.hf.attention import restore_attention, use_tigon_attention
 
     model = tiny_model("llama", attn_implementation="sdpa").to(torch.bfloat16).eval()
     tigon.patch(model)
     use_tigon_attention(model)
-    ids = _ids(2, prompt)
-    # 2 new tokens: the first forward (which initializes the lazy cache) and one decode step over what it wrote
-    kw = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=None)
-    want = model.generate(ids, past_key_values=RollingKVCache(model.config, batch_size=2, capacity=9,
-                                                              dtype=torch.bfloat16), **kw)
-    before = ops.dispatch_counts[("decode_linear", "triton")] + ops.dispatch_counts[("decode_linear", "reference")]
-    cache = RollingKVCache(model.config, batch_size=2, capacity=9)
-    got = model.generate(ids, past_key_values=cache, **kw)
-    assert torch.equal(got, want) and cache.dtype == torch.bfloat16
-    after = ops.dispatch_counts[("decode_linear", "triton")] + ops.dispatch_counts[("decode_linear", "reference")]
-    assert after > before  # the fused decode layer ran
+    try:
+        ids = _ids(2, prompt)
+        # 2 new tokens: the first forward (which initializes the lazy cache) and one decode step over what it wrote
+        kw = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=None)
+        want = model.generate(ids, past_key_values=RollingKVCache(model.config, batch_size=2, capacity=9,
+                                                                  dtype=torch.bfloat16), **kw)
+        before = ops.dispatch_counts[("decode_linear", "triton")] + ops.dispatch_counts[("decode_linear", "reference")]
+        cache = RollingKVCache(model.config, batch_size=2, capacity=9)
+        got = model.generate(ids, past_key_values=cache, **kw)
+        assert torch.equal(got, want) and cache.dtype == torch.bfloat16
+        after = ops.dispatch_counts[("decode_linear", "triton")] + ops.dispatch_counts[("decode_linear", "reference")]
+        assert after > before  # the fused decode layer ran
+    finally:
+        restore_attention(model)
+        tigon.unpatch(model)
 
 
 @pytest.mark.gpu

@@ -83,8 +83,12 @@ def test_memory_options_need_an_instance():
 
 
 def test_the_report_carries_the_memory_plan():
-    model = _checkpointed()
-    report = tigon.patch(model, offload_checkpoints=True)
-    assert report.memory_plan.endswith("for LoRA)") and "GiB at 4096 tokens a row" in report.memory_plan
-    assert "memory plan: " in str(report)
-    assert not tigon.patch(_checkpointed()).memory_plan
+    model, plain = _checkpointed(), _checkpointed()
+    try:
+        report = tigon.patch(model, offload_checkpoints=True)
+        assert report.memory_plan.endswith("for LoRA)") and "GiB at 4096 tokens a row" in report.memory_plan
+        assert "memory plan: " in str(report)
+        assert not tigon.patch(plain).memory_plan
+    finally:
+        tigon.unpatch(model)
+        tigon.unpatch(plain)

@@ -187,7 +187,14 @@ def _install(qlora=False) -> bool:
 
 def _install_at_first_forward(module, args, kwargs, qlora=False):
     if not torch.compiler.is_compiling() and _install(qlora):
-        _PENDING.pop(module, None).remove()
+        handle = _PENDING.pop(module, None)
+        if handle is not None:
+            handle.remove()
+        else:  # a copy of a patched model: the hook came with it, the handle did not
+            for key, hook in list(module._forward_pre_hooks.items()):
+                if getattr(hook, "func", None) is _install_at_first_forward:
+                    del module._forward_pre_hooks[key]
+                    module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 _PENDING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # decoder -> its one-shot pre-hook handle

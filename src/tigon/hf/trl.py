@@ -12,10 +12,10 @@ log-probs, and no trainer builds Liger's chunked losses any more.
 which sends a head whose weight is an armed model's LM head to Tigon and every other head to TRL's own function
 (an unpatched model, a reference model loaded on its own, an FSDP2 head gathered into a new tensor). The name is set
 when patch() runs if TRL's trainer utilities are imported, else at the model's first forward after they are (TRL's
-fused forward runs the backbone before it reads the name); it goes back to TRL's once no armed model or explicit
-call is left. `use_tigon_losses()` routes every head, armed or not, until the function it returns is called.
-A softcapped head (Gemma 2/3's final_logit_softcapping) keeps TRL's function, as Tigon's log-prob kernels have no
-softcap yet.
+fused forward runs the backbone before it reads the name); it goes back to TRL's once no armed model (unpatched,
+or collected without unpatch) or explicit call is left. `use_tigon_losses()` routes every head, armed or not,
+until the function it returns is called. A softcapped head (Gemma 2/3's final_logit_softcapping) keeps TRL's
+function, as Tigon's log-prob kernels have no softcap yet.
 """
 
 import functools
@@ -61,6 +61,8 @@ _UTILS = "trl.trainer.utils"
 _ARMED: "weakref.WeakSet" = weakref.WeakSet()  # models holding the mark
 # armed model -> the forward pre-hook that routes TRL's name once TRL is imported
 _PENDING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# armed model -> the finalizer that gives TRL its name back if the model is collected still armed (never unpatched)
+_ON_COLLECT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _ROUTE_ALL = [0]  # open use_tigon_losses() calls
 _TRL_FUNCTION: dict = {}  # "fn": TRL's own function while ours is installed
 
@@ -85,8 +87,10 @@ class RoutedChunkedLogProb:
 
     @classmethod
     def apply(cls, hidden, weight, bias, targets, *args, **kwargs):
+        # read first: a collected armed model may restore TRL's name (and drop "fn") while this call runs
+        own = _TRL_FUNCTION.get("fn", TigonChunkedLogProb.fallback)
         ours = _ROUTE_ALL[0] or any(MARK in m.__dict__ and _head_weight(m) is weight for m in list(_ARMED))
-        fn = TigonChunkedLogProb if ours else _TRL_FUNCTION["fn"]
+        fn = TigonChunkedLogProb if ours else own
         return fn.apply(hidden, weight, bias, targets, *args, **kwargs)
 
 
@@ -111,7 +115,9 @@ def _install() -> bool:
 
 
 def _uninstall_if_unused() -> None:
-    if _ROUTE_ALL[0] or len(_ARMED) or "fn" not in _TRL_FUNCTION:
+    """TRL's own function back under its name once no armed model (and no use_tigon_losses()) is left. Also a
+    model's finalizer: iterating skips the dying model, which len(_ARMED) may still count."""
+    if _ROUTE_ALL[0] or any(True for _ in _ARMED) or "fn" not in _TRL_FUNCTION:
         return
     utils = sys.modules.get(_UTILS)
     if utils is not None and getattr(utils, "_ChunkedLogProbFunction", None) is RoutedChunkedLogProb:
@@ -125,7 +131,8 @@ def _install_at_first_forward(model, module, args, kwargs):
     handle = _PENDING.pop(model, None)
     if handle is not None:
         handle.remove()
-    _try_install(model)
+    if model in _ARMED:  # not a deep copy's hook (it carries one, bound to itself, unarmed): nothing would undo it
+        _try_install(model)
 
 
 def _try_install(model) -> bool:
@@ -155,6 +162,9 @@ def arm(hf, undo) -> bool:
         inner = getattr(hf, "base_model", hf)
         _PENDING[hf] = inner.register_forward_pre_hook(functools.partial(_install_at_first_forward, hf),
                                                        with_kwargs=True)
+    if hf not in _ON_COLLECT:
+        _ON_COLLECT[hf] = done = weakref.finalize(hf, _uninstall_if_unused)
+        done.atexit = False
     if MARK not in hf.__dict__:
         undo.append((hf, MARK, None))
         hf.__dict__[MARK] = TrlMark()
@@ -168,6 +178,9 @@ def release(hf) -> None:
     handle = _PENDING.pop(hf, None)
     if handle is not None:
         handle.remove()
+    done = _ON_COLLECT.pop(hf, None)
+    if done is not None:
+        done.detach()
     _uninstall_if_unused()
 
 
