@@ -23,7 +23,7 @@ from .. import _log
 from ..ops._library import tracing
 from . import offload
 from .plan import CONTEXT_BYTES, MemoryPlanError, _build, _gib, _refuse, plan
-from .tiling import _MARK, _TiledMLPForward, auto_tile_tokens
+from .tiling import _MARK, _TiledMLPForward
 
 _WHO = "tigon offload_checkpoints='auto'"
 # what _card_budget holds back of the card's total: the plan's checked error (within 1.2% on the jobs of
@@ -64,16 +64,10 @@ def _tile_tokens(model: torch.nn.Module, batch: int) -> Optional[int]:
                    None)
     if wrapper is None:
         return None
-    tiles = wrapper.plan
-    if tiles.tile_tokens != "auto":
-        return tiles.tile_tokens
-    free = tiles.free_bytes
-    if not tiles.read:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     itemsize = emb.weight.element_size() if emb is not None else 2
-    return auto_tile_tokens(wrapper.intermediate_size, itemsize, free, rows_per_token=batch)
+    return wrapper.plan.peek(device, itemsize, batch, wrapper.intermediate_size)
 
 
 def _sharded(model: torch.nn.Module) -> bool:

@@ -273,13 +273,24 @@ class _TilePlan:
         if self.tile_tokens != "auto":
             return self.tile_tokens
         if not self.read:
-            self.free_bytes = torch.cuda.mem_get_info(x.device)[0] if x.is_cuda else None
-            self.read = True
+            self.free_bytes, self.read = _free_bytes(x.device), True
         kind = x.device.type
         autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
         dtype = torch.get_autocast_dtype(kind) if autocast else x.dtype
-        return auto_tile_tokens(intermediate_size, dtype.itemsize, self.free_bytes,
-                                rows_per_token=math.prod(x.shape[:-2]))
+        return self.peek(x.device, dtype.itemsize, math.prod(x.shape[:-2]), intermediate_size)
+
+    def peek(self, device: torch.device, itemsize: int, rows: int, intermediate_size: int) -> int:
+        """The tile a call of `rows` rows would take now, without recording a read: "auto" over the free memory
+        read at the first call, or over what is free now before it."""
+        if self.tile_tokens != "auto":
+            return self.tile_tokens
+        free = self.free_bytes if self.read else _free_bytes(device)
+        return auto_tile_tokens(intermediate_size, itemsize, free, rows_per_token=rows)
+
+
+def _free_bytes(device: torch.device) -> Optional[int]:
+    """Free memory of a CUDA device; None elsewhere (the CPU's fixed "auto" tile)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 class _TiledMLPForward:
