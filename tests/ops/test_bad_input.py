@@ -75,6 +75,15 @@ def _mlp(d, op="swiglu_mlp", x=None, gw=None, uw=0, dw=None):
     return lambda: getattr(ops, op)(x, gw, uw, dw)
 
 
+def _adamw8bit(d, param=None, grad=None, edit=None, **kw):
+    param = _randn(d, 300) if param is None else param
+    grad = torch.zeros_like(param) if grad is None else grad
+    state = list(ops.new_moments(param))
+    if edit is not None:
+        edit(state)
+    return lambda: ops.adamw8bit_step_(param, grad, *state, **dict(dict(lr=0.1, step=1), **kw))
+
+
 # (name, exception, function, argument pattern, call(device) -> thunk)
 REFUSED = [
     ("rms_0d", ValueError, "rms_norm", "x must have at least 1 dimension",
@@ -167,6 +176,23 @@ REFUSED = [
      lambda d: _lce(d, num_items_in_batch=torch.tensor(3, device="meta"))),
     ("lce_z_loss_nan", ValueError, "linear_cross_entropy", "z_loss_scale",
      lambda d: _lce(d, z_loss_scale=float("nan"))),
+    ("adamw8bit_noncontiguous", ValueError, "adamw8bit_step_", "param must be a dense contiguous tensor",
+     lambda d: _adamw8bit(d, _randn(d, 300, 2)[:, 0])),
+    ("adamw8bit_grad_shape", ValueError, "adamw8bit_step_", "grad has shape",
+     lambda d: _adamw8bit(d, grad=_randn(d, 3, 100))),
+    ("adamw8bit_codes_dtype", TypeError, "adamw8bit_step_", "m_codes must be torch.uint8",
+     lambda d: _adamw8bit(d, edit=lambda s: s.__setitem__(0, s[0].float()))),
+    ("adamw8bit_scales_size", ValueError, "adamw8bit_step_", r"v_scales must be a contiguous 1-D tensor .*\(2,\)",
+     lambda d: _adamw8bit(d, edit=lambda s: s.__setitem__(3, s[3][:1]))),
+    ("adamw8bit_no_norm", ValueError, "adamw8bit_step_", "max_grad_norm needs norm",
+     lambda d: _adamw8bit(d, max_grad_norm=1.0)),
+    ("adamw8bit_step0", ValueError, "adamw8bit_step_", "step must be an int >= 1", lambda d: _adamw8bit(d, step=0)),
+    ("adamw8bit_lr_tensor", TypeError, "adamw8bit_step_", "lr must be a Python number",
+     lambda d: _adamw8bit(d, lr=torch.tensor(0.1))),
+    ("quantize_moments_shape", ValueError, "quantize_moments", "exp_avg_sq has shape",
+     lambda d: lambda: ops.quantize_moments(_ones(d, 4), _ones(d, 2, 2))),
+    ("dequantize_moments_numel", ValueError, "dequantize_moments", "m_codes must be a contiguous 1-D tensor",
+     lambda d: lambda: ops.dequantize_moments(*ops.new_moments(_ones(d, 300)), (3, 99))),
 ]
 
 
@@ -374,6 +400,9 @@ MIXED = [
     ("adamw_grads", "adamw_step_", lambda d: (_randn(d, 4), _x16(d, 4)),
      lambda p, g: ops.adamw_step_([p], [g], [torch.zeros_like(p)], [torch.zeros_like(p)], lr=0.1, step=1),
      r"grads\[0\] has dtype torch.float16"),
+    ("adamw8bit_grad", "adamw8bit_step_", lambda d: (_randn(d, 4), _x16(d, 4)),
+     lambda p, g: ops.adamw8bit_step_(p, g, *ops.new_moments(p), lr=0.1, step=1),
+     "grad has dtype torch.float16 but param has dtype torch.float32"),
     # accepted: per-channel parameters
     ("rms_norm_weight16", "rms_norm", lambda d: (_randn(d, 3, 8), _x16(d, 8)), ops.rms_norm, _llama_rms),
     ("rms_norm_x16_weight32", "rms_norm", lambda d: (_x16(d, 3, 8), _randn(d, 8)), ops.rms_norm, _llama_rms),

@@ -181,6 +181,14 @@ def _cases(full: bool):
                 ops.adamw_step_(p, g, m, v, lr=1e-3, step=1, max_grad_norm=1.0, **kw)
             add(f"adamw-{dt}-master{int(master)}", adamw)
 
+    for dt in dtypes:
+        for clip, maximize in ((True, False), (False, True)) if full else ((True, False),):
+            def adamw8bit(dt=dt, clip=clip, maximize=maximize):
+                p, g = rand(4096 + 37, dtype=dt), rand(4096 + 37, dtype=dt)
+                kw = dict(max_grad_norm=1.0, norm=torch.ones(1)) if clip else {}
+                ops.adamw8bit_step_(p, g, *ops.new_moments(p), lr=1e-3, step=1, maximize=maximize, **kw)
+            add(f"adamw8bit-{dt}-clip{int(clip)}-max{int(maximize)}", adamw8bit)
+
     # decode kernels: every launch a Llama-3-8B decode step makes, at batch 1 (the rule's launches as the dispatch
     # fits them to the target's shared memory, PDL from sm_90)
     def dl_config(K, n_out, glu, norm, esize, cc, pick=None):

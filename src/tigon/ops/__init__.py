@@ -5,7 +5,9 @@ fused-linear losses' one, lives with them in `tigon.ops.losses`)."""
 
 from ._library import backend_for, dispatch_counts
 from .adamw import adamw_step_, grad_norm
+from .adamw8bit import MOMENT_BLOCK, adamw8bit_step_, dequantize_moments, new_moments, quantize_moments
 from .config import (
+    AdamW8bitConfig,
     AdamWConfig,
     CrossEntropyConfig,
     DecodeAttentionConfig,
@@ -36,18 +38,21 @@ from .rope import apply_rope
 from .swiglu import geglu, swiglu
 
 __all__ = [
+    "AdamW8bitConfig",
     "AdamWConfig",
     "CrossEntropyConfig",
     "DecodeAttentionConfig",
     "DecodeLinearConfig",
     "GLUConfig",
     "LinearCrossEntropyConfig",
+    "MOMENT_BLOCK",
     "QKNormRopeConfig",
     "QuantLinearConfig",
     "QuantizedWeight",
     "RMSNormConfig",
     "RopeConfig",
     "RopeKVWriteConfig",
+    "adamw8bit_step_",
     "adamw_step_",
     "add_rms_norm",
     "apply_rope",
@@ -55,6 +60,7 @@ __all__ = [
     "cross_entropy",
     "decode_attention",
     "decode_linear",
+    "dequantize_moments",
     "dispatch_counts",
     "geglu",
     "geglu_mlp",
@@ -65,8 +71,10 @@ __all__ = [
     "lora_linear",
     "moe_combine",
     "moe_permute",
+    "new_moments",
     "qk_norm_rope",
     "quant_linear",
+    "quantize_moments",
     "rms_norm",
     "rope_kv_append",
     "rope_kv_write",

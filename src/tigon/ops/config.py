@@ -235,3 +235,21 @@ class AdamWConfig:
 
 
 ADAMW = AdamWConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW8bitConfig:
+    """The launch of `adamw8bit_step_`: a program owns `blocks_per_program` blocks of 256 elements (one
+    [blocks, 256] tile: a row a block, its absmax a row reduction), with `num_warps`. 4 x 4 is the element count
+    and warps of the measured AdamW default (1024 elements, 4 warps); not swept for this kernel."""
+
+    blocks_per_program: int = 4
+    num_warps: int = 4
+
+    def __post_init__(self):
+        _check_fields(self, powers_of_two=("blocks_per_program", "num_warps"))
+
+    ints = _ints
+
+
+ADAMW8BIT = AdamW8bitConfig()

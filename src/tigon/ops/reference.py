@@ -574,3 +574,114 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, 
         p.copy_(pf)
         m.copy_(mf)
         v.copy_(vf)
+
+
+# AdamW with 8-bit block-quantized moments (ops/adamw8bit.py, docs/ops/adamw8bit.md): a block of MOMENT_BLOCK
+# consecutive elements shares one fp32 scale, its absmax; each element is a uint8 code.
+MOMENT_BLOCK = 256
+MOMENT_CMAX = (127, 255)  # exp_avg (signed: sign bit | 0..127), exp_avg_sq (0..255)
+MOMENT_BIAS = (1016 - 127, 1016 - 255)  # code c is fp32 bits (c + bias) << 20: c = cmax is exactly 1.0
+_U32 = 0xFFFFFFFF
+
+
+def _div_rn(a, b) -> torch.Tensor:
+    """a / b of fp32 values (tensors, or floats that are fp32 values), correctly rounded to fp32 whatever torch's
+    own kernels do: the quotient in fp64 rounds to the fp32 one (53 >= 2 * 24 + 2 bits)."""
+    return (torch.as_tensor(a).double() / torch.as_tensor(b).double()).float()
+
+
+def _sqrt_rn(a: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 sqrt (torch's vectorized CPU sqrt is up to 1 ulp off; Triton's sqrt_rn is not)."""
+    return a.double().sqrt().float()
+
+
+def _fp32(x: float) -> float:
+    """The Python float x rounded to fp32, as a kernel receives a float argument."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def moment_seed(step: int, salt: int) -> int:
+    """The hash seed of one step's stochastic rounding (salt 1 for exp_avg, 2 for exp_avg_sq): < 2^31."""
+    return ((step * 0x9E3779B9) ^ (salt * 0x85EBCA6B)) & 0x7FFFFFFF
+
+
+def _mul_u32(x, c: int):
+    """x * c mod 2^32 for x in [0, 2^32), in int64 without overflow (16-bit halves of c)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _U32
+
+
+def moment_hash(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """The 32-bit hash of (index mod 2^32) ^ seed, an int64 tensor of uint32 values; `>> 12` of it is the 20-bit
+    random integer of the stochastic rounding."""
+    x = (index.long() & _U32) ^ seed
+    x = x ^ (x >> 16)
+    x = _mul_u32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul_u32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def encode_moment(x: torch.Tensor, seed: int, signed: bool, start: int = 0):
+    """(uint8 codes [n], fp32 scales [cdiv(n, 256)]) of the flattened x, whose first element has index `start`
+    (a multiple of 256) in the whole tensor: per block, scale = absmax; per element u = |x| / scale in fp32,
+    c = clamp(((bits(u) + r) >> 20) - bias, 0, cmax) with r the element's 20 random bits; the sign bit 0x80
+    for negative x when `signed`. A NaN is left out of its block's absmax and takes code cmax."""
+    x = x.reshape(-1).float()
+    n, cmax, bias = x.numel(), MOMENT_CMAX[not signed], MOMENT_BIAS[not signed]
+    nb = -(-n // MOMENT_BLOCK)
+    a = F.pad(x.abs(), (0, nb * MOMENT_BLOCK - n)).view(nb, MOMENT_BLOCK)
+    scales = torch.where(a.isnan(), 0.0, a).amax(1)  # a NaN stays in its element (code cmax)
+    u = _div_rn(a, torch.where(scales > 0, scales, 1.0)[:, None]).reshape(-1)[:n]
+    bits = (u.view(torch.int32).long() & 0x7FFFFFFF).clamp(max=0x3F800000)  # u <= 1.0; a NaN's bits become 1.0's
+    r = moment_hash(torch.arange(start, start + n, device=x.device), seed) >> 12
+    c = (((bits + r) >> 20) - bias).clamp(0, cmax)
+    if signed:
+        c = c | torch.where(x < 0, 0x80, 0)
+    return c.to(torch.uint8), scales
+
+
+def decode_moment(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
+    """fp32 [n] from uint8 codes [n] and fp32 scales [cdiv(n, 256)]: c = 0 is 0, else fp32 bits
+    ((c + bias) << 20) times the block's scale (negated for a set sign bit when `signed`)."""
+    n = codes.numel()
+    c = codes.reshape(-1).long()
+    mag = c & 0x7F if signed else c
+    bits = ((mag + MOMENT_BIAS[not signed]) << 20).int()
+    nb = -(-n // MOMENT_BLOCK)
+    val = F.pad(bits.view(torch.float32), (0, nb * MOMENT_BLOCK - n)).view(nb, MOMENT_BLOCK)
+    val = (val * scales.reshape(nb, 1).float()).reshape(-1)[:n]
+    val = torch.where(mag == 0, 0.0, val)
+    return torch.where(c >= 0x80, -val, val) if signed else val
+
+
+def quantize_moments(exp_avg, exp_avg_sq, *, step=0):
+    """(m_codes, m_scales, v_codes, v_scales) of float moments, with step `step`'s stochastic rounding."""
+    m = encode_moment(exp_avg, moment_seed(step, 1), True)
+    v = encode_moment(exp_avg_sq, moment_seed(step, 2), False)
+    return (*m, *v)
+
+
+def dequantize_moments(m_codes, m_scales, v_codes, v_scales, shape):
+    """(exp_avg, exp_avg_sq), fp32 tensors of `shape`."""
+    return (decode_moment(m_codes, m_scales, True).view(shape), decode_moment(v_codes, v_scales, False).view(shape))
+
+
+def adamw8bit_step_(param, grad, m_codes, m_scales, v_codes, v_scales, *, lr, beta1, beta2, eps, weight_decay, step,
+                    maximize=False, norm=None, max_grad_norm=None):
+    """torch.optim.AdamW's update of step `step` in place, in fp32, with the moments decoded from and encoded back
+    to 8-bit codes (the update itself uses the new moments before quantization); param rounded once. Each fp32
+    operation is one IEEE rounding (divisions and sqrt through fp64), as in the kernel: the same bits, but for
+    the GPU's fused multiply-adds."""
+    g = grad.reshape(-1).float()
+    if max_grad_norm is not None:
+        g = g * torch.clamp(_div_rn(_fp32(max_grad_norm), norm.reshape(()).float() + 1e-6), max=1.0)
+    g = -g if maximize else g
+    m = beta1 * decode_moment(m_codes, m_scales, True) + (1.0 - beta1) * g
+    v = beta2 * decode_moment(v_codes, v_scales, False) + (1.0 - beta2) * g * g
+    p = param.reshape(-1).float() * (1.0 - lr * weight_decay)
+    denom = _div_rn(_sqrt_rn(v), _fp32(math.sqrt(1.0 - beta2**step))) + eps
+    p = p - _div_rn(lr / (1.0 - beta1**step) * m, denom)
+    new = (*encode_moment(m, moment_seed(step, 1), True), *encode_moment(v, moment_seed(step, 2), False))
+    for dst, src in zip((m_codes, m_scales, v_codes, v_scales), new):
+        dst.copy_(src)
+    param.copy_(p.view(param.shape))
