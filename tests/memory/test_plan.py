@@ -32,6 +32,14 @@ MEASURED = [
     ("1.5B full, 8 x 2048, H100", LLAMA_1B5, dict(seq_len=2048, batch_size=8), 12.13),
     ("1.5B full, 8 x 2048, no checkpointing, H100", LLAMA_1B5,
      dict(seq_len=2048, batch_size=8, checkpointing=False), 23.93),
+    # tigon.optim.AdamW(state_bits=8, step_in_backward=True); then the checkpoints offloaded; then the MLP tiled
+    ("1.5B full, 8 x 2048, 8-bit moments in the backward, H100", LLAMA_1B5,
+     dict(seq_len=2048, batch_size=8, optimizer="adamw_8bit", step_in_backward=True), 8.13),
+    ("1.5B full, 8 x 2048, 8-bit in the backward + offload, H100", LLAMA_1B5,
+     dict(seq_len=2048, batch_size=8, optimizer="adamw_8bit", step_in_backward=True, offload_checkpoints=True), 7.19),
+    ("1.5B full, 8 x 2048, 8-bit in the backward + offload + tile 512, H100", LLAMA_1B5,
+     dict(seq_len=2048, batch_size=8, optimizer="adamw_8bit", step_in_backward=True, offload_checkpoints=True,
+          tile_tokens=512), 6.91),
     # offload + tile_mlp=True ("auto": the tile read from the H100's free memory at the first step, as the plan
     # reads it from the card's bytes)
     ("8B LoRA, 16K, offload + auto tile, H100", LLAMA3_8B,
@@ -277,3 +285,20 @@ def test_the_table_names_every_component(monkeypatch, with_tabulate):
                  "layer_working_set", "loss_chunk", "attention_workspace", "overhead", "peak (card)"):
         assert name in text
     assert "GiB" in text and "1 x 32768 tokens" in text
+
+
+def test_stepping_in_the_backward_holds_one_gradient_at_a_time():
+    """Stepped in the backward, the gradients at every moment are the one being made (and a tied head's share):
+    the 1.5B full fine-tune's gradient component falls from every parameter's to one down projection's, and the
+    optimizer step is no longer a peak moment."""
+    c = config(**LLAMA_1B5)
+    base = plan(c, seq_len=2048, batch_size=8)
+    lean = plan(c, seq_len=2048, batch_size=8, step_in_backward=True)
+    down = 2048 * 8192 * 2
+    assert lean.gradients == down and base.gradients > 60 * down
+    assert lean.peak_allocated < base.peak_allocated and lean.moment != "optimizer step"
+    tied = plan(config(**dict(LLAMA_1B5, tie_word_embeddings=True)), seq_len=2048, batch_size=8,
+                step_in_backward=True)
+    assert tied.gradients == down + (128256 + 1) * 2048 * 2  # the head (and final norm) waits for the embedding
+    with pytest.raises(TypeError, match="step_in_backward must be True or False"):
+        plan(c, seq_len=2048, step_in_backward="yes")

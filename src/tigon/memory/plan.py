@@ -26,7 +26,8 @@ OPTIMIZERS = {  # optimizer -> bytes of state per trainable parameter of `e` byt
     "adamw": lambda e: 2 * e,  # torch.optim.AdamW: two moments in the parameter's dtype
     "adamw_fp32": lambda e: 8,  # tigon.optim.AdamW(state_dtype=torch.float32)
     "adamw_master": lambda e: 8 + (4 if e < 4 else 0),  # fp32 moments + an fp32 master of a bf16/fp16 parameter
-    "adamw_8bit": lambda e: 2 * (1 + 4 / 256),  # bitsandbytes: two uint8 moments, an fp32 scale per 256
+    "adamw_8bit": lambda e: 2 * (1 + 4 / 256),  # two uint8 moments, an fp32 scale per 256 (tigon.optim.AdamW
+    # (state_bits=8), bitsandbytes' AdamW8bit)
     "sgd": lambda e: 0,
 }
 ATTENTIONS = ("flash", "sdpa", "flex", "eager")  # sdpa and flex keep what flash keeps
@@ -72,6 +73,7 @@ class _Job:
     tile: int  # 0: untiled MLP
     attention: str
     loss: str
+    in_backward: bool = False  # the optimizer steps each parameter as its gradient completes, then frees it
 
 
 def _check_int(name, value, low=1, high=None):
@@ -250,18 +252,25 @@ def _moments(job: _Job, seq_len: int):
 
     stored = 0 if job.checkpointing else L  # layers whose saved tensors wait for the backward at the loss
     out = {"loss": moment(job.head_grads, top, stored * saved, stored * kernel, loss)}
+    # Gradients held through the layers' backward. Stepped in the backward, a gradient lives from its making to
+    # its parameter's update: the layer's largest one (its down projection's, an upper bound for the attention's)
+    # and, with a tied embedding, the head's share, whose parameter completes only at the embedding's backward.
+    held = (job.head_grads if job.embed_transient else 0) if job.in_backward else job.head_grads
     for where, grads, ckpts, layers in (("top", 0, top, live), ("bottom", (L - 1) * job.layer_grads, 1, 1)):
-        grads += job.head_grads
+        grads = held + (0 if job.in_backward else grads)
+        making = job.down_grads if job.in_backward else job.layer_grads
         others = (layers - 1) * saved + job.dequant
         out[f"{where} layer's MLP backward"] = moment(grads + job.down_grads, ckpts, others + saved + mlp_moving,
                                                       layers * kernel)
-        out[f"{where} layer's attention backward"] = moment(grads + job.layer_grads, ckpts,
+        out[f"{where} layer's attention backward"] = moment(grads + making, ckpts,
                                                             others + saved_attention + attention_moving,
                                                             layers * kernel + scratch)
     all_grads = L * job.layer_grads + job.head_grads + job.embed_grads
+    if job.in_backward:
+        all_grads = held + job.embed_grads  # the embedding's own, the last one made
     if job.embed_grads or job.embed_transient:  # dy, fp32 partial sums, sorted indices
         out["embedding backward"] = moment(all_grads + job.embed_transient, 0, n * (e * h + 4 * h + 16), 0)
-    out["optimizer step"] = moment(all_grads, 0, 0, 0, 0)
+    out["optimizer step"] = moment(0 if job.in_backward else all_grads, 0, 0, 0, 0)
     return out
 
 
@@ -381,7 +390,7 @@ def _build(job: _Job, seq_len: int) -> MemoryPlan:
 
 def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets="all", quantized_base=None,
          optimizer="adamw", checkpointing=True, offload_checkpoints=False, tile_tokens=None, attention="flash",
-         loss="fused", dtype=None, budget_bytes=None) -> MemoryPlan:
+         loss="fused", dtype=None, budget_bytes=None, step_in_backward=False) -> MemoryPlan:
     """Predict the peak GPU memory of one training step (forward, backward, optimizer step) of a Llama-shaped
     decoder patched by tigon.patch, by component, without a GPU.
 
@@ -398,7 +407,9 @@ def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets
     model off CUDA with no budget, the CPU's tile). attention: "flash" ("sdpa", "flex": the same bytes) or "eager".
     loss: "fused" (no logits) or "logits". dtype: of the activations (None: the model's embedding dtype, bf16 for a
     config). budget_bytes: if given, raise MemoryPlanError naming the largest component when the peak exceeds
-    it. Returns a MemoryPlan; docs/memory/plan.md has the formulas and how they were checked."""
+    it. step_in_backward: the optimizer steps each parameter as the backward completes its gradient and frees it
+    (tigon.optim.AdamW(step_in_backward=True)). Returns a MemoryPlan; docs/memory/plan.md has the formulas and
+    how they were checked."""
     if isinstance(tile_tokens, str) and tile_tokens != "auto":
         raise ValueError(f"{_NAME}: tile_tokens must be an int >= 1, 'auto' or None, got {tile_tokens!r}")
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("lora_rank", lora_rank),
@@ -411,8 +422,9 @@ def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets
     for name, value, choices in (("quantized_base", quantized_base, (None, "nf4")), ("optimizer", optimizer,
                                  tuple(OPTIMIZERS)), ("attention", attention, ATTENTIONS), ("loss", loss, LOSSES)):
         _check_choice(name, value, choices)
-    if not isinstance(checkpointing, bool):
-        raise TypeError(f"{_NAME}: checkpointing must be True or False, got {checkpointing!r}")
+    for name, value in (("checkpointing", checkpointing), ("step_in_backward", step_in_backward)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{_NAME}: {name} must be True or False, got {value!r}")
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"{_NAME}: dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
     model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
@@ -444,7 +456,8 @@ def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets
     job = _Job(config.hidden_size, config.intermediate_size, layers, config.num_attention_heads,
                getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
                config.vocab_size, act.itemsize, **counted, batch=batch_size, checkpointing=checkpointing, kept=kept,
-               tile=tile_tokens or 0, attention="eager" if attention == "eager" else "flash", loss=loss)
+               tile=tile_tokens or 0, attention="eager" if attention == "eager" else "flash", loss=loss,
+               in_backward=step_in_backward)
     result = _build(job, seq_len)
     if budget_bytes is not None:
         budget = _check_budget(_NAME, budget_bytes, result.weights)
