@@ -223,8 +223,8 @@ class AdamW(torch.optim.Optimizer):
         if (self.max_grad_norm is not None or outs) and work:
             norm = self._total_norm(work)
             self.grad_norm = norm
-        for out in outs:  # no gradients: 0, as clip_grad_norm_ returns for none
-            out.copy_(norm if norm is not None else torch.zeros(()))
+        for out in outs:  # no gradients: 0, as clip_grad_norm_ returns for none (NaN: the backward stepped them)
+            out.copy_(norm if norm is not None else torch.tensor(float("nan") if self.step_in_backward else 0.0))
         if self.max_grad_norm is None:
             norm = None  # computed for the outs only: nothing is clipped
         for group, key, lists, table in work:
@@ -257,8 +257,8 @@ class AdamW(torch.optim.Optimizer):
         if (self.max_grad_norm is not None or outs) and todo:
             norm = _total_norm_of([p.grad for _, p in todo])
         self.grad_norm = norm
-        for out in outs:  # no gradients: 0, as clip_grad_norm_ returns for none
-            out.copy_(norm if norm is not None else torch.zeros(()))
+        for out in outs:  # no gradients: 0, as clip_grad_norm_ returns for none (NaN: the backward stepped them)
+            out.copy_(norm if norm is not None else torch.tensor(float("nan") if self.step_in_backward else 0.0))
         clip = norm if self.max_grad_norm is not None else None
         for group, p in todo:
             self._step_8bit(group, p, clip)

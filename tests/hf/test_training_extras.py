@@ -284,3 +284,25 @@ def test_use_fused_adamw_refuses_what_it_cannot_drive(tmp_path):
     trainer = Trainer(model=model, args=args, optimizers=(opt, None))
     with pytest.raises(ValueError, match="already has an optimizer"):
         use_fused_adamw(trainer)
+
+
+def test_step_in_backward_through_the_trainer_needs_no_clipping_accumulation_or_fp16(tmp_path):
+    """fused_adamw(args, step_in_backward=True): the Trainer's settings that need the gradients after the backward
+    are refused, naming the TrainingArguments field; without them the optimizer steps in the backward."""
+    from transformers import TrainingArguments
+
+    from tigon.hf.trainer import fused_adamw
+
+    def args(**kw):
+        return TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+
+    for kw, what in ((dict(), "max_grad_norm=0"), (dict(max_grad_norm=0.0, gradient_accumulation_steps=2),
+                                                   "gradient_accumulation_steps=1")):
+        with pytest.raises(ValueError, match=f"fused_adamw: step_in_backward=True needs TrainingArguments with {what}"):
+            fused_adamw(args(**kw), step_in_backward=True)
+    cls, kwargs = fused_adamw(args(max_grad_norm=0.0), step_in_backward=True, state_bits=8)
+    model = tiny_model("llama", **TINY)
+    opt = cls(model.parameters(), **kwargs)
+    assert opt.step_in_backward and opt.state_bits == 8 and opt.max_grad_norm is None
+    model(input_ids=torch.randint(0, 32, (2, 9)), labels=torch.randint(0, 32, (2, 9))).loss.backward()
+    assert all(p.grad is None for p in model.parameters()) and len(opt.state) == len(list(model.parameters()))

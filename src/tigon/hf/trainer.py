@@ -44,6 +44,13 @@ def _adamw_kwargs(caller, args, clip, overrides) -> dict:
     kwargs = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                   max_grad_norm=clip)
     kwargs.update(overrides)
+    if kwargs.get("step_in_backward"):  # each parameter steps inside the backward: no gradients are left after it
+        for bad, what in ((kwargs["max_grad_norm"] is not None, "max_grad_norm=0 (there is nothing left to clip)"),
+                          (getattr(args, "gradient_accumulation_steps", 1) > 1,
+                           "gradient_accumulation_steps=1 (each backward steps)"),
+                          (getattr(args, "fp16", False), "bf16 instead of fp16 (a GradScaler cannot unscale)")):
+            if bad:
+                raise ValueError(f"{caller}: step_in_backward=True needs TrainingArguments with {what}")
     return kwargs
 
 
@@ -121,7 +128,9 @@ def fused_adamw(args, **overrides):
     Moving the clipping sets `args.max_grad_norm` to 0 (the Trainer would otherwise clip a second time) and hands
     the old value to the optimizer. The Trainer (transformers 5.17) then still takes its own gradient-norm pass
     every step to log `grad_norm`: `use_fused_adamw(trainer)` saves that pass. Call it once per
-    TrainingArguments. `overrides` go to tigon.optim.AdamW (e.g. state_dtype=torch.float32)."""
+    TrainingArguments. `overrides` go to tigon.optim.AdamW (e.g. state_dtype=torch.float32; state_bits=8 and
+    step_in_backward=True for the least memory, which need max_grad_norm=0, no gradient accumulation and no
+    fp16)."""
     from ..optim import AdamW
 
     clip = float(args.max_grad_norm) if getattr(args, "max_grad_norm", None) is not None and \
