@@ -8,7 +8,8 @@ torch.compile: Tigon's kernels as graph nodes, inductor fusing the glue between 
 tigon_compile_adamw) steps with tigon.optim.AdamW instead of torch's fused AdamW; `--clip 1.0` clips the gradients'
 norm every step, as the HF Trainer does (clip_grad_norm_ before torch's step; inside tigon's). A variant ending in
 `_8bit` (tigon_8bit) steps with tigon.optim.AdamW's 8-bit moments in the backward; `_lean` (tigon_lean, with
---with-ckpt) adds the checkpoints offloaded to host memory, and `_lean_tiled` the MLP tiled by 512 tokens.
+--with-ckpt) adds the checkpoints offloaded to host memory (`_lean_keepN`: the last N layers' stay on the card), and
+`_lean_tiled` the MLP tiled by 512 tokens.
 
 Each variant runs in its own subprocess (clean memory stats, no cross-talk between patches): build the
 model from config in bf16 with sdpa attention (eager for gemma2: its softcap), AdamW(fused=True), batch 8 x 2048
@@ -69,6 +70,8 @@ def _build(variant, config_name, max_positions, ckpt=False):
         import tigon
 
         lean = dict(offload_checkpoints=True) if "_lean" in variant and ckpt else {}
+        if lean and "_keep" in variant:
+            lean["offload_checkpoints"] = int(variant.rsplit("_keep", 1)[1])
         if variant.endswith("_lean_tiled"):
             lean["tile_mlp"] = 512
         report = str(tigon.patch(model, **lean))
@@ -100,7 +103,7 @@ def _optimizer(variant, model, clip):
         import tigon
 
         return tigon.optim.AdamW(model.parameters(), lr=1e-5, max_grad_norm=clip)
-    if variant.endswith(("_8bit", "_lean", "_lean_tiled")):  # no clipping: it needs every gradient first
+    if "_8bit" in variant or "_lean" in variant:  # no clipping: it needs every gradient first
         import tigon
 
         return tigon.optim.AdamW(model.parameters(), lr=1e-5, state_bits=8, step_in_backward=True)
