@@ -62,6 +62,11 @@ def _funcs(model):
             if isinstance(m, GradientCheckpointingLayer)]
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (the checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _Recorder(offload._HostStore):
     """The CPU store, recording each offload / keep / prefetch / wait as (what, layer)."""
 
@@ -194,7 +199,8 @@ def test_without_the_rng_replay_the_gradients_differ(monkeypatch):
     base.gradient_checkpointing_enable()
     hf, ours = copy.deepcopy(base), copy.deepcopy(base)
     install_checkpoint_offload(ours)
-    monkeypatch.setattr(offload._Call, "replay", lambda call: torch.enable_grad())
+    monkeypatch.setattr(offload, "_checkpoint", lambda function, holder, *rest: offload._torch_checkpoint(
+        offload._run_layer, function, holder, *rest, use_reentrant=False, preserve_rng_state=False))
     (l_ref, g_ref), (l_got, g_got) = _step(hf, ids, labels), _step(ours, ids, labels)
     assert torch.equal(l_ref, l_got) and not all(torch.equal(g_ref[n], g_got[n]) for n in g_ref)
 
@@ -204,9 +210,9 @@ def test_prefetch_of_the_layer_below_is_issued_before_this_layer_recomputes(even
     model = _llama(layers=4)
     model.gradient_checkpointing_enable()
     install_checkpoint_offload(model)
-    for i, layer in enumerate(model.model.layers):  # the recompute is the layer's run with grad on
+    for i, layer in enumerate(model.model.layers):  # the recompute is the layer's run inside the backward
         layer.register_forward_pre_hook(
-            lambda m, a, i=i: events.append(("recompute" if torch.is_grad_enabled() else "forward", i)))
+            lambda m, a, i=i: events.append(("recompute" if _in_backward() else "forward", i)))
     _step(model, ids, labels)
     at = {e: k for k, e in enumerate(events)}
     assert [e for e in events if e[0] in ("forward", "offload")] == [
@@ -227,8 +233,8 @@ def test_the_last_layers_keep_their_input_and_the_others_free_it(budget, events)
     install_checkpoint_offload(model, **budget)
     inputs = {}
 
-    def note_input(i, module, args):  # the forward's run (grad off): a weak reference to the layer's input
-        if not torch.is_grad_enabled():
+    def note_input(i, module, args):  # the forward's run (not the recompute): a weak reference to its input
+        if not _in_backward():
             inputs.setdefault(i, weakref.ref(args[0]))
 
     for i, layer in enumerate(model.model.layers):

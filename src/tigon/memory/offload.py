@@ -2,21 +2,20 @@
 
 With Hugging Face's gradient checkpointing each decoder layer keeps one tensor for its backward: its input
 hidden_states, [B, T, H] (8 KiB a token a layer at Llama-3-8B, 256 KiB a token over 32 layers). Installed on a
-model, this module replaces each `GradientCheckpointingLayer`'s `_gradient_checkpointing_func` with one that
-- forward: runs the layer under no_grad and copies its input to pinned host memory on a side CUDA stream
-  (`record_stream` keeps the card block from reuse until the copy ends, then the allocator frees it);
-- backward: makes the compute stream wait for this layer's input to be back on the card (an event, no host
-  sync), starts the copy of the next layer down (one layer ahead, on a second side stream, overlapped with this
-  layer's recompute and backward), recomputes the layer with grad, and returns the gradients of its input, of
-  the tensors among its other arguments and of its trainable parameters through `torch.autograd.grad`, so the
-  parameters' `.grad` are accumulated by the outer backward exactly as under `torch.utils.checkpoint`.
-The last `keep_on_card` layers (those whose backward comes first) keep their input on the card. The forward's
-RNG state and autocast state are replayed in the recompute, so losses and gradients are bitwise those of HF's
-own checkpointing. On a CPU model the same code keeps a second CPU copy as "host memory" and runs the copies in
-order, which is how the bookkeeping is tested without a GPU. docs/memory/offload.md has the byte model.
+model, this module replaces each `GradientCheckpointingLayer`'s `_gradient_checkpointing_func` with torch's
+non-reentrant checkpoint over a holder of the input instead of the input itself:
+- forward: copies the input to pinned host memory on a side CUDA stream (`record_stream` keeps the card block
+  from reuse until the copy ends, then the allocator frees it) and runs the layer under the checkpoint;
+- backward: the checkpoint's recompute asks the holder for the input: the compute stream waits for it to be back
+  on the card (an event, no host sync), and the copy of the next layer down starts (one layer ahead, on a second
+  side stream, overlapped with this layer's recompute and backward). The recompute stops at the last tensor the
+  backward needs, as plain checkpointing's does, and the gradients flow through the forward's own graph.
+The last `keep_on_card` layers (those whose backward comes first) keep their input on the card. torch's
+checkpoint replays the forward's RNG and autocast state, so losses and gradients are bitwise those of HF's own
+(non-reentrant) checkpointing. On a CPU model the same code keeps a second CPU copy as "host memory" and runs the
+copies in order, which is how the bookkeeping is tested without a GPU. docs/memory/offload.md has the byte model.
 """
 
-import contextlib
 import functools
 import weakref
 
@@ -174,122 +173,44 @@ class _Plan:
         return after <= self.keep_on_card or after * x.numel() * x.element_size() <= self.keep_on_card_bytes
 
 
-class _Call:
-    """One checkpointed layer call: the layer function, its arguments with the tensors taken out (rebuilt in
-    the recompute around detached copies), and the state to replay (RNG, autocast)."""
+class _Holder:
+    """A checkpointed layer's input as the layer function reaches it: the tensor itself while the forward runs,
+    then a ticket that the recompute in the backward redeems (from host memory, or kept on the card). The
+    checkpoint holds this object, not the tensor, so the card's copy is freed once its host copy is made."""
 
-    def __init__(self, plan: _Plan, index: int, function: functools.partial, rest: tuple, params: list):
-        self.plan, self.index, self.run, self.params = plan, index, function.func, params
-        leaves, self.spec = pytree.tree_flatten((function.args, rest, function.keywords), is_leaf=_is_leaf)
-        self.where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-        self.tensors = [leaves[i] for i in self.where]
-        for i in self.where:
-            leaves[i] = None
-        self.leaves = leaves
-        self.out_spec = self.out_leaves = None
+    __slots__ = ("tensor", "ticket", "store", "requires_grad")
 
-    def __call__(self, hidden: torch.Tensor, tensors) -> object:
-        leaves = list(self.leaves)
-        for i, t in zip(self.where, tensors):
-            leaves[i] = t
-        args, rest, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        return self.run(*args, hidden, *rest, **kwargs)
+    def __init__(self, tensor: torch.Tensor, store: _HostStore):
+        self.tensor, self.ticket, self.store, self.requires_grad = tensor, None, store, tensor.requires_grad
 
-    def capture_state(self, hidden: torch.Tensor, tensors) -> None:
-        """Stash what the recompute must see again, as torch.utils.checkpoint does (preserve_rng_state)."""
-        self.device_type = hidden.device.type
-        self.rng_cpu = torch.get_rng_state()
-        self.rng_devices = []
-        if self.device_type != "cpu":
-            module = torch.get_device_module(self.device_type)
-            devices = {t.device for t in (hidden, *tensors) if t.device.type == self.device_type}
-            self.rng_devices = [(d, module.get_rng_state(d)) for d in sorted(devices, key=str)]
-        self.autocast = {dt: (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
-                         for dt in dict.fromkeys((self.device_type, "cpu")) if torch.amp.is_autocast_available(dt)}
-        self.autocast_cache = torch.is_autocast_cache_enabled()
+    def park(self, ticket: _Ticket) -> None:
+        """The forward is over: from now on the input is `ticket`'s."""
+        self.tensor, self.ticket = None, ticket
 
-    @contextlib.contextmanager
-    def replay(self):
-        """The forward's RNG and autocast state, with grad on; the caller's RNG is restored after."""
-        devices = [d for d, _ in self.rng_devices]
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=devices,
-                                                      device_type=self.device_type if devices else "cuda"))
-            torch.set_rng_state(self.rng_cpu)
-            for d, state in self.rng_devices:
-                torch.get_device_module(self.device_type).set_rng_state(state, d)
-            stack.enter_context(torch.enable_grad())
-            for dt, (enabled, dtype) in self.autocast.items():
-                stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled,
-                                                   cache_enabled=self.autocast_cache))
-            yield
+    def get(self) -> torch.Tensor:
+        if self.ticket is None:
+            return self.tensor
+        ticket = self.ticket
+        x = self.store.wait(ticket)  # this layer's recompute has begun: the layer below's backward comes next
+        self.store.prefetch(ticket.prev() if ticket.prev is not None else None)
+        # requires_grad as in the forward, so the recompute saves what the forward saved (the checkpoint checks)
+        return x.detach().requires_grad_(self.requires_grad)
 
 
-def _is_leaf(x) -> bool:
-    """Flatten tuples, lists and dicts (position_embeddings is a tuple) and nothing else: a Cache or any other
-    object reaches the recompute as the same object, never rebuilt."""
-    return not isinstance(x, (tuple, list, dict))
+def _run_layer(function, holder: _Holder, *rest):
+    return function(holder.get(), *rest)
 
 
-def _output_tensors(call: _Call, out) -> list:
-    leaves, call.out_spec = pytree.tree_flatten(out)
-    call.out_leaves = [_MISSING if isinstance(v, torch.Tensor) else v for v in leaves]
-    return [v for v in leaves if isinstance(v, torch.Tensor)]
-
-
-class _OffloadedCheckpoint(torch.autograd.Function):
-    """Inputs: the layer's input (offloaded or kept), the other tensors of its arguments (kept: shared by every
-    layer, e.g. masks and RoPE tables), its trainable parameters (so their gradients flow through this node)."""
-
-    @staticmethod
-    def forward(ctx, call: _Call, hidden: torch.Tensor, *tensors):
-        others = tensors[: len(call.where)]
-        call.capture_state(hidden, others)
-        store = call.plan.store
-        kept = call.plan.keeps(call.index, hidden)
-        ticket = store.keep(call.index, hidden) if kept else store.offload(call.index, hidden)
-        with torch.no_grad():
-            out = call(hidden, others)
-        if not kept and hidden._version != ticket.version:
-            raise RuntimeError(f"tigon {_ARGUMENT}: layer {call.index} modified its input in place; its copy in "
-                               "host memory would not be the value its backward needs")
-        outs = _output_tensors(call, out)
-        ctx.mark_non_differentiable(*[o for o in outs if not (o.is_floating_point() or o.is_complex())])
-        ctx.save_for_backward(*others)
-        ctx.call, ctx.ticket = call, ticket
-        return tuple(outs)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads):
-        call, ticket, store = ctx.call, ctx.ticket, ctx.call.plan.store
-        if ticket is None:
-            raise RuntimeError(f"tigon {_ARGUMENT}: backward through a checkpoint-offloaded graph twice "
-                               "(retain_graph=True) is not supported")
-        ctx.ticket = None  # the host copy is freed now, not when the graph is
-        hidden = store.wait(ticket)
-        store.prefetch(ticket.prev() if ticket.prev is not None else None)
-        needs = ctx.needs_input_grad[1:]
-        hidden = hidden.detach().requires_grad_(needs[0])
-        others = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, needs[1:])]
-        with call.replay():
-            out = call(hidden, others)
-        outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
-        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
-        inputs = [hidden, *others, *call.params]
-        wanted = [t for t, n in zip(inputs, needs) if n]
-        found = iter([None] * len(wanted))
-        if pairs and wanted:
-            found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                             allow_unused=True))
-        return (None, *[next(found) if n else None for n in needs])
+def _checkpoint(function, holder: _Holder, *rest):
+    """torch's non-reentrant checkpoint of the layer: the RNG and autocast state replayed, and its recompute
+    stopping at the last tensor the backward needs (the layer's output projection is never recomputed)."""
+    return _torch_checkpoint(_run_layer, function, holder, *rest, use_reentrant=False, preserve_rng_state=True)
 
 
 class _OffloadingCheckpointFunc:
     """The `_gradient_checkpointing_func` of one armed layer (`index`-th of the model's checkpointed layers).
     Under torch.compile, or for a call shape it does not know, it hands the call to the function it replaced
-    (HF's checkpoint), so the result is the same and only the offload is skipped. The layer's parameters are
-    read from the call (`partial(layer.__call__, ...)`), never stored, so a copy of the model trains its own."""
+    (HF's checkpoint), so the result is the same and only the offload is skipped."""
 
     def __init__(self, plan: _Plan, index: int):
         self.plan, self.index = plan, index
@@ -313,15 +234,22 @@ class _OffloadingCheckpointFunc:
                     "tigon %s: layer %d was called without its input as a positional tensor; such calls run the "
                     "checkpoint they had, with the input kept on the card", _ARGUMENT, self.index)
             return self._fallback(function, *args, **kwargs)
-        params = [p for p in layer.parameters() if p.requires_grad]
-        call = _Call(self.plan, self.index, function, args[1:], params)
-        hidden, tensors = args[0], call.tensors
-        call.tensors = None  # the graph holds them (saved tensors) only until its backward
-        if not torch.is_grad_enabled() or not (hidden.requires_grad or params or any(t.requires_grad for t in tensors)):
+        hidden = args[0]
+        tensors = [t for t in pytree.tree_leaves((function.args, function.keywords, args[1:]))
+                   if isinstance(t, torch.Tensor)]
+        if not torch.is_grad_enabled() or not (hidden.requires_grad or any(p.requires_grad for p in layer.parameters())
+                                               or any(t.requires_grad for t in tensors)):
             return function(*args)  # nothing to differentiate: no checkpoint, nothing saved
-        outs = iter(_OffloadedCheckpoint.apply(call, hidden, *tensors, *params))
-        leaves = [next(outs) if v is _MISSING else v for v in call.out_leaves]
-        return pytree.tree_unflatten(leaves, call.out_spec)
+        store = self.plan.store
+        kept = self.plan.keeps(self.index, hidden)
+        ticket = store.keep(self.index, hidden) if kept else store.offload(self.index, hidden)
+        holder = _Holder(hidden, store)
+        out = _checkpoint(function, holder, *args[1:])
+        if not kept and hidden._version != ticket.version:
+            raise RuntimeError(f"tigon {_ARGUMENT}: layer {self.index} modified its input in place; its copy in "
+                               "host memory would not be the value its backward needs")
+        holder.park(ticket)
+        return out
 
 
 class _Installed:
