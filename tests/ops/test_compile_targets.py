@@ -269,6 +269,8 @@ def _cases(full: bool):
     from tigon.ops.quantized_weight import QuantizedWeight
 
     def ql_gpu(kernel, kw, cc, only=TARGETS):
+        if kernel == "_glu_fwd_kernel":  # the prefill path's GLU epilogue (ops.swiglu's forward): no GPU switches
+            return dict(only=TARGETS)
         return dict(ASM=True, only=only, **({"UPCAST": False} if kernel == "_quant_mm_kernel" else {}))
 
     # prefill: rows >= 256 dequantize the weight (_dequant_kernel) then run cuBLAS; dequant_min_rows=0 keeps the
