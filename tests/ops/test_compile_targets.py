@@ -269,8 +269,8 @@ def _cases(full: bool):
     from tigon.ops.quantized_weight import QuantizedWeight
 
     def ql_gpu(kernel, kw, cc, only=TARGETS):
-        if kernel == "_glu_fwd_kernel":  # the prefill path's GLU epilogue (ops.swiglu's forward): no GPU switches
-            return dict(only=TARGETS)
+        if kernel == "_glu_fwd_kernel":  # the prefill path's GLU epilogue (ops.swiglu's forward) on the GPU's tiles
+            return glu_tiles(kernel, kw, cc, 2, 512, 256)  # the [rows, 256] halves of the [rows, 512] output
         return dict(ASM=True, only=only, **({"UPCAST": False} if kernel == "_quant_mm_kernel" else {}))
 
     # prefill: rows >= 256 dequantize the weight (_dequant_kernel) then run cuBLAS; dequant_min_rows=0 keeps the
