@@ -179,3 +179,21 @@ def test_bad_settings_name_the_argument():
         tigon.optim.AdamW(_model().parameters(), state_bits=8, config=ops.AdamWConfig())
     with pytest.raises(TypeError, match="step_in_backward must be True or False"):
         tigon.optim.AdamW(_model().parameters(), step_in_backward=1)
+
+
+def test_step_in_backward_under_a_compiled_model(device):
+    """torch.compile(fullgraph=True) over the model: the compiled backward's gradients still reach the parameters'
+    post-accumulate-grad hooks, so the updates are those of the eager model (aot_eager: the same kernels)."""
+    a, b = _model(device=device), _model(device=device)
+    oa = tigon.optim.AdamW(a.parameters(), lr=1e-2, state_bits=8, step_in_backward=True)
+    ob = tigon.optim.AdamW(b.parameters(), lr=1e-2, state_bits=8, step_in_backward=True)
+    compiled = torch.compile(a, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(17, 33, generator=g).to(device)
+        compiled(x).float().pow(2).mean().backward()
+        b(x).float().pow(2).mean().backward()
+        assert all(p.grad is None for p in a.parameters())
+    assert all(s["step"].item() == 3 for s in oa.state.values()) and len(oa.state) == len(ob.state) == 4
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q), (p - q).abs().max().item()
