@@ -135,8 +135,7 @@ class AdamW(torch.optim.Optimizer):
             return
         gi, i = self._where[p]
         group = self.param_groups[gi]
-        if isinstance(group["lr"], torch.Tensor):
-            raise TypeError(f"{_NAME}: lr must be a Python number, got a tensor")
+        _check_lr(group)
         if self.state_bits == 8:
             self._step_8bit(group, p, None)
         else:
@@ -212,8 +211,7 @@ class AdamW(torch.optim.Optimizer):
         self._mesh = _mesh_of([p for g in self.param_groups for p in g["params"] if p.grad is not None],
                               self.max_grad_norm is not None or bool(self._norm_outs))
         for gi, group in enumerate(self.param_groups):
-            if isinstance(group["lr"], torch.Tensor):
-                raise TypeError("tigon.optim.AdamW: lr must be a Python number, got a tensor")
+            _check_lr(group)
             for key, lists in self._subgroups(group).items():
                 kernels = _library.backend_for(lists[0][0].device) == "triton"
                 table = self._table((gi,) + key[:3] + key[4:], lists) if kernels else None
@@ -223,13 +221,18 @@ class AdamW(torch.optim.Optimizer):
         if (self.max_grad_norm is not None or outs) and work:
             norm = self._total_norm(work)
             self.grad_norm = norm
-        for out in outs:  # no gradients: 0, as clip_grad_norm_ returns for none (NaN: the backward stepped them)
-            out.copy_(norm if norm is not None else torch.tensor(float("nan") if self.step_in_backward else 0.0))
+        self._fill_norm_outs(outs, norm)
         if self.max_grad_norm is None:
             norm = None  # computed for the outs only: nothing is clipped
         for group, key, lists, table in work:
             self._launch(group, key, lists, table, norm)
         return loss
+
+    def _fill_norm_outs(self, outs, norm) -> None:
+        """norm_at_next_step's tensors get the norm; with no gradients 0, as clip_grad_norm_ returns for none (NaN
+        when the backward stepped and freed them)."""
+        for out in outs:
+            out.copy_(norm if norm is not None else torch.tensor(float("nan") if self.step_in_backward else 0.0))
 
     def _launch(self, group, key, lists, table, norm) -> None:
         """One subgroup's update: the kernel over its table, or the reference."""
@@ -248,8 +251,7 @@ class AdamW(torch.optim.Optimizer):
         parameter."""
         todo = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
         for g, _ in todo:
-            if isinstance(g["lr"], torch.Tensor):
-                raise TypeError(f"{_NAME}: lr must be a Python number, got a tensor")
+            _check_lr(g)
         if any(_is_dtensor(p) for _, p in todo):
             raise ValueError(f"{_NAME}: state_bits=8 does not support DTensor parameters (FSDP2); use state_bits=None")
         outs, self._norm_outs = self._norm_outs, []
@@ -257,8 +259,7 @@ class AdamW(torch.optim.Optimizer):
         if (self.max_grad_norm is not None or outs) and todo:
             norm = _total_norm_of([p.grad for _, p in todo])
         self.grad_norm = norm
-        for out in outs:  # no gradients: 0, as clip_grad_norm_ returns for none (NaN: the backward stepped them)
-            out.copy_(norm if norm is not None else torch.tensor(float("nan") if self.step_in_backward else 0.0))
+        self._fill_norm_outs(outs, norm)
         clip = norm if self.max_grad_norm is not None else None
         for group, p in todo:
             self._step_8bit(group, p, clip)
@@ -314,6 +315,11 @@ class AdamW(torch.optim.Optimizer):
                 if isinstance(placement, Shard):
                     dist.all_reduce(sq, group=mesh.get_group(dim))
         return sq.sqrt()
+
+
+def _check_lr(group) -> None:
+    if isinstance(group["lr"], torch.Tensor):
+        raise TypeError(f"{_NAME}: lr must be a Python number, got a tensor")
 
 
 def _backward_step(optimizer_ref, param) -> None:
