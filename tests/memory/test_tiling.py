@@ -351,6 +351,24 @@ def test_auto_tile_length():
     assert mlp.forward.plan.tokens(torch.randn(1, 5, H), I) == tiling.CPU_AUTO_TILE_TOKENS
 
 
+def test_free_memory_respects_the_process_cap(monkeypatch):
+    # an 80 GiB card with 70 GiB free, this process capped at 0.3 of it (a 24 GB card emulated) with 6 GiB
+    # reserved: 24 - 6 = 18 GiB are left to it, not the driver's 70
+    card = SimpleNamespace(total_memory=80 << 30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: card)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 6 << 30)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.3)
+    dev = torch.device("cuda", 0)
+    assert tiling.process_cap_bytes(dev) == int(0.3 * (80 << 30))
+    assert tiling.card_free_bytes(dev) == int(0.3 * (80 << 30)) - (6 << 30)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
+    assert tiling.card_free_bytes(dev) == 70 << 30  # no cap: the driver's free bytes
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 79 << 30)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.5)
+    assert tiling.card_free_bytes(dev) == 0  # reserved past the cap: nothing, never negative
+
+
 class _LargestTensor(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -23,7 +23,7 @@ from .. import _log
 from ..ops._library import tracing
 from . import offload
 from .plan import CONTEXT_BYTES, MemoryPlanError, _build, _gib, _refuse, plan
-from .tiling import _MARK, _TiledMLPForward
+from .tiling import _MARK, _TiledMLPForward, process_cap_bytes
 
 _WHO = "tigon offload_checkpoints='auto'"
 # what _card_budget holds back of the card's total: the plan's checked error (within 1.2% on the jobs of
@@ -34,14 +34,16 @@ AUTO_MARGIN = 1 / 20
 def _card_budget(model: torch.nn.Module) -> Optional[int]:
     """The bytes a training step of `model` may take on its card, in the plan's terms (its peak counts the CUDA
     context): the free memory of the CUDA device of its first parameter, plus what this process's allocator
-    already reserved and CONTEXT_BYTES, at most the card's total, less AUTO_MARGIN of the total. Free memory,
+    already reserved and CONTEXT_BYTES, at most the card's total (or the process cap of
+    `torch.cuda.set_per_process_memory_fraction`, plus CONTEXT_BYTES), less AUTO_MARGIN of the total. Free memory,
     not the total: what another process holds on the card (a colocated vLLM) is not counted. None for a model
     not on a CUDA device: nothing to fit."""
     device = next((p.device for p in model.parameters()), None)
     if device is None or device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
-    held = min(total, free + torch.cuda.memory_reserved(device) + CONTEXT_BYTES)
+    reserved = torch.cuda.memory_reserved(device)
+    held = min(total, free + reserved + CONTEXT_BYTES, process_cap_bytes(device) + CONTEXT_BYTES)
     return int(held - AUTO_MARGIN * total)
 
 

@@ -289,8 +289,23 @@ class _TilePlan:
 
 
 def _free_bytes(device: torch.device) -> Optional[int]:
-    """Free memory of a CUDA device; None elsewhere (the CPU's fixed "auto" tile)."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    """Free memory of a CUDA device for this process; None elsewhere (the CPU's fixed "auto" tile)."""
+    return card_free_bytes(device) if device.type == "cuda" else None
+
+
+def process_cap_bytes(device: torch.device) -> int:
+    """What this process's allocator may reserve on a CUDA device: the card's total, or less under
+    `torch.cuda.set_per_process_memory_fraction` (how a smaller card is emulated, or a card shared on purpose)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    return int(total * min(1.0, fraction))
+
+
+def card_free_bytes(device: torch.device) -> int:
+    """Free memory of a CUDA device that this process can still reserve: the driver's free bytes, at most the
+    process cap less what its allocator already reserved."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(0, min(free, process_cap_bytes(device) - torch.cuda.memory_reserved(device)))
 
 
 class _TiledMLPForward:
