@@ -9,11 +9,20 @@ own process (an OOM costs that variant only), every length of --seqs in ascendin
 - tigon: tigon.patch(model, offload_checkpoints=False) (the fused kernels, checkpoints on the card: the default
   "auto" would move them to host memory at a length that does not fit);
 - tigon-offload: tigon.patch(model, offload_checkpoints=True, tile_mlp=True): checkpoints in pinned host memory
-  and the MLP over tiles of the sequence (docs/memory/offload.md, docs/memory/tiling.md).
+  and the MLP over tiles of the sequence (docs/memory/offload.md, docs/memory/tiling.md);
+- tigon-offload-notile: the checkpoints in host memory only (the same math as tigon, so the same bits).
+Any variant with "-qlora" appended ("tigon-offload-qlora") runs QLoRA instead: every decoder projection an NF4
+bitsandbytes Linear4bit (blocksize 64, double quant), quantized from the same bf16 init as bench_lora's QLoRA rows.
 Each length: one warm-up step, then --steps timed steps (--steps 0: one step, timed; wall time after a
 synchronize; the median); peak = max_memory_allocated over those steps. --cap-gib caps the card
 (torch.cuda.set_per_process_memory_fraction), so an H200 stands in for an 80 GB card. --longest N runs one
-more child, tigon-offload at N tokens, one step (peak and time).
+more child, --longest-variant (tigon-offload) at N tokens, one step (peak and time). --cap-gib is set after the
+model is built (and quantized), so a QLoRA model whose bf16 init would not fit the cap still runs under it.
+--curve-steps N: each of --curve-variants trains N steps at --curve-seq tokens from the same init and data
+(a new random batch each step), and the table gives each curve's largest difference from the first variant's:
+run "tigon" twice to see the card's run-to-run noise (its attention backward is not deterministic); tigon-offload
+tiles its MLP by --curve-tile there (the curve is shorter than an "auto" tile). --tile-tokens fixes the tile of
+the other runs.
 The slope per 1K tokens is fitted over the lengths that ran (least squares), with the longest length that fits
 the cap by that slope.
 
@@ -30,7 +39,7 @@ import time
 
 from benchmarks.tools import checkout
 
-VARIANTS = ("hf", "liger", "liger-tiled", "tigon", "tigon-offload")
+VARIANTS = ("hf", "liger", "liger-tiled", "tigon", "tigon-offload", "tigon-offload-notile")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FULL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
             vocab_size=128256, num_hidden_layers=32)
@@ -38,10 +47,19 @@ SMOKE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
              num_hidden_layers=2)
 
 
-def build(variant, smoke, dev, max_len):
+def parse_variant(variant):
+    """(base variant, qlora): 'tigon-offload-qlora' -> ('tigon-offload', True)."""
+    return variant.removesuffix("-qlora"), variant.endswith("-qlora")
+
+
+def build(variant, smoke, dev, max_len, tile_tokens="auto"):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.training.bench_lora import quantize_projections
+
+    variant, qlora = parse_variant(variant)
 
     if variant.startswith("liger"):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -53,6 +71,8 @@ def build(variant, smoke, dev, max_len):
     torch.manual_seed(0)
     with dev:
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if qlora:
+        quantize_projections(model, double_quant=True, compute_dtype=torch.bfloat16)
     if variant == "liger-tiled":
         from liger_kernel.transformers import LigerTiledSwiGLUMLP
 
@@ -63,8 +83,10 @@ def build(variant, smoke, dev, max_len):
     if variant.startswith("tigon"):
         import tigon
 
-        extra = dict(offload_checkpoints=True, tile_mlp=True) if variant == "tigon-offload" else dict(
-            offload_checkpoints=False)
+        extra = {"tigon": dict(offload_checkpoints=False),
+                 "tigon-offload": dict(offload_checkpoints=True, tile_mlp=True if tile_tokens == "auto" else
+                                       int(tile_tokens)),
+                 "tigon-offload-notile": dict(offload_checkpoints=True)}[variant]
         tigon.patch(model, **extra)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -80,22 +102,27 @@ def child(variant, a):
 
     cuda = not a.smoke
     dev = torch.device("cuda" if cuda else "cpu")
+    seqs = a.seqs
+    model, opt, vocab = build(variant, a.smoke, dev, max(seqs), a.tile_tokens)
     if cuda and a.cap_gib:
+        torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total))
-    seqs = a.seqs
-    model, opt, vocab = build(variant, a.smoke, dev, max(seqs))
     rows = []
     for seq in seqs:
         g = torch.Generator(device=dev).manual_seed(seq)
         ids = torch.randint(0, vocab, (1, seq), device=dev, generator=g)
-        row = dict(variant=variant, seq=seq)
+        row = dict(variant=variant, seq=seq, weights_gib=round(torch.cuda.memory_allocated() / 2**30, 2)
+                   if cuda else None)
+        losses = []
         try:
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             times = []
             for i in range(1 + a.steps if a.steps else 1):
+                if i and a.new_batches:
+                    ids = torch.randint(0, vocab, (1, seq), device=dev, generator=g)
                 t0 = time.perf_counter()
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
@@ -105,8 +132,11 @@ def child(variant, a):
                     torch.cuda.synchronize()
                 if i or not a.steps:  # --steps 0: the one step is the timed one
                     times.append((time.perf_counter() - t0) * 1e3)
+                losses.append(float(loss))
             ms = sorted(times)[len(times) // 2]
-            if variant == "tigon-offload":  # the tile "auto" chose from free memory at the first step
+            if a.new_batches:
+                row["losses"] = losses
+            if parse_variant(variant)[0] == "tigon-offload":  # the tile "auto" chose at the first step
                 from tigon.memory import tiled_mlp_tile_tokens
 
                 row["tile_tokens"] = tiled_mlp_tile_tokens(model)
@@ -133,13 +163,15 @@ def slope(rows):
     return b, my - b * mx
 
 
-def run_child(variant, seqs, a, steps=None):
-    needs = ["peft"] + (["liger_kernel"] if variant.startswith("liger") else [])
+def run_child(variant, seqs, a, steps=None, new_batches=False, tile_tokens=None):
+    needs = ["peft"] + (["liger_kernel"] if variant.startswith("liger") else []) + (
+        ["bitsandbytes"] if parse_variant(variant)[1] else [])
     missing = next((n for n in needs if importlib.util.find_spec(n) is None), None)
     if missing:
         return [dict(variant=variant, skipped=f"{missing} not installed")]
     cmd = ["--child", variant, "--seqs", ",".join(map(str, seqs)), "--steps", str(a.steps if steps is None else steps)]
-    cmd += ["--cap-gib", str(a.cap_gib)] + (["--smoke"] if a.smoke else [])
+    cmd += ["--cap-gib", str(a.cap_gib)] + (["--smoke"] if a.smoke else []) + (
+        ["--new-batches"] if new_batches else []) + ["--tile-tokens", str(tile_tokens or a.tile_tokens)]
     env = os.environ.copy()
     if a.smoke:
         env.setdefault("TRITON_INTERPRET", "1")
@@ -158,11 +190,25 @@ def markdown(rows, a):
         out.append(f"| {r['variant']} | {r.get('seq', '-')} | {r.get('step_ms', '-')} | {r.get('tok_s', '-')} | "
                    f"{r.get('peak_gib', '-')} | {r.get('error') or r.get('skipped') or ''} |")
     out += ["", "| variant | GiB per 1K tokens | longest by the slope at the cap |", "|---|---|---|"]
-    for v in dict.fromkeys(r["variant"] for r in rows):
-        fit = slope([r for r in rows if r["variant"] == v and r.get("seq") in a.seqs])
+    for v in dict.fromkeys(r["variant"] for r in rows if not r.get("curve")):
+        fit = slope([r for r in rows if r["variant"] == v and r.get("seq") in a.seqs and not r.get("curve")])
         if fit:
             longest = int((a.cap_gib - fit[1]) / fit[0] * 1e3) if fit[0] > 0 else None
             out.append(f"| {v} | {fit[0]:.3f} | {longest} |")
+    curves = [r for r in rows if r.get("curve")]
+    if curves:
+        out += ["", f"Loss curves, {a.curve_steps} steps at {a.curve_seq} tokens (tile {a.curve_tile}), against the "
+                "first run's",
+                "", "| run | first loss | last loss | max abs difference | steps bit-equal |", "|---|---|---|---|---|"]
+        ref = curves[0].get("losses")
+        for i, r in enumerate(curves):
+            ls = r.get("losses")
+            if not ls or not ref or len(ls) != len(ref):
+                out.append(f"| {i}: {r['variant']} | - | - | - | {r.get('error') or r.get('skipped') or ''} |")
+                continue
+            diff = max(abs(x - y) for x, y in zip(ls, ref))
+            same = sum(x == y for x, y in zip(ls, ref))
+            out.append(f"| {i}: {r['variant']} | {ls[0]:.6f} | {ls[-1]:.6f} | {diff:.3g} | {same}/{len(ls)} |")
     return "\n".join(out)
 
 
@@ -171,7 +217,14 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--seqs", default=None, help="comma-separated lengths (default 16384,32768,65536; smoke 64,96)")
     p.add_argument("--steps", type=int, default=1, help="timed steps per length, after one warm-up step")
-    p.add_argument("--longest", type=int, default=0, help="also one tigon-offload step at this many tokens")
+    p.add_argument("--longest", type=int, default=0, help="also one --longest-variant step at this many tokens")
+    p.add_argument("--longest-variant", default="tigon-offload")
+    p.add_argument("--curve-steps", type=int, default=0, help="also a loss curve of this many steps per variant")
+    p.add_argument("--curve-seq", type=int, default=4096)
+    p.add_argument("--curve-variants", default="tigon,tigon,tigon-offload-notile,tigon-offload")
+    p.add_argument("--curve-tile", type=int, default=1024, help="tigon-offload's MLP tile in the curves")
+    p.add_argument("--tile-tokens", default="auto", help="tigon-offload's MLP tile: auto or tokens")
+    p.add_argument("--new-batches", action="store_true", help=argparse.SUPPRESS)  # a child's curve mode
     p.add_argument("--cap-gib", type=float, default=80.0)
     p.add_argument("--timeout", type=int, default=600, help="seconds per variant")
     p.add_argument("--smoke", action="store_true")
@@ -179,9 +232,10 @@ def parse_args(argv=None):
     p.add_argument("--child")
     a = p.parse_args(argv)
     a.seqs = [int(s) for s in (a.seqs or ("64,96" if a.smoke else "16384,32768,65536")).split(",")]
-    unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
+    named = [v for v in a.variants.split(",") + a.curve_variants.split(",") + [a.longest_variant] if v]
+    unknown = [v for v in named if parse_variant(v)[0] not in VARIANTS]
     if unknown:
-        p.error(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+        p.error(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}, each optionally + '-qlora'")
     return a
 
 
@@ -191,11 +245,15 @@ def main(argv=None):
         checkout.print_child_result(lambda: child(a.child, a), lambda msg: [dict(variant=a.child, error=msg)])
         return None
     rows = []
-    for v in a.variants.split(","):
+    for v in filter(None, a.variants.split(",")):
         rows += run_child(v, a.seqs, a)
         print(json.dumps(rows[-1]), flush=True)
     if a.longest:
-        rows += run_child("tigon-offload", [a.longest], a, steps=0)
+        rows += run_child(a.longest_variant, [a.longest], a, steps=0)
+        print(json.dumps(rows[-1]), flush=True)
+    for v in a.curve_variants.split(",") if a.curve_steps else ():
+        rows += [dict(r, curve=True) for r in run_child(v, [a.curve_seq], a, steps=a.curve_steps - 1,
+                                                         new_batches=True, tile_tokens=a.curve_tile)]
         print(json.dumps(rows[-1]), flush=True)
     md = markdown(rows, a)
     print(md)

@@ -35,3 +35,19 @@ def test_offload_child_steps_a_tiny_model():
 
     assert rows[0]["tile_tokens"] == CPU_AUTO_TILE_TOKENS  # "auto" on a CPU (48 tokens fit one tile)
     assert torch.isfinite(torch.tensor(rows[0]["loss"]))
+
+
+def test_qlora_variants_and_the_curve_table():
+    assert bench.parse_variant("tigon-offload-qlora") == ("tigon-offload", True)
+    assert bench.parse_variant("liger-tiled") == ("liger-tiled", False)
+    a = bench.parse_args(["--variants", "tigon-qlora,tigon-offload-qlora", "--curve-steps", "3"])
+    assert a.curve_variants.split(",")[:2] == ["tigon", "tigon"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--longest-variant", "unsloth-qlora"])
+    curves = [dict(variant="tigon", seq=64, curve=True, losses=[3.0, 2.5, 2.0]),
+              dict(variant="tigon-offload", seq=64, curve=True, losses=[3.0, 2.5, 2.001]),
+              dict(variant="tigon-offload-notile", seq=64, curve=True, error="OOM")]
+    md = bench.markdown(curves, a)
+    assert "| 1: tigon-offload | 3.000000 | 2.001000 | 0.001 | 2/3 |" in md
+    assert "| 2: tigon-offload-notile | - | - | - | OOM |" in md
+    assert "GiB per 1K tokens |" in md and "| tigon | " not in md.split("GiB per 1K tokens")[1].split("Loss")[0]
