@@ -22,7 +22,9 @@ model is built (and quantized), so a QLoRA model whose bf16 init would not fit t
 (a new random batch each step), and the table gives each curve's largest difference from the first variant's:
 run "tigon" twice to see the card's run-to-run noise (its attention backward is not deterministic); tigon-offload
 tiles its MLP by --curve-tile there (the curve is shorter than an "auto" tile). --tile-tokens fixes the tile of
-the other runs.
+the other runs. --memory-profile records the allocator through the first timed step (that step's time includes
+the recording) and lists the blocks live at its peak by the code that allocated them (benchmarks/tools/
+memory_peak.py); --layers N builds N decoder layers instead of 32 (one layer's working set is the same).
 The slope per 1K tokens is fitted over the lengths that ran (least squares), with the longest length that fits
 the cap by that slope.
 
@@ -31,13 +33,15 @@ the cap by that slope.
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
+import sys
 import time
 
-from benchmarks.tools import checkout
+from benchmarks.tools import checkout, memory_peak
 
 VARIANTS = ("hf", "liger", "liger-tiled", "tigon", "tigon-offload", "tigon-offload-notile")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -52,7 +56,7 @@ def parse_variant(variant):
     return variant.removesuffix("-qlora"), variant.endswith("-qlora")
 
 
-def build(variant, smoke, dev, max_len, tile_tokens="auto"):
+def build(variant, smoke, dev, max_len, tile_tokens="auto", layers=0):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -65,8 +69,8 @@ def build(variant, smoke, dev, max_len, tile_tokens="auto"):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama(swiglu=variant == "liger")
-    cfg = LlamaConfig(**(SMOKE if smoke else FULL), rope_theta=500000.0, max_position_embeddings=max_len,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(**dict(SMOKE if smoke else FULL, **({"num_hidden_layers": layers} if layers else {})),
+                      rope_theta=500000.0, max_position_embeddings=max_len, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with dev:
@@ -103,7 +107,7 @@ def child(variant, a):
     cuda = not a.smoke
     dev = torch.device("cuda" if cuda else "cpu")
     seqs = a.seqs
-    model, opt, vocab = build(variant, a.smoke, dev, max(seqs), a.tile_tokens)
+    model, opt, vocab = build(variant, a.smoke, dev, max(seqs), a.tile_tokens, a.layers)
     if cuda and a.cap_gib:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
@@ -124,12 +128,17 @@ def child(variant, a):
                 if i and a.new_batches:
                     ids = torch.randint(0, vocab, (1, seq), device=dev, generator=g)
                 t0 = time.perf_counter()
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if cuda:
-                    torch.cuda.synchronize()
+                profiled = cuda and a.memory_profile and i == (1 if a.steps else 0)
+                with memory_peak.recording() if profiled else contextlib.nullcontext() as rec:
+                    loss = model(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    if cuda:
+                        torch.cuda.synchronize()
+                if profiled:
+                    row["memory_peak"] = dict(memory_peak.peak_report(rec["snapshot"]), before=rec["before"])
+                    print(memory_peak.text(row["memory_peak"]), file=sys.stderr, flush=True)
                 if i or not a.steps:  # --steps 0: the one step is the timed one
                     times.append((time.perf_counter() - t0) * 1e3)
                 losses.append(float(loss))
@@ -170,7 +179,8 @@ def run_child(variant, seqs, a, steps=None, new_batches=False, tile_tokens=None)
     if missing:
         return [dict(variant=variant, skipped=f"{missing} not installed")]
     cmd = ["--child", variant, "--seqs", ",".join(map(str, seqs)), "--steps", str(a.steps if steps is None else steps)]
-    cmd += ["--cap-gib", str(a.cap_gib)] + (["--smoke"] if a.smoke else []) + (
+    cmd += ["--cap-gib", str(a.cap_gib), "--layers", str(a.layers)] + (["--smoke"] if a.smoke else []) + (
+        ["--memory-profile"] if a.memory_profile else []) + (
         ["--new-batches"] if new_batches else []) + ["--tile-tokens", str(tile_tokens or a.tile_tokens)]
     env = os.environ.copy()
     if a.smoke:
@@ -195,6 +205,11 @@ def markdown(rows, a):
         if fit:
             longest = int((a.cap_gib - fit[1]) / fit[0] * 1e3) if fit[0] > 0 else None
             out.append(f"| {v} | {fit[0]:.3f} | {longest} |")
+    for r in rows:
+        if r.get("memory_peak"):
+            before = r["memory_peak"]["before"] / 2**30
+            out += ["", f"Memory at the peak of {r['variant']} at {r['seq']} tokens ({before:.2f} GiB allocated "
+                    "before the step):", "", memory_peak.text(r["memory_peak"])]
     curves = [r for r in rows if r.get("curve")]
     if curves:
         out += ["", f"Loss curves, {a.curve_steps} steps at {a.curve_seq} tokens (tile {a.curve_tile}), against the "
@@ -224,6 +239,9 @@ def parse_args(argv=None):
     p.add_argument("--curve-variants", default="tigon,tigon,tigon-offload-notile,tigon-offload")
     p.add_argument("--curve-tile", type=int, default=1024, help="tigon-offload's MLP tile in the curves")
     p.add_argument("--tile-tokens", default="auto", help="tigon-offload's MLP tile: auto or tokens")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's 32)")
+    p.add_argument("--memory-profile", action="store_true",
+                   help="record the allocator in the first timed step: the blocks live at its peak, by site")
     p.add_argument("--new-batches", action="store_true", help=argparse.SUPPRESS)  # a child's curve mode
     p.add_argument("--cap-gib", type=float, default=80.0)
     p.add_argument("--timeout", type=int, default=600, help="seconds per variant")
