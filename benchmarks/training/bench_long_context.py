@@ -22,9 +22,11 @@ model is built (and quantized), so a QLoRA model whose bf16 init would not fit t
 (a new random batch each step), and the table gives each curve's largest difference from the first variant's:
 run "tigon" twice to see the card's run-to-run noise (its attention backward is not deterministic); tigon-offload
 tiles its MLP by --curve-tile there (the curve is shorter than an "auto" tile). --tile-tokens fixes the tile of
-the other runs. --memory-profile records the allocator through the first timed step (that step's time includes
-the recording) and lists the blocks live at its peak by the code that allocated them (benchmarks/tools/
-memory_peak.py); --layers N builds N decoder layers instead of 32 (one layer's working set is the same).
+the other runs. --deterministic runs torch's deterministic algorithms (SDPA's deterministic flash backward), so
+that curves whose math is the same can be compared bit for bit. --memory-profile records the allocator through
+the first timed step (whose time then includes the recording) and lists the blocks live at its peak by the code
+that allocated them (benchmarks/tools/memory_peak.py); --layers N builds N decoder layers instead of 32 (one
+layer's working set is the same).
 The slope per 1K tokens is fitted over the lengths that ran (least squares), with the longest length that fits
 the cap by that slope.
 
@@ -106,6 +108,8 @@ def child(variant, a):
 
     cuda = not a.smoke
     dev = torch.device("cuda" if cuda else "cpu")
+    if a.deterministic:  # strict: SDPA's flash backward then runs its deterministic kernel, cuDNN's is not picked
+        torch.use_deterministic_algorithms(True)
     seqs = a.seqs
     model, opt, vocab = build(variant, a.smoke, dev, max(seqs), a.tile_tokens, a.layers)
     if cuda and a.cap_gib:
@@ -183,6 +187,9 @@ def run_child(variant, seqs, a, steps=None, new_batches=False, tile_tokens=None)
         ["--memory-profile"] if a.memory_profile else []) + (
         ["--new-batches"] if new_batches else []) + ["--tile-tokens", str(tile_tokens or a.tile_tokens)]
     env = os.environ.copy()
+    if a.deterministic:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # what torch's deterministic mode asks of cuBLAS
+        cmd.append("--deterministic")
     if a.smoke:
         env.setdefault("TRITON_INTERPRET", "1")
     try:
@@ -240,6 +247,8 @@ def parse_args(argv=None):
     p.add_argument("--curve-tile", type=int, default=1024, help="tigon-offload's MLP tile in the curves")
     p.add_argument("--tile-tokens", default="auto", help="tigon-offload's MLP tile: auto or tokens")
     p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's 32)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True) in every run (for curves that can be bit-equal)")
     p.add_argument("--memory-profile", action="store_true",
                    help="record the allocator in the first timed step: the blocks live at its peak, by site")
     p.add_argument("--new-batches", action="store_true", help=argparse.SUPPRESS)  # a child's curve mode
