@@ -200,9 +200,33 @@ def test_without_the_rng_replay_the_gradients_differ(monkeypatch):
     hf, ours = copy.deepcopy(base), copy.deepcopy(base)
     install_checkpoint_offload(ours)
     monkeypatch.setattr(offload, "_checkpoint", lambda function, holder, *rest: offload._torch_checkpoint(
-        offload._run_layer, function, holder, *rest, use_reentrant=False, preserve_rng_state=False))
+        offload._run_layer, function, holder, holder.tensor.new_empty(0), *rest, use_reentrant=False,
+        preserve_rng_state=False))
     (l_ref, g_ref), (l_got, g_got) = _step(hf, ids, labels), _step(ours, ids, labels)
     assert torch.equal(l_ref, l_got) and not all(torch.equal(g_ref[n], g_got[n]) for n in g_ref)
+
+
+def test_the_checkpoint_sees_the_input_device_for_its_rng_state(monkeypatch):
+    """torch's checkpoint stashes the RNG state of the devices of the tensors among its arguments. HF passes the
+    layer's other inputs as keywords bound in the function, and the holder hides the input, so the offload adds
+    an empty tensor on the input's device: without it a CUDA layer's dropout would draw new masks in the
+    recompute (the GPU test above compares the gradients bitwise)."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    seen = []
+    real = torch_checkpoint._infer_device_type  # what picks the device whose RNG state is stashed
+
+    def spy(*args):
+        seen.append([a.device for a in args if isinstance(a, torch.Tensor)])
+        return real(*args)
+
+    monkeypatch.setattr(torch_checkpoint, "_infer_device_type", spy)
+    ids, labels = batch()
+    model = _llama(layers=2)
+    model.gradient_checkpointing_enable()
+    install_checkpoint_offload(model)
+    _step(model, ids, labels)
+    assert len(seen) == 2 and all(devices == [torch.device("cpu")] for devices in seen), seen
 
 
 def test_prefetch_of_the_layer_below_is_issued_before_this_layer_recomputes(events):
@@ -292,6 +316,10 @@ def test_compiled_layers_keep_the_offload_and_the_bits(events):
     """Compiling the layers (not the whole model) leaves the offload outside the compiled code: the forward runs
     the layer's no-grad graph, the recompute its training graph, and the bits are still HF's (aot_eager on a CPU
     runs the same ATen ops; on a GPU inductor's fusions may round the two graphs differently)."""
+    if torch.cuda.is_available():
+        # on a GPU machine the first compile initializes CUDA; inside a checkpoint's forward torch refuses that (it
+        # could not have stashed the device's RNG state), with HF's checkpoint as with this one
+        torch.cuda.init()
     ids, labels = batch()
     base = _llama(layers=2)
     base.gradient_checkpointing_enable()

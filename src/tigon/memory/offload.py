@@ -197,14 +197,19 @@ class _Holder:
         return x.detach().requires_grad_(self.requires_grad)
 
 
-def _run_layer(function, holder: _Holder, *rest):
+def _run_layer(function, holder: _Holder, device_marker: torch.Tensor, *rest):
     return function(holder.get(), *rest)
 
 
 def _checkpoint(function, holder: _Holder, *rest):
     """torch's non-reentrant checkpoint of the layer: the RNG and autocast state replayed, and its recompute
-    stopping at the last tensor the backward needs (the layer's output projection is never recomputed)."""
-    return _torch_checkpoint(_run_layer, function, holder, *rest, use_reentrant=False, preserve_rng_state=True)
+    stopping at the last tensor the backward needs (the layer's output projection is never recomputed).
+    torch stashes the RNG state of the devices of the tensors among the checkpoint's arguments; the holder hides
+    the input, and HF passes everything else as keywords bound in `function`, so an empty tensor on the input's
+    device stands in for it: without it a CUDA layer's dropout masks would differ in the recompute."""
+    marker = holder.tensor.new_empty(0)
+    return _torch_checkpoint(_run_layer, function, holder, marker, *rest, use_reentrant=False,
+                             preserve_rng_state=True)
 
 
 class _OffloadingCheckpointFunc:
