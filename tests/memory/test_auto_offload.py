@@ -91,10 +91,13 @@ def _armed_keep(model):
 
 def test_the_plan_grows_with_every_layer_kept():
     peaks = _peaks(_model())
-    assert peaks[0] == peaks[1] == peaks[2] < peaks[3] < peaks[4] < peaks[5] < peaks[6]  # two on the card anyway
+    # three fetched inputs on the card anyway (the one in use, the one prefetched below, one more: measured); and
+    # the bottom layer's input stays too (gradient checkpointing made the frozen embedding's output a leaf that
+    # requires grad), so keeping all but it saves nothing
+    assert peaks[0] == peaks[1] == peaks[2] == peaks[3] < peaks[4] < peaks[5] == peaks[6]
 
 
-@pytest.mark.parametrize("between", [(4, 5), (5, 6), (2, 3)])
+@pytest.mark.parametrize("between", [(4, 5), (3, 4)])
 def test_arms_the_largest_keep_on_card_that_fits(budget, caplog, between):
     model = _model()
     peaks = _peaks(model)
@@ -195,7 +198,7 @@ def test_no_card_or_no_checkpointing_plans_nothing(budget, plans):
 def test_checkpointing_enabled_after_the_patch_is_seen_and_rearmed(budget):
     """The Trainer's order: patch (liger_kernel_config), then gradient_checkpointing_enable, then train."""
     model = _model(enable=False)
-    peaks = _peaks(model)
+    peaks = _peaks(_model())  # as planned once checkpointing is on (it hooks the embedding's output)
     budget.bytes = (peaks[4] + peaks[5]) // 2
     _patch(model)
     model.gradient_checkpointing_enable()

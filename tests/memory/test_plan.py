@@ -46,6 +46,23 @@ MEASURED = [
      dict(seq_len=16384, lora_rank=16, offload_checkpoints=True, tile_tokens="auto", budget_bytes=H100_BYTES), 18.71),
     ("8B LoRA, 64K, offload + auto tile, H100", LLAMA3_8B,
      dict(seq_len=65536, lora_rank=16, offload_checkpoints=True, tile_tokens="auto", budget_bytes=H100_BYTES), 25.60),
+    # 7f7df8b: the long-context benchmark, which records the tile "auto" chose at the first step
+    ("8B LoRA, 128K, H100", LLAMA3_8B, dict(seq_len=131072, lora_rank=16), 68.10),
+    ("8B LoRA, 32K, offload + tile 36096, H100", LLAMA3_8B,
+     dict(seq_len=32768, lora_rank=16, offload_checkpoints=True, tile_tokens=36096), 21.54),
+    ("8B LoRA, 128K, offload + tile 36096, H100", LLAMA3_8B,
+     dict(seq_len=131072, lora_rank=16, offload_checkpoints=True, tile_tokens=36096), 30.38),
+    ("8B LoRA, 256K, offload + tile 29952, H100", LLAMA3_8B,
+     dict(seq_len=262144, lora_rank=16, offload_checkpoints=True, tile_tokens=29952), 43.54),
+    ("8B LoRA, 4 layers, 256K, offload + tile 39936, H100", dict(LLAMA3_8B, num_hidden_layers=4),
+     dict(seq_len=262144, lora_rank=16, offload_checkpoints=True, tile_tokens=39936), 31.93),
+    # NF4 QLoRA under a 24 GiB cap
+    ("8B QLoRA, 32K, offload + tile 9472, H100 capped at 24 GiB", LLAMA3_8B,
+     dict(seq_len=32768, lora_rank=16, quantized_base="nf4", offload_checkpoints=True, tile_tokens=9472), 9.67),
+    ("8B QLoRA, 64K, offload + tile 9472, H100 capped at 24 GiB", LLAMA3_8B,
+     dict(seq_len=65536, lora_rank=16, quantized_base="nf4", offload_checkpoints=True, tile_tokens=9472), 13.05),
+    ("8B QLoRA, 128K, offload + tile 9472, H100 capped at 24 GiB", LLAMA3_8B,
+     dict(seq_len=131072, lora_rank=16, quantized_base="nf4", offload_checkpoints=True, tile_tokens=9472), 20.10),
 ]
 
 
@@ -97,9 +114,13 @@ def test_offload_moves_checkpoints_from_card_to_host():
     host = plan(c, seq_len=65536, lora_rank=16, offload_checkpoints=True)
     some = plan(c, seq_len=65536, lora_rank=16, offload_checkpoints=6)
     assert (kept.checkpoints_on_card, kept.checkpoints_host) == (32 * layer, 0)
-    assert (host.checkpoints_on_card, host.checkpoints_host) == (2 * layer, 32 * layer)  # in use + prefetched
-    assert (some.checkpoints_on_card, some.checkpoints_host) == (6 * layer, 26 * layer)
-    assert kept.peak_allocated - host.peak_allocated == 30 * layer
+    # three fetched inputs (the one in use, the one prefetched below, one more: measured), and the frozen
+    # embedding's output, a leaf that requires grad under LoRA, held through the backward
+    assert (host.checkpoints_on_card, host.checkpoints_host) == (4 * layer, 32 * layer)
+    assert (some.checkpoints_on_card, some.checkpoints_host) == (7 * layer, 26 * layer)
+    assert kept.peak_allocated - host.peak_allocated == 28 * layer
+    full = plan(c, seq_len=8192, offload_checkpoints=True)  # the embedding trains: its output is no leaf
+    assert full._job.input_leaf is False and host._job.input_leaf is True
     assert plan(c, seq_len=65536, lora_rank=16, offload_checkpoints=32) == kept
 
 

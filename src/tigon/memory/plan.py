@@ -74,6 +74,7 @@ class _Job:
     attention: str
     loss: str
     in_backward: bool = False  # the optimizer steps each parameter as its gradient completes, then frees it
+    input_leaf: bool = False  # the frozen embedding's output requires grad (enable_input_require_grads, LoRA)
 
 
 def _check_int(name, value, low=1, high=None):
@@ -130,7 +131,7 @@ def _from_config(config, act_dtype, rank, targets, quantized, state) -> dict:
                     head_grads=0, embed_grads=0, embed_transient=0, optimizer_state=int(L * n * state(4)),
                     trains=tuple(p in targets for p in PROJECTIONS),
                     ranks=tuple(rank if p in targets else 0 for p in PROJECTIONS), dequant=dequant,
-                    mlp_fp32=4 * sum(adapters.get(p, 0) for p in PROJECTIONS[4:]))
+                    mlp_fp32=4 * sum(adapters.get(p, 0) for p in PROJECTIONS[4:]), input_leaf=True)
     layer = (proj + 2 * h) * e
     return dict(weights=int(weights), layer_grads=layer, down_grads=dims["down_proj"][0] * h * e,
                 head_grads=head + (embed if tied else 0), embed_grads=0 if tied else embed,
@@ -170,6 +171,9 @@ def _from_model(model, config, act, rank, targets, quantized, state) -> dict:
     if rank and not found:  # adapters to come: counted from the config, added to the base as it is
         job = _from_config(config, act, rank, PROJECTIONS if targets == "all" else targets, False, state)
         return dict(job, weights=weights + config.num_hidden_layers * job["layer_grads"], dequant=dequant)
+    # HF's enable_input_require_grads (PEFT's recipes call it) hooks the input embedding: its output becomes a
+    # leaf that requires grad while the embedding itself is frozen
+    hooked = any(hasattr(m, "_require_grads_hook") for m in model.modules())
     trained = [(n, p) for n, p in unique.values() if p.requires_grad]
     if not trained:
         raise ValueError(f"{_NAME}: the model has no trainable parameters; pass lora_rank for adapters to come")
@@ -188,7 +192,8 @@ def _from_model(model, config, act, rank, targets, quantized, state) -> dict:
                 trains=tuple(any(_LAYER0.search(n) and q in n.split(".") for n, _ in trained) for q in PROJECTIONS),
                 ranks=tuple(found.get(q, 0) for q in PROJECTIONS), dequant=dequant,
                 mlp_fp32=4 * sum(p.numel() for n, p in trained if _LAYER0.search(n) and not set(n.split("."))
-                                 .isdisjoint(PROJECTIONS[4:])))
+                                 .isdisjoint(PROJECTIONS[4:])),
+                input_leaf=hooked and not emb_bytes)
 
 
 def _layer_saved(job: _Job, n: int, seq_len: int):
@@ -240,14 +245,22 @@ def _moments(job: _Job, seq_len: int):
     else:  # last hidden state, its norm, rstd; the logits and their gradient
         loss = n * (2 * e * h + 4) + 2 * n * job.vocab * e
     ckpt = layer_input if job.checkpointing else 0
-    top = L if job.kept >= L else min(L, max(job.kept, 2))  # the last `kept`, or the one in use and the next
+    offloaded = job.checkpointing and job.kept < L
+    # the last `kept`, or the one in use and the next; in host memory, three fetched inputs: measured at a layer's
+    # backward (benchmarks long-context --memory-profile, 8B LoRA at 128K and 256K), the one in use, the one
+    # prefetched below it and one more
+    top = L if job.kept >= L else min(L, max(job.kept, 3 if offloaded else 2))
+    # a frozen input embedding under enable_input_require_grads (LoRA) makes the bottom layer's input a leaf that
+    # requires grad: its gradient's accumulator holds it through the backward, so with the checkpoints in host
+    # memory it stays on the card too (measured: the embedding's output live at the 256K step's peak)
+    leaf = layer_input if offloaded and job.input_leaf else 0
     # ids, labels, positions (int64), RoPE's cos and sin; eager's additive [B, 1, T, T] mask
     static = dict(weights=job.weights, optimizer_state=job.optimizer_state,
                   inputs=n * (24 + 2 * job.head_dim * e) + (e * quad if eager else 0))
     live = 1 if job.checkpointing else L  # layers whose saved tensors are on the card
 
-    def moment(grads, ckpts, working, attention, loss_chunk=arena):
-        return dict(static, gradients=grads, checkpoints_on_card=ckpts * ckpt, loss_chunk=loss_chunk,
+    def moment(grads, ckpts, working, attention, loss_chunk=arena, held_input=leaf):
+        return dict(static, gradients=grads, checkpoints_on_card=ckpts * ckpt + held_input, loss_chunk=loss_chunk,
                     layer_working_set=working, attention_workspace=attention)
 
     stored = 0 if job.checkpointing else L  # layers whose saved tensors wait for the backward at the loss
@@ -270,7 +283,7 @@ def _moments(job: _Job, seq_len: int):
         all_grads = held + job.embed_grads  # the embedding's own, the last one made
     if job.embed_grads or job.embed_transient:  # dy, fp32 partial sums, sorted indices
         out["embedding backward"] = moment(all_grads + job.embed_transient, 0, n * (e * h + 4 * h + 16), 0)
-    out["optimizer step"] = moment(0 if job.in_backward else all_grads, 0, 0, 0, 0)
+    out["optimizer step"] = moment(0 if job.in_backward else all_grads, 0, 0, 0, 0, 0)
     return out
 
 
