@@ -24,14 +24,16 @@ def site(frames) -> str:
 
 
 def replay(trace):
-    """(peak bytes, index of the event that reached it, {addr: event} live there): allocations add, completed
-    frees remove (the allocator's `allocated` statistic)."""
+    """(peak bytes, index of the event that reached it, {addr: event} live there): allocations add, requested
+    frees remove, as in the allocator's `allocated_bytes` (what `max_memory_allocated` reads). A block used on a
+    second stream (`record_stream`) is reused only at its "free_completed", once that stream is past it; it is
+    no longer allocated from its "free_requested" on."""
     live, now, peak, at = {}, 0, -1, -1
     for i, ev in enumerate(trace):
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
             now += ev["size"]
-        elif ev["action"] == "free_completed" and ev["addr"] in live:
+        elif ev["action"] == "free_requested" and ev["addr"] in live:
             now -= live.pop(ev["addr"])["size"]
         if now > peak:
             peak, at = now, i
@@ -39,7 +41,7 @@ def replay(trace):
     for ev in trace[: at + 1]:  # the blocks live at the peak
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
-        elif ev["action"] == "free_completed":
+        elif ev["action"] == "free_requested":
             live.pop(ev["addr"], None)
     return peak, at, live
 

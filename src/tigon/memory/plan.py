@@ -237,6 +237,8 @@ def _moments(job: _Job, seq_len: int):
                   + (e * h * n + job.mlp_fp32 if tiled else 0))  # a tiled MLP's input gradient (filled tile by
     # tile) and the fp32 sums of its trainable parameters
     attention_moving = e * n * (h + 2 * q + 2 * kv)  # residual and output gradients, dq, dk, dv
+    if not eager and kv < q:  # flash's GQA backward: dk, dv for every query head, then summed per KV head
+        attention_moving += e * n * 2 * q
     scratch = (8 + e) * heads * quad if eager else 4 * n * (q + heads)  # softmax gradients; flash's fp32 dq
     chunk = chunk_rows(n, job.vocab, e) * job.vocab * e if job.loss == "fused" else 0
     arena = min(chunk, ARENA_KEEP)  # the arena gives larger blocks back when the loss returns its chunk
@@ -246,10 +248,7 @@ def _moments(job: _Job, seq_len: int):
         loss = n * (2 * e * h + 4) + 2 * n * job.vocab * e
     ckpt = layer_input if job.checkpointing else 0
     offloaded = job.checkpointing and job.kept < L
-    # the last `kept`, or the one in use and the next; in host memory, three fetched inputs: measured at a layer's
-    # backward (benchmarks long-context --memory-profile, 8B LoRA at 128K and 256K), the one in use, the one
-    # prefetched below it and one more
-    top = L if job.kept >= L else min(L, max(job.kept, 3 if offloaded else 2))
+    top = L if job.kept >= L else min(L, max(job.kept, 2))  # the last `kept`, or the one in use and the next
     # a frozen input embedding under enable_input_require_grads (LoRA) makes the bottom layer's input a leaf that
     # requires grad: its gradient's accumulator holds it through the backward, so with the checkpoints in host
     # memory it stays on the card too (measured: the embedding's output live at the 256K step's peak)
