@@ -3,7 +3,8 @@
 # own timeout inside one budget, and leaves a short results folder: at most 8 files in RESULTS_DIR.
 #
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops decode-norm e2e e2e-compile
-#                                             lce losses attention sft lora lora-autocast qlora moe qk-norm-rope
+#                                             lce losses attention sft lora lora-autocast qlora moe long-context
+#                                             long-context-curves qk-norm-rope
 #
 #   tests       the README's test command, natively: python -m pytest tests -q -n TEST_WORKERS (12), failures named
 #               (tests.log)
@@ -32,6 +33,10 @@
 #   lora        lora: the 8B PEFT LoRA job (checkpointing, 2 x 4096), liger / tigon-nolora / tigon (<gpu>_lora.md)
 #   lora-autocast  the same job's forward under bf16 autocast (the Trainer's bf16=True), liger / tigon
 #               (<gpu>_lora_autocast.md)
+#   long-context long-context --variants liger,tigon,tigon-offload --seqs 16384,65536: the 8B LoRA job's peak and
+#               step time per length beside Liger's (<gpu>_long_context.md, .json)
+#   long-context-curves long-context --curve-steps 30 --deterministic: 30-step loss curves of tigon, the offload and
+#               the offload + tiled MLP with LoRA dropout, compared bit for bit (<gpu>_long_context_curves.md)
 #   qk-norm-rope norms --only qk_norm_rope: the fused QK-norm + RoPE beside tigon's two ops, torch.compile, Liger
 #               and eager at Qwen3's head_dim 64 and 128 (<gpu>_qk_norm_rope.md, <gpu>_qk_norm_rope.json), then
 #               tune --ops qk_norm_rope: the QKNormRopeConfig sweep (<gpu>_qk_norm_rope_tune.json)
@@ -191,6 +196,14 @@ for s in "$@"; do
         lora-autocast) step lora-autocast 220 "${bench[@]}" lora --autocast --variants liger,tigon \
                            --out "$T/lora_autocast" --steps 4 --timeout 100 >>"$LOG" 2>&1
             keep "$T/lora_autocast/lora.md" "${GPU}_lora_autocast.md" ;;
+        long-context) step long-context 420 "${bench[@]}" long-context --variants liger,tigon,tigon-offload \
+                          --seqs 16384,65536 --out "$T/long_context" --timeout 130 >>"$LOG" 2>&1
+            keep "$T/long_context/long_context.md" "${GPU}_long_context.md"
+            keep "$T/long_context/long_context.json" "${GPU}_long_context.json" ;;
+        long-context-curves) step long-context-curves 240 "${bench[@]}" long-context --variants '' \
+                                 --curve-steps 30 --deterministic --out "$T/long_context_curves" --timeout 55 \
+                                 >>"$LOG" 2>&1
+            keep "$T/long_context_curves/long_context.md" "${GPU}_long_context_curves.md" ;;
         qk-norm-rope) mkdir -p "$T/qk_norm_rope"
             step qk-norm-rope 240 "${bench[@]}" norms --only qk_norm_rope --budget 200 \
                 --json "$T/qk_norm_rope/qk_norm_rope.json" >"$T/qk_norm_rope/qk_norm_rope.md" 2>>"$LOG"

@@ -23,7 +23,8 @@ model is built (and quantized), so a QLoRA model whose bf16 init would not fit t
 run "tigon" twice to see the card's run-to-run noise (its attention backward is not deterministic); tigon-offload
 tiles its MLP by --curve-tile there (the curve is shorter than an "auto" tile). --tile-tokens fixes the tile of
 the other runs. --deterministic runs torch's deterministic algorithms (SDPA's deterministic flash backward), so
-that curves whose math is the same can be compared bit for bit. --memory-profile records the allocator through
+that curves whose math is the same can be compared bit for bit; the curves run the adapters with dropout
+(--curve-dropout 0.05), so a recompute that drew new masks would show. --memory-profile records the allocator through
 the first timed step (whose time then includes the recording) and lists the blocks live at its peak by the code
 that allocated them (benchmarks/tools/memory_peak.py); --layers N builds N decoder layers instead of 32 (one
 layer's working set is the same).
@@ -58,7 +59,7 @@ def parse_variant(variant):
     return variant.removesuffix("-qlora"), variant.endswith("-qlora")
 
 
-def build(variant, smoke, dev, max_len, tile_tokens="auto", layers=0):
+def build(variant, smoke, dev, max_len, tile_tokens="auto", layers=0, lora_dropout=0.0):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -96,7 +97,7 @@ def build(variant, smoke, dev, max_len, tile_tokens="auto", layers=0):
         tigon.patch(model, **extra)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=lora_dropout, target_modules=TARGETS))
     model.enable_input_require_grads()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
                             fused=dev.type == "cuda")
@@ -111,7 +112,7 @@ def child(variant, a):
     if a.deterministic:  # strict: SDPA's flash backward then runs its deterministic kernel, cuDNN's is not picked
         torch.use_deterministic_algorithms(True)
     seqs = a.seqs
-    model, opt, vocab = build(variant, a.smoke, dev, max(seqs), a.tile_tokens, a.layers)
+    model, opt, vocab = build(variant, a.smoke, dev, max(seqs), a.tile_tokens, a.layers, a.lora_dropout)
     if cuda and a.cap_gib:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
@@ -176,14 +177,16 @@ def slope(rows):
     return b, my - b * mx
 
 
-def run_child(variant, seqs, a, steps=None, new_batches=False, tile_tokens=None):
+def run_child(variant, seqs, a, steps=None, new_batches=False, tile_tokens=None, lora_dropout=None):
     needs = ["peft"] + (["liger_kernel"] if variant.startswith("liger") else []) + (
         ["bitsandbytes"] if parse_variant(variant)[1] else [])
     missing = next((n for n in needs if importlib.util.find_spec(n) is None), None)
     if missing:
         return [dict(variant=variant, skipped=f"{missing} not installed")]
     cmd = ["--child", variant, "--seqs", ",".join(map(str, seqs)), "--steps", str(a.steps if steps is None else steps)]
-    cmd += ["--cap-gib", str(a.cap_gib), "--layers", str(a.layers)] + (["--smoke"] if a.smoke else []) + (
+    cmd += ["--cap-gib", str(a.cap_gib), "--layers", str(a.layers),
+            "--lora-dropout", str(a.lora_dropout if lora_dropout is None else lora_dropout)] + (
+        ["--smoke"] if a.smoke else []) + (
         ["--memory-profile"] if a.memory_profile else []) + (
         ["--new-batches"] if new_batches else []) + ["--tile-tokens", str(tile_tokens or a.tile_tokens)]
     env = os.environ.copy()
@@ -219,8 +222,8 @@ def markdown(rows, a):
                     "before the step):", "", memory_peak.text(r["memory_peak"])]
     curves = [r for r in rows if r.get("curve")]
     if curves:
-        out += ["", f"Loss curves, {a.curve_steps} steps at {a.curve_seq} tokens (tile {a.curve_tile}), against the "
-                "first run's",
+        out += ["", f"Loss curves, {a.curve_steps} steps at {a.curve_seq} tokens (tile {a.curve_tile}, LoRA dropout "
+                f"{a.curve_dropout}), against the first run's",
                 "", "| run | first loss | last loss | max abs difference | steps bit-equal |", "|---|---|---|---|---|"]
         ref = curves[0].get("losses")
         for i, r in enumerate(curves):
@@ -247,6 +250,9 @@ def parse_args(argv=None):
     p.add_argument("--curve-tile", type=int, default=1024, help="tigon-offload's MLP tile in the curves")
     p.add_argument("--tile-tokens", default="auto", help="tigon-offload's MLP tile: auto or tokens")
     p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's 32)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="the adapters' dropout in the length runs")
+    p.add_argument("--curve-dropout", type=float, default=0.05,
+                   help="the adapters' dropout in the curves: the recompute must replay the forward's masks")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms(True) in every run (for curves that can be bit-equal)")
     p.add_argument("--memory-profile", action="store_true",
@@ -280,7 +286,8 @@ def main(argv=None):
         print(json.dumps(rows[-1]), flush=True)
     for v in a.curve_variants.split(",") if a.curve_steps else ():
         rows += [dict(r, curve=True) for r in run_child(v, [a.curve_seq], a, steps=a.curve_steps - 1,
-                                                         new_batches=True, tile_tokens=a.curve_tile)]
+                                                         new_batches=True, tile_tokens=a.curve_tile,
+                                                         lora_dropout=a.curve_dropout)]
         print(json.dumps(rows[-1]), flush=True)
     md = markdown(rows, a)
     print(md)
