@@ -326,3 +326,24 @@ def test_a_copy_of_a_watched_model_decides_for_itself(budget):
     assert auto_offload(twin) is not auto_offload(model)
     tigon.unpatch(twin)
     tigon.unpatch(model)
+
+
+def test_the_card_budget_respects_the_process_cap(monkeypatch):
+    """The budget auto plans against: the free bytes plus what this process reserved and its CUDA context, at most
+    the card (or the cap of torch.cuda.set_per_process_memory_fraction, how a 24 GB card is emulated), less the
+    margin."""
+    from types import SimpleNamespace
+
+    from tigon.memory.plan import CONTEXT_BYTES
+
+    gib = 1 << 30
+    model = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda", 0))]))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
+    margin = auto.AUTO_MARGIN * 80 * gib
+    assert auto._card_budget(model) == int(min(80 * gib, 76 * gib + CONTEXT_BYTES) - margin)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.3)
+    assert auto._card_budget(model) == int(int(0.3 * 80 * gib) + CONTEXT_BYTES - margin)
+    assert auto._card_budget(SimpleNamespace(parameters=lambda: iter([]))) is None
