@@ -144,6 +144,22 @@ def test_a_step_that_fits_nowhere_is_left_alone_and_said_once(budget, caplog):
     tigon.unpatch(model)
 
 
+def test_a_step_whose_checkpoints_the_host_cannot_hold_is_left_alone(budget, caplog, monkeypatch):
+    model = _model()
+    peaks = _peaks(model)
+    budget.bytes = (peaks[4] + peaks[5]) // 2  # keep 4: two layer inputs to host memory
+    layer_bytes = T * model.config.hidden_size * 4  # fp32 on the CPU: no pinned rounding
+    monkeypatch.setattr(offload, "_host_available_bytes", lambda: 2 * layer_bytes - 1)
+    _patch(model)
+    with caplog.at_level(logging.WARNING, logger="tigon"):
+        _step(model, _ids(), _ids())
+    assert not checkpoint_offload_installed(model) and auto_offload(model).decisions == {(1, T): None}
+    said = [r.getMessage() for r in caplog.records if "offload_checkpoints='auto'" in r.getMessage()]
+    assert len(said) == 1 and "moving the checkpoints of 2 layers to host memory needs" in said[0]
+    assert "left as it is" in said[0]
+    tigon.unpatch(model)
+
+
 def test_the_armed_step_is_bitwise_the_unarmed_step(budget):
     base = _model()
     peaks = _peaks(base)

@@ -388,6 +388,30 @@ def test_bad_arguments_name_the_function_and_the_argument():
     assert not checkpoint_offload_installed(model) and _funcs(model) == [None]
 
 
+def test_a_forward_the_host_cannot_hold_is_refused_before_any_copy(monkeypatch, events):
+    """The host memory the offloaded inputs need is checked before the first one leaves the card: too little
+    available is an error naming the need, raised before anything is copied or any parameter changes."""
+    ids, labels = batch()
+    model = _llama(layers=3)
+    model.gradient_checkpointing_enable()
+    install_checkpoint_offload(model, keep_on_card=1)
+    state = {n: p.clone() for n, p in model.named_parameters()}
+    layer_bytes = ids.numel() * model.config.hidden_size * 4  # fp32 tiny model, one input a layer
+    monkeypatch.setattr(offload, "_host_available_bytes", lambda: 2 * layer_bytes - 1)  # two are offloaded
+    with pytest.raises(RuntimeError, match=r"offload_checkpoints: the 2 offloaded layer inputs of this forward need "
+                                           r".* GiB of host memory .* keep more layers on the card"):
+        _step(model, ids, labels)
+    assert events == [] and all(torch.equal(p, state[n]) and p.grad is None for n, p in model.named_parameters())
+    checks = []
+    real = offload._Plan.check_host
+    monkeypatch.setattr(offload._Plan, "check_host", lambda self, x: checks.append(x.shape) or real(self, x))
+    monkeypatch.setattr(offload, "_host_available_bytes", lambda: 2 * layer_bytes)  # enough: trains
+    _step(model, ids, labels)
+    _step(model, ids, labels)
+    assert len(checks) == 4 and offload._host_block_bytes(1000, True) == 1024 == offload._host_block_bytes(1024, True)
+    assert offload._host_block_bytes(1000, False) == 1000
+
+
 def test_a_failed_host_allocation_names_the_argument_and_changes_nothing(monkeypatch):
     ids, labels = batch()
     model = _llama(layers=2)

@@ -7,7 +7,8 @@ CUDA device (never while torch.compile traces), it reads `tigon.memory.plan` for
 (the model's own trainable parameters, as the patch report's plan line) and compares the peak with what the card
 can give (`_card_budget`). If the step does not fit, it arms `install_checkpoint_offload` with the largest
 `keep_on_card` whose planned peak fits, and logs one WARNING that says so; if not even every checkpoint in host
-memory fits, it leaves the job alone and logs the plan's refusal once. The offload's losses and gradients are
+memory fits, or the host's available memory cannot hold the checkpoints it would move, it leaves the job alone
+and logs why once. The offload's losses and gradients are
 HF's bit for bit, so arming changes the step's speed and memory only.
 
 Once armed, a later shape can only move more checkpoints off the card (a smaller keep_on_card), never fewer: a
@@ -163,6 +164,13 @@ class AutoOffload:
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if planned(mid).peak <= budget else (lo, mid)
+        refusal = _host_refusal(model, planned(lo), len(self.layers) - lo)
+        if refusal:
+            if not self.refused:
+                self.refused = True
+                _log.get_logger().warning("%s: a step of %d x %d tokens does not fit the card (%s), and %s; left "
+                                          "as it is", _WHO, batch, seq_len, _gib(budget), refusal)
+            return None
         self._arm(model, lo, f"a training step of {batch} x {seq_len} tokens needs {_gib(full.peak)} on the card, "
                   f"which gives {_gib(budget)} (tigon.memory.plan)", planned(lo).peak)
         return lo
@@ -184,6 +192,20 @@ class AutoOffload:
         _log.get_logger().warning("%s: %s; the checkpointed inputs of all but the last %d of %d layers now wait in "
                                   "pinned host memory (%s planned; losses and gradients unchanged)", _WHO, why, keep,
                                   len(self.layers), _gib(peak))
+
+
+def _host_refusal(model: torch.nn.Module, planned, offloaded: int) -> Optional[str]:
+    """Why the host cannot hold `offloaded` layer inputs of the planned step (each in a buffer of torch's pinned
+    cache), or None when it can or its memory is unknown: the check the offload itself makes at its forward."""
+    available = offload._host_available_bytes()
+    if available is None or offloaded <= 0:
+        return None
+    pinned = any(p.device.type == "cuda" for p in model.parameters())
+    need = offloaded * offload._host_block_bytes(planned.checkpoints_host // offloaded, pinned)
+    if need <= available + (offload._host_cached_free_bytes() if pinned else 0):
+        return None
+    return (f"moving the checkpoints of {offloaded} layers to host memory needs {_gib(need)} there, "
+            f"{_gib(available)} available")
 
 
 def _plan(model: torch.nn.Module, batch: int, seq_len: int):

@@ -18,6 +18,7 @@ copies in order, which is how the bookkeeping is tested without a GPU. docs/memo
 
 import functools
 import weakref
+from typing import Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -158,6 +159,33 @@ class _HostStore:
         return device
 
 
+def _host_available_bytes() -> Optional[int]:
+    """What the host can still give without swapping (Linux's MemAvailable); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _host_block_bytes(nbytes: int, pinned: bool) -> int:
+    """The host bytes one copy of `nbytes` takes: torch's pinned-memory cache rounds a block up to a power of
+    two; a plain CPU tensor takes its size."""
+    return 1 << max(0, (nbytes - 1).bit_length()) if pinned else nbytes
+
+
+def _host_cached_free_bytes() -> int:
+    """Pinned bytes torch's host cache holds but no tensor uses (reused before anything new is pinned)."""
+    try:
+        stats = torch.cuda.host_memory_stats()
+        return max(0, stats.get("reserved_bytes.current", 0) - stats.get("allocated_bytes.current", 0))
+    except (AttributeError, RuntimeError):
+        return 0
+
+
 class _Plan:
     """What every armed layer of one model shares: the store and the budget of inputs kept on the card."""
 
@@ -165,6 +193,28 @@ class _Plan:
         self.store, self.layers = store, layers
         self.keep_on_card, self.keep_on_card_bytes = keep_on_card, keep_on_card_bytes
         self.warned = False
+        self.host_checked = set()  # (layer input bytes, pinned) whose host memory was found sufficient
+
+    def check_host(self, x: torch.Tensor) -> None:
+        """Before the first input of a new size leaves the card: refuse a forward whose offloaded inputs would
+        need more host memory than the host has (pinned memory cannot be swapped; running out midway costs the
+        forward so far, or the process), naming what it needs. Checked once per size."""
+        pinned = x.device.type == "cuda"
+        key = (x.numel() * x.element_size(), pinned)
+        if key in self.host_checked:
+            return
+        count = sum(1 for i in range(self.layers) if not self.keeps(i, x))
+        block = _host_block_bytes(key[0], pinned)
+        need = count * block
+        available = _host_available_bytes()
+        if available is not None and need > available + (_host_cached_free_bytes() if pinned else 0):
+            raise RuntimeError(
+                f"tigon {_ARGUMENT}: the {count} offloaded layer inputs of this forward need {need / 2**30:.2f} GiB "
+                f"of {'pinned ' if pinned else ''}host memory ({key[0]} bytes each"
+                f"{f', {block} in the pinned cache' if block != key[0] else ''}), and the host has "
+                f"{available / 2**30:.2f} GiB available; keep more layers on the card (keep_on_card), shorten the "
+                "sequence, or free host memory (tigon.memory.plan's checkpoints_host predicts the need)")
+        self.host_checked.add(key)
 
     def keeps(self, index: int, x: torch.Tensor) -> bool:
         """Layer `index` keeps its input when it is one of the last `keep_on_card` layers, or when the inputs of
@@ -247,6 +297,8 @@ class _OffloadingCheckpointFunc:
             return function(*args)  # nothing to differentiate: no checkpoint, nothing saved
         store = self.plan.store
         kept = self.plan.keeps(self.index, hidden)
+        if not kept:
+            self.plan.check_host(hidden)
         ticket = store.keep(self.index, hidden) if kept else store.offload(self.index, hidden)
         holder = _Holder(hidden, store)
         out = _checkpoint(function, holder, *args[1:])
