@@ -197,13 +197,13 @@ class AutoOffload:
 def _host_refusal(model: torch.nn.Module, planned, offloaded: int) -> Optional[str]:
     """Why the host cannot hold `offloaded` layer inputs of the planned step (each in a buffer of torch's pinned
     cache), or None when it can or its memory is unknown: the check the offload itself makes at its forward."""
-    available = offload._host_available_bytes()
-    if available is None or offloaded <= 0:
+    if offloaded <= 0:
         return None
     pinned = any(p.device.type == "cuda" for p in model.parameters())
-    need = offloaded * offload._host_block_bytes(planned.checkpoints_host // offloaded, pinned)
-    if need <= available + (offload._host_cached_free_bytes() if pinned else 0):
+    short = offload.host_shortfall(offloaded, planned.checkpoints_host // offloaded, pinned)
+    if short is None:
         return None
+    need, _, available = short
     return (f"moving the checkpoints of {offloaded} layers to host memory needs {_gib(need)} there, "
             f"{_gib(available)} available")
 

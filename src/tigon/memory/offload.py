@@ -186,6 +186,18 @@ def _host_cached_free_bytes() -> int:
         return 0
 
 
+def host_shortfall(count: int, nbytes: int, pinned: bool) -> Optional[tuple]:
+    """(bytes needed, bytes of one buffer, bytes available) when `count` host copies of `nbytes` each do not fit
+    the host's available memory (with the pinned buffers torch caches unused); None when they fit or the host's
+    memory cannot be read. The one rule for the offload's forward and for offload_checkpoints="auto"."""
+    available = _host_available_bytes()
+    block = _host_block_bytes(nbytes, pinned)
+    need = count * block
+    if available is None or need <= available + (_host_cached_free_bytes() if pinned else 0):
+        return None
+    return need, block, available
+
+
 class _Plan:
     """What every armed layer of one model shares: the store and the budget of inputs kept on the card."""
 
@@ -204,10 +216,9 @@ class _Plan:
         if key in self.host_checked:
             return
         count = sum(1 for i in range(self.layers) if not self.keeps(i, x))
-        block = _host_block_bytes(key[0], pinned)
-        need = count * block
-        available = _host_available_bytes()
-        if available is not None and need > available + (_host_cached_free_bytes() if pinned else 0):
+        short = host_shortfall(count, key[0], pinned)
+        if short is not None:
+            need, block, available = short
             raise RuntimeError(
                 f"tigon {_ARGUMENT}: the {count} offloaded layer inputs of this forward need {need / 2**30:.2f} GiB "
                 f"of {'pinned ' if pinned else ''}host memory ({key[0]} bytes each"
