@@ -7,7 +7,7 @@
 #                                             long-context-curves qk-norm-rope
 #
 #   tests       the README's test command, natively: python -m pytest tests -q -n TEST_WORKERS (12), failures named
-#               (tests.log)
+#               (tests.log); TESTS="tests/memory tests/test_optim.py" runs those paths instead of the whole suite
 #   ops         gpu-check without its tests: ceilings and every op benchmark (<gpu>_ops.md, <gpu>_ops.json)
 #   decode      decode: tigon at batch 1 and 8 beside HF static cache + compile at batch 1
 #               (<gpu>_decode.md, <gpu>_decode.json)
@@ -117,7 +117,7 @@ rm -rf "$T" && mkdir -p "$T"
 
 for s in "$@"; do
     case "$s" in
-        tests) step tests 420 python3 -m pytest tests -q -n "${TEST_WORKERS:-12}" -rfE -o cache_dir=/tmp/pytest_cache -p no:randomly \
+        tests) step tests 420 python3 -m pytest ${TESTS:-tests} -q -n "${TEST_WORKERS:-12}" -rfE -o cache_dir=/tmp/pytest_cache -p no:randomly \
                    >"$T/tests.log" 2>&1; grep -E "^(FAILED|ERROR)| (passed|failed)" "$T/tests.log" | tail -n 25 | tee -a "$LOG"; keep "$T/tests.log" tests.log ;;
         ops) step ops 300 "${bench[@]}" gpu-check --no-tests --out "$T/ops" --tag "${GPU}_ops" --budget 280 \
                  >>"$LOG" 2>&1
