@@ -226,7 +226,8 @@ def test_the_checkpoint_sees_the_input_device_for_its_rng_state(monkeypatch):
     model.gradient_checkpointing_enable()
     install_checkpoint_offload(model)
     _step(model, ids, labels)
-    assert len(seen) == 2 and all(devices == [torch.device("cpu")] for devices in seen), seen
+    # one look a layer at least (torch may look again, as it does where CUDA is available); none without a device
+    assert len(seen) >= 2 and all(devices == [torch.device("cpu")] for devices in seen), seen
 
 
 def test_prefetch_of_the_layer_below_is_issued_before_this_layer_recomputes(events):
