@@ -2,20 +2,26 @@
 
 PEFT's lora.Linear computes the base output, then per adapter a [T, out] product, a [T, out] multiply by the
 scaling and a [T, out] add (with fp32 adapters, PEFT's default, also an fp32 copy of x and a cast of the sum back):
-passes over [T, out] and [T, in] that move more bytes than the adapter GEMMs themselves. Here the base GEMM
-writes `out` once and each adapter adds into it in the epilogue of one cuBLAS call
-(out.addmm_(xa, B^T, alpha=s)). Forward keeps x and the small xa = x A^T [T, r] only. Backward:
-gb = g B [T, r]; dx = g W, then dx.addmm_(gb, A, alpha=s) into the same [T, in] output; dA = s gb^T x and
-dB = s g^T xa (fp32 outputs for fp32 adapters); dW = g^T x only when the base weight wants a gradient.
+passes over [T, out] and [T, in] that move more bytes than the adapter GEMMs themselves. Here the adapters go
+first: the first adapter's GEMM writes s xa B^T (+ b) into a new `out` (xa = drop(x) A^T [T, r]), the others add
+into it (out.addmm_(xa, B^T, alpha=s)), and the base GEMM comes last, out.addmm_(x, W^T): it reads `out` in its
+epilogue (beta = 1) while it is compute-bound, so the one exposed [T, out] pass is the small GEMM's write (adding
+the adapters after the base GEMM instead read and rewrote all of `out`). Forward keeps x and xa only. Backward,
+the same order: gb = g B [T, r]; the adapters' dx s gb A summed into a new [T, in] tensor, then dx.addmm_(g, W);
+dA = s gb^T x and dB = s g^T xa (fp32 outputs for fp32 adapters); dW = g^T x only when the base weight wants a
+gradient.
 
 All GEMMs run in x's dtype (cuBLAS, fp32 accumulation); adapter weights of another dtype (PEFT's fp32 adapters
-on a bf16 base) are cast to it, a [r, in] + [out, r] copy. Dropout p > 0: adapter i's input is
-torch.native_dropout(x, p_i) (drawn in adapter order); the dropped x and its bool mask are kept for backward
-(3 bytes a [T, in] element, x itself is then not kept for a frozen base).
+on a bf16 base) are cast to it, a [r, in] + [out, r] copy. Rounding: out is one rounding to x's dtype of the fp32
+accumulation x W^T + S, S the adapters' part (with the bias) already rounded to x's dtype (once per adapter
+added); x W^T is never rounded on its own (adding the adapters last rounded x W^T + b first). dx likewise: one
+rounding of g W + the adapters' dx, itself rounded once per adapter. Dropout p > 0: adapter i's input is
+torch.native_dropout(x, p_i) (drawn in adapter order, each before its GEMM); the dropped x and its bool mask are
+kept for backward (3 bytes a [T, in] element, x itself is then not kept for a frozen base).
 
 lora_add (the second half of this file) is the adapter part alone, over a base output the caller computed (PEFT's
-bitsandbytes layers): the same forward and backward helpers; it allocates its result rather than writing base_out
-(why: docs/ops/lora.md, "lora_add"). Math and byte model: docs/ops/lora.md.
+bitsandbytes layers): the same forward and backward helpers; the first adapter's GEMM reads base_out and writes a
+new result, base_out is never written (why: docs/ops/lora.md, "lora_add"). Math and byte model: docs/ops/lora.md.
 """
 
 import math
@@ -49,56 +55,64 @@ def _mm(a, b, dtype):
     return a.to(dtype) @ b.to(dtype)  # CPU: no mixed-dtype GEMM; upcast the operands
 
 
-def _add_adapters(out, x, lora_a, lora_b, scaling, dropout_p, fresh):
-    """Adds sum_i s_i drop_i(x) A_i^T B_i^T into out [T, out]: in place when `fresh` (out is the op's own base GEMM
-    output), else the first adapter's torch.addmm allocates the result (out is the caller's tensor, left as it was).
-    Returns (result, xa per adapter [T, r], dropped x per adapter (empty where p == 0), mask per adapter (empty
-    where p == 0))."""
+def _adapters(x, lora_a, lora_b, scaling, dropout_p, base):
+    """base + sum_i s_i drop_i(x) A_i^T B_i^T [T, out] in a new tensor: the first adapter's GEMM writes it (base,
+    an [out] bias or the caller's [T, out] output, added in that GEMM's epilogue and never written; None: beta = 0),
+    the others add into it in place. Returns (the sum, None without adapters; xa per adapter [T, r]; dropped x per
+    adapter (empty where p == 0); mask per adapter (empty where p == 0))."""
     dt = x.dtype
-    xas, dropped, masks = [], [], []
+    out, xas, dropped, masks = None, [], [], []
     for a, b, s, p in zip(lora_a, lora_b, scaling, dropout_p):
-        if p > 0:
+        if p > 0:  # drawn in adapter order, each right before its use
             xin, mask = torch.native_dropout(x, p, True)
         else:
             xin, mask = x, None
         xa = xin @ a.to(dt).t()
-        if fresh:
-            out.addmm_(xa, b.to(dt).t(), alpha=s)  # the scaled adapter product lands in the base GEMM's output
-        else:
-            out, fresh = torch.addmm(out, xa, b.to(dt).t(), alpha=s), True
+        bt = b.to(dt).t()
+        if out is not None:
+            out.addmm_(xa, bt, alpha=s)
+        elif base is not None:
+            out = torch.addmm(base, xa, bt, alpha=s)
+        else:  # beta=0: the 0-dim input is never read (no fill kernel); the scale lands in the fp32 epilogue
+            out = torch.addmm(x.new_empty(()), xa, bt, beta=0, alpha=s)
         xas.append(xa)
         dropped.append(x.new_empty(0) if mask is None else xin)
         masks.append(x.new_empty(0, dtype=torch.bool) if mask is None else mask)
-    return (out if fresh else out.clone()), xas, dropped, masks
+    return out, xas, dropped, masks
 
 
 def _forward(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
-    """x [T, in] -> (out [T, out], xas, dropped, masks) as _add_adapters."""
-    out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
-    return _add_adapters(out, x, lora_a, lora_b, scaling, dropout_p, True)
+    """x [T, in] -> (out [T, out], xas, dropped, masks) as _adapters: the adapters' sum (with the bias) first, then
+    the base GEMM adds x W^T into it in its epilogue (beta = 1)."""
+    out, xas, dropped, masks = _adapters(x, lora_a, lora_b, scaling, dropout_p, bias)
+    if out is None:
+        out = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+    else:
+        out.addmm_(x, weight.t())
+    return out, xas, dropped, masks
 
 
 def _inference(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
     return _forward(x, weight, bias, lora_a, lora_b, scaling, dropout_p)[0]
 
 
-def _adapter_backward(g, x, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, dx, need_x, need_ab):
-    """The adapters' part of backward: their dx added into `dx` (or a new [T, in] tensor when dx is None and
-    need_x), and [dA_i], [dB_i] (None where not asked). Returns (dx, das, dbs)."""
+def _adapter_backward(g, x, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_x, need_ab):
+    """The adapters' part of backward: their dx summed into a new [T, in] tensor (None when not need_x or without
+    adapters), and [dA_i], [dB_i] (None where not asked). Returns (dx, das, dbs)."""
     dt = g.dtype
-    das, dbs = [], []
+    dx, das, dbs = None, [], []
     for a, b, xa, xd, mask, s, p, need in zip(lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_ab):
         gb = g @ b.to(dt)  # [T, r]
         if need_x:
             c = s / (1 - p) if p > 0 else s  # d drop(x)/dx = mask / (1 - p)
-            if dx is None:  # beta=0: the 0-dim input is ignored; the scale lands in the GEMM's fp32 epilogue
-                dx = torch.addmm(g.new_zeros(()), gb, a.to(dt), beta=0, alpha=c)
+            if dx is None:  # beta=0 as in _adapters: a new [T, in] tensor, the scale in the fp32 epilogue
+                dx = torch.addmm(g.new_empty(()), gb, a.to(dt), beta=0, alpha=c)
                 if p > 0:
                     dx.mul_(mask)
             elif p > 0:
                 dx.addcmul_(gb @ a.to(dt), mask, value=c)
             else:
-                dx.addmm_(gb, a.to(dt), alpha=s)  # the adapter's dx added in the same [T, in] output
+                dx.addmm_(gb, a.to(dt), alpha=s)
         das.append(_mm(gb.t(), xd if p > 0 else x, a.dtype).mul_(s) if need else None)
         dbs.append(_mm(g.t(), xa, b.dtype).mul_(s) if need else None)
     return dx, das, dbs
@@ -106,10 +120,11 @@ def _adapter_backward(g, x, lora_a, lora_b, xas, dropped, masks, scaling, dropou
 
 def _backward(g, x, weight, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_x, need_w, need_bias,
               need_ab):
-    """Returns (dx, dW, db, [dA_i], [dB_i]); None where not asked. x may be empty when nothing reads it."""
-    dx = g @ weight if need_x else None
-    dx, das, dbs = _adapter_backward(g, x, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, dx, need_x,
-                                     need_ab)
+    """Returns (dx, dW, db, [dA_i], [dB_i]); None where not asked. x may be empty when nothing reads it. dx: the
+    adapters' part first, then the base GEMM adds g W into it in its epilogue (beta = 1)."""
+    dx, das, dbs = _adapter_backward(g, x, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_x, need_ab)
+    if need_x:
+        dx = g @ weight if dx is None else dx.addmm_(g, weight)
     dw = _mm(g.t(), x, weight.dtype) if need_w else None
     db = g.sum(0, dtype=torch.float32).to(weight.dtype) if need_bias else None
     return dx, dw, db, das, dbs
@@ -343,7 +358,9 @@ ADD_OP = "tigon.ops.lora_add"
 
 
 def _add_forward(base_out, x, lora_a, lora_b, scaling, dropout_p):
-    return _add_adapters(base_out, x, lora_a, lora_b, scaling, dropout_p, False)
+    """(a new out [T, out], xas, dropped, masks): base_out is read by the first adapter's GEMM, never written."""
+    out, xas, dropped, masks = _adapters(x, lora_a, lora_b, scaling, dropout_p, base_out)
+    return (base_out.clone() if out is None else out), xas, dropped, masks
 
 
 def _saved_fakes(x, lora_a, dropout_p):
@@ -373,8 +390,7 @@ def lora_add_bwd(g: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], l
                  dropout_p: list[float], need_x: bool, need_ab: list[bool]
                  ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """The adapters' gradients (dx, dA_i, dB_i), each empty where not asked; base_out's is g itself."""
-    dx, das, dbs = _adapter_backward(g, x, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, None, need_x,
-                                     need_ab)
+    dx, das, dbs = _adapter_backward(g, x, lora_a, lora_b, xas, dropped, masks, scaling, dropout_p, need_x, need_ab)
     return _empty_or(dx, g), [_empty_or(d, g) for d in das], [_empty_or(d, g) for d in dbs]
 
 
@@ -422,7 +438,7 @@ def _add_grads(ctx, g, op_path):
                                                     ctx.dropout_p, need_x, need_ab)
     else:
         dx, das, dbs = _adapter_backward(g, x, lora_a, lora_b, xas, dropped, masks, ctx.scaling, ctx.dropout_p,
-                                         None, need_x, need_ab)
+                                         need_x, need_ab)
     return (g if need_base else None, dx if need_x else None, [d if k else None for d, k in zip(das, need_ab)],
             [d if k else None for d, k in zip(dbs, need_ab)])
 
