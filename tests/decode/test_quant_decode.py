@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tigon
+from tests.decode.test_prefill_graph import graphs  # noqa: F401 (a fixture: CPU stand-ins for the CUDA graphs)
 from tests.hf._tiny import batch, op_calls, prompt_ids, tiny_model
 from tigon import ops
 from tigon.memory import RollingKVCache
@@ -44,9 +45,10 @@ def _greedy(model, ids, new, **kw):
         return model.generate(ids, max_new_tokens=new, do_sample=False, **kw)
 
 
-def _launches(prefill_rows_calls, steps, per_layer):
-    """quant_linear calls of a tigon.generate: the prefill's module forwards, then `per_layer` a decode step."""
-    return prefill_rows_calls + steps * LAYERS * per_layer
+def _launches(per_layer, steps, prefill_per_layer=None):
+    """quant_linear calls of a tigon.generate: `per_layer` a layer in the fused prefill (`prefill_per_layer` where
+    it differs) and in each decode step (the same launches: stacked where the layouts stack)."""
+    return LAYERS * (per_layer if prefill_per_layer is None else prefill_per_layer) + steps * LAYERS * per_layer
 
 
 @pytest.mark.parametrize("model_type,fmt", [("llama", "int4"), ("llama", "fp8"), ("qwen2", "int4")],
@@ -59,13 +61,13 @@ def test_generate_runs_the_fused_quantized_step(model_type, fmt, reference_path)
     want = _greedy(ref, ids, 4)
     before = op_calls("quant_linear")
     got = tigon.generate(patched, ids, max_new_tokens=4, cuda_graph=False)
-    # the prefill runs the layers' forwards (7 QuantLinear GEMMs a layer), each of 3 decode steps 4 launches
-    assert op_calls("quant_linear") - before == _launches(7 * LAYERS, 3, 4)
+    # the fused prefill and each of 3 decode steps: 4 launches a layer (q|k|v and gate|up stacked)
+    assert op_calls("quant_linear") - before == _launches(4, 3)
     assert torch.equal(got, want)
     # HF's own generate over a RollingKVCache on the patched model: the same step
     before = op_calls("quant_linear")
     got = _greedy(patched, ids, 4, past_key_values=RollingKVCache(patched.config, batch_size=2, capacity=16))
-    assert op_calls("quant_linear") - before == _launches(7 * LAYERS, 3, 4)
+    assert op_calls("quant_linear") - before == _launches(4, 3)
     assert torch.equal(got, want)
 
 
@@ -81,8 +83,8 @@ def test_layouts_that_do_not_stack_launch_apart(reference_path):
     ids = prompt_ids(1, 5)
     before, glu = op_calls("quant_linear"), op_calls("swiglu")
     got = tigon.generate(patched, ids, max_new_tokens=3, cuda_graph=False)
-    assert op_calls("quant_linear") - before == _launches(7 * LAYERS, 2, 3 + 1 + 2 + 1)
-    assert op_calls("swiglu") - glu == LAYERS * 3  # the prefill's module GLU and each decode step's glu_rows
+    assert op_calls("quant_linear") - before == _launches(3 + 1 + 2 + 1, 2)
+    assert op_calls("swiglu") - glu == LAYERS * 3  # the prefill's and each decode step's glu_rows
     assert torch.equal(got, _greedy(ref, ids, 3))
 
 
@@ -130,7 +132,7 @@ def test_interpreted_kernels_decode_int4():
     want = _greedy(ref, ids, 3)
     before = ops.dispatch_counts[("quant_linear", "triton")]
     got = tigon.generate(patched, ids, max_new_tokens=3, cuda_graph=False)
-    assert ops.dispatch_counts[("quant_linear", "triton")] - before == _launches(7 * LAYERS, 2, 4)
+    assert ops.dispatch_counts[("quant_linear", "triton")] - before == _launches(4, 2)
     assert torch.equal(got, want)
 
 
@@ -227,7 +229,7 @@ def test_nf4_checkpoint_adopted_by_patch_and_put_back_by_unpatch(nf4_path, refer
         assert type(model.model.layers[0].self_attn.q_proj) is QuantLinear
         before = op_calls("quant_linear")
         got = tigon.generate(model, ids, max_new_tokens=4, cuda_graph=False)
-        assert op_calls("quant_linear") - before == _launches(7 * LAYERS, 3, 4)
+        assert op_calls("quant_linear") - before == _launches(4, 3)
     finally:
         tigon.unpatch(model)
     assert torch.equal(got, want)
@@ -267,7 +269,7 @@ def test_qlora_model_generates_fused_and_trains_as_unpatched(nf4_path, reference
         tigon.patch(model, quantized=True)
         before, adds = op_calls("quant_linear"), op_calls("lora_add")
         got = tigon.generate(model, gen_ids, max_new_tokens=4, cuda_graph=False)
-        assert op_calls("quant_linear") - before == _launches(7 * LAYERS, 3, 4)
+        assert op_calls("quant_linear") - before == _launches(4, 3)
         assert op_calls("lora_add") - adds == 7 * LAYERS * 4  # every adapter, the prefill's and each step's
     finally:
         tigon.unpatch(model)
@@ -287,7 +289,7 @@ def test_gpu_bf16_quantized_decode_close_to_hf(fmt):
     want = _greedy(ref, ids, 3)
     before = ops.dispatch_counts[("quant_linear", "triton")]
     got = tigon.generate(patched, ids, max_new_tokens=3, cuda_graph=False)
-    assert ops.dispatch_counts[("quant_linear", "triton")] - before == _launches(7 * LAYERS, 2, 4)
+    assert ops.dispatch_counts[("quant_linear", "triton")] - before == _launches(4, 2)
     assert torch.equal(got[:, :9], want[:, :9])
     # the first new token: Tigon's fused bf16 norms and attention round apart from HF's eager modules, so on this
     # random-init model a near tie may go either way; the token taken must be within bf16 rounding of HF's best
@@ -297,3 +299,45 @@ def test_gpu_bf16_quantized_decode_close_to_hf(fmt):
     assert (gap <= 2 ** -6 * logits.abs().max(-1).values).all(), (gap, got[:, 9], want[:, 9])
     assert torch.equal(tigon.generate(patched, ids, max_new_tokens=12, cuda_graph=False),
                        tigon.generate(patched, ids, max_new_tokens=12))
+
+
+@pytest.mark.parametrize("model_type,fmt", [("llama", "int4"), ("llama", "fp8"), ("qwen3", "int4")],
+                         ids=["int4", "fp8", "int4-qk-norm"])
+def test_quantized_prefill_records_and_replays_a_graph(graphs, model_type, fmt, reference_path):  # noqa: F811
+    """A quantized model's first prompt chunk runs the fused prefill step on every layer, so tigon.generate records
+    it (the CPU stand-in for the CUDA graph) and replays it for a prompt of the same bucket; tokens equal the module
+    forwards' (Qwen3: the q/k norms over the stacked launch's query rows, the last real row kept)."""
+    from tests.decode.test_prefill_graph import SMALL, _ids
+
+    ref = _quantized(model_type, fmt)
+    patched = copy.deepcopy(ref)
+    tigon.patch(patched)
+    for p, seed, how in ((6, 1, "recorded"), (5, 2, "replayed")):
+        ids = _ids(2, p, seed)
+        got, stats = tigon.generate(patched, ids, max_new_tokens=2, return_stats=True, settings=SMALL)
+        assert stats["prefill_graph"] == how
+        assert torch.equal(got, _greedy(ref, ids, 2))
+    tigon.decode.release(patched)
+
+
+def test_gpu_quantized_prefill_replays_as_the_eager_one():
+    """A real CUDA graph over a quantized model's prefill (quant_linear's dequantize-then-cuBLAS path from 256
+    rows): a recorded call, then replays of other prompts in its bucket, greedy tokens equal to the eager
+    prefill's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from tigon.decode import DecodeSettings
+
+    model = tiny_model("llama", attn_implementation="sdpa", max_position_embeddings=512).eval()
+    model = model.to("cuda", torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model = quantize(model, "int4", group_size=32)
+    tigon.patch(model)
+    off = DecodeSettings(prefill_graphs=0)
+    for p, how in ((300, "recorded"), (290, "replayed"), (40, "recorded")):
+        ids = torch.randint(1, 131, (1, p), generator=torch.Generator().manual_seed(p)).cuda()
+        got, stats = tigon.generate(model, ids, max_new_tokens=4, return_stats=True, settings=DecodeSettings())
+        want = tigon.generate(model, ids, max_new_tokens=4, settings=off)
+        assert stats["prefill_graph"] == how and torch.equal(got, want), p
+    tigon.decode.release(model)

@@ -37,8 +37,9 @@ as before. (Fusing RoPE and the cache write into the q/k/v projection measured s
 
 Quantized layers (every projection a `tigon.quant.QuantLinear`, from `tigon.quantize` or adopted from a checkpoint
 by `tigon.patch`, or a PEFT LoRA layer around one) run `_quantized_step`: the same step on `quant_linear` launches
-over weights stacked once a layer (`tigon.quant.stack`), biases allowed; their prefill runs the layer's forward,
-whose QuantLinear modules call quant_linear's GEMM.
+over weights stacked once a layer (`tigon.quant.stack`), biases allowed; their first prompt chunk runs
+`prefill_layer_step` on the same launches (quant_linear's GEMM at prefill rows: from 256 rows on a GPU it
+dequantizes each weight once and runs cuBLAS), so a recorded prefill (`prefill_graph`) covers them too.
 """
 
 import contextlib
@@ -199,11 +200,13 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     window = sliding_window_of(attn)
     if ring.seen != 0 or t > ring.ring or b > ring.batch_size or (window and t > window):
         return None  # a later chunk, a chunk past the ring or the window: HF's masks are needed
-    found = _weights(layer, hidden_states.dtype)
-    if found is None or not hidden_states.is_contiguous() or not _rotary_ok(position_embeddings, b, t, attn.head_dim,
-                                                                           hidden_states.device):
+    if not hidden_states.is_contiguous() or not _rotary_ok(position_embeddings, b, t, attn.head_dim,
+                                                           hidden_states.device):
         return None
-    _, gate, up, down, act = found
+    found = _weights(layer, hidden_states.dtype)
+    quantized = _quantized(layer, hidden_states.dtype) if found is None else None
+    if found is None and quantized is None:
+        return None
 
     last_only = past_key_values.last_position_only and idx == len(past_key_values.layers) - 1
     # The norms and the GLU through their unchecked row entries: `_weights` checked the modules and dtypes,
@@ -213,9 +216,18 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
     h, _ = rms_norm_rows(hidden_states.view(rows, -1), ln1.weight, ln1.eps)
     shape = (b, t, -1, attn.head_dim)  # of each [rows, N] projection of h
     residual = hidden_states.view(rows, -1)
+    if quantized is not None:  # every plan before the ring is written (None: the layer's own forward)
+        stack, plans, act = quantized
+        plans = [_adapters(group, h) for group in plans]
+        if any(p is None for p in plans):
+            return None
+        q_all, k, v = (y.view(shape) for y in _outputs(stack.qkv, h, plans[0]))
+    else:
+        _, gate, up, down, act = found
+        q_all = None
+        k = F.linear(h, attn.k_proj.weight).view(shape)
+        v = F.linear(h, attn.v_proj.weight).view(shape)
     cos, sin = position_embeddings
-    k = F.linear(h, attn.k_proj.weight).view(shape)
-    v = F.linear(h, attn.v_proj.weight).view(shape)
     key_mask = None
     if last_only:  # one query row a sequence: RoPE at the last position, attention over every key (no mask)
         real = past_key_values.prefill_rows
@@ -230,7 +242,10 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
 
             key_mask = torch.arange(t, device=real.device) < real
         residual = pick(hidden_states).view(b, -1)
-        q = F.linear(pick(h.view(b, t, -1)).view(b, -1), attn.q_proj.weight).view(b, 1, -1, attn.head_dim)
+        if q_all is None:
+            q = F.linear(pick(h.view(b, t, -1)).view(b, -1), attn.q_proj.weight).view(b, 1, -1, attn.head_dim)
+        else:  # the stacked launch computed every row's query, as the module forward does; the last one is kept
+            q = pick(q_all)
         if has_qk_norm(attn):
             q, k = attn.q_norm(q), attn.k_norm(k)
         keys, values, _ = ring.prefill_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin)
@@ -238,12 +253,15 @@ def prefill_layer_step(layer, hidden_states, attention_mask, past_key_values, po
         q, _ = ops.apply_rope(q, q, pick(cos), pick(sin))
         rows = b
     else:
-        q = F.linear(h, attn.q_proj.weight).view(shape)
+        q = F.linear(h, attn.q_proj.weight).view(shape) if q_all is None else q_all
         if has_qk_norm(attn):  # Qwen3: RMSNorm on the head dim before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         keys, values, q = ring.prefill_rope(k.transpose(1, 2), v.transpose(1, 2), cos, sin, q.transpose(1, 2))
     out = _causal_attention(attn, q, keys, values, key_mask)
     past_key_values.fused_prefill_layers += 1
+    if quantized is not None:
+        y = _quantized_tail(stack, plans[1:], act, out.reshape(rows, -1), residual.contiguous(), ln2)
+        return y.view(b, rows // b, -1)
     o = F.linear(out.reshape(rows, -1), attn.o_proj.weight)
     normed, h2 = rms_norm_rows(o, ln2.weight, ln2.eps, residual=residual.contiguous())
     # the MLP's inference forward without its four module calls: the same GEMMs and GLU kernel
@@ -373,9 +391,16 @@ def _quantized_step(layer, attn, ring, hidden_states, attention_mask, position_e
     plans = [_adapters(group, h1) for group in modules]
     if any(p is None for p in plans):
         return None
-    qkv_a, o_a, gate_up_a, down_a = plans
-    q, k, v = _outputs(stack.qkv, h1, qkv_a)
+    q, k, v = _outputs(stack.qkv, h1, plans[0])
     out = _attend(attn, ring, q, k, v, attention_mask, position_embeddings)
+    return _quantized_tail(stack, plans[1:], act, out, x, ln2).view_as(hidden_states)
+
+
+def _quantized_tail(stack, plans, act, out, x, ln2):
+    """A quantized layer after its attention, `[rows, hidden]` out: o_proj with the residual x added, the second
+    norm, the GLU MLP and down_proj with its residual; `plans` the o, gate/up and down groups' adapters
+    (`_adapters`). Rows are a decode step's or a prefill's (quant_linear picks its kernel by the row count)."""
+    o_a, gate_up_a, down_a = plans
     if o_a[0] is None:
         w, bias = stack.o.weights[0]
         h = ops.quant_linear(out, w, bias=bias, residual=x)
@@ -393,7 +418,7 @@ def _quantized_step(layer, attn, ring, hidden_states, attention_mask, position_e
         y = ops.quant_linear(m, w, bias=bias, residual=h)
     else:
         y = h + _outputs(stack.down, m, down_a)[0]
-    return y.view_as(hidden_states)
+    return y
 
 
 LAYER_STEP = "_tigon_layer_step"  # the key fused_prenorm_decoder_forward reads in the layer's __dict__
