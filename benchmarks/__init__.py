@@ -34,6 +34,7 @@ BENCHMARKS = (
     "benchmarks.training.bench_sft_packed",
     "benchmarks.training.bench_training_attention",
     "benchmarks.training.bench_attention_backends",
+    "benchmarks.training.attention_rule",
     "benchmarks.training.sweep_flex",
     "benchmarks.generation.bench_decode",
     "benchmarks.generation.bench_decode_ops",
