@@ -1,8 +1,13 @@
 """quant_linear against a bf16 matmul at Llama-3-8B projection shapes, as % of the weight-read bound.
 
 For each shape (qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096 with the SiLU GLU, down 4096 x 14336), each
-weight kind and each row count (1 and 8: decode; 512: prefill), the time of `tigon.ops.quant_linear` (median of
-triton.testing.do_bench) and of `x @ W.T` on the same weight in bf16. The byte model of one call: the weight's
+weight kind and each row count (1 and 8: decode; 512: prefill), the time of `tigon.ops.quant_linear` and of
+`x @ W.T` on the same weight in bf16. Prefill rows: the median of triton.testing.do_bench. Decode rows (M <= 16)
+run as in a decode step: replayed from a CUDA graph (triton.testing.do_bench_cudagraph, median), the call made on
+one of several copies of the weight in turn, enough copies to pass GRAPH_BYTES (4x an H100's or H200's 50 MiB L2)
+so that each call reads its weight from memory as a step's layers do; the time is the graph's over the copies. A
+decode-sized call takes a few microseconds of GPU time against ~15-20 of host launch time, so do_bench's
+launch-by-launch timing measures the host there. The byte model of one call: the weight's
 `QuantizedWeight.nbytes` (packed data, scales, zeros, perm) plus x and y; the bound is those bytes at the copy
 ceiling measured in the same run (a device-to-device copy of a 1 GiB buffer: 2 GiB moved), and `pct_of_bound` is
 bound time / measured time. Prefill rows report TFLOP/s as well (2 M N K flops), and the tensor-core GEMM's time
@@ -57,6 +62,10 @@ def make_weight(kind, N, K, dtype, device, gen):
     return QuantizedWeight(qkind, pack_int4(codes), scales, z, G, (N, K), dtype)
 
 
+GRAPH_BYTES = 200 << 20  # weight bytes a decode-row graph cycles through: 4x a 50 MiB L2
+GRAPH_MAX_COPIES = 32
+
+
 def timer(device, smoke):
     """ms of one call: triton.testing.do_bench's median on a GPU, one timed call after a warm-up on the CPU."""
     if not smoke:
@@ -81,12 +90,42 @@ def copy_ceiling_gbps(device, smoke, bench):
     return 2 * n / (ms * 1e-3) / 1e9
 
 
-def measure(bench, ceiling, x, qw, w16, act, sweep) -> dict:
-    """One row: quant_linear (the default launch, or the best of SWEEP) and x @ w16.T, timed and checked."""
+def copies_for(nbytes: int) -> int:
+    """How many copies of an `nbytes` weight a decode-row graph cycles through: GRAPH_BYTES at least, 2..32."""
+    return max(2, min(GRAPH_MAX_COPIES, -(-GRAPH_BYTES // nbytes)))
+
+
+def graph_timer(copies_of, key):
+    """A timer for decode rows: bench(call, weight) runs call(w) on each w of `copies_of(key(weight))` in turn
+    inside one CUDA graph; ms per call (the graph's median over the copies)."""
+    import triton
+
+    def bench(call, weight):
+        ws = copies_of(key(weight))
+
+        def step():
+            for w in ws:
+                call(w)
+
+        step()  # compiles and allocates outside the capture
+        return triton.testing.do_bench_cudagraph(step, rep=50, return_mode="median") / len(ws)
+
+    return bench
+
+
+def measure(bench, ceiling, x, qw, w16, act, sweep, graph_bench=None) -> dict:
+    """One row: quant_linear (the default launch, or the best of SWEEP) and x @ w16.T, timed and checked. With
+    `graph_bench` (decode rows on a GPU) both are timed from a CUDA graph over copies of the weight."""
     from tigon.ops import QuantLinearConfig, quant_linear
     from tigon.ops.quant_linear import quant_linear_reference
 
     (M, K), N = x.shape, qw.shape[0]
+    if graph_bench is not None:
+        def timed(fn_of_w, w):
+            return graph_bench(fn_of_w, w)
+    else:
+        def timed(fn_of_w, w):
+            return bench(lambda: fn_of_w(w))
     n_out = N // 2 if act else N
     io_bytes = (M * K + M * n_out) * x.element_size()
     moved = qw.nbytes + io_bytes
@@ -94,7 +133,7 @@ def measure(bench, ceiling, x, qw, w16, act, sweep) -> dict:
     grid = SWEEP_GEMV if M == 1 else SWEEP_DECODE if M <= 16 else SWEEP_PREFILL
     for cfg in [None] + ([QuantLinearConfig(**c) for c in grid] if sweep else []):
         try:
-            ms = bench(lambda cfg=cfg: quant_linear(x, qw, activation=act, config=cfg))
+            ms = timed(lambda w, cfg=cfg: quant_linear(x, w, activation=act, config=cfg), qw)
         except Exception as e:  # a swept config the GPU cannot run (shared memory): a note, not a stop
             print(f"  M={M} {cfg}: {type(e).__name__}", file=sys.stderr)
             continue
@@ -104,7 +143,7 @@ def measure(bench, ceiling, x, qw, w16, act, sweep) -> dict:
     got = quant_linear(x, qw, activation=act, config=cfg)
     want = quant_linear_reference(x, qw, activation=act)
     rel = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
-    bf16_ms = bench(lambda: x @ w16.T)
+    bf16_ms = timed(lambda w: x @ w.T, w16)
     # prefill rows: the tensor-core GEMM too (the default at these rows dequantizes, then runs cuBLAS)
     mm_ms = bench(lambda: quant_linear(x, qw, activation=act, config=QuantLinearConfig(dequant_min_rows=0))) \
         if M > 16 else None
@@ -113,7 +152,8 @@ def measure(bench, ceiling, x, qw, w16, act, sweep) -> dict:
                 bytes=moved, bound_ms=bound_ms, pct_of_bound=100 * bound_ms / ms, bf16_ms=bf16_ms,
                 bf16_pct_of_bound=100 * (w16.numel() * 2 + io_bytes) / (ceiling * 1e9) * 1e3 / bf16_ms,
                 speedup_vs_bf16=bf16_ms / ms, mm_kernel_ms=mm_ms, tflops=2 * M * N * K / (ms * 1e-3) / 1e12,
-                max_rel_err_vs_reference=rel, config=None if cfg is None else dataclasses.asdict(cfg))
+                max_rel_err_vs_reference=rel, config=None if cfg is None else dataclasses.asdict(cfg),
+                timing="cuda graph over weight copies" if graph_bench is not None else "do_bench")
 
 
 def run(args) -> dict:
@@ -132,7 +172,14 @@ def run(args) -> dict:
             qw = make_weight(kind, N, K, dtype, device, gen)
             for M in rows_list:
                 x = torch.randn(M, K, generator=gen, device=device).to(dtype)
-                row = measure(bench, ceiling, x, qw, w16, act, args.sweep)
+                graph = None
+                if device.type == "cuda" and M <= 16:  # a decode-sized call: timed as a decode step runs it
+                    copies = {id(qw): [qw] + [make_weight(kind, N, K, dtype, device, gen)
+                                              for _ in range(copies_for(qw.nbytes) - 1)],
+                              id(w16): [w16] + [torch.randn_like(w16) for _ in range(copies_for(w16.nbytes) - 1)]}
+                    graph = graph_timer(copies.__getitem__, id)
+                row = measure(bench, ceiling, x, qw, w16, act, args.sweep, graph)
+                graph = copies = None
                 row.update(shape=shape, kind=kind)
                 rows.append(row)
                 print(f"{shape:8s} {kind:11s} M={M:<4d} {row['ms'] * 1e3:9.1f} us {row['gbps']:7.0f} GB/s "
