@@ -31,8 +31,8 @@
 #   qlora       lora's QLoRA rows (NF4 decoder projections; needs bitsandbytes): liger / tigon (<gpu>_qlora.md)
 #   moe         moe: one Qwen3-30B-A3B experts block, HF eager / grouped_mm / tigon (<gpu>_moe.md)
 #   lora        lora: the 8B PEFT LoRA job (checkpointing, 2 x 4096), liger / tigon-nolora / tigon (<gpu>_lora.md)
-#   lora-autocast  the same job's forward under bf16 autocast (the Trainer's bf16=True), liger / tigon
-#               (<gpu>_lora_autocast.md)
+#   lora-autocast  the same job's forward under bf16 autocast (the Trainer's bf16=True), liger / tigon / tigon-kept
+#               (every layer without the recompute) (<gpu>_lora_autocast.md)
 #   long-context long-context --variants liger,tigon,tigon-offload --seqs 16384,65536: the 8B LoRA job's peak and
 #               step time per length beside Liger's (<gpu>_long_context.md, .json)
 #   long-context-curves long-context --curve-steps 30 --deterministic: 30-step loss curves of tigon, the offload and
@@ -193,7 +193,7 @@ for s in "$@"; do
             keep "$T/qlora/lora.md" "${GPU}_qlora.md" ;;
         lora) step lora 300 "${bench[@]}" lora --out "$T/lora" --steps 4 --timeout 95 >>"$LOG" 2>&1
             keep "$T/lora/lora.md" "${GPU}_lora.md" ;;
-        lora-autocast) step lora-autocast 220 "${bench[@]}" lora --autocast --variants liger,tigon \
+        lora-autocast) step lora-autocast 300 "${bench[@]}" lora --autocast --variants liger,tigon,tigon-kept \
                            --out "$T/lora_autocast" --steps 4 --timeout 100 >>"$LOG" 2>&1
             keep "$T/lora_autocast/lora.md" "${GPU}_lora_autocast.md" ;;
         long-context) step long-context 420 "${bench[@]}" long-context --variants liger,tigon,tigon-offload \

@@ -4,7 +4,9 @@ seven projections (lora_dropout 0, fp32 adapters: get_peft_model's default), gra
 
 Variants, each in its own subprocess: liger (apply_liger_kernel_to_llama before the model is built), tigon-nolora
 (tigon.patch(model, lora=False): PEFT's own LoRA forward), tigon (tigon.patch(model): LoRA projections through
-tigon.ops.lora_linear); tigon's patch runs before get_peft_model, as in the reference job. Reports the median step ms,
+tigon.ops.lora_linear); tigon's patch runs before get_peft_model, as in the reference job. tigon-kept (chosen
+with --variants): tigon with keep_activations (--keep-activations layers, default all): those layers run without
+the recompute, the others are checkpointed (tigon.memory.install_kept_activations). Reports the median step ms,
 tokens/s, peak allocated GiB and the loss of the first and last step; --profile adds one step's GPU kernel time
 by bucket (gemm, attention, triton kernels, elementwise, optimizer, copy, other) and the top kernels.
 
@@ -43,8 +45,8 @@ from benchmarks.tools import checkout
 from benchmarks.training.step_profile import BUCKETS, profile_step
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-VARIANTS = ("eager", "liger", "tigon-nolora", "tigon", "eager-qlora", "liger-qlora", "tigon-qlora-nolora",
-            "tigon-qlora")
+VARIANTS = ("eager", "liger", "tigon-nolora", "tigon", "tigon-kept", "eager-qlora", "liger-qlora",
+            "tigon-qlora-nolora", "tigon-qlora")
 FULL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
             vocab_size=128256)
 # every projection's input width a multiple of 64: bitsandbytes 0.50.2's CPU NF4 dequantize reads garbage when a
@@ -130,7 +132,8 @@ def build(variant, a, dev):
     if base.startswith("tigon"):
         import tigon
 
-        report = str(tigon.patch(model, lora=base == "tigon"))
+        kept = (a.keep_activations if a.keep_activations >= 0 else a.layers) if base == "tigon-kept" else 0
+        report = str(tigon.patch(model, lora=base != "tigon-nolora", keep_activations=kept))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
@@ -162,6 +165,8 @@ def child(variant, a):
     cuda = not a.smoke
     model, opt, ids, report, four_bit = build(variant, a, torch.device("cuda" if cuda else "cpu"))
     out = dict(variant=variant, layers=a.layers, autocast=a.autocast,
+               keep_activations=(a.keep_activations if a.keep_activations >= 0 else a.layers)
+               if base == "tigon-kept" else 0,
                base="nf4" + (" dq" if a.double_quant else "") if qlora else "bf16")
     if qlora:
         out["four_bit_layers"] = four_bit
@@ -174,7 +179,7 @@ def child(variant, a):
         torch.cuda.synchronize()
         weights = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    if base == "tigon":
+    if base in ("tigon", "tigon-kept"):
         from tigon.ops import dispatch_counts
 
         calls_before = dict(dispatch_counts)
@@ -192,7 +197,7 @@ def child(variant, a):
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                weights_gib=round(weights / 2**30, 2) if cuda else None,
                loss_first=losses[0], loss_last=losses[-1], times_ms=[round(t, 1) for t in times])
-    if base == "tigon":
+    if base in ("tigon", "tigon-kept"):
         for op in ("lora_linear", "lora_add"):  # calls in the step loop, warmup included (lora_add: 4-bit)
             out[f"{op}_calls"] = sum(n - calls_before.get(k, 0) for k, n in dispatch_counts.items() if k[0] == op)
     if a.profile and cuda:
@@ -262,6 +267,7 @@ def run_variant(v, a):
     cmd = ["--child", v, "--bs", str(a.bs), "--seq", str(a.seq), "--steps", str(a.steps), "--layers", str(a.layers)]
     cmd += (["--profile"] if a.profile else []) + ([] if a.double_quant else ["--no-double-quant"])
     cmd += (["--smoke"] if a.smoke else []) + (["--autocast"] if a.autocast else [])
+    cmd += ["--keep-activations", str(a.keep_activations)]
     env = os.environ.copy()
     if a.smoke:
         env.setdefault("TRITON_INTERPRET", "1")  # the child's CPU tensors run Tigon's kernels, interpreted
@@ -289,6 +295,8 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="2 tiny layers on the CPU, one step per variant")
     p.add_argument("--autocast", action="store_true",
                    help="the forward under bf16 autocast, as the HF Trainer with bf16=True (adapters in bf16)")
+    p.add_argument("--keep-activations", type=int, default=-1,
+                   help="tigon-kept: layers that run without the recompute (default -1: all of them)")
     p.add_argument("--timeout", type=int, default=400, help="seconds per variant")
     p.add_argument("--out", help="directory for lora.md and lora.json")
     p.add_argument("--child")

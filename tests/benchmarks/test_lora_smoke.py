@@ -114,3 +114,22 @@ def test_tigon_variant_under_autocast_runs_every_projection_through_the_op(bench
         assert all(p.detach().any() for p in lora_b.values())
     finally:
         tigon.unpatch(model)
+
+
+@pytest.mark.parametrize("kept,calls", [(-1, 14), (1, 14 + 7)], ids=["all", "one"])
+def test_tigon_kept_variant_skips_the_recompute(bench, kept, calls):
+    """tigon-kept: the layers keep_activations chose (all by default) run once a step, so their LoRA projections
+    call lora_linear once; the others still recompute. The loss equals the tigon variant's."""
+    a = bench.parse_args(["--smoke", "--child", "tigon-kept", "--seq", "16", "--keep-activations", str(kept)])
+    model, opt, ids, report, _ = bench.build("tigon-kept", a, torch.device("cpu"))
+    ref_args = bench.parse_args(["--smoke", "--child", "tigon", "--seq", "16"])
+    ref, ref_opt, ref_ids, _, _ = bench.build("tigon", ref_args, torch.device("cpu"))
+    try:
+        assert "without the recompute" in report
+        before = op_calls("lora_linear")
+        loss = bench.step(model, opt, ids)
+        assert op_calls("lora_linear") - before == calls
+        assert torch.equal(loss, bench.step(ref, ref_opt, ref_ids))
+    finally:
+        tigon.unpatch(model)
+        tigon.unpatch(ref)

@@ -29,10 +29,13 @@ from ..memory import (
     checkpoint_offload_installed,
     install_auto_offload,
     install_checkpoint_offload,
+    install_kept_activations,
     install_tiled_mlp,
+    kept_activation_layers,
     tiled_mlp_installed,
     uninstall_auto_offload,
     uninstall_checkpoint_offload,
+    uninstall_kept_activations,
     uninstall_tiled_mlp,
 )
 from ..memory import (
@@ -498,10 +501,19 @@ def _quantized_lm_head(hf) -> str:
     return f"lm_head is quantized ({type(linear).__name__}, {weight.dtype} weight); the model computes its loss"
 
 
-def _memory_options(model, offload, tile):
-    """(keep_on_card, "auto" or None; tile_tokens or None) from tigon.patch's offload_checkpoints and tile_mlp,
-    checked before anything changes on the model. "auto" asks nothing of the model: on a model_type, or a model
-    without checkpointed layers, it is nothing."""
+def _memory_options(model, offload, tile, keep_activations=0):
+    """(keep_on_card, "auto" or None; tile_tokens or None; keep_activations) from tigon.patch's
+    offload_checkpoints, tile_mlp and keep_activations, checked before anything changes on the model. "auto" asks
+    nothing of the model: on a model_type, or a model without checkpointed layers, it is nothing."""
+    if isinstance(keep_activations, bool) or not isinstance(keep_activations, int):
+        raise TypeError(f"tigon.patch: keep_activations must be a number of layers (an int >= 0), got "
+                        f"{type(keep_activations).__name__} {keep_activations!r}")
+    if keep_activations < 0:
+        raise ValueError(f"tigon.patch: keep_activations must be a number of layers (an int >= 0), got "
+                         f"{keep_activations}")
+    if keep_activations and model is None:
+        raise ValueError("tigon.patch: keep_activations is set on a model instance: tigon.patch(model, "
+                         "keep_activations=...)")
     for name, value, least in (("offload_checkpoints", offload, 0), ("tile_mlp", tile, 1)):
         if name == "offload_checkpoints" and isinstance(value, str) and value == "auto":
             continue
@@ -520,15 +532,26 @@ def _memory_options(model, offload, tile):
         raise ValueError("tigon.patch: offload_checkpoints needs a model whose decoder layers gradient "
                          "checkpointing runs (transformers' GradientCheckpointingLayer); this one has none "
                          "('auto' arms nothing on such a model)")
+    if keep_activations:
+        layers = sum(isinstance(m, GradientCheckpointingLayer) for m in unwrap_model(model).modules())
+        if keep_activations > layers:
+            raise ValueError(f"tigon.patch: keep_activations must be at most the model's {layers} checkpointed "
+                             f"layers (transformers' GradientCheckpointingLayer), got {keep_activations}")
     keep = None if offload is False else "auto" if offload == "auto" else (1 if offload is True else offload)
     tokens = None if tile is False else ("auto" if tile is True else tile)
-    return keep, tokens
+    return keep, tokens, keep_activations
 
 
-def _memory_patch(hf, report, keep_on_card, tile_tokens) -> None:
+def _memory_patch(hf, report, keep_on_card, tile_tokens, keep_activations=0) -> None:
     """keep_on_card: an int installs the offload, "auto" the hook that arms it when a step would not fit the
     card (tigon.memory.install_auto_offload; kept out where the offload is installed already), None neither;
-    an int or None takes an earlier "auto" off."""
+    an int or None takes an earlier "auto" off. keep_activations: the last that many layers run without the
+    recompute (tigon.memory.install_kept_activations), before the plan line that counts them."""
+    if keep_activations:
+        report.add("checkpointing without the recompute (the last layers keep their activations)",
+                   install_kept_activations(hf, layers=keep_activations))
+    elif kept_activation_layers(hf):
+        uninstall_kept_activations(hf)
     if keep_on_card == "auto":
         keep_on_card, before = None, auto_offload(hf)
         state = install_auto_offload(hf) if before is not None or not checkpoint_offload_installed(hf) else None
@@ -546,7 +569,7 @@ def _memory_patch(hf, report, keep_on_card, tile_tokens) -> None:
         except RuntimeError as e:  # no pinned host memory: nothing was armed
             raise RuntimeError(f"tigon.patch: offload_checkpoints: {e}") from e
         report.add(f"checkpoint in host memory ({keep_on_card} kept on the card)", n)
-    if keep_on_card is not None or tile_tokens is not None:
+    if keep_on_card is not None or tile_tokens is not None or keep_activations:
         report.memory_plan = _plan_line(hf, keep_on_card, tile_tokens)
 
 
@@ -585,6 +608,7 @@ def patch_hf_model(
     moe_experts: bool | Literal["auto"] = "auto",
     offload_checkpoints: bool | int | Literal["auto"] = "auto",
     tile_mlp: bool | int = False,
+    keep_activations: int = 0,
     verbose: bool = False,
 ) -> PatchReport:
     """Swap Tigon's fused pieces into a model instance (that instance only), or, with model_type= (a string
@@ -621,6 +645,11 @@ def patch_hf_model(
     tile_mlp (instance only; for training at long context): each decoder layer's MLP runs over tiles of the
     sequence, so its [T, intermediate] activations never exist whole (tigon.memory.install_tiled_mlp;
     docs/memory/tiling.md). True chooses the tile from free memory; an int is the tile length in tokens.
+    keep_activations (instance only; for training with gradient checkpointing on a card with memory to spare):
+    the last this-many decoder layers keep their activations and skip the recompute, the others are checkpointed
+    (tigon.memory.install_kept_activations; docs/memory/kept_activations.md); the same losses and gradients, a
+    faster step, more memory: tigon.memory.plan(model, seq_len=...).most_kept_activations(budget) says how many
+    fit. 0 (the default): every layer is checkpointed.
     Raises TypeError for an argument of the wrong kind, ValueError for an unsupported family."""
     if model is None and model_type is None:
         raise ValueError("tigon.patch: pass a model (tigon.patch(model)) or model_type= (a string such as "
@@ -636,7 +665,7 @@ def patch_hf_model(
     for name, value in (("attention", attention), ("moe_experts", moe_experts)):
         if not isinstance(value, bool) and value != "auto":
             raise TypeError(f"tigon.patch: {name} must be True, False or 'auto', got {value!r}")
-    memory = _memory_options(model, offload_checkpoints, tile_mlp)
+    memory = _memory_options(model, offload_checkpoints, tile_mlp, keep_activations)
     if model is not None:
         check_gpu(_model_device(unwrap_model(model)))
         model_type = unwrap_model(model).config.model_type
@@ -693,6 +722,8 @@ def unpatch_hf_model(
             uninstall_checkpoint_offload(hf)
         if tiled_mlp_installed(hf):
             uninstall_tiled_mlp(hf)
+        if kept_activation_layers(hf):
+            uninstall_kept_activations(hf)
         return
     if model_type is not None:
         model_type = _model_type_name(model_type, "tigon.unpatch")

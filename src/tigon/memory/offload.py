@@ -26,6 +26,8 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from .. import _log
 from ..ops._library import tracing
+from .recompute import checkpoint_layers as _checkpoint_layers
+from .recompute import keeps_activations
 
 _INSTALL = "tigon.memory.install_checkpoint_offload"
 _STATE = "_tigon_checkpoint_offload"  # attribute of the model the offload was installed on
@@ -278,6 +280,8 @@ class _OffloadingCheckpointFunc:
     Under torch.compile, or for a call shape it does not know, it hands the call to the function it replaced
     (HF's checkpoint), so the result is the same and only the offload is skipped."""
 
+    honours_kept_activations = True  # a layer install_kept_activations chose runs plainly here too
+
     def __init__(self, plan: _Plan, index: int):
         self.plan, self.index = plan, index
         self.previous = _MISSING  # the function this one replaced, restored by uninstall
@@ -289,9 +293,11 @@ class _OffloadingCheckpointFunc:
         return previous(function, *args, **kwargs)
 
     def __call__(self, function, *args, **kwargs):
+        layer = getattr(getattr(function, "func", None), "__self__", None)
+        if keeps_activations(layer):  # install_kept_activations chose it: no checkpoint, nothing offloaded
+            return function(*args, **kwargs)
         if tracing():
             return self._fallback(function, *args, **kwargs)
-        layer = getattr(getattr(function, "func", None), "__self__", None)
         if (kwargs or not isinstance(function, functools.partial) or not isinstance(layer, torch.nn.Module)
                 or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point()):
             if not self.plan.warned:
@@ -345,14 +351,6 @@ class _Installed:
                 del layer.__dict__["_gradient_checkpointing_func"]
             else:
                 layer._gradient_checkpointing_func = func.previous
-
-
-def _checkpoint_layers(model: torch.nn.Module) -> list:
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        return []
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def _int_arg(name: str, value) -> int:

@@ -75,6 +75,7 @@ class _Job:
     loss: str
     in_backward: bool = False  # the optimizer steps each parameter as its gradient completes, then frees it
     input_leaf: bool = False  # the frozen embedding's output requires grad (enable_input_require_grads, LoRA)
+    keep_activations: int = 0  # the last this-many checkpointed layers run without the recompute
 
 
 def _check_int(name, value, low=1, high=None):
@@ -222,6 +223,8 @@ def _layer_saved(job: _Job, n: int, seq_len: int):
 
 def _moments(job: _Job, seq_len: int):
     """{moment: {component: bytes}} of the step at seq_len; the peak is the moment with the largest sum."""
+    if job.checkpointing and job.keep_activations:
+        return _kept_moments(job, seq_len)
     n, e, h, L = job.batch * seq_len, job.act, job.hidden, job.layers
     q, kv, heads = job.heads * job.head_dim, job.kv_heads * job.head_dim, job.heads
     eager, quad = job.attention == "eager", job.batch * seq_len * seq_len
@@ -283,6 +286,28 @@ def _moments(job: _Job, seq_len: int):
     if job.embed_grads or job.embed_transient:  # dy, fp32 partial sums, sorted indices
         out["embedding backward"] = moment(all_grads + job.embed_transient, 0, n * (e * h + 4 * h + 16), 0)
     out["optimizer step"] = moment(0 if job.in_backward else all_grads, 0, 0, 0, 0, 0)
+    return out
+
+
+def _kept_moments(job: _Job, seq_len: int):
+    """_moments with the last K layers run without the recompute (install_kept_activations): until their backward
+    ends they hold what K layers hold without checkpointing (the same moments of a K-layer job without it), beside
+    the other layers' checkpoints; the bottom layer's backward and what follows are the checkpointed job's."""
+    K, L = job.keep_activations, job.layers
+    if K >= L:
+        return _moments(dataclasses.replace(job, checkpointing=False, kept=L, keep_activations=0), seq_len)
+    out = _moments(dataclasses.replace(job, keep_activations=0), seq_len)
+    kept_layers = _moments(dataclasses.replace(job, checkpointing=False, layers=K, kept=K, keep_activations=0),
+                           seq_len)
+    layer_input = job.act * job.hidden * job.batch * seq_len
+    offloaded = job.kept < L
+    # checkpoints on the card meanwhile: every checkpointed layer's, or with the offload those it keeps (the last
+    # `kept` layers, the K among them first) and the one fetched ahead, and the held embedding output
+    on_card = (max(job.kept - K, 1) + job.input_leaf) if offloaded else L - K
+    for name in ("loss", "top layer's MLP backward", "top layer's attention backward"):
+        moment = dict(kept_layers[name])
+        moment["checkpoints_on_card"] += on_card * layer_input
+        out[name] = moment
     return out
 
 
@@ -356,6 +381,23 @@ class MemoryPlan:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
+    def most_kept_activations(self, budget_bytes) -> int:
+        """The most layers (at this seq_len, batch_size and settings) that can run without the recompute
+        (install_kept_activations) with the peak within budget_bytes: 0 when none can, or without checkpointing."""
+        budget = _check_budget("MemoryPlan.most_kept_activations", budget_bytes, self.weights)
+        if not self._job.checkpointing:
+            return 0
+        fits = lambda k: _build(dataclasses.replace(self._job, keep_activations=k), self.seq_len).peak <= budget  # noqa: E731
+        lo, hi = 0, self._job.layers  # the peak grows with the layers that keep their activations
+        if fits(hi):
+            return hi
+        if not fits(lo):
+            return 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
     def __str__(self) -> str:
         rows = [(c, _gib(b), f"{100 * b / max(1, self.peak):.1f}%") for c, b in self.components().items()
                 if c != "checkpoints_host"]
@@ -393,7 +435,8 @@ def _build(job: _Job, seq_len: int) -> MemoryPlan:
     for part, _, b in saved:
         if not (part == "attention_kernel" and job.attention == "eager"):
             by_part[part] = by_part.get(part, 0) + b / n
-    host = (job.layers - job.kept) * job.act * job.hidden * n if job.checkpointing and job.kept < job.layers else 0
+    offloaded = job.checkpointing and job.kept < job.layers  # the kept-activation layers are never offloaded
+    host = (job.layers - max(job.kept, job.keep_activations)) * job.act * job.hidden * n if offloaded else 0
     return MemoryPlan(seq_len=seq_len, batch_size=job.batch, moment=moment, checkpoints_host=host,
                       overhead=CONTEXT_BYTES + math.ceil(ALLOCATOR_SLACK * allocated),
                       layer_saved_per_token=sum(by_part.values()), layer_saved_parts=tuple(by_part.items()),
@@ -402,7 +445,7 @@ def _build(job: _Job, seq_len: int) -> MemoryPlan:
 
 def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets="all", quantized_base=None,
          optimizer="adamw", checkpointing=True, offload_checkpoints=False, tile_tokens=None, attention="flash",
-         loss="fused", dtype=None, budget_bytes=None, step_in_backward=False) -> MemoryPlan:
+         loss="fused", dtype=None, budget_bytes=None, step_in_backward=False, keep_activations=None) -> MemoryPlan:
     """Predict the peak GPU memory of one training step (forward, backward, optimizer step) of a Llama-shaped
     decoder patched by tigon.patch, by component, without a GPU.
 
@@ -420,8 +463,9 @@ def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets
     loss: "fused" (no logits) or "logits". dtype: of the activations (None: the model's embedding dtype, bf16 for a
     config). budget_bytes: if given, raise MemoryPlanError naming the largest component when the peak exceeds
     it. step_in_backward: the optimizer steps each parameter as the backward completes its gradient and frees it
-    (tigon.optim.AdamW(step_in_backward=True)). Returns a MemoryPlan; docs/memory/plan.md has the formulas and
-    how they were checked."""
+    (tigon.optim.AdamW(step_in_backward=True)). keep_activations: the last that many checkpointed layers run
+    without the recompute (install_kept_activations; None: as many as the model was installed with, 0 for a
+    config). Returns a MemoryPlan; docs/memory/plan.md has the formulas and how they were checked."""
     if isinstance(tile_tokens, str) and tile_tokens != "auto":
         raise ValueError(f"{_NAME}: tile_tokens must be an int >= 1, 'auto' or None, got {tile_tokens!r}")
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("lora_rank", lora_rank),
@@ -453,6 +497,13 @@ def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets
         kept = _check_int("offload_checkpoints", offload_checkpoints, 0, layers)
     if kept < layers and not checkpointing:
         raise ValueError(f"{_NAME}: offload_checkpoints needs checkpointing=True (it moves the checkpoints)")
+    if keep_activations is None:
+        from .recompute import kept_activation_layers
+
+        keep_activations = kept_activation_layers(model) if model is not None else 0
+    keep_activations = _check_int("keep_activations", keep_activations, 0, layers)
+    if keep_activations and not checkpointing:
+        raise ValueError(f"{_NAME}: keep_activations needs checkpointing=True (without it every layer keeps them)")
     state = OPTIMIZERS[optimizer]
     if model is None:
         act = dtype or torch.bfloat16
@@ -469,7 +520,7 @@ def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets
                getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
                config.vocab_size, act.itemsize, **counted, batch=batch_size, checkpointing=checkpointing, kept=kept,
                tile=tile_tokens or 0, attention="eager" if attention == "eager" else "flash", loss=loss,
-               in_backward=step_in_backward)
+               in_backward=step_in_backward, keep_activations=keep_activations)
     result = _build(job, seq_len)
     if budget_bytes is not None:
         budget = _check_budget(_NAME, budget_bytes, result.weights)

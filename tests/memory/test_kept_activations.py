@@ -1,0 +1,194 @@
+"""Checkpointing without the recompute on the last layers (tigon.memory.install_kept_activations): the loss and every
+gradient are bitwise those of checkpointing every layer (a recompute computes the same values from the same RNG
+state), the chosen layers really run once a step, installing composes with the offload and with HF's
+gradient_checkpointing_enable in either order, tigon.patch's keep_activations installs and unpatch removes it, and
+the memory plan counts the activations those layers keep."""
+
+import pytest
+import torch
+
+import tigon
+from tests.hf._tiny import batch
+from tests.memory.test_offload import _assert_same, _funcs, _llama, _step
+from tigon.memory import (
+    install_checkpoint_offload,
+    install_kept_activations,
+    kept_activation_layers,
+    plan,
+    uninstall_checkpoint_offload,
+    uninstall_kept_activations,
+)
+
+pytest.importorskip("transformers")
+from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E402
+
+
+def _layers(model):
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _calls(model):
+    """Counts each decoder layer's forward runs (a checkpointed layer runs twice a step: forward, recompute)."""
+    counts = [0] * len(_layers(model))
+    for i, layer in enumerate(_layers(model)):
+        layer.register_forward_pre_hook(lambda m, a, i=i: counts.__setitem__(i, counts[i] + 1))
+    return counts
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("kept", [1, 3])
+def test_bitwise_checkpointing_and_the_kept_layers_run_once(lora, kept):
+    ids, labels = batch()
+    ref_model = _llama(lora=lora)
+    ref_model.gradient_checkpointing_enable()
+    ref = _step(ref_model, ids, labels)
+    model = _llama(lora=lora)
+    model.gradient_checkpointing_enable()
+    assert install_kept_activations(model, layers=kept) == kept
+    assert kept_activation_layers(model) == kept
+    calls = _calls(model)
+    _assert_same(ref, _step(model, ids, labels))
+    assert calls == [2] * (3 - kept) + [1] * kept  # the last `kept` layers: no recompute
+    # and the same as no checkpointing at all
+    plain = _llama(lora=lora)
+    _assert_same(ref, _step(plain, ids, labels))
+
+
+def test_install_before_enable_and_uninstall_restores():
+    ids, labels = batch()
+    model = _llama()
+    install_kept_activations(model, layers=2)  # before gradient_checkpointing_enable: re-armed at the forward
+    model.gradient_checkpointing_enable()
+    hf_funcs = _funcs(model)
+    calls = _calls(model)
+    _step(model, ids, labels)
+    assert calls == [2, 1, 1]
+    assert uninstall_kept_activations(model) == 2 and kept_activation_layers(model) == 0
+    assert _funcs(model) == hf_funcs  # HF's functions back on every layer
+    calls[:] = [0, 0, 0]
+    _step(model, ids, labels)
+    assert calls == [2, 2, 2]
+    assert install_kept_activations(model, layers=1) == 1
+    assert install_kept_activations(model, layers=0) == 0 and kept_activation_layers(model) == 0
+
+
+@pytest.mark.parametrize("order", ["offload_first", "kept_first"])
+def test_with_the_offload_in_either_order(order):
+    """The chosen layers run without the recompute and their inputs are not offloaded; the others are offloaded;
+    gradients bitwise the plain checkpointed step's."""
+    ids, labels = batch()
+    ref_model = _llama(lora=True)
+    ref_model.gradient_checkpointing_enable()
+    ref = _step(ref_model, ids, labels)
+    model = _llama(lora=True)
+    model.gradient_checkpointing_enable()
+    if order == "offload_first":
+        install_checkpoint_offload(model)
+        install_kept_activations(model, layers=1)
+    else:
+        install_kept_activations(model, layers=1)
+        install_checkpoint_offload(model)
+    calls = _calls(model)
+    _assert_same(ref, _step(model, ids, labels))
+    assert calls == [2, 2, 1]
+    _assert_same(ref, _step(model, ids, labels))  # a second step (re-armed hooks) too
+    uninstall_checkpoint_offload(model)
+    uninstall_kept_activations(model)
+    calls[:] = [0, 0, 0]
+    _assert_same(ref, _step(model, ids, labels))
+    assert calls == [2, 2, 2]
+
+
+def test_patch_argument_and_unpatch():
+    ids, labels = batch()
+    ref_model = _llama()
+    ref_model.gradient_checkpointing_enable()
+    ref = _step(ref_model, ids, labels)
+    model = _llama()
+    report = tigon.patch(model, keep_activations=2, offload_checkpoints=False)
+    assert "without the recompute" in str(report)
+    model.gradient_checkpointing_enable()  # after the patch, as the Trainer does
+    calls = _calls(model)
+    got = _step(model, ids, labels)
+    assert calls == [2, 1, 1]
+    tigon.unpatch(model)
+    assert kept_activation_layers(model) == 0
+    patched_ref = _llama()
+    tigon.patch(patched_ref, offload_checkpoints=False)
+    patched_ref.gradient_checkpointing_enable()
+    _assert_same(_step(patched_ref, ids, labels), got)
+    del ref
+
+
+@pytest.mark.parametrize("value,error", [(True, TypeError), ("auto", TypeError), (1.0, TypeError), (-1, ValueError),
+                                         (4, ValueError)])
+def test_patch_refuses_bad_keep_activations(value, error):
+    model = _llama()
+    with pytest.raises(error, match="tigon.patch: keep_activations"):
+        tigon.patch(model, keep_activations=value)
+    assert kept_activation_layers(model) == 0
+    with pytest.raises(ValueError, match="keep_activations is set on a model instance"):
+        tigon.patch(model_type="llama", keep_activations=1)
+
+
+@pytest.mark.parametrize("value,error", [(-1, ValueError), (4, ValueError), (True, ValueError), (None, ValueError)])
+def test_install_refuses_bad_layers(value, error):
+    model = _llama()
+    with pytest.raises(error, match="install_kept_activations: layers"):
+        install_kept_activations(model, layers=value)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        install_kept_activations("model", layers=1)
+    assert kept_activation_layers(model) == 0
+
+
+def test_plan_counts_the_kept_layers():
+    """Each layer kept adds its activations (and its input) less its checkpoint to the peak until the layers
+    above the bottom are through; all of them kept is the plan without checkpointing."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256)
+    peaks = [plan(cfg, seq_len=4096, batch_size=2, lora_rank=16, keep_activations=k).peak for k in (0, 8, 16, 32)]
+    assert peaks == sorted(peaks) and len(set(peaks)) == 4
+    full = plan(cfg, seq_len=4096, batch_size=2, lora_rank=16, keep_activations=16)
+    per_layer = full.layer_saved_per_token * 2 * 4096  # one layer's saved tensors, its input left out
+    assert abs((peaks[2] - peaks[1]) - 8 * per_layer) < 0.05 * 8 * per_layer
+    none = plan(cfg, seq_len=4096, batch_size=2, lora_rank=16, checkpointing=False)
+    assert peaks[3] == none.peak
+    base = plan(cfg, seq_len=4096, batch_size=2, lora_rank=16)
+    most = base.most_kept_activations(peaks[2])
+    assert 16 <= most < 32 and base.most_kept_activations(base.peak - 1) == 0
+    assert base.most_kept_activations(80 << 30) == 32
+    with pytest.raises(ValueError, match="keep_activations"):
+        plan(cfg, seq_len=4096, keep_activations=33)
+    with pytest.raises(ValueError, match="keep_activations needs checkpointing=True"):
+        plan(cfg, seq_len=4096, keep_activations=1, checkpointing=False)
+
+
+def test_plan_reads_the_model():
+    model = _llama()
+    model.gradient_checkpointing_enable()
+    base = plan(model, seq_len=2048)  # long enough for the activations to make the peak
+    install_kept_activations(model, layers=2)
+    assert plan(model, seq_len=2048).peak > base.peak
+    assert plan(model, seq_len=2048, keep_activations=0).peak == base.peak
+    uninstall_kept_activations(model)
+    assert plan(model, seq_len=2048).peak == base.peak
+
+
+def test_compiled_model_with_kept_layers_matches():
+    """Under torch.compile the chosen layers run plainly too; loss and gradients equal the eager checkpointed step
+    within fp32 rounding (inductor fuses in another order)."""
+    ids, labels = batch()
+    ref_model = _llama(dropout=0.0)
+    ref_model.gradient_checkpointing_enable()
+    ref = _step(ref_model, ids, labels)
+    model = _llama(dropout=0.0)
+    model.gradient_checkpointing_enable()
+    install_kept_activations(model, layers=1)
+    compiled = torch.compile(model, backend="aot_eager")
+    loss, grads = _step(compiled, ids, labels)
+    torch.testing.assert_close(loss, ref[0])
+    for name, g in ref[1].items():
+        torch.testing.assert_close(grads[name.replace("_orig_mod.", "")] if name in grads else
+                                   grads["_orig_mod." + name], g, rtol=1e-5, atol=1e-6)
