@@ -10,7 +10,7 @@ import torch
 import tigon
 from tests.hf._tiny import tiny_config, tiny_model
 from tigon.compat import liger
-from tigon.memory import auto_offload, checkpoint_offload_installed, tiled_mlp_installed
+from tigon.memory import auto_offload, checkpoint_offload_installed, kept_activation_layers, tiled_mlp_installed
 
 pytest.importorskip("transformers")
 
@@ -50,6 +50,14 @@ def test_the_trainers_config_installs_offload_and_tiles():
     assert auto_offload(model) is None
 
 
+def test_the_trainers_config_keeps_activations():
+    model = tiny_model("llama", num_hidden_layers=2)
+    report = liger._apply_liger_kernel_to_instance(model=model, keep_activations=1, offload_checkpoints=False)
+    assert kept_activation_layers(model) == 1 and "without the recompute" in str(report)
+    tigon.unpatch(model)
+    assert kept_activation_layers(model) == 0
+
+
 def test_auto_liger_class_passes_them_to_the_patch_not_to_transformers():
     model = liger.AutoLigerKernelForCausalLM.from_config(tiny_config("llama"), offload_checkpoints=2)
     assert checkpoint_offload_installed(model)
@@ -73,7 +81,7 @@ def test_a_misspelled_key_still_errors_or_is_named(calls, caplog):
     with pytest.raises(TypeError, match=r"apply_liger_kernel_to_llama\(\) got an unexpected keyword argument "
                                         r"'offload_checkpoint' \(did you mean 'offload_checkpoints'\?\).*takes rope, "
                                         r"cross_entropy, fused_linear_cross_entropy, rms_norm, swiglu, model \(and on "
-                                        r"a model, offload_checkpoints, tile_mlp\)"):
+                                        r"a model, offload_checkpoints, tile_mlp, keep_activations\)"):
         liger.apply_liger_kernel_to_llama(model=model, offload_checkpoint=True)
     with pytest.raises(TypeError, match=r"got an unexpected keyword argument 'rms_nrom' \(did you mean 'rms_norm'"):
         liger.apply_liger_kernel_to_llama(model=model, rms_nrom=True, tile_mlp=True)

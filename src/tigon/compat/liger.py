@@ -10,8 +10,8 @@ of transformers' Trainer and axolotl (`inspect.signature(MODEL_TYPE_TO_APPLY_LIG
 the same keys. Each returns tigon.patch's PatchReport (Liger's return None), which lists what ran and what
 was left to Hugging Face and why.
 
-Tigon's two training-memory options of tigon.patch, `offload_checkpoints` and `tile_mlp` (TIGON_KEYS), ride
-along where a model instance is patched: the Trainer's (and TRL's SFTConfig's)
+Tigon's training-memory options of tigon.patch, `offload_checkpoints`, `tile_mlp` and `keep_activations`
+(TIGON_KEYS), ride along where a model instance is patched: the Trainer's (and TRL's SFTConfig's)
 `liger_kernel_config={"offload_checkpoints": True, "tile_mlp": True}`, `apply_liger_kernel_to_<family>(model=m,
 offload_checkpoints=True)`, `AutoLigerKernelForCausalLM.from_pretrained(..., tile_mlp=True)`. No Liger signature
 lists them, so transformers' filtering by signature is unchanged.
@@ -52,7 +52,7 @@ _DEFAULTS = dict(relu_squared=True, rope=True, cross_entropy=False, fused_linear
 
 
 # tigon.patch's options that no Liger function takes, honoured wherever a model instance is patched
-TIGON_KEYS = ("offload_checkpoints", "tile_mlp")
+TIGON_KEYS = ("offload_checkpoints", "tile_mlp", "keep_activations")
 
 
 def _params(names, **defaults):
@@ -243,7 +243,7 @@ def _apply_for(model_type):
     source = ("liger-kernel 0.8.5's signature" if model_type in LIGER_PARAMETERS
               else "not in liger-kernel 0.8.5: Llama's")
     apply.__doc__ = (f"Patch {model_type} models (the class, or `model` only) with Tigon ({source}). "
-                     f"With model=, also tigon.patch's {' and '.join(TIGON_KEYS)}. TypeError for an argument it "
+                     f"With model=, also tigon.patch's {', '.join(TIGON_KEYS)}. TypeError for an argument it "
                      "does not take.")
     return apply
 
@@ -305,7 +305,7 @@ def _apply_liger_kernel(model_type, *, strict=False, **kwargs):
 def _apply_liger_kernel_to_instance(model, *, strict=False, **kwargs):
     """What transformers' Trainer (use_liger_kernel=True, liger_kernel_config=kwargs; TRL's SFTConfig the same)
     and axolotl call: the family's apply function on this model instance, with the keyword arguments it takes,
-    and Tigon's `offload_checkpoints` and `tile_mlp` (tigon.patch's; docs/memory/offload.md):
+    and Tigon's `offload_checkpoints`, `tile_mlp` and `keep_activations` (tigon.patch's; docs/memory/):
 
         TrainingArguments(..., gradient_checkpointing=True, use_liger_kernel=True,
                           liger_kernel_config={"offload_checkpoints": True, "tile_mlp": True})
@@ -339,9 +339,9 @@ def _split_flags(model_type, kwargs):
 
 class AutoLigerKernelForCausalLM:
     """AutoModelForCausalLM.from_pretrained / from_config, then the family's apply function on the model: the
-    keyword arguments that function takes (e.g. rope=False, geglu=False for Gemma) and Tigon's offload_checkpoints
-    and tile_mlp go to it, the rest to transformers, as in Liger-Kernel. A model type Tigon does not cover loads
-    as it is, with a warning."""
+    keyword arguments that function takes (e.g. rope=False, geglu=False for Gemma) and Tigon's TIGON_KEYS go to
+    it, the rest to transformers, as in Liger-Kernel. A model type Tigon does not cover loads as it is, with a
+    warning."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
