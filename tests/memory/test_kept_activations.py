@@ -120,7 +120,7 @@ def test_patch_argument_and_unpatch():
     del ref
 
 
-@pytest.mark.parametrize("value,error", [(True, TypeError), ("auto", TypeError), (1.0, TypeError), (-1, ValueError),
+@pytest.mark.parametrize("value,error", [(True, TypeError), ("all", TypeError), (1.0, TypeError), (-1, ValueError),
                                          (4, ValueError)])
 def test_patch_refuses_bad_keep_activations(value, error):
     model = _llama()
@@ -192,3 +192,75 @@ def test_compiled_model_with_kept_layers_matches():
     for name, g in ref[1].items():
         torch.testing.assert_close(grads[name.replace("_orig_mod.", "")] if name in grads else
                                    grads["_orig_mod." + name], g, rtol=1e-5, atol=1e-6)
+
+
+class TestAuto:
+    """keep_activations="auto" (tigon.memory.install_auto_kept_activations): the card is `auto._card_budget`,
+    monkeypatched (a CPU model has none), and the card's total for the margin `torch.cuda.get_device_properties`,
+    faked; the plan's own arithmetic decides, and the decided step stays bitwise the checkpointed one."""
+
+    T = 512  # long enough for the tiny model's activations to decide the plan's peak
+
+    @pytest.fixture
+    def card(self, monkeypatch):
+        from tigon.memory import auto
+
+        budget = {"bytes": None}
+        monkeypatch.setattr(auto, "_card_budget", lambda model: budget["bytes"])
+
+        class _Props:
+            total_memory = 0  # no KEPT_MARGIN: the tests give the budget itself
+
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Props)
+        return budget
+
+    def _peaks(self, model, b=1):
+        return [plan(model, seq_len=self.T, batch_size=b, attention="eager", keep_activations=k).peak
+                for k in range(4)]
+
+    def test_as_many_as_fit_then_only_fewer(self, card):
+        from tigon.memory import auto_kept_activations
+
+        ids = torch.randint(0, 131, (1, self.T), generator=torch.Generator().manual_seed(0))
+        ref_model = _llama(dropout=0.0)
+        ref_model.gradient_checkpointing_enable()
+        ref = _step(ref_model, ids, ids)
+        model = _llama(dropout=0.0)
+        tigon.patch(model, keep_activations="auto", offload_checkpoints=False, rope=False, rms_norm=False,
+                    swiglu=False, fused_linear_cross_entropy=False)
+        model.gradient_checkpointing_enable()
+        peaks = self._peaks(model)
+        assert peaks == sorted(peaks) and peaks[1] < peaks[2] < peaks[3]
+        card["bytes"] = (peaks[2] + peaks[3]) // 2  # two layers' activations fit, not three
+        got = _step(model, ids, ids)
+        state = auto_kept_activations(model)
+        assert state.decisions == {(1, self.T): 2} and kept_activation_layers(model) == 2
+        torch.testing.assert_close(got[0], ref[0])  # tigon.patch's attention may differ from HF's in rounding
+        card["bytes"] = peaks[3] * 10  # more room later: a decided shape keeps its choice, a new one cannot raise
+        _step(model, ids[:, : self.T - 1], ids[:, : self.T - 1])
+        assert kept_activation_layers(model) == 2
+        tigon.unpatch(model)
+        assert auto_kept_activations(model) is None and kept_activation_layers(model) == 0
+
+    def test_nothing_without_a_card_or_checkpointing_or_room(self, card):
+        from tigon.memory import install_auto_kept_activations, uninstall_auto_kept_activations
+
+        ids = torch.randint(0, 131, (1, 64), generator=torch.Generator().manual_seed(0))
+        model = _llama(dropout=0.0)
+        state = install_auto_kept_activations(model)
+        assert install_auto_kept_activations(model) is state  # one a model
+        _step(model, ids, ids)  # no checkpointing: not decided
+        assert state.decisions == {}
+        model.gradient_checkpointing_enable()
+        _step(model, ids, ids)  # no card (budget None): decided as nothing
+        assert state.decisions == {(1, 64): None} and kept_activation_layers(model) == 0
+        card["bytes"] = 1 << 20  # a card too small for even the checkpointed step
+        _step(model, ids[:, :63], ids[:, :63])
+        assert state.decisions[(1, 63)] == 0 and kept_activation_layers(model) == 0
+        assert uninstall_auto_kept_activations(model) and not uninstall_auto_kept_activations(model)
+        with pytest.raises(ValueError, match="active can only be set to False"):
+            state.active = True
+
+    def test_patch_refuses_other_strings(self):
+        with pytest.raises(TypeError, match="keep_activations must be 'auto' or a number of layers"):
+            tigon.patch(_llama(), keep_activations="all")

@@ -25,14 +25,17 @@ import torch
 
 from .. import _log
 from ..memory import (
+    auto_kept_activations,
     auto_offload,
     checkpoint_offload_installed,
+    install_auto_kept_activations,
     install_auto_offload,
     install_checkpoint_offload,
     install_kept_activations,
     install_tiled_mlp,
     kept_activation_layers,
     tiled_mlp_installed,
+    uninstall_auto_kept_activations,
     uninstall_auto_offload,
     uninstall_checkpoint_offload,
     uninstall_kept_activations,
@@ -505,11 +508,12 @@ def _memory_options(model, offload, tile, keep_activations=0):
     """(keep_on_card, "auto" or None; tile_tokens or None; keep_activations) from tigon.patch's
     offload_checkpoints, tile_mlp and keep_activations, checked before anything changes on the model. "auto" asks
     nothing of the model: on a model_type, or a model without checkpointed layers, it is nothing."""
-    if isinstance(keep_activations, bool) or not isinstance(keep_activations, int):
-        raise TypeError(f"tigon.patch: keep_activations must be a number of layers (an int >= 0), got "
+    auto_kept = isinstance(keep_activations, str) and keep_activations == "auto"
+    if not auto_kept and (isinstance(keep_activations, bool) or not isinstance(keep_activations, int)):
+        raise TypeError(f"tigon.patch: keep_activations must be 'auto' or a number of layers (an int >= 0), got "
                         f"{type(keep_activations).__name__} {keep_activations!r}")
-    if keep_activations < 0:
-        raise ValueError(f"tigon.patch: keep_activations must be a number of layers (an int >= 0), got "
+    if not auto_kept and keep_activations < 0:
+        raise ValueError(f"tigon.patch: keep_activations must be 'auto' or a number of layers (an int >= 0), got "
                          f"{keep_activations}")
     if keep_activations and model is None:
         raise ValueError("tigon.patch: keep_activations is set on a model instance: tigon.patch(model, "
@@ -532,7 +536,7 @@ def _memory_options(model, offload, tile, keep_activations=0):
         raise ValueError("tigon.patch: offload_checkpoints needs a model whose decoder layers gradient "
                          "checkpointing runs (transformers' GradientCheckpointingLayer); this one has none "
                          "('auto' arms nothing on such a model)")
-    if keep_activations:
+    if keep_activations and not auto_kept:
         layers = sum(isinstance(m, GradientCheckpointingLayer) for m in unwrap_model(model).modules())
         if keep_activations > layers:
             raise ValueError(f"tigon.patch: keep_activations must be at most the model's {layers} checkpointed "
@@ -547,11 +551,20 @@ def _memory_patch(hf, report, keep_on_card, tile_tokens, keep_activations=0) -> 
     card (tigon.memory.install_auto_offload; kept out where the offload is installed already), None neither;
     an int or None takes an earlier "auto" off. keep_activations: the last that many layers run without the
     recompute (tigon.memory.install_kept_activations), before the plan line that counts them."""
-    if keep_activations:
-        report.add("checkpointing without the recompute (the last layers keep their activations)",
-                   install_kept_activations(hf, layers=keep_activations))
-    elif kept_activation_layers(hf):
-        uninstall_kept_activations(hf)
+    if keep_activations == "auto":
+        before = auto_kept_activations(hf)
+        state = install_auto_kept_activations(hf)
+        if state is not None and before is None:  # unpatch's undo removes the hook, then every layer recomputes
+            hf.__dict__.setdefault("_tigon_undo", []).append((state, "active", False))
+        if state is not None:
+            report.add("checkpointing without the recompute where the card has room ('auto')", len(state.layers))
+    else:
+        uninstall_auto_kept_activations(hf)
+        if keep_activations:
+            report.add("checkpointing without the recompute (the last layers keep their activations)",
+                       install_kept_activations(hf, layers=keep_activations))
+        elif kept_activation_layers(hf):
+            uninstall_kept_activations(hf)
     if keep_on_card == "auto":
         keep_on_card, before = None, auto_offload(hf)
         state = install_auto_offload(hf) if before is not None or not checkpoint_offload_installed(hf) else None
@@ -569,7 +582,7 @@ def _memory_patch(hf, report, keep_on_card, tile_tokens, keep_activations=0) -> 
         except RuntimeError as e:  # no pinned host memory: nothing was armed
             raise RuntimeError(f"tigon.patch: offload_checkpoints: {e}") from e
         report.add(f"checkpoint in host memory ({keep_on_card} kept on the card)", n)
-    if keep_on_card is not None or tile_tokens is not None or keep_activations:
+    if keep_on_card is not None or tile_tokens is not None or keep_activations not in (0, "auto"):
         report.memory_plan = _plan_line(hf, keep_on_card, tile_tokens)
 
 
@@ -608,7 +621,7 @@ def patch_hf_model(
     moe_experts: bool | Literal["auto"] = "auto",
     offload_checkpoints: bool | int | Literal["auto"] = "auto",
     tile_mlp: bool | int = False,
-    keep_activations: int = 0,
+    keep_activations: int | Literal["auto"] = 0,
     verbose: bool = False,
 ) -> PatchReport:
     """Swap Tigon's fused pieces into a model instance (that instance only), or, with model_type= (a string
@@ -649,7 +662,9 @@ def patch_hf_model(
     the last this-many decoder layers keep their activations and skip the recompute, the others are checkpointed
     (tigon.memory.install_kept_activations; docs/memory/kept_activations.md); the same losses and gradients, a
     faster step, more memory: tigon.memory.plan(model, seq_len=...).most_kept_activations(budget) says how many
-    fit. 0 (the default): every layer is checkpointed.
+    fit. "auto": at the first training forward of each new (batch, seq_len) on a CUDA card, as many as the plan
+    fits in the card's free memory less a tenth of the card (tigon.memory.install_auto_kept_activations; a later
+    shape only lowers it). 0 (the default): every layer is checkpointed.
     Raises TypeError for an argument of the wrong kind, ValueError for an unsupported family."""
     if model is None and model_type is None:
         raise ValueError("tigon.patch: pass a model (tigon.patch(model)) or model_type= (a string such as "

@@ -14,7 +14,16 @@ lazily: `import tigon.ops` never pulls in transformers (an [hf] extra).
 """
 
 from ..ops._rolling_buffer import RollingBuffer, workspace
-from .auto import AutoOffload, auto_offload, install_auto_offload, uninstall_auto_offload
+from .auto import (
+    AutoKeptActivations,
+    AutoOffload,
+    auto_kept_activations,
+    auto_offload,
+    install_auto_kept_activations,
+    install_auto_offload,
+    uninstall_auto_kept_activations,
+    uninstall_auto_offload,
+)
 from .offload import checkpoint_offload_installed, install_checkpoint_offload, uninstall_checkpoint_offload
 from .plan import MemoryPlan, MemoryPlanError, plan
 from .recompute import install_kept_activations, kept_activation_layers, uninstall_kept_activations
@@ -33,7 +42,9 @@ __all__ = ["RollingBuffer", "RollingKVCache", "checkpoint_offload_installed", "i
            "auto_tile_tokens", "install_tiled_mlp", "tiled_apply", "tiled_mlp_installed", "tiled_mlp_tile_tokens",
            "uninstall_tiled_mlp",
            "MemoryPlan", "MemoryPlanError", "plan",
-           "install_kept_activations", "kept_activation_layers", "uninstall_kept_activations"]
+           "install_kept_activations", "kept_activation_layers", "uninstall_kept_activations",
+           "AutoKeptActivations", "auto_kept_activations", "install_auto_kept_activations",
+           "uninstall_auto_kept_activations"]
 
 
 def __getattr__(name):

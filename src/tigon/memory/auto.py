@@ -13,6 +13,9 @@ HF's bit for bit, so arming changes the step's speed and memory only.
 
 Once armed, a later shape can only move more checkpoints off the card (a smaller keep_on_card), never fewer: a
 shape decided once stays served, and a decided shape costs one dict lookup a forward.
+
+keep_activations="auto" is the other direction (`install_auto_kept_activations`): where the card has room, the
+most layers the plan fits skip the recompute (tigon.memory.recompute; docs/memory/kept_activations.md).
 """
 
 import dataclasses
@@ -22,7 +25,7 @@ import torch
 
 from .. import _log
 from ..ops._library import tracing
-from . import offload
+from . import offload, recompute
 from .plan import CONTEXT_BYTES, MemoryPlanError, _build, _gib, _refuse, plan
 from .tiling import _MARK, _TiledMLPForward, process_cap_bytes
 
@@ -208,11 +211,118 @@ def _host_refusal(model: torch.nn.Module, planned, offloaded: int) -> Optional[s
             f"{_gib(available)} available")
 
 
-def _plan(model: torch.nn.Module, batch: int, seq_len: int):
+def _plan(model: torch.nn.Module, batch: int, seq_len: int, **kw):
     """tigon.memory.plan of one step of `model` at this shape as it runs now, without offload."""
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return plan(model, seq_len=seq_len, batch_size=batch, tile_tokens=_tile_tokens(model, batch),
-                attention="eager" if attention == "eager" else "flash")
+                attention="eager" if attention == "eager" else "flash", **kw)
+
+
+# what keep_activations="auto" leaves free of the card beyond AUTO_MARGIN: the kept layers' bytes are the plan's
+# count, not yet checked against a measured peak as the checkpointed job's are
+KEPT_MARGIN = 1 / 10
+_WHO_KEPT = "tigon keep_activations='auto'"
+
+
+class AutoKeptActivations:
+    """keep_activations="auto" on one model: a forward pre-hook, run before the offload's "auto" reads the plan.
+    At the first training forward of each new (batch, seq_len) with gradient checkpointing on and the model on a
+    CUDA card, the last `MemoryPlan.most_kept_activations` layers of the plan with none kept, under the card's
+    budget (`_card_budget`) less KEPT_MARGIN of the card, run without the recompute (install_kept_activations);
+    none where the step would not fit checkpointed. A later shape can only lower the number, never raise it.
+    `decisions`: {(batch, seq_len): the layers it allowed, or None (not decided: no card, no plan)}; `kept`: how
+    many run so now (None: never decided). One INFO line on the "tigon" logger per change."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+        self.decisions = {}
+        self.kept = None
+        self.unplanned = False
+        self.handles = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.handles)
+
+    @active.setter
+    def active(self, value) -> None:
+        if value is not False:
+            raise ValueError(f"{_WHO_KEPT}: active can only be set to False (install_auto_kept_activations arms it)")
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def __call__(self, module, args, kwargs):
+        if not module.training or not torch.is_grad_enabled() or tracing():
+            return None
+        shape = _shape(args, kwargs)
+        if shape is None or shape in self.decisions or not self.layers[0].gradient_checkpointing:
+            return None
+        self.decisions[shape] = self._decide(module, *shape)
+        return None
+
+    def _decide(self, model: torch.nn.Module, batch: int, seq_len: int) -> Optional[int]:
+        budget = _card_budget(model)
+        if budget is None or self.unplanned:
+            return None
+        if _sharded(model):
+            self.unplanned = True
+            return None
+        try:
+            base = _plan(model, batch, seq_len, keep_activations=0)
+        except Exception as e:  # a model the plan cannot read: every layer stays checkpointed
+            self.unplanned = True
+            _log.get_logger().debug("%s: no memory plan for this model, every layer recomputes: %s", _WHO_KEPT, e)
+            return None
+        device = next(p.device for p in model.parameters())
+        room = budget - int(KEPT_MARGIN * torch.cuda.get_device_properties(device).total_memory)
+        allowed = base.most_kept_activations(room) if room > base.weights and base.peak <= room else 0
+        if self.kept is not None:
+            allowed = min(allowed, self.kept)
+        if allowed != self.kept:
+            recompute.install_kept_activations(model, layers=allowed)
+            _log.get_logger().info("%s: a training step of %d x %d tokens: the last %d of %d layers keep their "
+                                   "activations (no recompute; %s planned against %s free)", _WHO_KEPT, batch,
+                                   seq_len, allowed, len(self.layers),
+                                   _gib(_build(dataclasses.replace(base._job, keep_activations=allowed),
+                                               seq_len).peak), _gib(room))
+        self.kept = allowed
+        return allowed
+
+
+def install_auto_kept_activations(model: torch.nn.Module) -> Optional[AutoKeptActivations]:
+    """Watch `model`'s training forwards and let the most layers whose activations fit the card skip the recompute
+    (AutoKeptActivations). Returns it (the one already installed, if any), or None for a model without
+    transformers' GradientCheckpointingLayer."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"tigon.memory.install_auto_kept_activations: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    existing = auto_kept_activations(model)
+    if existing is not None:
+        return existing
+    layers = offload._checkpoint_layers(model)
+    if not layers:
+        return None
+    state = AutoKeptActivations([layer for _, layer in layers])
+    state.handles = [model.register_forward_pre_hook(state, with_kwargs=True, prepend=True)]
+    return state
+
+
+def uninstall_auto_kept_activations(model: torch.nn.Module) -> bool:
+    """Undo `install_auto_kept_activations`: the hook goes and every layer is checkpointed again. Returns whether
+    one was installed."""
+    state = auto_kept_activations(model)
+    if state is None:
+        return False
+    state.active = False
+    recompute.uninstall_kept_activations(model)
+    return True
+
+
+def auto_kept_activations(model: torch.nn.Module) -> Optional[AutoKeptActivations]:
+    """The AutoKeptActivations installed on `model`, or None."""
+    hooks = getattr(model, "_forward_pre_hooks", {})
+    return next((h for h in hooks.values() if isinstance(h, AutoKeptActivations)), None)
 
 
 def install_auto_offload(model: torch.nn.Module) -> Optional[AutoOffload]:
