@@ -4,7 +4,7 @@
 #
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops decode-norm e2e e2e-compile
 #                                             lce losses attention sft lora lora-autocast qlora moe long-context
-#                                             long-context-curves qk-norm-rope
+#                                             long-context-curves qk-norm-rope decode-int4 decode-fp8
 #
 #   tests       the README's test command, natively: python -m pytest tests -q -n TEST_WORKERS (12), failures named
 #               (tests.log); TESTS="tests/memory tests/test_optim.py" runs those paths instead of the whole suite
@@ -14,6 +14,9 @@
 #   decode-8b   decode --model llama3-8b: tigon and HF static cache + compile at batch 1 and 8, prompts
 #               DECODE_8B_PROMPTS (default 512,8192), with the weight + KV read bound (<gpu>_decode_8b.md, .json);
 #               with BASELINE also that tree's tigon rows at prompt 512 (<gpu>_decode_8b_base.md)
+#   decode-int4 decode-fp8  decode --model llama3-8b --weights int4|fp8: tigon at batch 1 and 8 beside HF's generate
+#               on the same quantized model (and, int4, torchao's int4 + compile) at batch 1, prompts
+#               DECODE_QUANT_PROMPTS (default 512) (<gpu>_decode-int4.md, .json); torchao from .whl/
 #   decode-ops  decode-ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
 #   decode-norm decode-ops --norm-cost at the 8B and 1.5B shapes: decode_linear with and without its fused
 #               norm, at the statistics steps NORM_STATS_ELEMS (default 0,2048,4096), and the norm as its own launch
@@ -148,6 +151,13 @@ for s in "$@"; do
                 keep "$T/decode_8b_base/decode.md" "${GPU}_decode_8b_base.md"
                 extras+=("$T/decode_8b_base/decode.json ${GPU}_decode_8b_base.json")
             fi ;;
+        decode-int4|decode-fp8)  # the quantized 8B step beside HF's generate on the same model (and torchao's int4)
+            w=${s#decode-}; peers=hf-static-compile@1; [[ $w == int4 ]] && peers+=",torchao-static-compile@1"
+            bq=$(( BUDGET - SECONDS - 30 )); (( bq > 550 )) && bq=550
+            step "$s" 580 "${bench[@]}" decode --model llama3-8b --weights "$w" --out "$T/$s" \
+                --variants "tigon,$peers" --batches 1,8 --prompts "${DECODE_QUANT_PROMPTS:-512}" \
+                --budget "$(( bq > 1 ? bq : 1 ))" >>"$LOG" 2>&1
+            keep "$T/$s/decode.md" "${GPU}_$s.md"; keep "$T/$s/decode.json" "${GPU}_$s.json" ;;
         decode-norm)
             for model in llama3-8b 1.5b; do
                 mkdir -p "$T/decode_norm"

@@ -57,9 +57,11 @@ one timed call with the peak-memory counter reset just before it (weights includ
   (`tigon.quantize(model, fmt, group_size=128)`, nf4 64; --quick 32 for the toy's 64 features) in each
   variant's process before the variant runs, so tigon and HF's own `generate` run the same quantized model (HF
   through QuantLinear's module forward: static cache + compile where it works, else the dynamic cache eagerly;
-  the row's `hf_path` says which). The read bound then counts the packed projections (QuantizedWeight.nbytes:
-  codes, scales) measured on the model, plus the bf16 norms and lm_head and the KV; the bf16 model's bound is
-  reported beside it. Except at the 70B shape a separate process reports fidelity once: KL(bf16 ||
+  the row's `hf_path` says which). With int4, `torchao-static-compile` is the peer outside Tigon: the bf16
+  model's decoder projections quantized by torchao (int4 weight-only, the tinygemm layout gpt-fast runs, group
+  128), then HF's generate with the static cache, compiled. The read bound then counts the packed projections
+  (QuantizedWeight.nbytes: codes, scales) measured on the model, plus the bf16 norms and lm_head and the KV; the
+  bf16 model's bound is reported beside it. Except at the 70B shape a separate process reports fidelity once: KL(bf16 ||
   quantized) and top-1 agreement of the next-token distributions over one FIDELITY_PROMPT-token prompt (the bf16
   logits are taken, then the same model is quantized in place: one copy of the weights at a time).
 - `--model llama3-70b` (80 layers, hidden 8192, intermediate 28672, 64 / 8 heads; quantized only: its bf16
@@ -101,7 +103,11 @@ DEFAULT_MODEL = "llama-1.5b"
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=512, max_position_embeddings=256)
 VARIANTS = ("hf-eager", "hf-static-compile", "tigon", "tigon-nograph", "tigon-hf-attn", "swa-hf-static-compile",
-            "swa-tigon", "swa-tigon-full", "swa-tigon-hf-attn")
+            "swa-tigon", "swa-tigon-full", "swa-tigon-hf-attn", "torchao-static-compile")
+# torchao-static-compile (--weights int4 only): the bf16 model quantized by torchao's int4 weight-only config in
+# the tinygemm layout (`Int4WeightOnlyConfig(group_size, int4_packing_format="tile_packed_to_4d")`, torch's own
+# `_weight_int4pack_mm` kernel, as gpt-fast runs it), then HF's generate with the static cache, which compiles itself
+TORCHAO_VARIANT = "torchao-static-compile"
 DEFAULT_VARIANTS = ("tigon,hf-static-compile,tigon-nograph,hf-eager,swa-tigon,swa-tigon-full,swa-hf-static-compile,"
                     "tigon-hf-attn,swa-tigon-hf-attn")
 DEFAULT_VARIANTS_BY_MODEL = {"llama3-8b": "tigon,hf-static-compile", "llama3-70b": "tigon"}
@@ -116,7 +122,7 @@ PROFILE_NEED_S = 15  # the three profiled calls and the trace parsing of a 1.5B 
 # skips a variant with less than this left. Measured compile of the static decode step: ~40-60 s.
 # swa-tigon-hf-attn: two eager 256-step calls (warm-up and timed) at an estimated 20-60 ms per step.
 NEED_S = {"hf-static-compile": 110, "swa-hf-static-compile": 120, "hf-eager": 60, "swa-tigon-hf-attn": 70,
-          "fidelity": FIDELITY_NEED_S}
+          "fidelity": FIDELITY_NEED_S, TORCHAO_VARIANT: 130}
 NEED_DEFAULT_S = 50
 # The 8B rows: a guess, unmeasured until a run times them (6x the weights to build, 2x the layers to compile).
 NEED_SCALE = {"llama3-8b": 1.5, "llama3-70b": 3.0}
@@ -128,7 +134,7 @@ TARGETS = dict(b1_ms=1.0, b8_ms=1.4, p99_over_p50=1.15, ttft_ms=15.0, ring_over_
 TARGETS_8B = dict(pct_of_bound=85.0, over_hf=1.5, p99_over_p50=1.1, ttft_over_hf=0.8, ring_over_full=1.05)
 # Issue 42's targets of quantized weights: % of the format's read bound, speedup against HF's own generate on the
 # same quantized model, batch 8 against batch 1, and at the 8B shape, batch 1, prompt 512, the H200's ms/token.
-TARGETS_QUANT = dict(pct_of_bound=80.0, over_hf=3.0, b8_over_b1=1.3, p99_over_p50=1.1,
+TARGETS_QUANT = dict(pct_of_bound=80.0, over_hf=3.0, over_torchao=1.5, b8_over_b1=1.3, p99_over_p50=1.1,
                      ms_8b_h200={"int4": 1.4, "fp8": 2.35})
 TARGETS_BY_MODEL = {"llama-1.5b": TARGETS, "llama3-8b": TARGETS_8B, "llama3-70b": TARGETS_QUANT}
 # HF's own rows measured with this method, to check a run against (tigon's rows are this benchmark's).
@@ -176,6 +182,16 @@ def build(spec, quantized=True):
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(10, cfg["vocab_size"] - 10, (spec["batch"], spec["prompt"]), generator=g).to(device)
     return model, ids
+
+
+def torchao_int4(model, group_size):
+    """The decoder projections of `model` (a CUDA bf16 model) to torchao's int4 weight-only tinygemm layout, in
+    place; the lm_head stays bf16, as tigon.quantize leaves it."""
+    from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+    config = Int4WeightOnlyConfig(group_size=group_size, int4_packing_format="tile_packed_to_4d")
+    quantize_(model.model.layers, config)
+    return model
 
 
 def quantize_model(model, spec):
@@ -410,8 +426,13 @@ def child(spec):
 
     if spec["variant"] == "fidelity":
         return fidelity(spec)
-    model, ids = build(spec)
-    quantized_bytes = projection_bytes(model) if spec.get("weights") else None
+    if spec["variant"] == TORCHAO_VARIANT:
+        model, ids = build(spec, quantized=False)
+        torchao_int4(model, spec["group_size"])
+        quantized_bytes = None  # the bound counts tigon.quantize's bytes (torchao adds bf16 zero points: +3%)
+    else:
+        model, ids = build(spec)
+        quantized_bytes = projection_bytes(model) if spec.get("weights") else None
     with torch.no_grad():
         r = (_child_tigon if "tigon" in spec["variant"] else _child_hf)(spec, model, ids)
     steps = r.pop("step_s")
@@ -468,6 +489,8 @@ def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profil
     if model in QUANTIZED_ONLY and weights == "bf16":
         raise SystemExit(f"bench_decode: --model {model} is built quantized only (its bf16 weights would not fit "
                          "one GPU): pass --weights int4, nf4 or fp8")
+    if weights != "int4" and any(v.partition("@")[0] == TORCHAO_VARIANT for v in variants):
+        raise SystemExit(f"bench_decode: {TORCHAO_VARIANT} is torchao's int4 weight-only model: pass --weights int4")
     if model in QUANTIZED_ONLY and any(v.startswith("swa-") for v in variants):
         raise SystemExit(f"bench_decode: --model {model} runs the Llama variants only, not swa-*")
     window = QUICK["window"] if quick else WINDOW
@@ -869,6 +892,12 @@ def _targets_quant(rows, r):
         speed = base["p50_ms"] / r["p50_ms"]
         out.append((f"tigon {fmt} {at} p50 >= {t['over_hf']:g}x HF generate on the same {fmt} model",
                     f"x{speed:.2f}", speed >= t["over_hf"]))
+    ao = next((x for x in rows if x["variant"] == TORCHAO_VARIANT and x["batch"] == r["batch"]
+               and x["prompt"] == r["prompt"] and x.get("model") == r.get("model") and "p50_ms" in x), None)
+    if ao and fmt == "int4":
+        speed = ao["p50_ms"] / r["p50_ms"]
+        out.append((f"tigon int4 {at} p50 >= {t['over_torchao']:g}x torchao int4 + torch.compile", f"x{speed:.2f}",
+                    speed >= t["over_torchao"]))
     one = next((x for x in rows if x["variant"] == "tigon" and x["batch"] == 1 and x["prompt"] == r["prompt"]
                 and x.get("model") == r.get("model") and x.get("weights") == fmt and "p50_ms" in x), None)
     if r["batch"] == 8 and one:

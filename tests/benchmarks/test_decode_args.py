@@ -216,6 +216,13 @@ def test_weights_option_and_the_quantized_plan(core):
         core.plan(["tigon"], [1], [512], 8, quick=False, device="cuda", model="llama3-70b")
     with pytest.raises(SystemExit, match="runs the Llama variants only"):
         core.plan(["swa-tigon"], [1], [512], 8, quick=False, device="cuda", model="llama3-70b", weights="int4")
+    ao = core.plan(["tigon", core.TORCHAO_VARIANT], [1], [512], 8, quick=False, device="cuda", model="llama3-8b",
+                   weights="int4")
+    assert [(s["variant"], s["weights"], s["group_size"]) for s in ao] == [("tigon", "int4", 128),
+                                                                           (core.TORCHAO_VARIANT, "int4", 128)]
+    for fmt in ("bf16", "fp8"):
+        with pytest.raises(SystemExit, match="torchao's int4 weight-only model: pass --weights int4"):
+            core.plan([core.TORCHAO_VARIANT + "@1"], [1], [512], 8, quick=False, device="cuda", weights=fmt)
     with pytest.raises(SystemExit, match="unknown weights 'int8'"):
         core.plan(["tigon"], [1], [512], 8, quick=False, device="cuda", weights="int8")
     cfg = core.MODELS["llama3-70b"]
@@ -331,8 +338,11 @@ def test_quantized_targets_and_tables(core):
         return r
 
     rows = [row("hf-static-compile", 1, 4.5, hf_path="static cache + torch.compile"),
-            row("tigon", 1, 1.35, fused_layers=[32, 32]), row("tigon", 8, 1.9, fused_layers=[32, 32])]
+            row("tigon", 1, 1.35, fused_layers=[32, 32]), row("tigon", 8, 1.9, fused_layers=[32, 32]),
+            row(core.TORCHAO_VARIANT, 1, 2.7, hf_path="static cache + torch.compile")]
     checks = {t: (v, ok) for t, v, ok in core.targets(rows)}
+    assert checks["tigon int4 batch 1 prompt 512 p50 >= 1.5x torchao int4 + torch.compile"] == ("x2.00", True)
+    assert not any("torchao" in t and "batch 8" in t for t in checks)  # no torchao row at batch 8
     assert checks["tigon int4 batch 1 prompt 512 p50 <= 1.4 ms/token (the H200's target)"] == ("1.350 ms", True)
     bound = rows[1]["bound_ms"]
     assert checks["tigon int4 batch 1 prompt 512 >= 80% of the int4 read bound"] == (
