@@ -305,3 +305,26 @@ def test_cuda_bitwise_equal_and_the_kept_layers_hold_their_activations(dtype):
         del model, loss
     grew, want = held[1] - held[0], planned[1] - planned[0]
     assert 0.75 * want <= grew <= 1.25 * want, (held, planned)
+
+
+def test_a_deep_copy_keeps_the_choice_and_uninstalls_on_its_own():
+    """TRL deep-copies the policy for its reference model: the copy's chosen layers run once too, and uninstalling
+    the copy gives it HF's functions back (the 'no function' marker survives the copy) without touching the
+    original."""
+    import copy
+
+    ids, labels = batch()
+    model = _llama()
+    install_kept_activations(model, layers=1)  # before enable: the copy's layers have no function of HF's yet
+    twin = copy.deepcopy(model)
+    twin.gradient_checkpointing_enable()
+    calls = _calls(twin)
+    _step(twin, ids, labels)
+    assert calls == [2, 2, 1] and kept_activation_layers(twin) == 1
+    assert uninstall_kept_activations(twin) == 1 and kept_activation_layers(model) == 1
+    from tigon.memory.recompute import _KeptActivationsFunc
+
+    assert not any(isinstance(f, _KeptActivationsFunc) for f in _funcs(twin)) and all(_funcs(twin))
+    calls[:] = [0, 0, 0]
+    _step(twin, ids, labels)
+    assert calls == [2, 2, 2]

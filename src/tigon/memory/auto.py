@@ -83,23 +83,18 @@ def _sharded(model: torch.nn.Module) -> bool:
                for p in model.parameters())
 
 
-class AutoOffload:
-    """offload_checkpoints="auto" on one model, the forward pre-hook `install_auto_offload` puts on it.
+class _ShapeHook:
+    """A model's forward pre-hook that decides once per (batch, seq_len) of a training forward with gradient
+    checkpointing on (never while torch.compile traces): `decisions` {shape: what `_decide` returned}. `WHO` names
+    it in messages; setting `active` to False removes the hook (tigon.unpatch does, through patch's undo record)."""
 
-    `decisions`: {(batch, seq_len): the keep_on_card that shape needs, or None (it fits, the model is not on a
-    card, the plan cannot read the model or its parameters are sharded, or not even every checkpoint in host
-    memory fits)}; `keep_on_card`: what
-    it armed (None: nothing). It holds no reference to the model (the model reaches it as the hook's `module`),
-    so a model dropped by its user is freed at once. Setting `active` to False removes the hook (tigon.unpatch
-    does, through patch's undo record, and then takes the offload off itself)."""
+    WHO = ""
+    INSTALL = ""
 
     def __init__(self, layers: list):
         self.layers = layers
         self.decisions = {}
-        self.keep_on_card = None
-        self.installed = None  # the offload's record on the model, while it is the one this object armed
-        self.unplanned = False  # the plan cannot read the model, or pinned memory failed: never armed
-        self.refused = False  # a shape did not fit even fully offloaded: said once
+        self.unplanned = False  # the plan cannot read the model (or it cannot be armed): never decided again
         self.handles = []
 
     @property
@@ -109,25 +104,65 @@ class AutoOffload:
     @active.setter
     def active(self, value) -> None:
         if value is not False:
-            raise ValueError(f"{_WHO}: active can only be set to False (install_auto_offload(model) arms it)")
+            raise ValueError(f"{self.WHO}: active can only be set to False ({self.INSTALL}(model) arms it)")
         for handle in self.handles:
             handle.remove()
         self.handles = []
-
-    def owns_offload(self, model: torch.nn.Module) -> bool:
-        """Whether the offload installed on `model` now is the one this object armed."""
-        return self.installed is not None and model.__dict__.get(offload._STATE) is self.installed
 
     def __call__(self, module, args, kwargs):
         if not module.training or not torch.is_grad_enabled() or tracing():
             return None
         shape = _shape(args, kwargs)
-        if shape is None or shape in self.decisions:
-            return None
-        if not self.layers[0].gradient_checkpointing:  # not decided: the Trainer enables it after the patch
-            return None
+        if shape is None or shape in self.decisions or not self.layers[0].gradient_checkpointing:
+            return None  # not decided without checkpointing: the Trainer enables it after the patch
         self.decisions[shape] = self._decide(module, *shape)
         return None
+
+    def _decide(self, model: torch.nn.Module, batch: int, seq_len: int):
+        raise NotImplementedError
+
+
+def _installed_hook(model: torch.nn.Module, kind: type):
+    hooks = getattr(model, "_forward_pre_hooks", {})
+    return next((h for h in hooks.values() if isinstance(h, kind)), None)
+
+
+def _install_hook(model: torch.nn.Module, kind: type, prepend: bool = False):
+    """The `kind` hook on `model`: the one there, or a new one over its checkpointed layers (None without any)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"tigon.memory.{kind.INSTALL}: model must be a torch.nn.Module, got {type(model).__name__}")
+    existing = _installed_hook(model, kind)
+    if existing is not None:
+        return existing
+    layers = offload._checkpoint_layers(model)
+    if not layers:
+        return None
+    state = kind([layer for _, layer in layers])
+    state.handles = [model.register_forward_pre_hook(state, with_kwargs=True, prepend=prepend)]
+    return state
+
+
+class AutoOffload(_ShapeHook):
+    """offload_checkpoints="auto" on one model, the forward pre-hook `install_auto_offload` puts on it.
+
+    `decisions`: {(batch, seq_len): the keep_on_card that shape needs, or None (it fits, the model is not on a
+    card, the plan cannot read the model or its parameters are sharded, or not even every checkpoint in host
+    memory fits)}; `keep_on_card`: what
+    it armed (None: nothing). It holds no reference to the model (the model reaches it as the hook's `module`),
+    so a model dropped by its user is freed at once. Setting `active` to False removes the hook (tigon.unpatch
+    does, through patch's undo record, and then takes the offload off itself)."""
+
+    WHO, INSTALL = _WHO, "install_auto_offload"
+
+    def __init__(self, layers: list):
+        super().__init__(layers)
+        self.keep_on_card = None
+        self.installed = None  # the offload's record on the model, while it is the one this object armed
+        self.refused = False  # a shape did not fit even fully offloaded: said once
+
+    def owns_offload(self, model: torch.nn.Module) -> bool:
+        """Whether the offload installed on `model` now is the one this object armed."""
+        return self.installed is not None and model.__dict__.get(offload._STATE) is self.installed
 
     def _decide(self, model: torch.nn.Module, batch: int, seq_len: int) -> Optional[int]:
         budget = _card_budget(model)
@@ -224,7 +259,7 @@ KEPT_MARGIN = 1 / 10
 _WHO_KEPT = "tigon keep_activations='auto'"
 
 
-class AutoKeptActivations:
+class AutoKeptActivations(_ShapeHook):
     """keep_activations="auto" on one model: a forward pre-hook, run before the offload's "auto" reads the plan.
     At the first training forward of each new (batch, seq_len) with gradient checkpointing on and the model on a
     CUDA card, the last `MemoryPlan.most_kept_activations` layers of the plan with none kept, under the card's
@@ -233,33 +268,11 @@ class AutoKeptActivations:
     `decisions`: {(batch, seq_len): the layers it allowed, or None (not decided: no card, no plan)}; `kept`: how
     many run so now (None: never decided). One INFO line on the "tigon" logger per change."""
 
+    WHO, INSTALL = _WHO_KEPT, "install_auto_kept_activations"
+
     def __init__(self, layers: list):
-        self.layers = layers
-        self.decisions = {}
+        super().__init__(layers)
         self.kept = None
-        self.unplanned = False
-        self.handles = []
-
-    @property
-    def active(self) -> bool:
-        return bool(self.handles)
-
-    @active.setter
-    def active(self, value) -> None:
-        if value is not False:
-            raise ValueError(f"{_WHO_KEPT}: active can only be set to False (install_auto_kept_activations arms it)")
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-    def __call__(self, module, args, kwargs):
-        if not module.training or not torch.is_grad_enabled() or tracing():
-            return None
-        shape = _shape(args, kwargs)
-        if shape is None or shape in self.decisions or not self.layers[0].gradient_checkpointing:
-            return None
-        self.decisions[shape] = self._decide(module, *shape)
-        return None
 
     def _decide(self, model: torch.nn.Module, batch: int, seq_len: int) -> Optional[int]:
         budget = _card_budget(model)
@@ -294,18 +307,7 @@ def install_auto_kept_activations(model: torch.nn.Module) -> Optional[AutoKeptAc
     """Watch `model`'s training forwards and let the most layers whose activations fit the card skip the recompute
     (AutoKeptActivations). Returns it (the one already installed, if any), or None for a model without
     transformers' GradientCheckpointingLayer."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"tigon.memory.install_auto_kept_activations: model must be a torch.nn.Module, got "
-                        f"{type(model).__name__}")
-    existing = auto_kept_activations(model)
-    if existing is not None:
-        return existing
-    layers = offload._checkpoint_layers(model)
-    if not layers:
-        return None
-    state = AutoKeptActivations([layer for _, layer in layers])
-    state.handles = [model.register_forward_pre_hook(state, with_kwargs=True, prepend=True)]
-    return state
+    return _install_hook(model, AutoKeptActivations, prepend=True)  # before the offload's: it reads the plan
 
 
 def uninstall_auto_kept_activations(model: torch.nn.Module) -> bool:
@@ -321,26 +323,14 @@ def uninstall_auto_kept_activations(model: torch.nn.Module) -> bool:
 
 def auto_kept_activations(model: torch.nn.Module) -> Optional[AutoKeptActivations]:
     """The AutoKeptActivations installed on `model`, or None."""
-    hooks = getattr(model, "_forward_pre_hooks", {})
-    return next((h for h in hooks.values() if isinstance(h, AutoKeptActivations)), None)
+    return _installed_hook(model, AutoKeptActivations)
 
 
 def install_auto_offload(model: torch.nn.Module) -> Optional[AutoOffload]:
     """Watch `model`'s training forwards and arm `install_checkpoint_offload` at the first (batch, seq_len)
     whose step would not fit the card otherwise (module docstring). Returns the AutoOffload (the one already
     installed, if any), or None for a model without transformers' GradientCheckpointingLayer: nothing to arm."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"tigon.memory.install_auto_offload: model must be a torch.nn.Module, got "
-                        f"{type(model).__name__}")
-    existing = auto_offload(model)
-    if existing is not None:
-        return existing
-    layers = offload._checkpoint_layers(model)
-    if not layers:
-        return None
-    state = AutoOffload([layer for _, layer in layers])
-    state.handles = [model.register_forward_pre_hook(state, with_kwargs=True)]
-    return state
+    return _install_hook(model, AutoOffload)
 
 
 def uninstall_auto_offload(model: torch.nn.Module) -> bool:
@@ -358,5 +348,4 @@ def uninstall_auto_offload(model: torch.nn.Module) -> bool:
 
 def auto_offload(model: torch.nn.Module) -> Optional[AutoOffload]:
     """The AutoOffload installed on `model` (its decisions, what it armed), or None."""
-    hooks = getattr(model, "_forward_pre_hooks", {})
-    return next((h for h in hooks.values() if isinstance(h, AutoOffload)), None)
+    return _installed_hook(model, AutoOffload)

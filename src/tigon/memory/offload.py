@@ -26,23 +26,12 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from .. import _log
 from ..ops._library import tracing
+from .recompute import _MISSING, ArmedLayers, keeps_activations, uninstall_armed
 from .recompute import checkpoint_layers as _checkpoint_layers
-from .recompute import keeps_activations
 
 _INSTALL = "tigon.memory.install_checkpoint_offload"
 _STATE = "_tigon_checkpoint_offload"  # attribute of the model the offload was installed on
 _ARGUMENT = "offload_checkpoints"  # tigon.patch's argument; named in the errors a user of either entry can meet
-
-
-class _Missing:
-    """The marker for "no attribute" (a layer without a checkpointing function before install); one object, also
-    after a copy or a pickle of the model."""
-
-    def __reduce__(self):
-        return "_MISSING"
-
-
-_MISSING = _Missing()
 
 
 def _allocate_host(like: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -326,31 +315,12 @@ class _OffloadingCheckpointFunc:
         return out
 
 
-class _Installed:
-    """What install changed on a model, for uninstall: each armed layer and its function, and the hooks."""
+class _Installed(ArmedLayers):
+    """What install changed on a model, for uninstall: each armed layer and its function, the hooks, the plan."""
 
-    def __init__(self, armed: list, hooks: list, plan: _Plan):
-        self.armed, self.hooks, self.plan = armed, hooks, plan
-
-    def rearm(self) -> None:
-        """Put the offloading function back on every layer where something replaced it (HF's
-        gradient_checkpointing_enable after install); what it found becomes what uninstall restores."""
-        for layer, func in self.armed:
-            current = layer.__dict__.get("_gradient_checkpointing_func", _MISSING)
-            if current is not func:
-                func.previous = current
-                layer._gradient_checkpointing_func = func
-
-    def disarm(self) -> None:
-        for handle in self.hooks:
-            handle.remove()
-        for layer, func in self.armed:
-            if layer.__dict__.get("_gradient_checkpointing_func", _MISSING) is not func:
-                continue  # replaced after the last forward: the newer function stays
-            if func.previous is _MISSING:
-                del layer.__dict__["_gradient_checkpointing_func"]
-            else:
-                layer._gradient_checkpointing_func = func.previous
+    def __init__(self, armed: list, plan: _Plan):
+        super().__init__(armed)
+        self.plan = plan
 
 
 def _int_arg(name: str, value) -> int:
@@ -384,21 +354,10 @@ def install_checkpoint_offload(model: torch.nn.Module, *, keep_on_card: int = 0,
         _host_like(torch.empty(1, device=next(p.device for p in model.parameters() if p.device.type == "cuda")))
     uninstall_checkpoint_offload(model)
     plan = _Plan(_HostStore(), len(layers), keep_on_card, keep_on_card_bytes)
-    armed = [(layer, _OffloadingCheckpointFunc(plan, i)) for i, (_, layer) in enumerate(layers)]
-    # the modules whose forward runs the layers (LlamaModel over model.layers), and the model itself
-    owners = {name.rpartition(".")[0].rpartition(".")[0] for name, _ in layers} | {""}
-    modules = dict(model.named_modules())
-    state = _Installed(armed, [], plan)
-    state.hooks = [modules[o].register_forward_pre_hook(functools.partial(_rearm_hook, state))
-                   for o in sorted(owners) if o in modules]
-    state.rearm()
+    state = _Installed([(layer, _OffloadingCheckpointFunc(plan, i)) for i, (_, layer) in enumerate(layers)], plan)
+    state.arm(model, [name for name, _ in layers])
     model.__dict__[_STATE] = state
-    return len(armed)
-
-
-def _rearm_hook(state: _Installed, module, args) -> None:
-    if not tracing():
-        state.rearm()
+    return len(state.armed)
 
 
 def uninstall_checkpoint_offload(model: torch.nn.Module) -> int:
@@ -407,13 +366,7 @@ def uninstall_checkpoint_offload(model: torch.nn.Module) -> int:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"tigon.memory.uninstall_checkpoint_offload: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}")
-    count = 0
-    for module in model.modules():
-        state = module.__dict__.pop(_STATE, None)
-        if state is not None:
-            state.disarm()
-            count += len(state.armed)
-    return count
+    return uninstall_armed(model, _STATE)
 
 
 def checkpoint_offload_installed(model: torch.nn.Module) -> bool:

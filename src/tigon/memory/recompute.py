@@ -24,7 +24,17 @@ from ..ops._library import tracing
 _INSTALL = "tigon.memory.install_kept_activations"
 _STATE = "_tigon_kept_activations"  # attribute of the model installed on
 _MARK = "_tigon_keeps_activations"  # attribute of each chosen layer: run without the recompute
-_MISSING = object()
+
+
+class _Missing:
+    """The marker for "no attribute" (a layer without a checkpointing function before install); one object, also
+    after a copy or a pickle of the model."""
+
+    def __reduce__(self):
+        return "_MISSING"
+
+
+_MISSING = _Missing()
 
 
 class _KeptActivationsFunc:
@@ -47,35 +57,73 @@ def checkpoint_layers(model: torch.nn.Module) -> list:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-class _Installed:
-    def __init__(self, chosen: list, hooks: list):
-        self.chosen, self.hooks = chosen, hooks  # [(layer, its function)]
+class ArmedLayers:
+    """Checkpointing functions an install put on a model's layers, and how it undoes that (the offload's and this
+    module's): `armed` [(layer, function)], each function with a `previous` attribute (what it replaced).
+    `arm(model, names)` puts them on and hooks the modules whose forward runs the layers, so that each forward puts
+    a function back where something replaced it (HF's gradient_checkpointing_enable after install), what it found
+    becoming what `disarm` restores. `yields_to(current)`: a function found there that stays."""
+
+    def __init__(self, armed: list):
+        self.armed, self.hooks = armed, []
+
+    def yields_to(self, current) -> bool:
+        return False
+
+    def arm(self, model: torch.nn.Module, names: list) -> None:
+        # the modules whose forward runs the layers (LlamaModel over model.layers), and the model itself
+        owners = {name.rpartition(".")[0].rpartition(".")[0] for name in names} | {""}
+        modules = dict(model.named_modules())
+        self.hooks = [modules[o].register_forward_pre_hook(functools.partial(_rearm_hook, self))
+                      for o in sorted(owners) if o in modules]
+        self.rearm()
 
     def rearm(self) -> None:
-        """Put the plain call back where HF's gradient_checkpointing_enable replaced it; a function that honours
-        the mark itself (the offload's: `honours_kept_activations`) is left in place."""
-        for layer, func in self.chosen:
+        for layer, func in self.armed:
             current = layer.__dict__.get("_gradient_checkpointing_func", _MISSING)
-            if current is not func and not getattr(current, "honours_kept_activations", False):
+            if current is not func and not self.yields_to(current):
                 func.previous = current
                 layer._gradient_checkpointing_func = func
 
     def disarm(self) -> None:
         for handle in self.hooks:
             handle.remove()
-        for layer, func in self.chosen:
-            layer.__dict__.pop(_MARK, None)
+        for layer, func in self.armed:
             if layer.__dict__.get("_gradient_checkpointing_func", _MISSING) is not func:
-                continue
+                continue  # replaced after the last forward: the newer function stays
             if func.previous is _MISSING:
                 del layer.__dict__["_gradient_checkpointing_func"]
             else:
                 layer._gradient_checkpointing_func = func.previous
 
 
-def _rearm_hook(state: _Installed, module, args) -> None:
+def _rearm_hook(state: ArmedLayers, module, args) -> None:
     if not tracing():
         state.rearm()
+
+
+def uninstall_armed(model: torch.nn.Module, key: str) -> int:
+    """Disarm every ArmedLayers kept under `key` on `model` or a module inside it; the number of layers."""
+    count = 0
+    for module in model.modules():
+        state = module.__dict__.pop(key, None)
+        if state is not None:
+            state.disarm()
+            count += len(state.armed)
+    return count
+
+
+class _Installed(ArmedLayers):
+    """The chosen layers: a function that honours the mark itself (the offload's, `honours_kept_activations`) is
+    left in place; uninstall also takes the marks off."""
+
+    def yields_to(self, current) -> bool:
+        return getattr(current, "honours_kept_activations", False)
+
+    def disarm(self) -> None:
+        for layer, _ in self.armed:
+            layer.__dict__.pop(_MARK, None)
+        super().disarm()
 
 
 def install_kept_activations(model: torch.nn.Module, *, layers: int) -> int:
@@ -98,17 +146,12 @@ def install_kept_activations(model: torch.nn.Module, *, layers: int) -> int:
     uninstall_kept_activations(model)
     if not layers:
         return 0
-    chosen = [(layer, _KeptActivationsFunc()) for _, layer in found[len(found) - layers:]]
-    for layer, _ in chosen:
+    state = _Installed([(layer, _KeptActivationsFunc()) for _, layer in found[len(found) - layers:]])
+    for layer, _ in state.armed:
         layer.__dict__[_MARK] = True
-    owners = {name.rpartition(".")[0].rpartition(".")[0] for name, _ in found} | {""}
-    modules = dict(model.named_modules())
-    state = _Installed(chosen, [])
-    state.hooks = [modules[o].register_forward_pre_hook(functools.partial(_rearm_hook, state))
-                   for o in sorted(owners) if o in modules]
-    state.rearm()
+    state.arm(model, [name for name, _ in found])
     model.__dict__[_STATE] = state
-    return len(chosen)
+    return len(state.armed)
 
 
 def uninstall_kept_activations(model: torch.nn.Module) -> int:
@@ -117,13 +160,7 @@ def uninstall_kept_activations(model: torch.nn.Module) -> int:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"tigon.memory.uninstall_kept_activations: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}")
-    count = 0
-    for module in model.modules():
-        state = module.__dict__.pop(_STATE, None)
-        if state is not None:
-            state.disarm()
-            count += len(state.chosen)
-    return count
+    return uninstall_armed(model, _STATE)
 
 
 def kept_activation_layers(model: torch.nn.Module) -> int:
