@@ -261,6 +261,30 @@ class TestAuto:
         with pytest.raises(ValueError, match="active can only be set to False"):
             state.active = True
 
+    def test_with_the_offloads_auto(self, card):
+        """Both "auto"s: where the checkpointed step fits, layers are kept and nothing is offloaded; where it does
+        not, none is kept and the offload arms (the kept hook decides first, the offload reads its choice)."""
+        from tigon.memory import auto_offload, checkpoint_offload_installed
+
+        model = _llama(layers=3, dropout=0.0)
+        tigon.patch(model, keep_activations="auto", rope=False, rms_norm=False, swiglu=False,
+                    fused_linear_cross_entropy=False)  # offload_checkpoints="auto", the default
+        model.gradient_checkpointing_enable()
+        peaks = self._peaks(model)
+        card["bytes"] = (peaks[2] + peaks[3]) // 2
+        ids = torch.randint(0, 131, (1, self.T), generator=torch.Generator().manual_seed(0))
+        _step(model, ids, ids)
+        assert kept_activation_layers(model) == 2 and not checkpoint_offload_installed(model)
+        offloaded = [plan(model, seq_len=2 * self.T, attention="eager", keep_activations=0,
+                          offload_checkpoints=k).peak for k in (0, 3)]
+        card["bytes"] = (offloaded[0] + offloaded[1]) // 2  # a longer row fits only with checkpoints offloaded
+        long_ids = torch.randint(0, 131, (1, 2 * self.T), generator=torch.Generator().manual_seed(1))
+        _step(model, long_ids, long_ids)
+        assert kept_activation_layers(model) == 0 and checkpoint_offload_installed(model)
+        assert auto_offload(model).decisions[(1, 2 * self.T)] is not None
+        tigon.unpatch(model)
+        assert not checkpoint_offload_installed(model) and kept_activation_layers(model) == 0
+
     def test_patch_refuses_other_strings(self):
         with pytest.raises(TypeError, match="keep_activations must be 'auto' or a number of layers"):
             tigon.patch(_llama(), keep_activations="all")
