@@ -153,6 +153,8 @@ def test_plan_counts_the_kept_layers():
     full = plan(cfg, seq_len=4096, batch_size=2, lora_rank=16, keep_activations=16)
     per_layer = full.layer_saved_per_token * 2 * 4096  # one layer's saved tensors, its input left out
     assert abs((peaks[2] - peaks[1]) - 8 * per_layer) < 0.05 * 8 * per_layer
+    assert "the last 16 layers skip the recompute" in str(full) and "recompute" not in str(
+        plan(cfg, seq_len=4096, batch_size=2, lora_rank=16))
     none = plan(cfg, seq_len=4096, batch_size=2, lora_rank=16, checkpointing=False)
     assert peaks[3] == none.peak
     base = plan(cfg, seq_len=4096, batch_size=2, lora_rank=16)

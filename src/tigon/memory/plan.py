@@ -405,6 +405,8 @@ class MemoryPlan:
                  ("checkpoints_host (pinned host memory)", _gib(self.checkpoints_host), "")]
         head = (f"tigon memory plan: {self.batch_size} x {self.seq_len} tokens, peak at the {self.moment}; one "
                 f"layer keeps {self.layer_saved_per_token / 1024:.1f} KiB a token")
+        if self._job.checkpointing and self._job.keep_activations:
+            head += f"; the last {self._job.keep_activations} layers skip the recompute (keep_activations)"
         try:
             from tabulate import tabulate
         except ImportError:
