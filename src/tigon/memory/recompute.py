@@ -1,14 +1,16 @@
 """Layers that keep their activations: gradient checkpointing without the recompute on the last layers.
 
-Hugging Face's gradient checkpointing saves each decoder layer's input and runs the layer's forward a second time
-in the backward: a whole forward of GEMMs, attention and kernels (about a quarter of a LoRA step's time). Where
-the card has memory to spare, a layer can instead keep what its backward reads, as without checkpointing.
+Hugging Face's gradient checkpointing saves each decoder layer's input and runs the layer's forward a second time in
+the backward: a whole forward of GEMMs, attention and kernels (about a quarter of a LoRA step's time). Where the
+card has memory to spare, a layer can instead keep what its backward reads, as without checkpointing.
 `install_kept_activations(model, layers=K)` does that for the last K `GradientCheckpointingLayer`s (their backward
 comes first, so their activations are freed first): their checkpointing function becomes a plain call. HF's
 checkpointing path stays on for them otherwise (the flag, the cache arguments it drops), and the other layers are
-checkpointed as before. Losses and gradients are bitwise those of checkpointing (the recompute computes the same
-values); the step is faster and holds K layers' activations more (`tigon.memory.plan(..., keep_activations=K)`
-counts them; `MemoryPlan.most_kept_activations(budget)` finds the largest K that fits).
+checkpointed as before. Losses and gradients are bitwise those of checkpointing where a layer runs the same ops
+either way (the recompute computes the same values; a patched full fine-tune's MLP runs as one node outside a
+checkpoint, its input gradient summed in another order); the step is faster and holds K layers' activations more
+(`tigon.memory.plan(..., keep_activations=K)` counts them; `MemoryPlan.most_kept_activations(budget)` finds the
+largest K that fits).
 
 The choice is a mark on each chosen layer (`_MARK`), which the offload's checkpointing function honours too
 (tigon.memory.offload), so the two install in either order. Like the offload, the function is put back by a
