@@ -116,7 +116,13 @@ def test_patch_argument_and_unpatch():
     patched_ref = _llama()
     tigon.patch(patched_ref, offload_checkpoints=False)
     patched_ref.gradient_checkpointing_enable()
-    _assert_same(_step(patched_ref, ids, labels), got)
+    # a patched full fine-tune's MLP runs as one node in the kept layers: its input gradient may sum in another
+    # order, so fp32 agreement to a reordering of sums over <= 96 terms (96 x 2^-24 relative) is the bound
+    (l_ref, g_ref), (l_got, g_got) = _step(patched_ref, ids, labels), got
+    torch.testing.assert_close(l_got, l_ref, rtol=1e-5, atol=0)
+    assert g_ref.keys() == g_got.keys()
+    for name in g_ref:
+        torch.testing.assert_close(g_got[name], g_ref[name], rtol=1e-5, atol=1e-7 * g_ref[name].abs().max().item())
     del ref
 
 
