@@ -23,6 +23,13 @@ pytest.importorskip("transformers")
 from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E402
 
 
+def _checkpointed(**kw):
+    """A tiny Llama (test_offload's `_llama(**kw)`) with HF's gradient checkpointing on."""
+    model = _llama(**kw)
+    model.gradient_checkpointing_enable()
+    return model
+
+
 def _layers(model):
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
@@ -39,11 +46,9 @@ def _calls(model):
 @pytest.mark.parametrize("kept", [1, 3])
 def test_bitwise_checkpointing_and_the_kept_layers_run_once(lora, kept):
     ids, labels = batch()
-    ref_model = _llama(lora=lora)
-    ref_model.gradient_checkpointing_enable()
+    ref_model = _checkpointed(lora=lora)
     ref = _step(ref_model, ids, labels)
-    model = _llama(lora=lora)
-    model.gradient_checkpointing_enable()
+    model = _checkpointed(lora=lora)
     assert install_kept_activations(model, layers=kept) == kept
     assert kept_activation_layers(model) == kept
     calls = _calls(model)
@@ -77,11 +82,9 @@ def test_with_the_offload_in_either_order(order):
     """The chosen layers run without the recompute and their inputs are not offloaded; the others are offloaded;
     gradients bitwise the plain checkpointed step's."""
     ids, labels = batch()
-    ref_model = _llama(lora=True)
-    ref_model.gradient_checkpointing_enable()
+    ref_model = _checkpointed(lora=True)
     ref = _step(ref_model, ids, labels)
-    model = _llama(lora=True)
-    model.gradient_checkpointing_enable()
+    model = _checkpointed(lora=True)
     if order == "offload_first":
         install_checkpoint_offload(model)
         install_kept_activations(model, layers=1)
@@ -101,8 +104,7 @@ def test_with_the_offload_in_either_order(order):
 
 def test_patch_argument_and_unpatch():
     ids, labels = batch()
-    ref_model = _llama()
-    ref_model.gradient_checkpointing_enable()
+    ref_model = _checkpointed()
     ref = _step(ref_model, ids, labels)
     model = _llama()
     report = tigon.patch(model, keep_activations=2, offload_checkpoints=False)
@@ -174,8 +176,7 @@ def test_plan_counts_the_kept_layers():
 
 
 def test_plan_reads_the_model():
-    model = _llama()
-    model.gradient_checkpointing_enable()
+    model = _checkpointed()
     base = plan(model, seq_len=2048)  # long enough for the activations to make the peak
     install_kept_activations(model, layers=2)
     assert plan(model, seq_len=2048).peak > base.peak
@@ -188,11 +189,9 @@ def test_compiled_model_with_kept_layers_matches():
     """Under torch.compile the chosen layers run plainly too; loss and gradients equal the eager checkpointed step
     within fp32 rounding (inductor fuses in another order)."""
     ids, labels = batch()
-    ref_model = _llama(dropout=0.0)
-    ref_model.gradient_checkpointing_enable()
+    ref_model = _checkpointed(dropout=0.0)
     ref = _step(ref_model, ids, labels)
-    model = _llama(dropout=0.0)
-    model.gradient_checkpointing_enable()
+    model = _checkpointed(dropout=0.0)
     install_kept_activations(model, layers=1)
     compiled = torch.compile(model, backend="aot_eager")
     loss, grads = _step(compiled, ids, labels)
