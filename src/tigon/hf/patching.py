@@ -33,7 +33,6 @@ from ..memory import (
     install_checkpoint_offload,
     install_kept_activations,
     install_tiled_mlp,
-    kept_activation_layers,
     tiled_mlp_installed,
     uninstall_auto_kept_activations,
     uninstall_auto_offload,
@@ -563,7 +562,7 @@ def _memory_patch(hf, report, keep_on_card, tile_tokens, keep_activations=0) -> 
         if keep_activations:
             report.add("checkpointing without the recompute (the last layers keep their activations)",
                        install_kept_activations(hf, layers=keep_activations))
-        elif kept_activation_layers(hf):
+        else:
             uninstall_kept_activations(hf)
     if keep_on_card == "auto":
         keep_on_card, before = None, auto_offload(hf)
@@ -660,11 +659,12 @@ def patch_hf_model(
     docs/memory/tiling.md). True chooses the tile from free memory; an int is the tile length in tokens.
     keep_activations (instance only; for training with gradient checkpointing on a card with memory to spare):
     the last this-many decoder layers keep their activations and skip the recompute, the others are checkpointed
-    (tigon.memory.install_kept_activations; docs/memory/kept_activations.md); the same losses and gradients, a
-    faster step, more memory: tigon.memory.plan(model, seq_len=...).most_kept_activations(budget) says how many
-    fit. "auto": at the first training forward of each new (batch, seq_len) on a CUDA card, as many as the plan
-    fits in the card's free memory less a tenth of the card (tigon.memory.install_auto_kept_activations; a later
-    shape only lowers it). 0 (the default): every layer is checkpointed.
+    (tigon.memory.install_kept_activations; docs/memory/kept_activations.md); the same losses and gradients
+    (bitwise where a layer runs the same ops either way), a faster step, more memory:
+    tigon.memory.plan(model, seq_len=...).most_kept_activations(budget) says how many fit. "auto": at the first
+    training forward of each new (batch, seq_len) on a CUDA card, as many as the plan fits in the card's free
+    memory less a tenth of the card (tigon.memory.install_auto_kept_activations; a later shape only lowers it).
+    0 (the default): every layer is checkpointed.
     Raises TypeError for an argument of the wrong kind, ValueError for an unsupported family."""
     if model is None and model_type is None:
         raise ValueError("tigon.patch: pass a model (tigon.patch(model)) or model_type= (a string such as "
@@ -737,8 +737,7 @@ def unpatch_hf_model(
             uninstall_checkpoint_offload(hf)
         if tiled_mlp_installed(hf):
             uninstall_tiled_mlp(hf)
-        if kept_activation_layers(hf):
-            uninstall_kept_activations(hf)
+        uninstall_kept_activations(hf)
         return
     if model_type is not None:
         model_type = _model_type_name(model_type, "tigon.unpatch")
