@@ -6,8 +6,9 @@
 #                                             lce losses attention sft lora lora-autocast qlora moe long-context
 #                                             long-context-curves qk-norm-rope decode-int4 decode-fp8
 #
-#   tests       the README's test command, natively: python -m pytest tests -q -n TEST_WORKERS (12), failures named
-#               (tests.log); TESTS="tests/memory tests/test_optim.py" runs those paths instead of the whole suite
+#   tests       the README's test command, natively: python -m pytest tests -v -n TEST_WORKERS (12) under TESTS_CAP_S
+#               (540 s), failures named as they happen (tests.log; the run log gets them and the summary);
+#               TESTS="tests/memory tests/test_optim.py" runs those paths instead of the whole suite
 #   ops         gpu-check without its tests: ceilings and every op benchmark (<gpu>_ops.md, <gpu>_ops.json)
 #   decode      decode: tigon at batch 1 and 8 beside HF static cache + compile at batch 1
 #               (<gpu>_decode.md, <gpu>_decode.json)
@@ -120,8 +121,11 @@ rm -rf "$T" && mkdir -p "$T"
 
 for s in "$@"; do
     case "$s" in
-        tests) step tests 420 python3 -m pytest ${TESTS:-tests} -q -n "${TEST_WORKERS:-12}" -rfE -o cache_dir=/tmp/pytest_cache -p no:randomly \
-                   >"$T/tests.log" 2>&1; grep -E "^(FAILED|ERROR)| (passed|failed)" "$T/tests.log" | tail -n 25 | tee -a "$LOG"; keep "$T/tests.log" tests.log ;;
+        tests) step tests "${TESTS_CAP_S:-540}" python3 -m pytest ${TESTS:-tests} -v -n "${TEST_WORKERS:-12}" -rfE \
+                   --durations=15 -o cache_dir=/tmp/pytest_cache -p no:randomly >"$T/tests.log" 2>&1
+               # -v: each failure's name is in the log as it happens, so a run cut off by its limit still names them
+               grep -E "(FAILED|ERROR) tests/|^(FAILED|ERROR) | (passed|failed)" "$T/tests.log" | sort -u | tail -n 40 \
+                   | tee -a "$LOG"; keep "$T/tests.log" tests.log ;;
         ops) step ops 300 "${bench[@]}" gpu-check --no-tests --out "$T/ops" --tag "${GPU}_ops" --budget 280 \
                  >>"$LOG" 2>&1
              keep "$T/ops/${GPU}_ops.md" "${GPU}_ops.md"; keep "$T/ops/${GPU}_ops.json" "${GPU}_ops.json"

@@ -129,7 +129,7 @@ def measure(bench, ceiling, x, qw, w16, act, sweep, graph_bench=None) -> dict:
     n_out = N // 2 if act else N
     io_bytes = (M * K + M * n_out) * x.element_size()
     moved = qw.nbytes + io_bytes
-    best = None
+    best = default_ms = None
     grid = SWEEP_GEMV if M == 1 else SWEEP_DECODE if M <= 16 else SWEEP_PREFILL
     for cfg in [None] + ([QuantLinearConfig(**c) for c in grid] if sweep else []):
         try:
@@ -137,6 +137,8 @@ def measure(bench, ceiling, x, qw, w16, act, sweep, graph_bench=None) -> dict:
         except Exception as e:  # a swept config the GPU cannot run (shared memory): a note, not a stop
             print(f"  M={M} {cfg}: {type(e).__name__}", file=sys.stderr)
             continue
+        if cfg is None:
+            default_ms = ms
         if best is None or ms < best[0]:
             best = (ms, cfg)
     ms, cfg = best
@@ -151,7 +153,8 @@ def measure(bench, ceiling, x, qw, w16, act, sweep, graph_bench=None) -> dict:
     return dict(N=N, K=K, activation=act, group_size=qw.group_size, M=M, ms=ms, gbps=moved / (ms * 1e-3) / 1e9,
                 bytes=moved, bound_ms=bound_ms, pct_of_bound=100 * bound_ms / ms, bf16_ms=bf16_ms,
                 bf16_pct_of_bound=100 * (w16.numel() * 2 + io_bytes) / (ceiling * 1e9) * 1e3 / bf16_ms,
-                speedup_vs_bf16=bf16_ms / ms, mm_kernel_ms=mm_ms, tflops=2 * M * N * K / (ms * 1e-3) / 1e12,
+                speedup_vs_bf16=bf16_ms / ms, default_ms=default_ms, mm_kernel_ms=mm_ms,
+                tflops=2 * M * N * K / (ms * 1e-3) / 1e12,
                 max_rel_err_vs_reference=rel, config=None if cfg is None else dataclasses.asdict(cfg),
                 timing="cuda graph over weight copies" if graph_bench is not None else "do_bench")
 
@@ -165,6 +168,8 @@ def run(args) -> dict:
     shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes}
     rows_list = args.rows or ([1, 17] if args.smoke else [1, 8, 512])
     gen = torch.Generator(device=device).manual_seed(0)
+    meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+                torch=torch.__version__, triton=_triton_version(), copy_ceiling_gbps=ceiling, dtype=str(dtype))
     rows = []
     for shape, (N, K, act) in shapes.items():
         w16 = torch.randn(N, K, generator=gen, device=device).to(dtype)
@@ -185,10 +190,28 @@ def run(args) -> dict:
                 print(f"{shape:8s} {kind:11s} M={M:<4d} {row['ms'] * 1e3:9.1f} us {row['gbps']:7.0f} GB/s "
                       f"{row['pct_of_bound']:5.1f}% of bound | bf16 {row['bf16_ms'] * 1e3:8.1f} us "
                       f"({row['speedup_vs_bf16']:.2f}x) err {row['max_rel_err_vs_reference']:.1e}"
-                      + (f" | GEMM kernel {row['mm_kernel_ms'] * 1e3:8.1f} us" if row["mm_kernel_ms"] else ""))
-    return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-                torch=torch.__version__, triton=_triton_version(), copy_ceiling_gbps=ceiling, dtype=str(dtype),
-                rows=rows)
+                      + (f" | GEMM kernel {row['mm_kernel_ms'] * 1e3:8.1f} us" if row["mm_kernel_ms"] else "")
+                      + (f" | best of the sweep: {_changed(row['config'])}, default "
+                         + (f"{row['default_ms'] * 1e3:.1f} us" if row["default_ms"] else "failed")
+                         if args.sweep else ""), flush=True)
+                if args.out:  # after every row: a run cut off by its time limit keeps what it measured
+                    _write(args.out, dict(meta, rows=rows))
+    return dict(meta, rows=rows)
+
+
+def _changed(config) -> str:
+    """The swept fields of a config that differ from the defaults ("default" for the shape rule's launch)."""
+    from tigon.ops import QuantLinearConfig
+
+    if config is None:
+        return "default"
+    base = dataclasses.asdict(QuantLinearConfig())
+    return " ".join(f"{k}={v}" for k, v in config.items() if v != base[k]) or "default"
+
+
+def _write(path, result):
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def _triton_version():
@@ -211,8 +234,7 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     result = run(args)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        _write(args.out, result)
     return result
 
 
