@@ -311,3 +311,16 @@ def workspace(device) -> RollingBuffer:
         with _workspaces_lock:
             ws = _workspaces.setdefault(device, RollingBuffer(device))
     return ws
+
+
+def split_scratch(device, name: str, numel: int, dtype: torch.dtype, *, least: int = 0, zeros: bool = False,
+                  per_call: bool = False) -> torch.Tensor:
+    """Scratch of a split-K launch (partial sums, arrival counters the kernel leaves at zero): the arena's pinned
+    buffer `name`, at least `least` elements (one size for every projection of a model), when per_call is False;
+    with per_call, a fresh tensor of `numel` (zero-filled with zeros) that the caller's call frees. The custom ops
+    that torch.compile puts in its graphs take per-call scratch: a graph compiled with CUDA graphs
+    (mode="reduce-overhead") runs its warm-up inside the graphs' memory pool and refuses a tensor allocated there
+    that outlives the call, which a pinned buffer's first allocation would be."""
+    if per_call:
+        return (torch.zeros if zeros else torch.empty)(numel, dtype=dtype, device=device)
+    return workspace(device).pinned(name, max(numel, least), dtype, zeros=zeros)

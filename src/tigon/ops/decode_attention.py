@@ -273,8 +273,10 @@ def _dot_precision(dtype, interp: bool) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, advance=None, cfg=DECODE_ATTENTION):
-    """advance: None, or the int64 tensor q_pos is a view of, to add one to once the positions are read."""
+def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, advance=None, cfg=DECODE_ATTENTION,
+                per_call_scratch=False):
+    """advance: None, or the int64 tensor q_pos is a view of, to add one to once the positions are read.
+    per_call_scratch: the split partials allocated for this call (`_rolling_buffer.split_scratch`)."""
     B, Hq, _, D = q.shape
     Hkv, C = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -322,7 +324,8 @@ def _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, window, softcap, ad
         # Per-split partials from one pinned buffer of the arena (a stable address for a captured decode step,
         # nothing allocated per step once it fits): m and l [B Hq, n_splits], then acc [B Hq, n_splits, D].
         n = B * Hq * n_splits
-        part = _ws.workspace(q.device).pinned("decode_attention.partials", n * (D + 2), torch.float32)
+        part = _ws.split_scratch(q.device, "decode_attention.partials", n * (D + 2), torch.float32,
+                                 per_call=per_call_scratch)
         parts = (part[:n].view(B * Hq, n_splits), part[n:2 * n].view(B * Hq, n_splits),
                  part[2 * n:n * (D + 2)].view(B * Hq, n_splits, D))
     split_kernel((programs, n_splits), chunk, n_splits, one, warps, parts)
@@ -349,7 +352,8 @@ def decode_attention_op(
     sliding_window 0 and softcap 0.0 mean none; config: None (the defaults) or `DecodeAttentionConfig.ints()`.
     Returns [B, Hq, 1, D] in q.dtype (contiguous)."""
     cfg = DecodeAttentionConfig(*config) if config is not None else DECODE_ATTENTION
-    return _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap, cfg=cfg)
+    return _fwd_launch(q, k_cache, v_cache, slot_pos, q_pos, scale, sliding_window, softcap, cfg=cfg,
+                       per_call_scratch=True)
 
 
 @decode_attention_op.register_fake

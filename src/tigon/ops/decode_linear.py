@@ -258,19 +258,21 @@ def _split_of(K: int, block_k: int, split: int) -> tuple[int, int]:
     return k_split, _launch.cdiv(K, k_split)
 
 
-def _workspace(device, n_sums: int, n_counters: int):
+def _workspace(device, n_sums: int, n_counters: int, per_call: bool = False):
     """The split-K scratch, pinned buffers of the device's workspace arena (`_rolling_buffer.RollingBuffer.pinned`):
     fp32 partial tiles (overwritten by every call) and int32 arrival counters (zeros between calls: the last
     arrival resets its counter, so no memset launch per call). Pinned, not borrowed: the counters are state kept
     between calls, and a captured decode step replays these addresses (docs/ops/decode_linear.md). At least
-    1 MiB of partials and 4096 counters, so the first call's size serves every decode projection of a model."""
-    ws = _ws.workspace(device)
-    return (ws.pinned("decode_linear.partials", max(n_sums, 1 << 18), torch.float32, zeros=True),
-            ws.pinned("decode_linear.counters", max(n_counters, 1 << 12), torch.int32, zeros=True))
+    1 MiB of partials and 4096 counters, so the first call's size serves every decode projection of a model.
+    per_call: the call's own (the custom op under torch.compile: `_rolling_buffer.split_scratch`)."""
+    return (_ws.split_scratch(device, "decode_linear.partials", n_sums, torch.float32, least=1 << 18, zeros=True,
+                              per_call=per_call),
+            _ws.split_scratch(device, "decode_linear.counters", n_counters, torch.int32, least=1 << 12, zeros=True,
+                              per_call=per_call))
 
 
-def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
-    """config: a DecodeLinearConfig, or None to pick one from the shapes."""
+def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None, per_call_scratch=False):
+    """config: a DecodeLinearConfig, or None to pick one from the shapes. per_call_scratch: see `_workspace`."""
     M, K = x.shape
     ns = [w.shape[0] for w in weights]
     n_out = ns[0] if act else sum(ns)
@@ -290,7 +292,7 @@ def _launch_kernel(x, weights, norm_weight, eps, residual, act, config=None):
     m_blocks = _launch.cdiv(M, block_m)
     k_split, split = _split_of(K, block_k, split)
     if split > 1:
-        ws, cnt = _workspace(x.device, split * M * n_out, n_blocks * m_blocks)
+        ws, cnt = _workspace(x.device, split * M * n_out, n_blocks * m_blocks, per_call_scratch)
     else:
         ws, cnt = y, y
     esize = x.element_size()
@@ -320,7 +322,7 @@ def decode_linear_op(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: 
     """x [M, K], weights 1-3 x [N_i, K]; returns [M, sum N_i] ([M, N] with an activation). config: None or
     `DecodeLinearConfig.ints()` (the launch from the shapes, or that one)."""
     cfg = DecodeLinearConfig(*config) if config is not None else None
-    return _launch_kernel(x, weights, norm_weight, eps, residual, activation, cfg)
+    return _launch_kernel(x, weights, norm_weight, eps, residual, activation, cfg, per_call_scratch=True)
 
 
 @decode_linear_op.register_fake

@@ -585,8 +585,10 @@ def _dequant_mm(x, data, scales, zeros, perm, bias, residual, kind, group_size, 
     return y
 
 
-def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, act, config):
-    """x [M, K] (unit stride on K); returns [M, n_out]. config: None or `QuantLinearConfig.ints()`."""
+def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, act, config,
+                   per_call_scratch=False):
+    """x [M, K] (unit stride on K); returns [M, n_out]. config: None or `QuantLinearConfig.ints()`.
+    per_call_scratch: the split-K scratch allocated for this call (`_rolling_buffer.split_scratch`)."""
     M, K = x.shape
     n_out = n // 2 if act else n
     if M == 0 or n_out == 0:
@@ -602,9 +604,10 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
     tiles = n_blocks * (M if plan.gemv else _launch.cdiv(M, plan.block_m))
     ws = cnt = y
     if plan.split > 1:  # pinned, as decode_linear's: counters stay zero between calls, and a graph replays them
-        arena = _ws.workspace(x.device)
-        ws = arena.pinned("quant_linear.partials", max(plan.split * M * n, 1 << 18), torch.float32)
-        cnt = arena.pinned("quant_linear.counters", max(tiles, 1 << 12), torch.int32, zeros=True)
+        ws = _ws.split_scratch(x.device, "quant_linear.partials", plan.split * M * n, torch.float32, least=1 << 18,
+                               per_call=per_call_scratch)
+        cnt = _ws.split_scratch(x.device, "quant_linear.counters", tiles, torch.int32, least=1 << 12, zeros=True,
+                                per_call=per_call_scratch)
     per_channel = kind == 2 and group_size == 0
     data, words, fp8_bits = _stored(data, kind, plan.gw, x.device)
     table = _nf4_pairs(x.device) if kind == 1 else scales
@@ -636,8 +639,10 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
 def quant_linear_op(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     perm: torch.Tensor | None, bias: torch.Tensor | None, residual: torch.Tensor | None, kind: int,
                     group_size: int, n: int, activation: int, config: list[int] | None = None) -> torch.Tensor:
-    """x [M, K] and a QuantizedWeight's tensors; returns [M, n] ([M, n // 2] with an activation)."""
-    return _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, activation, config)
+    """x [M, K] and a QuantizedWeight's tensors; returns [M, n] ([M, n // 2] with an activation). The node
+    torch.compile puts in its graphs: its split-K scratch is the call's own (`_rolling_buffer.split_scratch`)."""
+    return _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, activation, config,
+                          per_call_scratch=True)
 
 
 @quant_linear_op.register_fake
