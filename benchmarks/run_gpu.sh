@@ -4,10 +4,11 @@
 #
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops decode-norm e2e e2e-compile
 #                                             lce losses attention sft lora lora-autocast qlora moe long-context
-#                                             long-context-curves qk-norm-rope decode-int4 decode-fp8
+#                                             long-context-curves qk-norm-rope decode-int4 decode-fp8 decode-70b
 #
 #   tests       the README's test command, natively: python -m pytest tests -v -n TEST_WORKERS (12) under TESTS_CAP_S
-#               (540 s), failures named as they happen (tests.log; the run log gets them and the summary);
+#               (540 s), on a machine of several GPUs one such process a GPU over a share of the test files;
+#               failures named as they happen (tests.log; the run log gets them and the summary);
 #               TESTS="tests/memory tests/test_optim.py" runs those paths instead of the whole suite
 #   ops         gpu-check without its tests: ceilings and every op benchmark (<gpu>_ops.md, <gpu>_ops.json)
 #   decode      decode: tigon at batch 1 and 8 beside HF static cache + compile at batch 1
@@ -18,6 +19,8 @@
 #   decode-int4 decode-fp8  decode --model llama3-8b --weights int4|fp8: tigon at batch 1 and 8 beside HF's generate
 #               on the same quantized model (and, int4, torchao's int4 + compile) at batch 1, prompts
 #               DECODE_QUANT_PROMPTS (default 512) (<gpu>_decode-int4.md, .json); torchao from .whl/
+#   decode-70b  decode --model llama3-70b --weights int4: the 70B shape (random init, built layer by layer and
+#               quantized at once) at batch 1, prompt 512, into a 32K ring, with its read bound (<gpu>_decode_70b.md)
 #   decode-ops  decode-ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
 #   decode-norm decode-ops --norm-cost at the 8B and 1.5B shapes: decode_linear with and without its fused
 #               norm, at the statistics steps NORM_STATS_ELEMS (default 0,2048,4096), and the norm as its own launch
@@ -119,10 +122,31 @@ fi
 T=/tmp/run_gpu
 rm -rf "$T" && mkdir -p "$T"
 
+run_tests() {  # the suite (or TESTS) over every GPU of the machine: one pytest process a GPU, the test files dealt
+    # round-robin, TEST_WORKERS workers each; logs $T/tests_gpu<i>.log (written as they run)
+    local n i j rc=0 files part pids=()
+    n=$(nvidia-smi -L 2>/dev/null | wc -l)
+    (( n > 0 )) || n=1
+    mapfile -t files < <(for t in ${TESTS:-tests}; do
+                             if [[ -d $t ]]; then find "$t" -name 'test_*.py'; else echo "$t"; fi; done | sort)
+    for (( i = 0; i < n; i++ )); do
+        part=()
+        for (( j = i; j < ${#files[@]}; j += n )); do part+=("${files[j]}"); done
+        (( ${#part[@]} )) || continue
+        CUDA_VISIBLE_DEVICES=$i python3 -m pytest "${part[@]}" -v -n "${TEST_WORKERS:-12}" -rfE --durations=15 \
+            -o cache_dir="/tmp/pytest_cache_$i" -p no:randomly >"$T/tests_gpu$i.log" 2>&1 &
+        pids+=($!)
+    done
+    for j in "${pids[@]}"; do wait "$j" || rc=1; done
+    return $rc
+}
+export -f run_tests
+export T
+
 for s in "$@"; do
     case "$s" in
-        tests) step tests "${TESTS_CAP_S:-540}" python3 -m pytest ${TESTS:-tests} -v -n "${TEST_WORKERS:-12}" -rfE \
-                   --durations=15 -o cache_dir=/tmp/pytest_cache -p no:randomly >"$T/tests.log" 2>&1
+        tests) step tests "${TESTS_CAP_S:-540}" bash -c run_tests
+               cat "$T"/tests_gpu*.log >"$T/tests.log" 2>/dev/null
                # -v: each failure's name is in the log as it happens, so a run cut off by its limit still names them
                grep -E "(FAILED|ERROR) tests/|^(FAILED|ERROR) | (passed|failed)" "$T/tests.log" | sort -u | tail -n 40 \
                    | tee -a "$LOG"; keep "$T/tests.log" tests.log ;;
@@ -162,6 +186,10 @@ for s in "$@"; do
                 --variants "tigon,$peers" --batches 1,8 --prompts "${DECODE_QUANT_PROMPTS:-512}" \
                 --budget "$(( bq > 1 ? bq : 1 ))" >>"$LOG" 2>&1
             keep "$T/$s/decode.md" "${GPU}_$s.md"; keep "$T/$s/decode.json" "${GPU}_$s.json" ;;
+        decode-70b)  # the 70B shape in int4 (built layer by layer, quantized at once), tigon at batch 1
+            step decode-70b 300 "${bench[@]}" decode --model llama3-70b --weights int4 --out "$T/decode_70b" \
+                --variants tigon --batches 1 --prompts 512 --budget 280 >>"$LOG" 2>&1
+            keep "$T/decode_70b/decode.md" "${GPU}_decode_70b.md"; keep "$T/decode_70b/decode.json" "${GPU}_decode_70b.json" ;;
         decode-norm)
             for model in llama3-8b 1.5b; do
                 mkdir -p "$T/decode_norm"

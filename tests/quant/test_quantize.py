@@ -131,3 +131,58 @@ def test_bad_input():
             fn("model")
     with pytest.raises(TypeError, match="skipped must be None or a dict"):
         adopt(nn.Linear(2, 2), skipped=[])
+
+
+@pytest.mark.parametrize("fmt,group_size,symmetric", [("int4", 16, False), ("int4", 32, True), ("nf4", 32, True),
+                                                      ("fp8", 16, True), ("fp8", 0, True)])
+def test_siblings_share_rows_and_the_stack_is_a_view(fmt, group_size, symmetric):
+    """After quantize, q|k|v and gate|up are row slices of one tensor each (data, scales, zero points), with the
+    values each projection quantized alone has; the fused decode step's stack of them copies nothing; state_dict
+    saves and loads them as separate projections."""
+    import io
+
+    from tigon.quant.stack import layer_stack
+
+    dense = tiny_model("llama").eval()
+    model = quantize(copy.deepcopy(dense), fmt, group_size=group_size, symmetric=symmetric)
+    for layer, ref in zip(model.model.layers, dense.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        groups = ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj])
+        for parts in groups:
+            for field in ("data", "scales", "zeros"):
+                ts = [getattr(p, field) for p in parts]
+                if ts[0] is None:
+                    continue
+                assert len({t.untyped_storage().data_ptr() for t in ts}) == 1, field
+        for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            got = getattr(layer.self_attn if name[0] in "qkv" else layer.mlp, name)
+            lin = getattr(ref.self_attn if name[0] in "qkv" else ref.mlp, name)
+            alone = QuantLinear.from_linear(lin, fmt, group_size, symmetric=symmetric)
+            for field in ("data", "scales", "zeros"):
+                a, b = getattr(got, field), getattr(alone, field)
+                assert (a is None and b is None) or torch.equal(a, b), (name, field)
+        stack = layer_stack(layer, list(groups[0]), attn.o_proj, list(groups[1]), mlp.down_proj, torch.float32)
+        for group, parts in ((stack.qkv, groups[0]), (stack.gate_up, groups[1])):
+            assert group.stacked
+            assert group.weights[0][0].data.untyped_storage().data_ptr() == \
+                parts[0].data.untyped_storage().data_ptr()  # a view, not a copy
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert loaded["model.layers.0.self_attn.k_proj.data"].shape == model.model.layers[0].self_attn.k_proj.data.shape
+    other = quantize(tiny_model("llama", seed=3).eval(), fmt, group_size=group_size, symmetric=symmetric)
+    other.load_state_dict(loaded)
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values()))
+
+
+def test_shared_rows_follow_an_in_place_load_of_one_projection(reference_path):
+    """Loading new values into one projection of a shared group changes that projection only."""
+    model = quantize(tiny_model("llama").eval(), "int4", group_size=32)
+    attn = model.model.layers[0].self_attn
+    before = {n: getattr(attn, n).data.clone() for n in ("q_proj", "k_proj", "v_proj")}
+    new = QuantLinear.from_linear(nn.Linear(attn.k_proj.in_features, attn.k_proj.out_features, bias=False),
+                                  "int4", 32)
+    attn.k_proj.load_state_dict(new.state_dict())
+    assert torch.equal(attn.k_proj.data, new.data)
+    assert torch.equal(attn.q_proj.data, before["q_proj"]) and torch.equal(attn.v_proj.data, before["v_proj"])

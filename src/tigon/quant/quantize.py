@@ -4,7 +4,8 @@ For checkpoints published in full precision: every nn.Linear of the model (exact
 subclass) is replaced by `QuantLinear.from_linear`, except the output projection and the names in `skip`. The
 rules per format are `tigon.quant.module.quantize_rtn`'s. An already-quantized projection (a checkpoint's module
 or a QuantLinear) is an error naming it, before anything is changed. With calibration batches, 4-bit weights are
-first rescaled by activation-aware scales folded into the ops before them (`tigon.quant.calibrate`).
+first rescaled by activation-aware scales folded into the ops before them (`tigon.quant.calibrate`). Sibling
+projections (q, k, v; gate, up) then share one tensor each, as row slices (`tigon.quant.stack.share_rows`).
 """
 
 from torch import nn
@@ -12,6 +13,7 @@ from torch import nn
 from .calibrate import _skipped, search_scales
 from .importers import format_of
 from .module import QuantLinear, _check_rtn
+from .stack import share_rows
 
 FORMATS = ("int4", "fp8", "nf4")
 
@@ -60,4 +62,5 @@ def quantize(model: nn.Module, fmt: str, *, group_size: int = 128, symmetric: bo
         swap = QuantLinear.from_linear(module, fmt, group_size, symmetric=symmetric)
         swap.layer_name = name
         model.set_submodule(name, swap.train(module.training))
+    share_rows(model)  # q|k|v and gate|up as row slices of one tensor each: the decode step stacks them for free
     return model

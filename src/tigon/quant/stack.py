@@ -4,10 +4,13 @@ The decode step reads each weight once a token, so one launch over q|k|v and one
 epilogue) replace five launches of `quant_linear`: `concat` joins QuantizedWeights along N (rows: output
 features) where their layouts agree, and `layer_stack` builds, once a layer, the stacked weights from the
 layer's QuantLinear modules (or those inside PEFT LoRA layers, the adapters being added by the caller) and keeps
-them in the layer's `__dict__` under `STACK`. The stack holds copies of the q, k, v, gate and up tensors (the
-modules keep theirs, so `state_dict` and saving are untouched): the decode wing pays those projections' bytes
-once more in memory. It is rebuilt when a projection module, its tensors (a device move), their version (an
-in-place load) or the activation dtype change; `tigon.quant.release` and `tigon.unpatch` drop it.
+them in the layer's `__dict__` under `STACK`. Where the parts' tensors are consecutive rows of one tensor already
+(`share_rows`, which `tigon.quantize` applies to the projections it makes), the stack is a view of them and costs
+no memory; otherwise it holds copies of the q, k, v, gate and up tensors (the modules keep theirs, so
+`state_dict` and saving are untouched), those projections' bytes once more in memory (a 70B model's int4
+projections are ~35 GB: the copies would not fit an 80 GB card beside a 32K cache). It is rebuilt when a projection
+module, its tensors (a device move), their version (an in-place load) or the activation dtype change;
+`tigon.quant.release` and `tigon.unpatch` drop it.
 """
 
 import dataclasses
@@ -42,11 +45,50 @@ def concat(parts: list[QuantizedWeight], dtype: torch.dtype) -> QuantizedWeight 
             return None
     if first.kind == "fp8" and first.group_size and any(p.shape[0] % first.group_size for p in parts[:-1]):
         return None
-    zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
-    # fp8 joined as its bytes: not every torch build concatenates float8 tensors on every device
-    data = torch.cat([p.data.view(torch.uint8) for p in parts]).view(first.data.dtype)
-    return QuantizedWeight(first.kind, data, torch.cat([p.scales for p in parts]), zeros, first.group_size,
-                           (sum(p.shape[0] for p in parts), n_k), dtype, first.perm)
+    zeros = None if first.zeros is None else _rows([p.zeros for p in parts])
+    return QuantizedWeight(first.kind, _rows([p.data for p in parts]), _rows([p.scales for p in parts]), zeros,
+                           first.group_size, (sum(p.shape[0] for p in parts), n_k), dtype, first.perm)
+
+
+def _rows(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The tensor whose rows are `ts`' rows in order: a view where they are consecutive rows of one storage
+    already (`share_rows`), else a copy (fp8 joined as its bytes: not every torch build concatenates float8
+    tensors on every device)."""
+    first = ts[0]
+    if all(t.is_contiguous() and t.shape[1:] == first.shape[1:] and t.dtype == first.dtype for t in ts) and all(
+            b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+            and b.storage_offset() == a.storage_offset() + a.numel() for a, b in zip(ts, ts[1:])):
+        return first.as_strided((sum(t.shape[0] for t in ts), *first.shape[1:]), first.stride(),
+                                first.storage_offset())
+    if first.dtype.is_floating_point and first.element_size() == 1:
+        return torch.cat([t.view(torch.uint8) for t in ts]).view(first.dtype)
+    return torch.cat(ts)
+
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # the fused decode step's stacked groups
+
+
+def share_rows(model: nn.Module) -> None:
+    """Each group of sibling QuantLinear projections (q, k, v; gate, up) that `concat` can join gets its data,
+    scales and zero points as consecutive row slices of one tensor each, the separate tensors freed: the same
+    values and shapes in every module (state_dict, forward), and the fused decode step's stack of them a view,
+    not a copy. Groups of other modules, or that one layout cannot hold, are left as they are."""
+    for parent in model.modules():
+        for names in SIBLINGS:
+            parts = [parent._modules.get(n) for n in names]
+            if not all(type(p) is QuantLinear for p in parts):
+                continue
+            joined = concat([p.quantized_weight for p in parts], parts[0].dtype)
+            if joined is None:
+                continue
+            data = joined.data.view(torch.uint8) if joined.kind == "fp8" else joined.data
+            for field, whole in (("data", data), ("scales", joined.scales), ("zeros", joined.zeros)):
+                row = 0
+                for p in parts:
+                    t = p._buffers[field]
+                    if t is not None:
+                        p._buffers[field] = whole[row:row + t.shape[0]]
+                        row += t.shape[0]
 
 
 def projection(module) -> QuantLinear | None:
