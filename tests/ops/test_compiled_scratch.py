@@ -69,8 +69,9 @@ def test_decode_attention(device):
 
 @pytest.mark.gpu
 def test_gpu_hf_static_cache_reduce_overhead_over_a_quantized_model():
-    """HF's generate over its static cache, compiled with CUDA graphs, on a tigon-quantized model: it runs (the
-    pinned scratch made it fail) and its greedy tokens are the eager generate's."""
+    """HF's generate over its static cache, which compiles the forward itself on CUDA (CUDA graphs: its
+    compile_config's mode "reduce-overhead"), on a tigon-quantized model: it runs (the pinned scratch made it fail)
+    and its greedy tokens are those of the same generate without the compile."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from tests.hf._tiny import tiny_model
@@ -82,8 +83,8 @@ def test_gpu_hf_static_cache_reduce_overhead_over_a_quantized_model():
     model.generation_config.eos_token_id = None
     ids = torch.randint(1, 131, (1, 40), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=8, do_sample=False)
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        want = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                              disable_compile=True)
         for _ in range(2):  # the warm-up call, then a replay
             got = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
             assert torch.equal(got, want)
