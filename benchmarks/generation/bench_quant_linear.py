@@ -35,10 +35,12 @@ SMOKE_SHAPES = {"tiny_glu": (48, 256, "silu")}
 KINDS = {"int4": ("int4", 128, False), "int4_zeros": ("int4", 128, True), "nf4": ("nf4", 64, False),
          "fp8": ("fp8", 128, False), "fp8_channel": ("fp8", 0, False)}
 # --sweep: launch configs around the defaults, per kernel (the GEMV at M = 1, the tensor-core kernel above)
-SWEEP_GEMV = [dict(block_n=bn, block_k=bk, prefetch=pf) for bn in (32, 64, 128) for bk in (128, 256, 512)
+SWEEP_GEMV = [dict(block_n=bn, block_k=bk, prefetch=pf) for bn in (32, 64, 128) for bk in (256, 512)
               for pf in (0, 1)]
 # the split of K and the warps a program, around the default tile (the shape rule picks the split from the SM count)
 SWEEP_GEMV += [dict(block_n=64, block_k=256, split_k=sk, num_warps=w) for sk in (1, 2, 4, 8, 16) for w in (2, 4, 8)]
+# fewer splits with the next tile's loads in flight: longer K loops whose loads overlap the math
+SWEEP_GEMV += [dict(block_n=bn, block_k=256, split_k=sk, prefetch=1) for bn in (32, 64) for sk in (2, 4)]
 SWEEP_DECODE = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128)
                 for w in (4, 8)] + [dict(gemv_max_rows=16)]
 # (the tensor-core GEMM's tiles: dequant_min_rows=0 keeps prefill rows off the dequantize-then-cuBLAS path)
