@@ -186,3 +186,24 @@ def test_shared_rows_follow_an_in_place_load_of_one_projection(reference_path):
     attn.k_proj.load_state_dict(new.state_dict())
     assert torch.equal(attn.k_proj.data, new.data)
     assert torch.equal(attn.q_proj.data, before["q_proj"]) and torch.equal(attn.v_proj.data, before["v_proj"])
+
+
+def test_a_stack_rebinds_separate_projections_to_its_rows():
+    """Projections holding separate tensors (after a device move, or an import's repacked tensors): building the
+    decode stack makes them its rows, values unchanged, so the stack is not a second copy."""
+    from tigon.quant.stack import layer_stack
+
+    model = quantize(tiny_model("llama").eval(), "fp8", group_size=16)
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+    for p in qkv + gate_up:
+        p._buffers.update({f: t.clone() for f, t in p._buffers.items() if t is not None})
+    before = [{f: t.clone() for f, t in p._buffers.items() if t is not None} for p in qkv + gate_up]
+    stack = layer_stack(layer, qkv, attn.o_proj, gate_up, mlp.down_proj, torch.float32)
+    for group, parts in ((stack.qkv, qkv), (stack.gate_up, gate_up)):
+        storage = group.weights[0][0].data.untyped_storage().data_ptr()
+        assert all(p.data.untyped_storage().data_ptr() == storage for p in parts)
+    for p, was in zip(qkv + gate_up, before):
+        assert all(torch.equal(p._buffers[f], t) for f, t in was.items())
+    assert layer_stack(layer, qkv, attn.o_proj, gate_up, mlp.down_proj, torch.float32) is stack  # current

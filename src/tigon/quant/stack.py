@@ -4,12 +4,13 @@ The decode step reads each weight once a token, so one launch over q|k|v and one
 epilogue) replace five launches of `quant_linear`: `concat` joins QuantizedWeights along N (rows: output
 features) where their layouts agree, and `layer_stack` builds, once a layer, the stacked weights from the
 layer's QuantLinear modules (or those inside PEFT LoRA layers, the adapters being added by the caller) and keeps
-them in the layer's `__dict__` under `STACK`. Where the parts' tensors are consecutive rows of one tensor already
-(`share_rows`, which `tigon.quantize` applies to the projections it makes), the stack is a view of them and costs
-no memory; otherwise it holds copies of the q, k, v, gate and up tensors (the modules keep theirs, so
-`state_dict` and saving are untouched), those projections' bytes once more in memory (a 70B model's int4
-projections are ~35 GB: the copies would not fit an 80 GB card beside a 32K cache). It is rebuilt when a projection
-module, its tensors (a device move), their version (an in-place load) or the activation dtype change;
+them in the layer's `__dict__` under `STACK`. The stack is a view of the modules' own tensors: the parts of a
+group (q, k, v; gate, up) hold their data, scales and zero points as consecutive row slices of one tensor each
+(`share_rows`: `tigon.quantize` leaves them so; building a stack rebinds them so where they are not, e.g. after a
+device move or for an imported checkpoint's repacked tensors), the same values and shapes in every module, so
+`state_dict`, saving and each module's forward are untouched and the stack costs no memory (copies would cost a
+70B model's ~35 GB of int4 projections once more: no fit on an 80 GB card beside a 32K cache). It is rebuilt when a
+projection module, its tensors (a device move), their version (an in-place load) or the activation dtype change;
 `tigon.quant.release` and `tigon.unpatch` drop it.
 """
 
@@ -76,19 +77,24 @@ def share_rows(model: nn.Module) -> None:
     for parent in model.modules():
         for names in SIBLINGS:
             parts = [parent._modules.get(n) for n in names]
-            if not all(type(p) is QuantLinear for p in parts):
-                continue
-            joined = concat([p.quantized_weight for p in parts], parts[0].dtype)
-            if joined is None:
-                continue
-            data = joined.data.view(torch.uint8) if joined.kind == "fp8" else joined.data
-            for field, whole in (("data", data), ("scales", joined.scales), ("zeros", joined.zeros)):
-                row = 0
-                for p in parts:
-                    t = p._buffers[field]
-                    if t is not None:
-                        p._buffers[field] = whole[row:row + t.shape[0]]
-                        row += t.shape[0]
+            if all(type(p) is QuantLinear for p in parts):
+                _share(parts)
+
+
+def _share(parts: list[QuantLinear]) -> None:
+    """`share_rows` for one group of QuantLinear modules: a no-op where they share one tensor already or `concat`
+    cannot join them."""
+    joined = concat([p.quantized_weight for p in parts], parts[0].dtype)
+    if joined is None or joined.data.untyped_storage().data_ptr() == parts[0].data.untyped_storage().data_ptr():
+        return
+    data = joined.data.view(torch.uint8) if joined.kind == "fp8" else joined.data
+    for field, whole in (("data", data), ("scales", joined.scales), ("zeros", joined.zeros)):
+        row = 0
+        for p in parts:
+            t = p._buffers[field]
+            if t is not None:
+                p._buffers[field] = whole[row:row + t.shape[0]]
+                row += t.shape[0]
 
 
 def projection(module) -> QuantLinear | None:
@@ -173,6 +179,10 @@ def layer_stack(layer: nn.Module, qkv: list, o, gate_up: list, down, dtype: torc
         return stack
     if datas[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return None
+    for ms in (groups[0], groups[2]):
+        if len(ms) > 1:
+            _share(ms)  # the modules' own tensors become the stack's rows (after a device move, an import)
+    datas = tuple(p.data for ms in groups for p in ms)
     stack = LayerStack(*(_group(ms, dtype) for ms in groups), datas, tuple(t._version for t in datas), dtype)
     layer.__dict__[STACK] = stack
     return stack
