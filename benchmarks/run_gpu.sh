@@ -187,8 +187,9 @@ for s in "$@"; do
                 --budget "$(( bq > 1 ? bq : 1 ))" >>"$LOG" 2>&1
             keep "$T/$s/decode.md" "${GPU}_$s.md"; keep "$T/$s/decode.json" "${GPU}_$s.json" ;;
         decode-70b)  # the 70B shape in int4 (built layer by layer, quantized at once), tigon at batch 1
+            bq=$(( BUDGET - SECONDS - 20 )); (( bq > 280 )) && bq=280
             step decode-70b 300 "${bench[@]}" decode --model llama3-70b --weights int4 --out "$T/decode_70b" \
-                --variants tigon --batches 1 --prompts 512 --budget 280 >>"$LOG" 2>&1
+                --variants tigon --batches 1 --prompts 512 --budget "$(( bq > 1 ? bq : 1 ))" >>"$LOG" 2>&1
             keep "$T/decode_70b/decode.md" "${GPU}_decode_70b.md"; keep "$T/decode_70b/decode.json" "${GPU}_decode_70b.json" ;;
         decode-norm)
             for model in llama3-8b 1.5b; do
