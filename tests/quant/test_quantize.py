@@ -207,3 +207,19 @@ def test_a_stack_rebinds_separate_projections_to_its_rows():
     for p, was in zip(qkv + gate_up, before):
         assert all(torch.equal(p._buffers[f], t) for f, t in was.items())
     assert layer_stack(layer, qkv, attn.o_proj, gate_up, mlp.down_proj, torch.float32) is stack  # current
+
+
+def test_save_pretrained_writes_each_shared_projection(tmp_path):
+    """HF's safetensors save of a quantized model whose siblings share one tensor: each projection saved as its own
+    tensor, its values."""
+    from safetensors.torch import load_file
+
+    model = quantize(tiny_model("llama").eval(), "int4", group_size=32)
+    model.save_pretrained(tmp_path)
+    saved = {}
+    for f in tmp_path.glob("*.safetensors"):
+        saved.update(load_file(f))
+    attn = model.model.layers[1].self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        for field in ("data", "scales"):
+            assert torch.equal(saved[f"model.layers.1.self_attn.{name}.{field}"], getattr(attn, name)._buffers[field])
