@@ -43,6 +43,8 @@ SWEEP_GEMV += [dict(block_n=64, block_k=256, split_k=sk, num_warps=w) for sk in 
 SWEEP_GEMV += [dict(block_n=bn, block_k=256, split_k=sk, prefetch=1) for bn in (32, 64) for sk in (2, 4)]
 SWEEP_DECODE = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128)
                 for w in (4, 8)] + [dict(gemv_max_rows=16)]
+# the tensor-core kernel with the next step's scales loaded ahead (docs/ops/quant_decode_rows_model.md, change B)
+SWEEP_DECODE += [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)]
 # (the tensor-core GEMM's tiles: dequant_min_rows=0 keeps prefill rows off the dequantize-then-cuBLAS path)
 SWEEP_PREFILL = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, dequant_min_rows=0)
                  for bm in (64, 128) for bn in (64, 128) for bk in (32, 64) for w in (4, 8) for st in (3, 4)]

@@ -190,8 +190,14 @@ def test_non_contiguous_x_and_residual(device):
     (("int4", 32, True, True, 20, 192), 1, QuantLinearConfig(block_k=64, split_k=2, prefetch=1)),
     (("nf4", 64, False, False, 24, 192), 1, QuantLinearConfig(block_k=64, split_k=1, prefetch=1)),
     (("fp8", 32, False, False, 20, 100), 1, QuantLinearConfig(block_k=64, prefetch=1)),  # ragged K
+    # the tensor-core kernel with the next step's scales loaded ahead: two steps a group, groups a step, ragged K
+    (("int4", 64, True, True, 20, 256), 5, QuantLinearConfig(block_n=16, block_k=32, split_k=2, prefetch=1)),
+    (("nf4", 32, False, False, 24, 192), 9, QuantLinearConfig(block_n=32, block_k=64, prefetch=1)),
+    (("fp8", 16, False, False, 48, 100), 3, QuantLinearConfig(block_n=32, block_k=16, split_k=3, prefetch=1)),
+    (("fp8", 0, False, False, 20, 100), 2, QuantLinearConfig(block_n=16, block_k=32, prefetch=1)),
 ], ids=["gemv-split3", "gemv-narrow-k", "gemv-2-rows", "dot-1-row", "split-prefill", "dot-split4", "prefetch-int4",
-        "prefetch-nf4", "prefetch-fp8"])
+        "prefetch-nf4", "prefetch-fp8", "dot-scales-ahead-int4", "dot-scales-ahead-nf4", "dot-scales-ahead-fp8",
+        "dot-scales-ahead-fp8-channel"])
 def test_launch_configs(device, shape, M, config):
     qw = _on(_weight(*shape, FP16), device)
     x = _x(M, shape[-1], dtype=FP16).to(device)

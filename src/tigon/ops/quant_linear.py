@@ -41,7 +41,8 @@ class QuantLinearConfig:
     """The launch of `tigon.ops.quant_linear` (speed only, never the result); 0 = chosen from the shapes
     (`_plan`). Powers of two: block_m (>= 16), block_n, block_k (>= 16), num_warps. gemv_max_rows: up to this many
     rows run the FMA kernel, more the tensor-core one (-1: the default, 1). split_k: programs sharing one K range.
-    prefetch (GEMV): 1 loads the next tile before summing this one, 0 does not (-1: the default, 0).
+    prefetch: 1 loads ahead, 0 does not (-1: the default, 0): the GEMV the next tile before summing this one, the
+    tensor-core kernel the next step's scales (the codes and x are pipelined by Triton, bf16 scales are not).
     dequant_min_rows: from this many rows (past `gemv_max_rows`, 16-bit x) W is dequantized into a buffer and one
     cuBLAS GEMM runs (-1: the default, 256 on a GPU, never elsewhere; 0: never); block_n, block_k and num_warps
     then set the dequantization's tile."""
@@ -109,19 +110,30 @@ def _load_tile(D, S, Z, o_n, m_n, k0, k_end, G: tl.constexpr, stride_dn, stride_
     s = tl.zeros([o_n.shape[0], GPT], tl.float32)
     z = tl.zeros([o_n.shape[0], GPT], tl.float32)
     if SCALES:
-        k_c = k0 + o_g * GW
-        rows = o_n
-        if KIND == 2:  # fp8 blocks are G x G
-            rows = o_n // G
-        m_s = m_n[:, None] & (k_c < k_end)[None, :]
-        s = tl.load(S + rows.to(tl.int64)[:, None] * stride_sn + (k_c // G)[None, :] * stride_sg, mask=m_s, other=0.0)
-        s = s.to(tl.float32)
-        if HAS_ZEROS:
-            p_z = Z + o_n.to(tl.int64)[:, None] * stride_zn + (k_c // G)[None, :] * stride_zg
-            z = tl.load(p_z, mask=m_s, other=0.0).to(tl.float32)
-        elif KIND == 0:
-            z += 8.0
+        s, z = _load_scales(S, Z, o_n, m_n, k0, k_end, G, stride_sn, stride_sg, stride_zn, stride_zg, KIND,
+                            HAS_ZEROS, GPT, GW)
     return raw, s, z
+
+
+@triton.jit
+def _load_scales(S, Z, o_n, m_n, k0, k_end, G: tl.constexpr, stride_sn, stride_sg, stride_zn, stride_zg,
+                 KIND: tl.constexpr, HAS_ZEROS: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr):
+    """The [BLOCK_N, GPT] scales and zero points (fp32) of the tile at columns k0..: `_load_tile`'s s, z."""
+    o_g = tl.arange(0, GPT)
+    z = tl.zeros([o_n.shape[0], GPT], tl.float32)
+    k_c = k0 + o_g * GW
+    rows = o_n
+    if KIND == 2:  # fp8 blocks are G x G
+        rows = o_n // G
+    m_s = m_n[:, None] & (k_c < k_end)[None, :]
+    s = tl.load(S + rows.to(tl.int64)[:, None] * stride_sn + (k_c // G)[None, :] * stride_sg, mask=m_s, other=0.0)
+    s = s.to(tl.float32)
+    if HAS_ZEROS:
+        p_z = Z + o_n.to(tl.int64)[:, None] * stride_zn + (k_c // G)[None, :] * stride_zg
+        z = tl.load(p_z, mask=m_s, other=0.0).to(tl.float32)
+    elif KIND == 0:
+        z += 8.0
+    return s, z
 
 
 @triton.jit
@@ -277,10 +289,13 @@ def _dot(x, w, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 def _mm_tile(x, D, T, S, Z, o_n, m_n, k0, k_end, G: tl.constexpr, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
              KIND: tl.constexpr, WORDS: tl.constexpr, FP8_BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
              PER_CHANNEL: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-             ASM: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr):
-    """x [BLOCK_M, BLOCK_K] @ (this weight tile)^T in fp32, the tile dequantized in fp32 and rounded to x's dtype."""
+             ASM: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr, s_given, z_given, GIVEN: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] @ (this weight tile)^T in fp32, the tile dequantized in fp32 and rounded to x's dtype.
+    GIVEN: the tile's scales and zero points are s_given, z_given (loaded a step ahead), not loaded here."""
     raw, s, z = _load_tile(D, S, Z, o_n, m_n, k0, k_end, G, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
-                           KIND, WORDS, HAS_ZEROS, not PER_CHANNEL, EVEN_K, GPT, GW)
+                           KIND, WORDS, HAS_ZEROS, not PER_CHANNEL and not GIVEN, EVEN_K, GPT, GW)
+    if GIVEN:
+        s, z = s_given, z_given
     v = _values(raw, T, KIND, WORDS, FP8_BITS, ASM, GPT, GW)
     if KIND == 2 and (PER_CHANNEL or GPT == 1):  # fp8 values are exact in x's dtype: scale after the dot
         d = _dot(x, tl.reshape(v, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION)
@@ -338,6 +353,7 @@ def _quant_mm_kernel(
     RESIDUAL: tl.constexpr, PER_CHANNEL: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GPT: tl.constexpr, GW: tl.constexpr, GROUP_M: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr,  # the next step's scales loaded before this step's math (not per channel)
 ):
     # GROUP_M row blocks share a band of column blocks, so their weight tiles are read from L2 after the first
     tile = tl.program_id(0)
@@ -359,19 +375,38 @@ def _quant_mm_kernel(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PDL:
         _pdl.wait(PDL)
+    # bf16 scales are 2 B a thread, under cp.async's 4 B: the pipeliner leaves them as loads waited every step
+    # (docs/ops/quant_decode_rows_model.md); SCALES_AHEAD issues the next step's with this step's math
+    if SCALES_AHEAD:
+        s, z = _load_scales(S, Z, o_n, m_n, k_lo, k_hi, G, stride_sn, stride_sg, stride_zn, stride_zg, KIND,
+                            HAS_ZEROS, GPT, GW)
+    else:
+        s, z = acc, acc  # unused
+    s_u, z_u = s, z
+    if SCALES_AHEAD and ACT != 0:
+        s_u, z_u = _load_scales(S, Z, o_n + N_OUT, m_n, k_lo, k_hi, G, stride_sn, stride_sg, stride_zn, stride_zg,
+                                KIND, HAS_ZEROS, GPT, GW)
     for k0 in range(k_lo, k_hi, GPT * GW):
         kk = k0 + o_k
         m_k = kk < K
         if HAS_PERM:
             kk = tl.load(P + kk, mask=m_k, other=0)
         x = tl.load(p_x + kk[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        s1, z1, s1_u, z1_u = s, z, s_u, z_u
+        if SCALES_AHEAD:  # the next step's (0 past k_hi)
+            s1, z1 = _load_scales(S, Z, o_n, m_n, k0 + GPT * GW, k_hi, G, stride_sn, stride_sg, stride_zn,
+                                  stride_zg, KIND, HAS_ZEROS, GPT, GW)
+            if ACT != 0:
+                s1_u, z1_u = _load_scales(S, Z, o_n + N_OUT, m_n, k0 + GPT * GW, k_hi, G, stride_sn, stride_sg,
+                                          stride_zn, stride_zg, KIND, HAS_ZEROS, GPT, GW)
         acc += _mm_tile(x, D, T, S, Z, o_n, m_n, k0, k_hi, G, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
                         KIND, WORDS, FP8_BITS, HAS_ZEROS, PER_CHANNEL, EVEN_K, UPCAST, PRECISION, ASM, GPT,
-                        GW)
+                        GW, s, z, SCALES_AHEAD)
         if ACT != 0:
             acc_u += _mm_tile(x, D, T, S, Z, o_n + N_OUT, m_n, k0, k_hi, G, stride_dn, stride_sn, stride_sg, stride_zn,
                               stride_zg, KIND, WORDS, FP8_BITS, HAS_ZEROS, PER_CHANNEL, EVEN_K, UPCAST, PRECISION,
-                              ASM, GPT, GW)
+                              ASM, GPT, GW, s_u, z_u, SCALES_AHEAD)
+        s, z, s_u, z_u = s1, z1, s1_u, z1_u
     if PDL:
         _pdl.start(PDL)
     _finish(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n, m_n, M, N, N_OUT, stride_sn,
@@ -631,7 +666,8 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
     else:
         _quant_mm_kernel[(tiles, plan.split)](
             *args, UPCAST=x.device.type == "cpu", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8, **flags)
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8, SCALES_AHEAD=plan.prefetch and not per_channel,
+            **flags)
     return y
 
 
