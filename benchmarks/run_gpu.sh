@@ -5,6 +5,7 @@
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops decode-norm e2e e2e-compile
 #                                             lce losses attention sft lora lora-autocast qlora moe long-context
 #                                             long-context-curves qk-norm-rope decode-int4 decode-fp8 decode-70b
+#                                             quant-sweep
 #
 #   tests       the README's test command, natively: python -m pytest tests -v -n TEST_WORKERS (12) under TESTS_CAP_S
 #               (540 s), on a machine of several GPUs one such process a GPU over a share of the test files;
@@ -21,6 +22,8 @@
 #               DECODE_QUANT_PROMPTS (default 512) (<gpu>_decode-int4.md, .json); torchao from .whl/
 #   decode-70b  decode --model llama3-70b --weights int4: the 70B shape (random init, built layer by layer and
 #               quantized at once) at batch 1, prompt 512, into a 32K ring, with its read bound (<gpu>_decode_70b.md)
+#   quant-sweep quant-linear --sweep --rows 1 8 --kinds QUANT_SWEEP_KINDS (int4 fp8): each decode shape's best launch
+#               of the grid and the default's time, from CUDA graphs, row by row (<gpu>_quant_sweep.txt, .json)
 #   decode-ops  decode-ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
 #   decode-norm decode-ops --norm-cost at the 8B and 1.5B shapes: decode_linear with and without its fused
 #               norm, at the statistics steps NORM_STATS_ELEMS (default 0,2048,4096), and the norm as its own launch
@@ -191,6 +194,10 @@ for s in "$@"; do
             step decode-70b 300 "${bench[@]}" decode --model llama3-70b --weights int4 --out "$T/decode_70b" \
                 --variants tigon --batches 1 --prompts 512 --budget "$(( bq > 1 ? bq : 1 ))" >>"$LOG" 2>&1
             keep "$T/decode_70b/decode.md" "${GPU}_decode_70b.md"; keep "$T/decode_70b/decode.json" "${GPU}_decode_70b.json" ;;
+        quant-sweep)  # quant_linear's launch grid at the decode rows, timed from CUDA graphs: the picks for _plan
+            step quant-sweep 300 "${bench[@]}" quant-linear --sweep --rows 1 8 --kinds ${QUANT_SWEEP_KINDS:-int4 fp8} \
+                --out "$T/quant_sweep.json" >"$T/quant_sweep.txt" 2>&1
+            keep "$T/quant_sweep.txt" "${GPU}_quant_sweep.txt"; keep "$T/quant_sweep.json" "${GPU}_quant_sweep.json" ;;
         decode-norm)
             for model in llama3-8b 1.5b; do
                 mkdir -p "$T/decode_norm"
