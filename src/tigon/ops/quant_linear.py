@@ -430,7 +430,9 @@ def _finish(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n, m_n,
         if tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
             acc = tl.zeros(acc.shape, dtype=tl.float32)
             acc_u = tl.zeros(acc.shape, dtype=tl.float32)
-            for s in range(SPLIT_K):
+            # unrolled: every split's load in flight at once (a loop waited on each in turn, on the critical path
+            # of the launch's last tile), summed in split order all the same
+            for s in tl.static_range(SPLIT_K):
                 acc += tl.load(WS + s * slice_size + o_ws, mask=m_y, other=0.0, cache_modifier=".cg")
                 if ACT != 0:
                     acc_u += tl.load(WS + s * slice_size + o_ws + N_OUT, mask=m_y, other=0.0, cache_modifier=".cg")
