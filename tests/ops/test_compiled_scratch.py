@@ -71,7 +71,8 @@ def test_decode_attention(device):
 def test_gpu_hf_static_cache_reduce_overhead_over_a_quantized_model():
     """HF's generate over its static cache, which compiles the forward itself on CUDA (CUDA graphs: its
     compile_config's mode "reduce-overhead"), on a tigon-quantized model: it runs (the pinned scratch made it fail)
-    and its greedy tokens are those of the same generate without the compile."""
+    and each step's logits are those of the same generate without the compile, within bf16 rounding (inductor
+    fuses the norms and rotary in fp32: other roundings), fed the same tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from tests.hf._tiny import tiny_model
@@ -82,9 +83,14 @@ def test_gpu_hf_static_cache_reduce_overhead_over_a_quantized_model():
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     ids = torch.randint(1, 131, (1, 40), generator=torch.Generator().manual_seed(0)).cuda()
+    kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static", output_logits=True,
+              return_dict_in_generate=True)
     with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static",
-                              disable_compile=True)
+        want = model.generate(ids, disable_compile=True, **kw)
         for _ in range(2):  # the warm-up call, then a replay
-            got = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
-            assert torch.equal(got, want)
+            got = model.generate(ids, **kw)
+            assert got.sequences.shape == want.sequences.shape
+            same = int((got.sequences[0, 40:] == want.sequences[0, 40:]).cumprod(0).sum())  # steps fed the same
+            for a, b in zip(got.logits[:same + 1], want.logits[:same + 1]):
+                assert (a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max()
+            assert same >= 1  # the first token, from the same prompt
