@@ -291,7 +291,7 @@ def _cases(full: bool):
                 shape, data = (N, K // group), torch.zeros(N, K // 2, dtype=torch.uint8)
             qw = QuantizedWeight(kind, data, torch.ones(shape, dtype=bf16), None, group, (N, K), bf16)
             plan, native_of, sms = ql._plan, ql._fp8_native, ql._launch.sm_count
-            ql._plan = lambda *a: plan.__wrapped__(*a[:6], torch.device("cuda", 0), a[7])
+            ql._plan = lambda *a: plan.__wrapped__(*a[:6], torch.device("cuda", 0), *a[7:])
             ql._fp8_native, ql._launch.sm_count = (lambda device: native), (lambda index: 132)
             try:
                 config = ql.QuantLinearConfig(dequant_min_rows=dq) if dq >= 0 else None

@@ -7,7 +7,7 @@
     tigon bench decode [...]        the decode benchmark (python -m benchmarks decode: HF generate vs
                                     tigon.generate); `tigon bench decode --help` lists its options
     tigon demo [...]                fine-tune a small model with Tigon off, then on (tigon.cli.demo)
-    tigon tune [--attention] [--decode-linear] [--model M] [--dry-run] [--cache PATH]
+    tigon tune [--attention] [--decode-linear] [--quant-linear] [--model M] [--dry-run] [--cache PATH]
                                     time this GPU's attention backends and decode_linear launches and write
                                     the winners to the per-user cache Tigon reads first (tigon.cli.tune)
 
@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                "(`tigon demo --help`)")
     tune.add_arguments(sub.add_parser(
         "tune", help="time this GPU's choices and write the winners to the per-user cache Tigon reads first",
-        description=tune.SUMMARY + " Without --attention or --decode-linear: both. On a CPU "
-                    "it exits with status 2 (`--dry-run` works anywhere).",
+        description=tune.SUMMARY + " Without --attention, --decode-linear or --quant-linear: the first two. On a "
+                    "CPU it exits with status 2 (`--dry-run` works anywhere).",
         epilog="The cache is read before the shipped tables (docs/tuning.md); `tigon env` names the source of "
                "each choice."))
     return p

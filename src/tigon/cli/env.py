@@ -46,6 +46,10 @@ def launch_text(op: str, gpu) -> str:
         from tigon.ops import decode_linear_picks
 
         return decode_linear_picks.source(gpu)
+    if op == "quant_linear":
+        from tigon.ops import quant_linear_picks
+
+        return quant_linear_picks.source(gpu)
     if op == "decode_attention":
         return ("rule (every card: the split count that best fills the last wave of programs, "
                 "decode_attention._splits_for; DecodeAttentionConfig)")
@@ -89,7 +93,7 @@ def cache_text(gpu) -> str:
     tuned = state.rows.get(gpu) if gpu else None
     if tuned is not None:
         return (f"{state.path}: rows for {gpu} (attention: {len(tuned.attention)} mask kinds, decode_linear: "
-                f"{len(tuned.decode_linear)} shapes)")
+                f"{len(tuned.decode_linear)} shapes, quant_linear: {len(tuned.quant_linear)} shapes)")
     torch_version, triton_version = tuned_cache.versions()
     stale = [f"torch {t}, triton {tr}" for g, t, tr in state.others if g == gpu]
     if stale:

@@ -1,7 +1,7 @@
 """`tigon tune`: time this GPU's choices and write the winners to the per-user cache (tigon.ops.tuned_cache).
 
-    tigon tune [--attention] [--decode-linear] [--model llama3-8b|1.5b|PATH] [--kinds K,...] [--dry-run]
-               [--cache PATH]
+    tigon tune [--attention] [--decode-linear] [--quant-linear] [--model llama3-8b|1.5b|PATH] [--kinds K,...]
+               [--dry-run] [--cache PATH]
 
 Training attention: each backend `training_attention_forward` can run for a mask kind, through the same entry
 points, fwd+bwd with triton.testing.do_bench (median), at one shape: bf16, 32 query / 8 KV heads of 128, one row of
@@ -16,6 +16,12 @@ what an unmeasured card runs) against a staged search (block_n x split_k at 256-
 best two; then warps x stages of the best two) and the shipped pick where there is one; batch 8 times batch 1's
 four best. A shape's cached config is the fastest where it beats the rule by MIN_GAIN; where none does and a shipped
 pick exists, the rule's launch is cached (measured here: the shipped pick is not faster on this card).
+
+quant_linear (only with --quant-linear: for quantized models): the model's decoder projections (q/k/v stacked, o,
+gate/up stacked with the SiLU GLU, down) at 1 and 8 rows, bf16 activations, in QUANT_FORMATS (int4 in groups of 128,
+symmetric; fp8 in 128 x 128 blocks): the default launch (the rule in `quant_linear._plan`) against QUANT_GRID's
+launches for the kernel those rows run, each call replayed from a CUDA graph over copies of the weight past the L2
+(QUANT_GRAPH_BYTES; as benchmarks/generation/bench_quant_linear.py times decode rows); winners as decode_linear's.
 """
 
 import argparse
@@ -39,6 +45,16 @@ MODELS = {  # Llama shapes: hidden, query heads, KV heads, head dim, MLP width
     "llama3-8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336),
     "1.5b": dict(hidden=2048, heads=32, kv_heads=8, head_dim=64, inter=8192),
 }
+QUANT_FORMATS = (("int4", 128), ("fp8", 128))  # (quant_linear_picks format, group size) tuned by default
+QUANT_ROWS = (1, 8)  # the GEMV's one row and the tensor-core kernel's bucket (2 to 16 rows)
+QUANT_GRID = {  # QuantLinearConfig fields around the rule's launch, per kernel (a small bench_quant_linear --sweep)
+    "gemv": [dict(block_n=bn, block_k=bk, prefetch=pf) for bn in (32, 64, 128) for bk in (256, 512) for pf in (0, 1)]
+    + [dict(block_n=64, block_k=256, split_k=sk) for sk in (1, 2, 4, 8, 16)]
+    + [dict(block_n=64, block_k=256, num_warps=w) for w in (2, 8)],
+    "decode": [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
+    + [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)] + [dict(gemv_max_rows=16)],
+}
+QUANT_GRAPH_BYTES = 200 << 20  # weight bytes a timed graph cycles through: 4x a 50 MiB L2 (2 to 32 copies)
 NEEDS_GPU = ("tigon tune needs a CUDA GPU: it times kernels on the card it tunes for, and this machine has none "
              "(torch {torch}). `tigon tune --dry-run` lists what it would measure.")
 
@@ -67,6 +83,8 @@ def model_shapes(text: str) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", action="store_true", help="tune the training-attention ranking per mask kind")
     p.add_argument("--decode-linear", action="store_true", help="tune decode_linear's launches at --model's shapes")
+    p.add_argument("--quant-linear", action="store_true",
+                   help="tune quant_linear's decode launches at --model's shapes (int4 g128, fp8 block 128)")
     p.add_argument("--model", type=model_shapes, default="llama3-8b",
                    help=f"{', '.join(MODELS)} or the path of a config.json (default llama3-8b)")
     p.add_argument("--kinds", type=name_list, default=None, help=f"mask kinds to time (default all: {','.join(KINDS)})")
@@ -103,6 +121,42 @@ def projections(m: dict) -> list:
                 Projection(f"{norm}+gate_up+glu".strip("+"), batch, h, (i, i), "+".join(filter(None, (norm, "glu")))),
                 Projection("down+residual", batch, i, (h,), "residual")]
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantLaunch:
+    """One quant_linear launch of a decoder layer's decode step: `N` the stored rows ([gate; up] with a GLU)."""
+
+    name: str
+    rows: int
+    K: int
+    N: int
+    glu: bool
+    fmt: str
+    group: int
+
+    @property
+    def n_out(self) -> int:
+        return self.N // 2 if self.glu else self.N
+
+    def key(self, bucket: int) -> tuple:
+        return (self.K, self.n_out, bucket, self.fmt, self.group, self.glu)
+
+
+def quant_launches(m: dict, formats=None) -> list:
+    """The quant_linear launches of one decoder layer at QUANT_ROWS rows, per format (a 4-bit format only where its
+    groups tile K: a QuantizedWeight's rule)."""
+    q, kv, h, i = m["heads"] * m["head_dim"], m["kv_heads"] * m["head_dim"], m["hidden"], m["inter"]
+    shapes = (("qkv", h, q + 2 * kv, False), ("o", q, h, False), ("gate_up+glu", h, 2 * i, True), ("down", i, h, False))
+    return [QuantLaunch(name, rows, K, N, glu, fmt, group) for fmt, group in formats or QUANT_FORMATS
+            for rows in QUANT_ROWS for name, K, N, glu in shapes if fmt == "fp8" or (K % group == 0 and K % 2 == 0)]
+
+
+def quant_grid(rows: int) -> list:
+    """The QuantLinearConfigs timed beside the rule's at `rows`: the GEMV's grid at 1 row, the tensor-core one above."""
+    from tigon.ops import QuantLinearConfig
+
+    return [QuantLinearConfig(**c) for c in QUANT_GRID["gemv" if rows == 1 else "decode"]]
 
 
 def backends_for(kind: str) -> list:
@@ -301,6 +355,65 @@ def measure_decode(model: dict, device, gpu: str) -> list:
     return rows
 
 
+def _quant_weight(p: QuantLaunch, device, gen):
+    """A random QuantizedWeight of p's format and shape (the values do not change a launch's time)."""
+    import torch
+
+    from tigon.ops import QuantizedWeight
+    from tigon.ops.quantized_weight import pack_int4
+
+    N, K, G = p.N, p.K, p.group
+    if p.fmt == "fp8":
+        data = torch.randn(N, K, generator=gen, device=device).to(torch.float8_e4m3fn)
+        scales = torch.rand((-(-N // G), -(-K // G)) if G else (N,), generator=gen, device=device) * 0.01
+        return QuantizedWeight("fp8", data, scales.to(torch.bfloat16), None, G, (N, K), torch.bfloat16)
+    codes = torch.randint(0, 16, (N, K), generator=gen, device=device, dtype=torch.uint8)
+    scales = (torch.rand(N, K // G, generator=gen, device=device) * 0.01).to(torch.bfloat16)
+    zeros = torch.full_like(scales, 8.0) if p.fmt == "int4_zeros" else None
+    return QuantizedWeight("nf4" if p.fmt == "nf4" else "int4", pack_int4(codes), scales, zeros, G, (N, K),
+                           torch.bfloat16)
+
+
+def measure_quant(model: dict, device, gpu: str) -> list:
+    """[(QuantLaunch, {config: ms}, rule, shipped pick or None)] at the model's shapes: ms per call replayed from a
+    CUDA graph that calls it once on each of enough weight copies to pass QUANT_GRAPH_BYTES."""
+    import torch
+    from triton.testing import do_bench_cudagraph
+
+    from tigon import ops
+    from tigon.ops import QuantLinearConfig, quant_linear_picks
+
+    rows, gen = [], torch.Generator(device=device).manual_seed(0)
+    for p in quant_launches(model):
+        rule = QuantLinearConfig()  # passed as a config: the rule's launch, never a pick
+        shipped = quant_linear_picks.lookup(gpu, p.K, p.n_out, p.rows, p.fmt, p.group, p.glu,
+                                            quant_linear_picks.MEASURED_PICKS)
+        first = _quant_weight(p, device, gen)
+        copies = max(2, min(32, -(-QUANT_GRAPH_BYTES // first.nbytes)))
+        ws = [first] + [_quant_weight(p, device, gen) for _ in range(copies - 1)]
+        x = torch.randn(p.rows, p.K, device=device, dtype=torch.bfloat16)
+        act = "silu" if p.glu else None
+
+        def time_of(cfg, x=x, ws=ws, act=act):
+            def step():
+                for w in ws:
+                    ops.quant_linear(x, w, activation=act, config=cfg)
+            try:
+                with torch.inference_mode():
+                    step()  # compiles and allocates outside the capture
+                    return float(do_bench_cudagraph(step, rep=20, return_mode="median")) / len(ws)
+            except Exception:  # noqa: BLE001  (a launch this card cannot compile: never the winner)
+                return math.inf
+
+        configs = [rule] + ([QuantLinearConfig(*shipped)] if shipped else []) + quant_grid(p.rows)
+        times = {c: time_of(c) for c in dict.fromkeys(configs)}
+        rows.append((p, times, rule, shipped))
+        print(f"  quant_linear {p.fmt}-g{p.group} {p.name:<12} rows {p.rows}: {len(times)} launches timed", flush=True)
+        del ws, first, x
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _ms(t) -> str:
     return f"{t:.3f} ms" if isinstance(t, float) else t
 
@@ -325,11 +438,18 @@ def dry_run(args, kinds, gpu) -> int:
               "(batch 8: batch 1's four best); per launch:")
         for p in projections(args.model):
             print(f"  {p.name:<18} batch {p.batch}  K {p.K:<6} N {p.n_total:<6} kind {p.kind}")
+    if args.quant_linear:
+        print(f"quant_linear at {args.model['name']}'s shapes, bf16 x, CUDA-graph timing over weight copies: the "
+              "default launch (the rule) against a grid (1 row: the GEMV's; 8 rows: the tensor-core kernel's); "
+              "per launch:")
+        for p in quant_launches(args.model):
+            print(f"  {p.fmt + '-g' + str(p.group):<10} {p.name:<12} rows {p.rows}  K {p.K:<6} N {p.n_out:<6} "
+                  f"{len(quant_grid(p.rows)) + 1} launches")
     return 0
 
 
 def cmd_tune(args) -> int:
-    if not (args.attention or args.decode_linear):
+    if not (args.attention or args.decode_linear or args.quant_linear):
         args.attention = args.decode_linear = True
     kinds = KINDS if args.kinds is None else tuple(k.strip() for k in args.kinds.split(","))
     unknown = [k for k in kinds if k not in KINDS]
@@ -355,7 +475,7 @@ def cmd_tune(args) -> int:
         return 2
     device, t0 = torch.device("cuda", 0), time.time()
     print(f"tigon tune on {gpu} (torch {torch.__version__}); winners need {MIN_GAIN:.0%} over the default", flush=True)
-    attention, decode = {}, {}
+    attention, decode, quant = {}, {}, {}
     if args.attention:
         times = measure_attention(kinds, device)
         print("\n| mask kind | " + " | ".join(f"{b} fwd+bwd" for b in ("sdpa / eager", "varlen", "flex", "flash_attn"))
@@ -379,8 +499,20 @@ def cmd_tune(args) -> int:
             print(f"| {p.name} | {p.batch} | {p.K} | {p.n_total} | {p.kind} | {_ints(rule)} | "
                   f"{1e3 * times[rule]:.2f} | {_ints(best)} | {1e3 * times[best]:.2f} | "
                   f"{_ints(chosen) if chosen else '-'} |")
-    path = tuned_cache.write(gpu, attention=attention, decode_linear=decode, path=args.cache,
+    if args.quant_linear:
+        from tigon.ops.quant_linear_picks import rows_bucket
+
+        rows = measure_quant(args.model, device, gpu)
+        print("\n| launch | format | rows | K | N | default us | fastest | fastest us | cached |\n" + "|---" * 9 + "|")
+        for p, times, rule, shipped in rows:
+            best = min(times, key=times.get)
+            chosen = decode_choice(times, rule, shipped)
+            if chosen is not None:
+                quant[p.key(rows_bucket(p.rows))] = tuple(chosen.ints())
+            print(f"| {p.name} | {p.fmt}-g{p.group} | {p.rows} | {p.K} | {p.n_out} | {1e3 * times[rule]:.2f} | "
+                  f"{_ints(best)} | {1e3 * times[best]:.2f} | {_ints(chosen) if chosen else '-'} |")
+    path = tuned_cache.write(gpu, attention=attention, decode_linear=decode, quant_linear=quant, path=args.cache,
                              info=dict(tigon=__version__, updated=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
-    print(f"\nwrote {len(attention)} attention rows and {len(decode)} decode_linear picks for {gpu} to {path} "
-          f"({time.time() - t0:.0f} s); `tigon env` shows where each choice comes from")
+    print(f"\nwrote {len(attention)} attention rows, {len(decode)} decode_linear picks and {len(quant)} quant_linear "
+          f"picks for {gpu} to {path} ({time.time() - t0:.0f} s); `tigon env` shows where each choice comes from")
     return 0

@@ -15,6 +15,7 @@ from .config import (
     GLUConfig,
     LinearCrossEntropyConfig,
     QKNormRopeConfig,
+    QuantLinearConfig,
     RMSNormConfig,
     RopeConfig,
     RopeKVWriteConfig,
@@ -31,7 +32,7 @@ from .losses import *  # noqa: F403  (fused-linear preference / RL / distillatio
 from .losses import __all__ as _losses_all
 from .moe import moe_combine, moe_permute
 from .qk_norm_rope import qk_norm_rope
-from .quant_linear import QuantLinearConfig, quant_linear
+from .quant_linear import quant_linear
 from .quantized_weight import QuantizedWeight
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope

@@ -253,3 +253,43 @@ class AdamW8bitConfig:
 
 
 ADAMW8BIT = AdamW8bitConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantLinearConfig:
+    """The launch of `tigon.ops.quant_linear` (speed only, never the result); 0 = chosen from the shapes
+    (`_plan`). Powers of two: block_m (>= 16), block_n, block_k (>= 16), num_warps. gemv_max_rows: up to this many
+    rows run the FMA kernel, more the tensor-core one (-1: the default, 1). split_k: programs sharing one K range.
+    prefetch: 1 loads ahead, 0 does not (-1: the default, 0): the GEMV the next tile before summing this one, the
+    tensor-core kernel the next step's scales (the codes and x are pipelined by Triton, bf16 scales are not).
+    dequant_min_rows: from this many rows (past `gemv_max_rows`, 16-bit x) W is dequantized into a buffer and one
+    cuBLAS GEMM runs (-1: the default, 256 on a GPU, never elsewhere; 0: never); block_n, block_k and num_warps
+    then set the dequantization's tile."""
+
+    block_m: int = 0
+    block_n: int = 0
+    block_k: int = 0
+    num_warps: int = 0
+    num_stages: int = 0
+    split_k: int = 0
+    gemv_max_rows: int = -1
+    prefetch: int = -1
+    dequant_min_rows: int = -1
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            least = -1 if f.name in ("gemv_max_rows", "prefetch", "dequant_min_rows") else 0
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"QuantLinearConfig: {f.name} must be an int >= {least}, got {v!r}")
+            if f.name in ("block_m", "block_n", "block_k", "num_warps") and v & (v - 1):
+                raise ValueError(f"QuantLinearConfig: {f.name} must be 0 or a power of two, got {v}")
+        for name in ("block_m", "block_k"):
+            if 0 < getattr(self, name) < 16:
+                raise ValueError(f"QuantLinearConfig: {name} must be 0 or >= 16 (tl.dot), got {getattr(self, name)}")
+        if self.prefetch > 1:
+            raise ValueError(f"QuantLinearConfig: prefetch must be -1, 0 or 1, got {self.prefetch}")
+
+    def ints(self) -> list[int]:
+        """The fields in order: the custom op's `config` argument (`QuantLinearConfig(*ints)` reads it back)."""
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]

@@ -25,55 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch, _library, _pdl, reference
+from . import _launch, _library, _pdl, quant_linear_picks, reference
 from . import _rolling_buffer as _ws
 from . import swiglu as _glu
-from .decode_linear import _act
+from .config import QuantLinearConfig
+from .decode_linear import _act, _gpu_name
 from .quantized_weight import KINDS, NF4, QuantizedWeight, linear_reference
 
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 KIND_CODES = {kind: i for i, kind in enumerate(KINDS)}  # int4 0, nf4 1, fp8 2
 OP = "tigon.ops.quant_linear"
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantLinearConfig:
-    """The launch of `tigon.ops.quant_linear` (speed only, never the result); 0 = chosen from the shapes
-    (`_plan`). Powers of two: block_m (>= 16), block_n, block_k (>= 16), num_warps. gemv_max_rows: up to this many
-    rows run the FMA kernel, more the tensor-core one (-1: the default, 1). split_k: programs sharing one K range.
-    prefetch: 1 loads ahead, 0 does not (-1: the default, 0): the GEMV the next tile before summing this one, the
-    tensor-core kernel the next step's scales (the codes and x are pipelined by Triton, bf16 scales are not).
-    dequant_min_rows: from this many rows (past `gemv_max_rows`, 16-bit x) W is dequantized into a buffer and one
-    cuBLAS GEMM runs (-1: the default, 256 on a GPU, never elsewhere; 0: never); block_n, block_k and num_warps
-    then set the dequantization's tile."""
-
-    block_m: int = 0
-    block_n: int = 0
-    block_k: int = 0
-    num_warps: int = 0
-    num_stages: int = 0
-    split_k: int = 0
-    gemv_max_rows: int = -1
-    prefetch: int = -1
-    dequant_min_rows: int = -1
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            least = -1 if f.name in ("gemv_max_rows", "prefetch", "dequant_min_rows") else 0
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"QuantLinearConfig: {f.name} must be an int >= {least}, got {v!r}")
-            if f.name in ("block_m", "block_n", "block_k", "num_warps") and v & (v - 1):
-                raise ValueError(f"QuantLinearConfig: {f.name} must be 0 or a power of two, got {v}")
-        for name in ("block_m", "block_k"):
-            if 0 < getattr(self, name) < 16:
-                raise ValueError(f"QuantLinearConfig: {name} must be 0 or >= 16 (tl.dot), got {getattr(self, name)}")
-        if self.prefetch > 1:
-            raise ValueError(f"QuantLinearConfig: prefetch must be -1, 0 or 1, got {self.prefetch}")
-
-    def ints(self) -> list[int]:
-        """The fields in order: the custom op's `config` argument (`QuantLinearConfig(*ints)` reads it back)."""
-        return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
 
 _DEFAULT_CONFIG = QuantLinearConfig()
@@ -499,14 +460,22 @@ class _Plan:
 
 @functools.lru_cache(maxsize=1024)
 def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torch.device,
-          cfg: QuantLinearConfig) -> _Plan:
-    """The launch for these shapes (cached: no host work a call); every field of `cfg` that is not 0 wins. GPU
+          cfg: QuantLinearConfig, picks: bool = False, zeros: bool = False) -> _Plan:
+    """The launch for these shapes (cached: no host work a call); every field of `cfg` that is not 0 wins.
+    picks (no config passed, 16-bit x; zeros: int4 with zero points): on a CUDA device, a measured pick for this GPU
+    and shape (`quant_linear_picks.lookup`: the user cache, then MEASURED_PICKS; up to 16 rows) replaces the default
+    config, and the rule below fills what the pick leaves 0. GPU
     defaults, by the byte model in docs/ops/quant_linear.md (to be swept on H100 / H200): the GEMV streams 64 rows
     x 256 columns a step (8 KiB of int4 a program, 16 B a lane on 4 warps); the decode dot 16 x 128 x 64 tiles;
     the prefill GEMM 64 or 128 x 128 x 64. Rows <= 16 split K until enough programs stream the weight (below);
     the interpreter splits in 2, so the tests' default launches sum splits. From `dequant_min_rows` rows (256 on a
     GPU) the dequantization's tiles: 32 x 256, 16 KiB of bf16 written a program (to be swept)."""
     gpu = device.type == "cuda"
+    if picks and gpu and cfg == _DEFAULT_CONFIG:
+        pick = quant_linear_picks.lookup(_gpu_name(device.index or 0), K, n_out, M,
+                                         quant_linear_picks.format_of(kind, zeros), G, glu)
+        if pick is not None:
+            cfg = QuantLinearConfig(*pick)
     gemv = M <= (1 if cfg.gemv_max_rows < 0 else cfg.gemv_max_rows)
     pow2_g = G & -G  # the largest power of two dividing the group (fp8 per channel: G = 0, one chunk a tile)
     dequant_rows = cfg.dequant_min_rows if cfg.dequant_min_rows >= 0 else (256 if gpu else 0)
@@ -633,7 +602,9 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
     cfg = QuantLinearConfig(*config) if config is not None else _DEFAULT_CONFIG
     if x.dtype == torch.float32:  # cuBLAS may run fp32 in TF32 (a process-wide switch): the IEEE dot kernel
         cfg = _without_dequant(cfg)
-    plan = _plan(M, n_out, K, KINDS[kind], group_size, bool(act), x.device, cfg)
+    # measured picks (`_plan`): for the default launch of 16-bit x, as the picks were timed (bf16; fp16 the same bytes)
+    plan = _plan(M, n_out, K, KINDS[kind], group_size, bool(act), x.device, cfg,
+                 config is None and x.element_size() == 2, zeros is not None)
     if plan.dequant:
         return _dequant_mm(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, act, plan)
     y = torch.empty((M, n_out), dtype=x.dtype, device=x.device)

@@ -1,9 +1,10 @@
 """The per-user table cache: rows `tigon tune` measured on this machine's GPU, read before the shipped tables.
 
-Tigon's shipped tables (hf/attention_table.py's MEASURED, ops/decode_linear_picks.py's MEASURED_PICKS) hold what was
-measured on the GPUs its authors timed. `tigon tune` times the current card and writes its own rows to one JSON file,
-`$TIGON_CACHE_DIR/tuned.json` (default `~/.cache/tigon/tuned.json`), as Triton keeps its autotuning results; the
-attention ranking and the decode_linear picks read it first (`for_gpu`), then the shipped rows, then the rule.
+Tigon's shipped tables (hf/attention_table.py's MEASURED, the MEASURED_PICKS of ops/decode_linear_picks.py and
+ops/quant_linear_picks.py) hold what was measured on the GPUs its authors timed. `tigon tune` times the current card
+and writes its own rows to one JSON file, `$TIGON_CACHE_DIR/tuned.json` (default `~/.cache/tigon/tuned.json`), as
+Triton keeps its autotuning results; the attention ranking and the decode_linear and quant_linear picks read it first
+(`for_gpu`), then the shipped rows, then the rule.
 
 An entry is keyed by the GPU name (torch.cuda.get_device_name), the torch version and the Triton version: a new
 torch or Triton may change which kernel is fastest, so an entry of other versions is not read (`tigon env` says so,
@@ -15,10 +16,14 @@ correctness. `write` replaces the file atomically (a temporary file renamed over
 
     {"format": 1, "entries": [{"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu128", "triton": "3.6.0",
       "attention": {"packed": ["flex", "varlen"], "causal": []},
-      "decode_linear": [{"key": [4096, 6144, 1, "norm"], "config": [64, 256, 4, 4, 2, 0]}], ...}]}
+      "decode_linear": [{"key": [4096, 6144, 1, "norm"], "config": [64, 256, 4, 4, 2, 0]}],
+      "quant_linear": [{"key": [4096, 4096, 1, "int4", 128, false], "config": [0, 128, 512, 4, 0, 4, -1, 1, -1]}],
+      ...}]}
 
 `attention[kind]`: the backends faster than Hugging Face's pick on this card, fastest first (empty: none was).
 `decode_linear`: (K, N, batch bucket, kind) -> `DecodeLinearConfig.ints()`, as decode_linear_picks keys them.
+`quant_linear` (optional: a file without it reads as no picks): (K, N, rows bucket, fmt, group_size, glu) ->
+`QuantLinearConfig.ints()`, as quant_linear_picks keys them.
 """
 
 import json
@@ -31,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from . import _library
-from .config import DecodeLinearConfig
+from .config import DecodeLinearConfig, QuantLinearConfig
 
 FORMAT = 1
 FILE_NAME = "tuned.json"
@@ -43,6 +48,7 @@ class TunedRows(NamedTuple):
     path: str
     attention: dict  # mask kind -> tuple of backend names, fastest first (empty: HF's pick measured fastest)
     decode_linear: dict  # (K, N, batch bucket, kind) -> config ints tuple
+    quant_linear: dict  # (K, N, rows bucket, fmt, group_size, glu) -> QuantLinearConfig ints tuple
 
 
 class CacheState(NamedTuple):
@@ -89,9 +95,36 @@ def _key(value, where: str) -> tuple:
     return tuple(value)
 
 
+def _quant_config(value, where: str) -> tuple:
+
+    if not isinstance(value, list) or len(value) != 9 or not all(type(v) is int for v in value):
+        raise ValueError(f"{where}: config must be a list of 9 ints (QuantLinearConfig.ints()), got {value!r}")
+    QuantLinearConfig(*value)  # its own checks (powers of two, >= 16, -1 defaults): a ValueError names the field
+    return tuple(value)
+
+
+def _quant_key(value, where: str) -> tuple:
+    if (not isinstance(value, list) or len(value) != 6 or not all(type(v) is int and v > 0 for v in value[:3])
+            or not isinstance(value[3], str) or type(value[4]) is not int or value[4] < 0
+            or not isinstance(value[5], bool)):
+        raise ValueError(f"{where}: key must be [K, N, rows bucket, format, group size, glu], got {value!r}")
+    return tuple(value)
+
+
+def _picks(raw, section: str, where: str, key, config) -> dict:
+    picks = raw.get(section, [])
+    if not isinstance(picks, list) or not all(isinstance(p, dict) for p in picks):
+        raise ValueError(f"{where}.{section} must be a list of {{key, config}} objects")
+    return {key(p.get("key"), f"{where}.{section}[{j}]"): config(p.get("config"), f"{where}.{section}[{j}]")
+            for j, p in enumerate(picks)}
+
+
+SECTIONS = ("gpu", "torch", "triton", "attention", "decode_linear", "quant_linear")
+
+
 def _entry(raw, i: int) -> dict:
     """One entry of the file, checked: gpu / torch / triton strings, attention {kind: [backend, ...]},
-    decode_linear [{key, config}]. Raises ValueError naming what is wrong."""
+    decode_linear and quant_linear [{key, config}]. Raises ValueError naming what is wrong."""
     where = f"entries[{i}]"
     if not isinstance(raw, dict):
         raise ValueError(f"{where} must be an object, got {type(raw).__name__}")
@@ -102,14 +135,12 @@ def _entry(raw, i: int) -> dict:
     if not isinstance(attention, dict) or not all(
             isinstance(rows, list) and all(isinstance(b, str) for b in rows) for rows in attention.values()):
         raise ValueError(f"{where}.attention must map mask kinds to lists of backend names")
-    picks = raw.get("decode_linear", [])
-    if not isinstance(picks, list) or not all(isinstance(p, dict) for p in picks):
-        raise ValueError(f"{where}.decode_linear must be a list of {{key, config}} objects")
-    decode = {_key(p.get("key"), f"{where}.decode_linear[{j}]"): _config(p.get("config"), f"{where}.decode_linear"
-                                                                        f"[{j}]") for j, p in enumerate(picks)}
-    extra = {k: v for k, v in raw.items() if k not in ("gpu", "torch", "triton", "attention", "decode_linear")}
+    decode = _picks(raw, "decode_linear", where, _key, _config)
+    quant = _picks(raw, "quant_linear", where, _quant_key, _quant_config)
+    extra = {k: v for k, v in raw.items() if k not in SECTIONS}
     return dict(gpu=raw["gpu"], torch=raw["torch"], triton=raw["triton"],
-                attention={kind: tuple(rows) for kind, rows in attention.items()}, decode_linear=decode, **extra)
+                attention={kind: tuple(rows) for kind, rows in attention.items()}, decode_linear=decode,
+                quant_linear=quant, **extra)
 
 
 def parse(data) -> list[dict]:
@@ -151,7 +182,7 @@ def load(path=None) -> CacheState:
     rows, others = {}, []
     for e in entries:
         if (e["torch"], e["triton"]) == mine:
-            rows[e["gpu"]] = TunedRows(str(path), e["attention"], e["decode_linear"])
+            rows[e["gpu"]] = TunedRows(str(path), e["attention"], e["decode_linear"], e["quant_linear"])
         else:
             others.append((e["gpu"], e["torch"], e["triton"]))
     _STATE = CacheState(str(path), rows, tuple(others), problem)
@@ -184,19 +215,21 @@ def reset() -> None:
 
 
 def _as_json(entry: dict) -> dict:
-    out = {k: v for k, v in entry.items() if k not in ("attention", "decode_linear")}
+    out = {k: v for k, v in entry.items() if k not in ("attention", "decode_linear", "quant_linear")}
     out["attention"] = {kind: list(rows) for kind, rows in sorted(entry["attention"].items())}
-    out["decode_linear"] = [dict(key=list(key), config=list(cfg))
-                            for key, cfg in sorted(entry["decode_linear"].items())]
+    for section in ("decode_linear", "quant_linear"):
+        if entry[section] or section == "decode_linear":  # no empty quant_linear list: the file as before
+            out[section] = [dict(key=list(key), config=list(cfg)) for key, cfg in sorted(entry[section].items())]
     return out
 
 
-def write(gpu: str, *, attention: dict | None = None, decode_linear: dict | None = None, path=None,
-          info: dict | None = None) -> Path:
+def write(gpu: str, *, attention: dict | None = None, decode_linear: dict | None = None,
+          quant_linear: dict | None = None, path=None, info: dict | None = None) -> Path:
     """Merge rows measured on `gpu` into the cache file (default cache_path()) and replace it atomically.
 
     attention {mask kind: backends, fastest first} replaces those kinds' rows; decode_linear {(K, N, bucket,
-    kind): config ints} adds or replaces those keys; the entry's other rows and the other entries stay. `info`
+    kind): config ints} and quant_linear {(K, N, rows bucket, fmt, group_size, glu): config ints} add or replace
+    those keys; the entry's other rows and the other entries stay. `info`
     (strings: when, which Tigon) is stored beside the rows. A file that cannot be read is replaced (with a
     warning). Returns the path written; the next lookup of this process reads it."""
     if not isinstance(gpu, str) or not gpu:
@@ -210,12 +243,13 @@ def write(gpu: str, *, attention: dict | None = None, decode_linear: dict | None
     entry = next((e for e in entries if (e["gpu"], e["torch"], e["triton"]) == (gpu, torch_version, triton_version)),
                  None)
     if entry is None:
-        entry = dict(gpu=gpu, torch=torch_version, triton=triton_version, attention={}, decode_linear={})
+        entry = dict(gpu=gpu, torch=torch_version, triton=triton_version, attention={}, decode_linear={},
+                     quant_linear={})
         entries.append(entry)
-    entry.update({k: v for k, v in (info or {}).items() if k not in ("gpu", "torch", "triton", "attention",
-                                                                     "decode_linear")})
+    entry.update({k: v for k, v in (info or {}).items() if k not in SECTIONS})
     entry["attention"].update({kind: tuple(rows) for kind, rows in (attention or {}).items()})
     entry["decode_linear"].update({tuple(key): tuple(cfg) for key, cfg in (decode_linear or {}).items()})
+    entry["quant_linear"].update({tuple(key): tuple(cfg) for key, cfg in (quant_linear or {}).items()})
     text = json.dumps(dict(format=FORMAT, entries=[_as_json(e) for e in entries]), indent=1)
     parse(json.loads(text))  # never write a file this reader would refuse
     path.parent.mkdir(parents=True, exist_ok=True)

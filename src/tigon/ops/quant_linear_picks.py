@@ -1,0 +1,73 @@
+"""The `quant_linear` decode launches measured per shape: a data table `quant_linear._plan` reads before its rule.
+
+`lookup` answers from the user cache first (`tuned_cache`: the picks `tigon tune --quant-linear` measured on this
+card, for this torch and Triton), then from `MEASURED_PICKS` below, and None sends the launch to the shape rule in
+`quant_linear._plan`; `source` says which in words (`tigon env`). Picks apply only where the caller passed no config,
+to 16-bit activations on a CUDA device; a config passed, fp32 activations and the CPU keep the rule.
+
+`MEASURED_PICKS[gpu name][(K, N, rows bucket, fmt, group_size, glu)]` is the `QuantLinearConfig.ints()` tuple
+(block_m, block_n, block_k, num_warps, num_stages, split_k, gemv_max_rows, prefetch, dequant_min_rows) that
+`python -m benchmarks quant-linear --sweep --out FILE` (benchmarks/generation/bench_quant_linear.py) timed fastest for
+that shape in bf16: a row's `config` where the sweep's best beat the default launch (`default_ms`) by >= 2%; no entry
+where it did not. No GPU has rows yet: every card runs the rule until `tigon tune --quant-linear` measures it.
+
+Keys: K the input width; N the output width of the launch (one of gate / up with a GLU: half the stored rows);
+fmt the stored format, as the benchmark's kinds spell it: "int4" (symmetric), "int4_zeros" (int4 with zero points),
+"nf4", "fp8" (`format_of`); group_size the weight's (fp8 per channel: 0); glu whether the launch fuses the GLU.
+Rows buckets: 1 (one row: the GEMV) and 16 (2 to 16 rows: the decode tensor-core kernel pads rows to 16, so these
+share one tile shape; measured at 8 rows). More rows take no picks: the rule, and from 256 rows on a GPU the
+dequantize-then-cuBLAS path.
+"""
+
+from . import tuned_cache
+
+ROWS_BUCKETS = (1, 16)
+FORMATS = ("int4", "int4_zeros", "nf4", "fp8")
+
+MEASURED_PICKS: dict = {}
+
+
+def rows_bucket(m: int) -> int | None:
+    """The bucket of a launch with m rows: the least bucket >= m, None past the last (no measured picks)."""
+    return next((b for b in ROWS_BUCKETS if m <= b), None)
+
+
+def format_of(kind: str, zeros: bool) -> str:
+    """The table's spelling of a QuantizedWeight format: kind "int4" / "nf4" / "fp8", "int4_zeros" with zero points."""
+    return "int4_zeros" if kind == "int4" and zeros else kind
+
+
+def lookup(gpu: str | None, K: int, N: int, m: int, fmt: str, group_size: int, glu: bool,
+           table: dict | None = None) -> tuple | None:
+    """The measured `QuantLinearConfig.ints()` tuple for this launch on `gpu` (torch.cuda.get_device_name; None: no
+    GPU), or None where nothing was measured. table: None for the user cache then MEASURED_PICKS, or a
+    {gpu: {key: config}} table to read alone."""
+    bucket = rows_bucket(m)
+    if bucket is None or not gpu:
+        return None
+    key = (K, N, bucket, fmt, group_size, bool(glu))
+    if table is None:
+        tuned = tuned_cache.for_gpu(gpu)
+        if tuned is not None and key in tuned.quant_linear:
+            return tuned.quant_linear[key]
+        table = MEASURED_PICKS
+    return table.get(gpu, {}).get(key)
+
+
+def source(gpu: str | None) -> str:
+    """Where the decode launches of quant_linear come from on `gpu`, in words (for `tigon env`)."""
+    rule = "the shape rule (quant_linear._plan)"
+    shipped = len(MEASURED_PICKS.get(gpu, {})) if gpu else 0
+    tuned = tuned_cache.for_gpu(gpu)
+    parts = []
+    if tuned is not None and tuned.quant_linear:
+        parts.append(f"user cache ({tuned.path}: {len(tuned.quant_linear)} shapes)")
+    if shipped:
+        parts.append(f"shipped table ({gpu} row: measured picks for {gpu}, {shipped} shapes, "
+                     "ops/quant_linear_picks.py)")
+    if parts:
+        return ", then ".join(parts) + f", else {rule}; over 16 rows or with a config passed: the rule"
+    if not gpu:
+        return f"rule (no GPU here; on one: {rule} wherever no pick was measured)"
+    return (f"rule (unmeasured card: {rule}; no measured picks for {gpu}; `tigon tune --quant-linear` measures "
+            "this card's)")
