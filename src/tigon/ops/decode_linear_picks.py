@@ -57,29 +57,10 @@ def lookup(gpu: str | None, K: int, N: int, m: int, launch_kind: str, table: dic
     bucket = batch_bucket(m)
     if bucket is None or not gpu:
         return None
-    key = (K, N, bucket, launch_kind)
-    if table is None:
-        tuned = tuned_cache.for_gpu(gpu)
-        if tuned is not None and key in tuned.decode_linear:
-            return tuned.decode_linear[key]
-        table = MEASURED_PICKS
-    return table.get(gpu, {}).get(key)
+    return tuned_cache.pick("decode_linear", gpu, (K, N, bucket, launch_kind), MEASURED_PICKS, table)
 
 
 def source(gpu: str | None) -> str:
     """Where the launches of decode_linear come from on `gpu`, in words (for `tigon env`)."""
-    rule = "the shape rule (decode_linear._rule_config)"
-    shipped = len(MEASURED_PICKS.get(gpu, {})) if gpu else 0
-    tuned = tuned_cache.for_gpu(gpu)
-    parts = []
-    if tuned is not None and tuned.decode_linear:
-        parts.append(f"user cache ({tuned.path}: {len(tuned.decode_linear)} shapes)")
-    if shipped:
-        parts.append(f"shipped table ({gpu} row: measured picks for {gpu}, {shipped} shapes, "
-                     "ops/decode_linear_picks.py)")
-    if parts:
-        return ", then ".join(parts) + f", else {rule}"
-    if not gpu:
-        return f"rule (no GPU here; on one: {rule} wherever no pick was measured)"
-    return (f"rule (unmeasured card: {rule}; no measured picks for {gpu}; `tigon tune --decode-linear` measures "
-            "this card's)")
+    return tuned_cache.picks_source("decode_linear", gpu, MEASURED_PICKS, "the shape rule (decode_linear._rule_config)",
+                                    "ops/decode_linear_picks.py", "--decode-linear")

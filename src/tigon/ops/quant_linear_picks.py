@@ -45,29 +45,11 @@ def lookup(gpu: str | None, K: int, N: int, m: int, fmt: str, group_size: int, g
     bucket = rows_bucket(m)
     if bucket is None or not gpu:
         return None
-    key = (K, N, bucket, fmt, group_size, bool(glu))
-    if table is None:
-        tuned = tuned_cache.for_gpu(gpu)
-        if tuned is not None and key in tuned.quant_linear:
-            return tuned.quant_linear[key]
-        table = MEASURED_PICKS
-    return table.get(gpu, {}).get(key)
+    return tuned_cache.pick("quant_linear", gpu, (K, N, bucket, fmt, group_size, bool(glu)), MEASURED_PICKS, table)
 
 
 def source(gpu: str | None) -> str:
     """Where the decode launches of quant_linear come from on `gpu`, in words (for `tigon env`)."""
-    rule = "the shape rule (quant_linear._plan)"
-    shipped = len(MEASURED_PICKS.get(gpu, {})) if gpu else 0
-    tuned = tuned_cache.for_gpu(gpu)
-    parts = []
-    if tuned is not None and tuned.quant_linear:
-        parts.append(f"user cache ({tuned.path}: {len(tuned.quant_linear)} shapes)")
-    if shipped:
-        parts.append(f"shipped table ({gpu} row: measured picks for {gpu}, {shipped} shapes, "
-                     "ops/quant_linear_picks.py)")
-    if parts:
-        return ", then ".join(parts) + f", else {rule}; over 16 rows or with a config passed: the rule"
-    if not gpu:
-        return f"rule (no GPU here; on one: {rule} wherever no pick was measured)"
-    return (f"rule (unmeasured card: {rule}; no measured picks for {gpu}; `tigon tune --quant-linear` measures "
-            "this card's)")
+    return tuned_cache.picks_source("quant_linear", gpu, MEASURED_PICKS, "the shape rule (quant_linear._plan)",
+                                    "ops/quant_linear_picks.py", "--quant-linear",
+                                    past_picks="over 16 rows or with a config passed")

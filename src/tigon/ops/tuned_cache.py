@@ -266,3 +266,34 @@ def write(gpu: str, *, attention: dict | None = None, decode_linear: dict | None
         raise
     reset()
     return path
+
+
+def pick(section: str, gpu: str, key: tuple, shipped: dict, table: dict | None = None) -> tuple | None:
+    """A measured launch for `key` on `gpu`, for the picks modules (ops/decode_linear_picks.py,
+    ops/quant_linear_picks.py): the user cache's `section` rows first, then `shipped` ({gpu: {key: config}});
+    `table` given: that table alone. None where nothing was measured."""
+    if table is None:
+        tuned = for_gpu(gpu)
+        if tuned is not None and key in getattr(tuned, section):
+            return getattr(tuned, section)[key]
+        table = shipped
+    return table.get(gpu, {}).get(key)
+
+
+def picks_source(section: str, gpu: str | None, shipped: dict, rule: str, module: str, flag: str,
+                 past_picks: str = "") -> str:
+    """Where an op's launches come from on `gpu`, in words (for `tigon env`): the user cache's `section` rows, the
+    shipped table of `module`, else `rule`; `flag` the `tigon tune` option that measures them, `past_picks` what
+    takes the rule even where picks exist."""
+    count = len(shipped.get(gpu, {})) if gpu else 0
+    tuned = for_gpu(gpu)
+    parts = []
+    if tuned is not None and getattr(tuned, section):
+        parts.append(f"user cache ({tuned.path}: {len(getattr(tuned, section))} shapes)")
+    if count:
+        parts.append(f"shipped table ({gpu} row: measured picks for {gpu}, {count} shapes, {module})")
+    if parts:
+        return ", then ".join(parts) + f", else {rule}" + (f"; {past_picks}: the rule" if past_picks else "")
+    if not gpu:
+        return f"rule (no GPU here; on one: {rule} wherever no pick was measured)"
+    return f"rule (unmeasured card: {rule}; no measured picks for {gpu}; `tigon tune {flag}` measures this card's)"
