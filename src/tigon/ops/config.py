@@ -10,7 +10,9 @@ schema takes ints, not dataclasses, and the launcher reads the ints back.
 import dataclasses
 
 
-def _check_fields(cfg, powers_of_two=(), zero_ok=(), bools=()) -> None:
+def _check_fields(cfg, powers_of_two=(), zero_ok=(), bools=(), minus_one_ok=()) -> None:
+    """Every field an int (a bool where named in `bools`) >= 1, >= 0 in `zero_ok`, >= -1 in `minus_one_ok` (-1:
+    the default); a power of two (or 0) in `powers_of_two`. A ValueError names the class and the field."""
     name = type(cfg).__name__
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
@@ -18,8 +20,8 @@ def _check_fields(cfg, powers_of_two=(), zero_ok=(), bools=()) -> None:
             if not isinstance(v, bool):
                 raise ValueError(f"{name}: {f.name} must be a bool, got {v!r}")
             continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if f.name in zero_ok else 1):
-            least = "0" if f.name in zero_ok else "1"
+        least = -1 if f.name in minus_one_ok else 0 if f.name in zero_ok else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
             raise ValueError(f"{name}: {f.name} must be an int >= {least}, got {v!r}")
         if f.name in powers_of_two and v & (v - 1):
             raise ValueError(f"{name}: {f.name} must be a power of two, got {v}")
@@ -277,13 +279,9 @@ class QuantLinearConfig:
     dequant_min_rows: int = -1
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            least = -1 if f.name in ("gemv_max_rows", "prefetch", "dequant_min_rows") else 0
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"QuantLinearConfig: {f.name} must be an int >= {least}, got {v!r}")
-            if f.name in ("block_m", "block_n", "block_k", "num_warps") and v & (v - 1):
-                raise ValueError(f"QuantLinearConfig: {f.name} must be 0 or a power of two, got {v}")
+        _check_fields(self, powers_of_two=("block_m", "block_n", "block_k", "num_warps"),
+                      zero_ok=tuple(f.name for f in dataclasses.fields(self)),
+                      minus_one_ok=("gemv_max_rows", "prefetch", "dequant_min_rows"))
         for name in ("block_m", "block_k"):
             if 0 < getattr(self, name) < 16:
                 raise ValueError(f"QuantLinearConfig: {name} must be 0 or >= 16 (tl.dot), got {getattr(self, name)}")
