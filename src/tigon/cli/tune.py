@@ -235,6 +235,22 @@ def decode_choice(times: dict, rule, shipped):
     return rule if shipped is not None and math.isfinite(times[rule]) else None
 
 
+def _winners(rows, head: str, key_of, cells_of, rule_label: str = "rule") -> dict:
+    """{key: config ints} to cache from measured launches [(launch, {config: ms}, rule, shipped pick)]
+    (`decode_choice`), printed as a table: `head` and `cells_of(launch, rule)` the first columns, then the rule's
+    time (`rule_label`), the fastest config and its time, and what is cached."""
+    print(f"\n| {head} | {rule_label} us | fastest | fastest us | cached |\n" + "|---" * (head.count("|") + 5) + "|")
+    out = {}
+    for p, times, rule, shipped in rows:
+        best = min(times, key=times.get)
+        chosen = decode_choice(times, rule, shipped)
+        if chosen is not None:
+            out[key_of(p)] = tuple(chosen.ints())
+        print(f"| {cells_of(p, rule)} | {1e3 * times[rule]:.2f} | {_ints(best)} | {1e3 * times[best]:.2f} | "
+              f"{_ints(chosen) if chosen else '-'} |")
+    return out
+
+
 def _attention_case(kind: str, device):
     import torch
 
@@ -488,29 +504,15 @@ def cmd_tune(args) -> int:
             shown = "not written: HF's pick did not run" if won is None else " > ".join(won) or "HF's pick"
             print(f"| {kind} | " + " | ".join(cells) + f" | {shown} |")
     if args.decode_linear:
-        rows = measure_decode(args.model, device, gpu)
-        print("\n| launch | batch | K | N | kind | rule | rule us | fastest | fastest us | cached |\n"
-              + "|---" * 10 + "|")
-        for p, times, rule, shipped in rows:
-            best = min(times, key=times.get)
-            chosen = decode_choice(times, rule, shipped)
-            if chosen is not None:
-                decode[p.key(batch_bucket(p.batch))] = tuple(chosen.ints())
-            print(f"| {p.name} | {p.batch} | {p.K} | {p.n_total} | {p.kind} | {_ints(rule)} | "
-                  f"{1e3 * times[rule]:.2f} | {_ints(best)} | {1e3 * times[best]:.2f} | "
-                  f"{_ints(chosen) if chosen else '-'} |")
+        decode = _winners(measure_decode(args.model, device, gpu), "launch | batch | K | N | kind | rule",
+                          lambda p: p.key(batch_bucket(p.batch)),
+                          lambda p, rule: f"{p.name} | {p.batch} | {p.K} | {p.n_total} | {p.kind} | {_ints(rule)}")
     if args.quant_linear:
         from tigon.ops.quant_linear_picks import rows_bucket
 
-        rows = measure_quant(args.model, device, gpu)
-        print("\n| launch | format | rows | K | N | default us | fastest | fastest us | cached |\n" + "|---" * 9 + "|")
-        for p, times, rule, shipped in rows:
-            best = min(times, key=times.get)
-            chosen = decode_choice(times, rule, shipped)
-            if chosen is not None:
-                quant[p.key(rows_bucket(p.rows))] = tuple(chosen.ints())
-            print(f"| {p.name} | {p.fmt}-g{p.group} | {p.rows} | {p.K} | {p.n_out} | {1e3 * times[rule]:.2f} | "
-                  f"{_ints(best)} | {1e3 * times[best]:.2f} | {_ints(chosen) if chosen else '-'} |")
+        quant = _winners(measure_quant(args.model, device, gpu), "launch | format | rows | K | N",
+                         lambda p: p.key(rows_bucket(p.rows)),
+                         lambda p, rule: f"{p.name} | {p.fmt}-g{p.group} | {p.rows} | {p.K} | {p.n_out}", "default")
     path = tuned_cache.write(gpu, attention=attention, decode_linear=decode, quant_linear=quant, path=args.cache,
                              info=dict(tigon=__version__, updated=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
     print(f"\nwrote {len(attention)} attention rows, {len(decode)} decode_linear picks and {len(quant)} quant_linear "
