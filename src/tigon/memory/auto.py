@@ -250,7 +250,7 @@ def _plan(model: torch.nn.Module, batch: int, seq_len: int, **kw):
     """tigon.memory.plan of one step of `model` at this shape as it runs now, without offload."""
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return plan(model, seq_len=seq_len, batch_size=batch, tile_tokens=_tile_tokens(model, batch),
-                attention="eager" if attention == "eager" else "flash", **kw)
+                attention=attention if attention in ("eager", "sdpa") else "flash", **kw)
 
 
 # what keep_activations="auto" leaves free of the card beyond AUTO_MARGIN: the kept layers' bytes are the plan's

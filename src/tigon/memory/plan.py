@@ -30,7 +30,7 @@ OPTIMIZERS = {  # optimizer -> bytes of state per trainable parameter of `e` byt
     # (state_bits=8), bitsandbytes' AdamW8bit)
     "sgd": lambda e: 0,
 }
-ATTENTIONS = ("flash", "sdpa", "flex", "eager")  # sdpa and flex keep what flash keeps
+ATTENTIONS = ("flash", "sdpa", "flex", "eager")  # sdpa and flex keep what flash keeps (sdpa: but in fp32 with GQA)
 LOSSES = ("fused", "logits")
 NF4_BYTES = 0.5 + 4 / 64  # bitsandbytes NF4: 4 bits a weight and one fp32 absmax per block of 64
 CONTEXT_BYTES = 512 << 20  # CUDA context and kernel images: outside torch's allocator
@@ -216,8 +216,8 @@ def _layer_saved(job: _Job, n: int, seq_len: int):
         ("lora", "mlp", n * e * sum(rk[p] for p in PROJECTIONS[4:])),
         ("attention_io", "attention", n * e * (4 * q if eager else 2 * q + 2 * kv)),  # q, k, v (repeated), out
         ("mlp", "mlp", t * e * i * (2 + keeps_product)),  # gate, up, their product if the down projection trains
-        ("attention_kernel", "attention",  # flash's fp32 lse; eager's fp32 softmax and its cast
-         (4 + e) * heads * job.batch * seq_len * seq_len if eager else 4 * n * heads),
+        ("attention_kernel", "attention",  # flash's fp32 lse; eager's fp32 softmax and its cast (none in fp32)
+         (4 + (e if e < 4 else 0)) * heads * job.batch * seq_len * seq_len if eager else 4 * n * heads),
     ]
 
 
@@ -445,6 +445,16 @@ def _build(job: _Job, seq_len: int) -> MemoryPlan:
                       _job=job, **parts)
 
 
+def _kept_bytes_of(attention: str, act: torch.dtype, config) -> str:
+    """Whose bytes an attention keeps for its backward: "eager"'s (the [T, T] softmax) or "flash"'s (an fp32 lse).
+    torch's SDPA has no flash kernel in fp32 and its memory-efficient kernel takes no grouped KV heads (HF passes
+    enable_gqa when a step has no mask), so fp32 with GQA runs SDPA's math path, which keeps the softmax as eager
+    does (measured on an H100: two such layers of 4 heads at 2 x 512 tokens held 32 MB, the flash count 14 MB)."""
+    heads = config.num_attention_heads
+    gqa = (getattr(config, "num_key_value_heads", None) or heads) < heads
+    return "eager" if attention == "eager" or (attention == "sdpa" and act == torch.float32 and gqa) else "flash"
+
+
 def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets="all", quantized_base=None,
          optimizer="adamw", checkpointing=True, offload_checkpoints=False, tile_tokens=None, attention="flash",
          loss="fused", dtype=None, budget_bytes=None, step_in_backward=False, keep_activations=None) -> MemoryPlan:
@@ -461,7 +471,8 @@ def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets
     keep_on_card). tile_tokens: the MLP runs in tiles of that many tokens of each row (install_tiled_mlp; a
     sequence no longer than a tile runs untiled); "auto": the tile install_tiled_mlp's "auto" picks at the first
     step, from the memory free then (the card, budget_bytes if given, less the CUDA context and the weights; on a
-    model off CUDA with no budget, the CPU's tile). attention: "flash" ("sdpa", "flex": the same bytes) or "eager".
+    model off CUDA with no budget, the CPU's tile). attention: "flash" ("flex": the same bytes; "sdpa": the same but in
+    fp32 with grouped KV heads, where torch runs its math path and keeps eager's bytes) or "eager".
     loss: "fused" (no logits) or "logits". dtype: of the activations (None: the model's embedding dtype, bf16 for a
     config). budget_bytes: if given, raise MemoryPlanError naming the largest component when the peak exceeds
     it. step_in_backward: the optimizer steps each parameter as the backward completes its gradient and frees it
@@ -521,7 +532,7 @@ def plan(model_or_config, *, seq_len, batch_size=1, lora_rank=None, lora_targets
     job = _Job(config.hidden_size, config.intermediate_size, layers, config.num_attention_heads,
                getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
                config.vocab_size, act.itemsize, **counted, batch=batch_size, checkpointing=checkpointing, kept=kept,
-               tile=tile_tokens or 0, attention="eager" if attention == "eager" else "flash", loss=loss,
+               tile=tile_tokens or 0, attention=_kept_bytes_of(attention, act, config), loss=loss,
                in_backward=step_in_backward, keep_activations=keep_activations)
     result = _build(job, seq_len)
     if budget_bytes is not None:
