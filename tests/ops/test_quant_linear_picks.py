@@ -84,14 +84,13 @@ def test_plan_takes_a_pick_only_for_the_default_launch_on_a_gpu(cache_dir):
         ql._plan(17, 4096, 4096, "fp8", 128, False, cuda, default)  # past 16 rows: the rule
 
 
-def test_launch_kernel_asks_for_picks_only_without_a_config_in_16_bits(monkeypatch):
+def test_launch_kernel_asks_for_picks_only_without_a_config_in_16_bits(monkeypatch, device):
     seen, plan = [], ql._plan.__wrapped__
     monkeypatch.setattr(ql, "_plan", lambda *a: seen.append(a[7:]) or plan(*a))
     N, K = 64, 256
-    qw = ql.QuantizedWeight("int4", torch.zeros(N, K // 2, dtype=torch.uint8), torch.ones(N, K // 128),
-                            torch.zeros(N, K // 128), 128, (N, K), torch.bfloat16)
-    qw = ql.QuantizedWeight("int4", qw.data, qw.scales.bfloat16(), qw.zeros.bfloat16(), 128, (N, K), torch.bfloat16)
-    x = torch.randn(1, K, dtype=torch.bfloat16)
+    data, ones = torch.zeros(N, K // 2, dtype=torch.uint8, device=device), torch.ones(N, K // 128, device=device)
+    qw = ql.QuantizedWeight("int4", data, ones.bfloat16(), 0 * ones.bfloat16(), 128, (N, K), torch.bfloat16)
+    x = torch.randn(1, K, dtype=torch.bfloat16, device=device)
     ql.quant_linear(x, qw)
     ql.quant_linear(x, qw, config=QuantLinearConfig(block_n=32))
     assert seen == [(QuantLinearConfig(), True, True), (QuantLinearConfig(block_n=32), False, True)]
