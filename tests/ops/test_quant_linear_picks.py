@@ -38,7 +38,22 @@ def test_buckets_and_formats():
     assert [picks.rows_bucket(m) for m in (1, 2, 8, 16, 17)] == [1, 16, 16, 16, None]
     assert [picks.format_of(k, z) for k, z in (("int4", False), ("int4", True), ("nf4", False), ("fp8", False))] \
         == list(picks.FORMATS)
-    assert picks.MEASURED_PICKS == {}  # no shipped rows yet: every card runs the rule until tuned
+
+
+@pytest.mark.parametrize("gpu, key", [(g, k) for g, rows in picks.MEASURED_PICKS.items() for k in rows])
+def test_every_shipped_pick_is_a_launch_that_computes_the_product(device, gpu, key):
+    """Each shipped row's key is one the lookup can ask for, and its config, launched at the row's K (a few output
+    columns, odd), gives the product within the kernels' error model: a pick moves speed only."""
+    from tests.ops.test_quant_linear import _check, _on, _weight, _x
+
+    K, n_out, bucket, fmt, group, glu = key
+    assert bucket in picks.ROWS_BUCKETS and fmt in picks.FORMATS and group >= 0 and isinstance(glu, bool)
+    cfg = QuantLinearConfig(*picks.MEASURED_PICKS[gpu][key])
+    kind = "int4" if fmt.startswith("int4") else fmt
+    qw = _on(_weight(kind, group, fmt == "int4_zeros", False, 2 * 37 if glu else 37, K, torch.bfloat16), device)
+    x = _x(1 if bucket == 1 else 8, K, dtype=torch.bfloat16).to(device)
+    act = "silu" if glu else None
+    _check(f"{gpu} {key}", ql.quant_linear(x, qw, activation=act, config=cfg), x, qw, activation=act, config=cfg)
 
 
 def test_lookup_order_user_cache_then_shipped_then_rule(monkeypatch, cache_dir):

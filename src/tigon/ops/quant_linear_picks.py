@@ -9,7 +9,7 @@ to 16-bit activations on a CUDA device; a config passed, fp32 activations and th
 (block_m, block_n, block_k, num_warps, num_stages, split_k, gemv_max_rows, prefetch, dequant_min_rows) that
 `python -m benchmarks quant-linear --sweep --out FILE` (benchmarks/generation/bench_quant_linear.py) timed fastest for
 that shape in bf16: a row's `config` where the sweep's best beat the default launch (`default_ms`) by >= 2%; no entry
-where it did not. No GPU has rows yet: every card runs the rule until `tigon tune --quant-linear` measures it.
+where it did not. Cards without rows run the rule until `tigon tune --quant-linear` measures them.
 
 Keys: K the input width; N the output width of the launch (one of gate / up with a GLU: half the stored rows);
 fmt the stored format, as the benchmark's kinds spell it: "int4" (symmetric), "int4_zeros" (int4 with zero points),
@@ -24,7 +24,25 @@ from . import tuned_cache
 ROWS_BUCKETS = (1, 16)
 FORMATS = ("int4", "int4_zeros", "nf4", "fp8")
 
-MEASURED_PICKS: dict = {}
+MEASURED_PICKS: dict = {
+    # quant-linear --sweep --rows 1 8 --kinds int4 fp8 at c9c55da (torch 2.11, triton 3.6; benchmarks/results/
+    # h100_quant_sweep.json): Llama-3-8B's launches, int4 symmetric and fp8 in groups / blocks of 128. Comments:
+    # default -> pick, per call from CUDA graphs. Without an entry (the default within 2%): int4 down at one row and
+    # every fp8 launch at one row.
+    "NVIDIA H100 80GB HBM3": {
+        (4096, 6144, 1, "int4", 128, False): (0, 64, 512, 0, 0, 0, -1, 1, -1),  # qkv: 9.2 -> 8.9 us
+        (4096, 4096, 1, "int4", 128, False): (0, 64, 256, 0, 0, 0, -1, 1, -1),  # o: 7.3 -> 7.1 us
+        (4096, 14336, 1, "int4", 128, True): (0, 32, 256, 0, 0, 2, -1, 1, -1),  # gate/up + GLU: 34.4 -> 28.5 us
+        (4096, 6144, 16, "int4", 128, False): (0, 64, 128, 0, 0, 0, -1, 1, -1),  # qkv, 8 rows: 19.7 -> 15.9 us
+        (4096, 4096, 16, "int4", 128, False): (0, 64, 128, 4, 0, 0, -1, -1, -1),  # o: 14.9 -> 12.2 us
+        (4096, 14336, 16, "int4", 128, True): (0, 64, 128, 0, 0, 0, -1, 1, -1),  # gate/up + GLU: 59.7 -> 52.4 us
+        (14336, 4096, 16, "int4", 128, False): (0, 64, 128, 4, 0, 0, -1, -1, -1),  # down: 31.0 -> 29.0 us
+        (4096, 6144, 16, "fp8", 128, False): (0, 64, 64, 4, 0, 0, -1, -1, -1),  # qkv, 8 rows: 20.0 -> 16.1 us
+        (4096, 4096, 16, "fp8", 128, False): (0, 64, 64, 8, 0, 0, -1, -1, -1),  # o: 18.3 -> 12.5 us
+        (4096, 14336, 16, "fp8", 128, True): (0, 32, 128, 4, 0, 0, -1, -1, -1),  # gate/up + GLU: 65.9 -> 60.2 us
+        (14336, 4096, 16, "fp8", 128, False): (0, 64, 64, 0, 0, 0, -1, 1, -1),  # down: 45.2 -> 33.2 us
+    },
+}
 
 
 def rows_bucket(m: int) -> int | None:
