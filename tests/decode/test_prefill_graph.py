@@ -122,6 +122,25 @@ def test_new_weights_record_again_and_the_lru_keeps_the_limit(graphs):
     assert torch.equal(got, ref.generate(ids, max_new_tokens=2, do_sample=False))
 
 
+def test_the_fingerprint_sees_every_tensor_and_each_kind_of_move():
+    """The one-walk fingerprint holds the place of every parameter and buffer (as parameters() and buffers() list
+    them, shared ones once more), and changes with a parameter or buffer replaced, a module added, a dtype move."""
+    _, model = _pair()
+    layers = prefill_graph._decoder_layers(model)
+    first = prefill_graph._fingerprint(model, layers)
+    assert set(first[1]) == {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
+    assert first == prefill_graph._fingerprint(model, layers)
+    rotary = model.model.rotary_emb
+    moves = (lambda: setattr(model.model.norm, "weight", torch.nn.Parameter(model.model.norm.weight.detach() + 0)),
+             lambda: rotary.register_buffer("inv_freq", rotary.inv_freq.clone(), persistent=False),
+             lambda: model.model.layers[0].add_module("extra", torch.nn.Linear(2, 2)),
+             lambda: model.double())
+    for move in moves:
+        before = prefill_graph._fingerprint(model, layers)
+        move()
+        assert prefill_graph._fingerprint(model, layers) != before
+
+
 def test_when_no_recording_is_made(graphs):
     ref, patched = _pair()
     ids = _ids(1, 5)
