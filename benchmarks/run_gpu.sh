@@ -5,7 +5,7 @@
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops decode-norm e2e e2e-compile
 #                                             lce losses attention sft lora lora-autocast qlora moe long-context
 #                                             long-context-curves qk-norm-rope decode-int4 decode-fp8 decode-70b
-#                                             quant-sweep
+#                                             quant-sweep decode-70b-tuned
 #
 #   tests       the README's test command, natively: python -m pytest tests -v -n TEST_WORKERS (12) under TESTS_CAP_S
 #               (540 s), on a machine of several GPUs one such process a GPU over a share of the test files;
@@ -22,6 +22,9 @@
 #               DECODE_QUANT_PROMPTS (default 512) (<gpu>_decode-int4.md, .json); torchao from .whl/
 #   decode-70b  decode --model llama3-70b --weights int4: the 70B shape (random init, built layer by layer and
 #               quantized at once) at batch 1, prompt 512, into a 32K ring, with its read bound (<gpu>_decode_70b.md)
+#   decode-70b-tuned  tigon tune --quant-linear --model llama3-70b into a cache of this run (the 70B shapes' picks),
+#               then decode-70b reading it (TIGON_CACHE_DIR): the tuned step beside the untuned one of decode-70b
+#               (<gpu>_tune_70b.txt, <gpu>_decode_70b_tuned.md)
 #   quant-sweep quant-linear --sweep --rows 1 8 --kinds QUANT_SWEEP_KINDS (int4 fp8): each decode shape's best launch
 #               of the grid and the default's time, from CUDA graphs, row by row (<gpu>_quant_sweep.txt, .json)
 #   decode-ops  decode-ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
@@ -194,6 +197,16 @@ for s in "$@"; do
             step decode-70b 300 "${bench[@]}" decode --model llama3-70b --weights int4 --out "$T/decode_70b" \
                 --variants tigon --batches 1 --prompts 512 --budget "$(( bq > 1 ? bq : 1 ))" >>"$LOG" 2>&1
             keep "$T/decode_70b/decode.md" "${GPU}_decode_70b.md"; keep "$T/decode_70b/decode.json" "${GPU}_decode_70b.json" ;;
+        decode-70b-tuned)  # the 70B shapes' quant_linear picks measured here, then the 70B step that reads them
+            mkdir -p "$T/tune_70b"
+            step tune-70b 240 python3 -m tigon.cli tune --quant-linear --model llama3-70b \
+                --cache "$T/tune_70b/tuned.json" >"$T/tune_70b.txt" 2>&1
+            keep "$T/tune_70b.txt" "${GPU}_tune_70b.txt"
+            bq=$(( BUDGET - SECONDS - 20 )); (( bq > 280 )) && bq=280
+            step decode-70b-tuned 300 env TIGON_CACHE_DIR="$T/tune_70b" "${bench[@]}" decode --model llama3-70b \
+                --weights int4 --out "$T/decode_70b_tuned" --variants tigon --batches 1 --prompts 512 \
+                --budget "$(( bq > 1 ? bq : 1 ))" >>"$LOG" 2>&1
+            keep "$T/decode_70b_tuned/decode.md" "${GPU}_decode_70b_tuned.md" ;;
         quant-sweep)  # quant_linear's launch grid at the decode rows, timed from CUDA graphs: the picks for _plan
             step quant-sweep 300 "${bench[@]}" quant-linear --sweep --rows 1 8 --kinds ${QUANT_SWEEP_KINDS:-int4 fp8} \
                 --out "$T/quant_sweep.json" >"$T/quant_sweep.txt" 2>&1

@@ -44,13 +44,15 @@ KINDS = ("causal", "packed", "sliding", "packed+sliding", "causal+softcap", "pac
 MODELS = {  # Llama shapes: hidden, query heads, KV heads, head dim, MLP width
     "llama3-8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336),
     "1.5b": dict(hidden=2048, heads=32, kv_heads=8, head_dim=64, inter=8192),
+    "llama3-70b": dict(hidden=8192, heads=64, kv_heads=8, head_dim=128, inter=28672),
 }
 QUANT_FORMATS = (("int4", 128), ("fp8", 128))  # (quant_linear_picks format, group size) tuned by default
 QUANT_ROWS = (1, 8)  # the GEMV's one row and the tensor-core kernel's bucket (2 to 16 rows)
 QUANT_GRID = {  # QuantLinearConfig fields around the rule's launch, per kernel (a small bench_quant_linear --sweep)
     "gemv": [dict(block_n=bn, block_k=bk, prefetch=pf) for bn in (32, 64, 128) for bk in (256, 512) for pf in (0, 1)]
     + [dict(block_n=64, block_k=256, split_k=sk) for sk in (1, 2, 4, 8, 16)]
-    + [dict(block_n=64, block_k=256, num_warps=w) for w in (2, 8)],
+    + [dict(block_n=64, block_k=256, num_warps=w) for w in (2, 8)]
+    + [dict(block_n=bn, block_k=256, split_k=sk, prefetch=1) for bn in (32, 64) for sk in (2, 4)],
     "decode": [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
     + [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)] + [dict(gemv_max_rows=16)],
 }
