@@ -54,7 +54,8 @@ QUANT_GRID = {  # QuantLinearConfig fields around the rule's launch, per kernel 
     + [dict(block_n=64, block_k=256, num_warps=w) for w in (2, 8)]
     + [dict(block_n=bn, block_k=256, split_k=sk, prefetch=1) for bn in (32, 64) for sk in (2, 4)],
     "decode": [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
-    + [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)] + [dict(gemv_max_rows=16)],
+    + [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)] + [dict(gemv_max_rows=16)]
+    + [dict(block_n=bn, block_k=bk, prefetch=pf, swap=1) for bn in (64, 128) for bk in (64, 128) for pf in (0, 1)],
 }
 QUANT_GRAPH_BYTES = 200 << 20  # weight bytes a timed graph cycles through: 4x a 50 MiB L2 (2 to 32 copies)
 NEEDS_GPU = ("tigon tune needs a CUDA GPU: it times kernels on the card it tunes for, and this machine has none "

@@ -9,7 +9,8 @@ scales serves a tile.
   GPU, the splits summed in a fixed order by the last program of a tile to arrive.
 - `_quant_mm_kernel`, the rest (a few decode rows on tensor cores with M padded to 16, and the prefill GEMM): each
   tile is dequantized in fp32, rounded to x's dtype and fed to `tl.dot` (fp32 accumulation); fp8 tiles with one
-  scale a row are exact in x's dtype and scaled after the dot.
+  scale a row are exact in x's dtype and scaled after the dot. `QuantLinearConfig(swap=1)`: the transposed
+  product (W's tile the A operand: sm_90's warpgroup MMA at 16 rows), symmetric int4 made in 16-bit pairs (`_pairs`).
 - `_dequant_kernel`, the prefill path (M >= `dequant_min_rows`, default 256 on a GPU, 16-bit x): W dequantized once
   into a transient [N, K] buffer of x's dtype by the mm kernel's own tile code, then one cuBLAS GEMM and the
   epilogue in torch; at prefill rows the GEMM's FLOPs, not the weight's bytes, set the time.
@@ -240,31 +241,108 @@ def _quant_gemv_kernel(
 
 
 @triton.jit
-def _dot(x, w, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _dot(x, w, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] @ w^T, or with SWAP its transpose w @ x^T [BLOCK_N, BLOCK_M]: the weight tile as the
+    A operand, which lets sm_90 run the warpgroup MMA (64 rows of A) where BLOCK_M is 16."""
     if UPCAST:  # the interpreter computes raw 16-bit products wrongly: fp32 numpy matmul instead
-        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    return tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        if SWAP:
+            d = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            d = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    elif SWAP:
+        d = tl.dot(w, tl.trans(x), input_precision=PRECISION)
+    else:
+        d = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    return d
+
+
+def _pairs_asm(magic: str, one: str, minus_z: str, ty: str) -> str:
+    """`_pairs`' PTX for one word $8 and the scale pair $9: codes i and i + 4 into outputs $i and $(i + 4)."""
+    asm = f"{{ .reg .b32 w, q, c1, cz, c0; mov.b32 c1, {one}; mov.b32 cz, {minus_z}; mov.b32 c0, 0; "
+    for i in range(4):
+        asm += "mov.b32 w, $8; " if i == 0 else f"shr.u32 w, $8, {4 * i}; "
+        asm += (f"lop3.b32 q, w, 0x000f000f, {magic}, 0xea; fma.rn.{ty} q, q, c1, cz; fma.rn.{ty} q, q, $9, c0; "
+                f"mov.b32 {{${i}, ${i + 4}}}, q; ")
+    return asm + "}"
+
+
+_PAIRS_BF16 = tl.constexpr(_pairs_asm("0x43004300", "0x3F803F80", "0xC308C308", "bf16x2"))  # 128 + q, 1, -136
+_PAIRS_F16 = tl.constexpr(_pairs_asm("0x64006400", "0x3C003C00", "0xE408E408", "f16x2"))  # 1024 + q, 1, -1032
+
+
+@triton.jit
+def _pair_order(x):
+    """x [rows, BLOCK_K] with its columns in `_pairs`' order: in each 8, column 4 a + 2 b + c takes x's 4 c + 2 b + a
+    (the bit reversal of its 3 bits: pairs i, i + 4 adjacent). Both dot operands permuted alike, the same sum: a
+    permutation of x's few rows in registers instead of a PRMT a pair of W's tile."""
+    return tl.reshape(tl.permute(tl.reshape(x, [x.shape[0], x.shape[1] // 8, 2, 2, 2]), (0, 1, 4, 3, 2)), x.shape)
+
+
+@triton.jit
+def _pairs(raw, s, dt: tl.constexpr, ASM: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr):
+    """The symmetric int4 tile [BLOCK_N, GPT * GW] in dt (bf16 or fp16, the scales' own dtype), its columns in
+    `_pair_order`, made in 16-bit pairs by inline PTX, 15 instructions a word of 8 codes: codes i and i + 4 by one
+    LOP3 into the two halves (bits 0x4300 | q: bf16 128 + q; 0x6400 | q: fp16 1024 + q), one paired FMA
+    subtracting 136 (1032), exact q - 8, one paired FMA by the scale pair and +0 (a product's one rounding; a zero
+    made +0, as `_scaled`'s). That is the exact (q - 8) s rounded once to dt, which `_scaled`'s fp32 FMA holds
+    exactly ((q - 8) s has at most 15 significant bits, fp32 24) and its rounding to dt gives: the same bits for
+    every code and finite scale (checked exhaustively), but bf16 scales above 1.4e37, where 24 s overflows fp32 in
+    `_scaled`. The paired FMAs are sm_80's (sub / mul of bf16x2 are sm_90's). Without ASM (the interpreter) the
+    same values from fp32 math, in the same order. s: the chunks' scales in fp32 (exact: loaded from dt)."""
+    if ASM:
+        sb = s.to(dt).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        s2 = tl.broadcast_to((sb | (sb << 16))[:, :, None], raw.shape)
+        if dt == tl.bfloat16:
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                _PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [raw, s2], dtype=(tl.bfloat16,) * 8, is_pure=True,
+                pack=1)
+        else:
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                _PAIRS_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [raw, s2], dtype=(tl.float16,) * 8, is_pure=True,
+                pack=1)
+    else:
+        sw = s[:, :, None]
+        c0 = (((raw & 15) - 8).to(tl.float32) * sw).to(dt)
+        c1 = ((((raw >> 4) & 15) - 8).to(tl.float32) * sw).to(dt)
+        c2 = ((((raw >> 8) & 15) - 8).to(tl.float32) * sw).to(dt)
+        c3 = ((((raw >> 12) & 15) - 8).to(tl.float32) * sw).to(dt)
+        c4 = ((((raw >> 16) & 15) - 8).to(tl.float32) * sw).to(dt)
+        c5 = ((((raw >> 20) & 15) - 8).to(tl.float32) * sw).to(dt)
+        c6 = ((((raw >> 24) & 15) - 8).to(tl.float32) * sw).to(dt)
+        c7 = ((((raw >> 28) & 15) - 8).to(tl.float32) * sw).to(dt)
+    # position 4 a + 2 b + c of word j (the last join picks c) holds code 4 c + 2 b + a of the word (code i: bits
+    # 4 i..4 i + 3, column 8 j + i), as `_pair_order` places x's columns
+    v = tl.join(tl.join(tl.join(c0, c1), tl.join(c2, c3)), tl.join(tl.join(c4, c5), tl.join(c6, c7)))
+    return tl.reshape(v, [raw.shape[0], GPT * GW])
 
 
 @triton.jit
 def _mm_tile(x, D, T, S, Z, o_n, m_n, k0, k_end, G: tl.constexpr, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
              KIND: tl.constexpr, WORDS: tl.constexpr, FP8_BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
              PER_CHANNEL: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-             ASM: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr, s_given, z_given, GIVEN: tl.constexpr):
-    """x [BLOCK_M, BLOCK_K] @ (this weight tile)^T in fp32, the tile dequantized in fp32 and rounded to x's dtype.
-    GIVEN: the tile's scales and zero points are s_given, z_given (loaded a step ahead), not loaded here."""
+             ASM: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr, s_given, z_given, GIVEN: tl.constexpr,
+             SWAP: tl.constexpr, PAIRS: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] @ (this weight tile)^T in fp32, the tile dequantized in fp32 and rounded to x's dtype
+    ([BLOCK_N, BLOCK_M], the transpose, with SWAP). GIVEN: the tile's scales and zero points are s_given, z_given
+    (loaded a step ahead), not loaded here. PAIRS: the symmetric int4 tile made in 16-bit pairs (`_pairs`: the same
+    values)."""
     raw, s, z = _load_tile(D, S, Z, o_n, m_n, k0, k_end, G, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
                            KIND, WORDS, HAS_ZEROS, not PER_CHANNEL and not GIVEN, EVEN_K, GPT, GW)
     if GIVEN:
         s, z = s_given, z_given
-    v = _values(raw, T, KIND, WORDS, FP8_BITS, ASM, GPT, GW)
-    if KIND == 2 and (PER_CHANNEL or GPT == 1):  # fp8 values are exact in x's dtype: scale after the dot
-        d = _dot(x, tl.reshape(v, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION)
+    if PAIRS:  # x's columns already in the pairs' order (`_pair_order`)
+        d = _dot(x, _pairs(raw, s, x.dtype, ASM, GPT, GW), UPCAST, PRECISION, SWAP)
+    elif KIND == 2 and (PER_CHANNEL or GPT == 1):  # fp8 values are exact in x's dtype: scale after the dot
+        v = _values(raw, T, KIND, WORDS, FP8_BITS, ASM, GPT, GW)
+        d = _dot(x, tl.reshape(v, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION, SWAP)
         if not PER_CHANNEL:
-            d = d * tl.reshape(s, [o_n.shape[0]])[None, :]
+            if SWAP:
+                d = d * tl.reshape(s, [o_n.shape[0]])[:, None]
+            else:
+                d = d * tl.reshape(s, [o_n.shape[0]])[None, :]
     else:
-        w = _scaled(v, s, z, KIND)
-        d = _dot(x, tl.reshape(w, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION)
+        w = _scaled(_values(raw, T, KIND, WORDS, FP8_BITS, ASM, GPT, GW), s, z, KIND)
+        d = _dot(x, tl.reshape(w, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION, SWAP)
     return d
 
 
@@ -315,6 +393,7 @@ def _quant_mm_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GPT: tl.constexpr, GW: tl.constexpr, GROUP_M: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
     SCALES_AHEAD: tl.constexpr,  # the next step's scales loaded before this step's math (not per channel)
+    SWAP: tl.constexpr,  # the transposed product: W's tile the dot's A operand (`_dot`), acc [BLOCK_N, BLOCK_M]
 ):
     # GROUP_M row blocks share a band of column blocks, so their weight tiles are read from L2 after the first
     tile = tl.program_id(0)
@@ -332,8 +411,16 @@ def _quant_mm_kernel(
     p_x = X + o_m.to(tl.int64)[:, None] * stride_xm
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # with SWAP, symmetric int4 words with scales of x's 16-bit dtype are made in 16-bit pairs (`_pairs`)
+    xt: tl.constexpr = X.dtype.element_ty
+    PAIRS: tl.constexpr = (SWAP and KIND == 0 and WORDS and not HAS_ZEROS and S.dtype.element_ty == xt
+                           and (xt == tl.bfloat16 or xt == tl.float16))
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PDL:
         _pdl.wait(PDL)
     # bf16 scales are 2 B a thread, under cp.async's 4 B: the pipeliner leaves them as loads waited every step
@@ -353,6 +440,8 @@ def _quant_mm_kernel(
         if HAS_PERM:
             kk = tl.load(P + kk, mask=m_k, other=0)
         x = tl.load(p_x + kk[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        if PAIRS:
+            x = _pair_order(x)
         s1, z1, s1_u, z1_u = s, z, s_u, z_u
         if SCALES_AHEAD:  # the next step's (0 past k_hi)
             s1, z1 = _load_scales(S, Z, o_n, m_n, k0 + GPT * GW, k_hi, G, stride_sn, stride_sg, stride_zn,
@@ -362,14 +451,16 @@ def _quant_mm_kernel(
                                           stride_zn, stride_zg, KIND, HAS_ZEROS, GPT, GW)
         acc += _mm_tile(x, D, T, S, Z, o_n, m_n, k0, k_hi, G, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
                         KIND, WORDS, FP8_BITS, HAS_ZEROS, PER_CHANNEL, EVEN_K, UPCAST, PRECISION, ASM, GPT,
-                        GW, s, z, SCALES_AHEAD)
+                        GW, s, z, SCALES_AHEAD, SWAP, PAIRS)
         if ACT != 0:
             acc_u += _mm_tile(x, D, T, S, Z, o_n + N_OUT, m_n, k0, k_hi, G, stride_dn, stride_sn, stride_sg, stride_zn,
                               stride_zg, KIND, WORDS, FP8_BITS, HAS_ZEROS, PER_CHANNEL, EVEN_K, UPCAST, PRECISION,
-                              ASM, GPT, GW, s_u, z_u, SCALES_AHEAD)
+                              ASM, GPT, GW, s_u, z_u, SCALES_AHEAD, SWAP, PAIRS)
         s, z, s_u, z_u = s1, z1, s1_u, z1_u
     if PDL:
         _pdl.start(PDL)
+    if SWAP:
+        acc, acc_u = tl.trans(acc), tl.trans(acc_u)
     _finish(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n, m_n, M, N, N_OUT, stride_sn,
             stride_rm, stride_ym, HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL, SPLIT_K)
 
@@ -456,6 +547,7 @@ class _Plan:
     split: int
     prefetch: bool
     dequant: bool = False  # the prefill path: `_dequant_kernel` tiles of block_n x gpt * gw, then cuBLAS
+    swap: bool = False  # the tensor-core kernel's transposed product (QuantLinearConfig.swap)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -520,7 +612,7 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
     split = split or 1
     k_split = _launch.cdiv(_launch.cdiv(K, split), block_k) * block_k
     return _Plan(gemv, block_m, block_n, gw, block_k // gw, cfg.num_warps or warps, cfg.num_stages or stages,
-                 k_split, _launch.cdiv(K, k_split), cfg.prefetch == 1)
+                 k_split, _launch.cdiv(K, k_split), cfg.prefetch == 1, swap=cfg.swap == 1 and not gemv)
 
 
 @functools.lru_cache(maxsize=64)
@@ -640,6 +732,7 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
         _quant_mm_kernel[(tiles, plan.split)](
             *args, UPCAST=x.device.type == "cpu", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8, SCALES_AHEAD=plan.prefetch and not per_channel,
+            SWAP=plan.swap,
             **flags)
     return y
 
