@@ -52,7 +52,8 @@ QUANT_GRID = {  # QuantLinearConfig fields around the rule's launch, per kernel 
     "gemv": [dict(block_n=bn, block_k=bk, prefetch=pf) for bn in (32, 64, 128) for bk in (256, 512) for pf in (0, 1)]
     + [dict(block_n=64, block_k=256, split_k=sk) for sk in (1, 2, 4, 8, 16)]
     + [dict(block_n=64, block_k=256, num_warps=w) for w in (2, 8)]
-    + [dict(block_n=bn, block_k=256, split_k=sk, prefetch=1) for bn in (32, 64) for sk in (2, 4)],
+    + [dict(block_n=bn, block_k=256, split_k=sk, prefetch=1) for bn in (32, 64) for sk in (2, 4)]
+    + [dict(gemv_max_rows=0, block_n=bn, block_k=64, prefetch=1, swap=1) for bn in (64, 128)],
     "decode": [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
     + [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)] + [dict(gemv_max_rows=16)]
     + [dict(block_n=bn, block_k=bk, prefetch=pf, swap=1) for bn in (64, 128) for bk in (64, 128) for pf in (0, 1)],
