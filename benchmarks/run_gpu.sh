@@ -5,7 +5,7 @@
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops decode-norm e2e e2e-compile
 #                                             lce losses attention sft lora lora-autocast qlora moe long-context
 #                                             long-context-curves qk-norm-rope decode-int4 decode-fp8 decode-70b
-#                                             quant-sweep decode-70b-tuned
+#                                             quant-sweep decode-70b-tuned decode-int4-tuned
 #
 #   tests       the README's test command, natively: python -m pytest tests -v -n TEST_WORKERS (12) under TESTS_CAP_S
 #               (540 s), on a machine of several GPUs one such process a GPU over a share of the test files;
@@ -25,6 +25,9 @@
 #   decode-70b-tuned  tigon tune --quant-linear --model llama3-70b into a cache of this run (the 70B shapes' picks),
 #               then decode-70b reading it (TIGON_CACHE_DIR): the tuned step beside the untuned one of decode-70b
 #               (<gpu>_tune_70b.txt, <gpu>_decode_70b_tuned.md)
+#   decode-int4-tuned  decode --model llama3-8b --weights int4, tigon at batch 1 and 8, prompt 512: with the shipped
+#               picks, then with this card's own (tigon tune --quant-linear into a cache of this run, the swapped
+#               kernel in its grid): an A/B of the picks in one call (<gpu>_tune_8b.txt, <gpu>_decode_int4_ab.md)
 #   quant-sweep quant-linear --sweep --rows 1 8 --kinds QUANT_SWEEP_KINDS (int4 fp8): each decode shape's best launch
 #               of the grid and the default's time, from CUDA graphs, row by row (<gpu>_quant_sweep.txt, .json)
 #   decode-ops  decode-ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
@@ -207,6 +210,19 @@ for s in "$@"; do
                 --weights int4 --out "$T/decode_70b_tuned" --variants tigon --batches 1 --prompts 512 \
                 --budget "$(( bq > 1 ? bq : 1 ))" >>"$LOG" 2>&1
             keep "$T/decode_70b_tuned/decode.md" "${GPU}_decode_70b_tuned.md" ;;
+        decode-int4-tuned)  # the 8B int4 step on the shipped picks, then on picks tuned here, in one call
+            mkdir -p "$T/tune_8b" "$T/no_cache"
+            step decode-int4-shipped 160 env TIGON_CACHE_DIR="$T/no_cache" "${bench[@]}" decode --model llama3-8b \
+                --weights int4 --out "$T/decode_int4_shipped" --variants tigon --batches 1,8 --prompts 512 \
+                --budget 140 >>"$LOG" 2>&1
+            step tune-8b 240 python3 -m tigon.cli tune --quant-linear --model llama3-8b \
+                --cache "$T/tune_8b/tuned.json" >"$T/tune_8b.txt" 2>&1
+            keep "$T/tune_8b.txt" "${GPU}_tune_8b.txt"
+            step decode-int4-tuned 160 env TIGON_CACHE_DIR="$T/tune_8b" "${bench[@]}" decode --model llama3-8b \
+                --weights int4 --out "$T/decode_int4_tuned" --variants tigon --batches 1,8 --prompts 512 \
+                --budget 140 >>"$LOG" 2>&1
+            cat "$T/decode_int4_shipped/decode.md" "$T/decode_int4_tuned/decode.md" >"$T/decode_int4_ab.md" 2>/dev/null
+            keep "$T/decode_int4_ab.md" "${GPU}_decode_int4_ab.md" ;;
         quant-sweep)  # quant_linear's launch grid at the decode rows, timed from CUDA graphs: the picks for _plan
             step quant-sweep 300 "${bench[@]}" quant-linear --sweep --rows 1 8 --kinds ${QUANT_SWEEP_KINDS:-int4 fp8} \
                 --out "$T/quant_sweep.json" >"$T/quant_sweep.txt" 2>&1
