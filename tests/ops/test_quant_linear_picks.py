@@ -159,6 +159,12 @@ def test_tune_dry_run_lists_the_quant_linear_launches(capsys, cache_dir):
     assert "int4-g128  down         rows 8  K 14336  N 4096" in out
     assert len([ln for ln in out.splitlines() if " rows " in ln]) == 16
     assert cli.main(["tune", "--dry-run"]) == 0 and "quant_linear" not in capsys.readouterr().out  # opt-in
+    assert cli.main(["tune", "--dry-run", "--quant-linear", "--quant-formats", "int4", "--model", "llama3-70b"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if " rows " in ln]
+    assert len(rows) == 8 and all("int4-g128" in ln for ln in rows) and "rows 1  K 8192   N 10240" in rows[0]
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--quant-linear", "--quant-formats", "int9"])
+    assert "expected comma-separated formats of int4, fp8, got 'int9'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU message")
@@ -176,7 +182,7 @@ def test_tune_writes_the_quant_linear_winners(monkeypatch, capsys, cache_dir):
     rule, fast = QuantLinearConfig(), QuantLinearConfig(block_n=128, split_k=4)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: FAKE_GPU)
-    monkeypatch.setattr(tune, "measure_quant", lambda model, device, gpu: [
+    monkeypatch.setattr(tune, "measure_quant", lambda model, device, gpu, formats=None: [
         (o1, {rule: 0.010, fast: 0.008}, rule, None), (gate8, {rule: 0.020, fast: 0.0199}, rule, None),
         (o1, {rule: math.inf}, rule, None)])
     assert cli.main(["tune", "--quant-linear", "--model", "1.5b"]) == 0

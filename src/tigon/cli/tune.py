@@ -84,11 +84,23 @@ def model_shapes(text: str) -> dict:
     return shapes
 
 
+def quant_formats(text: str) -> tuple:
+    """--quant-formats: comma-separated names of QUANT_FORMATS, as (format, group size) pairs in that order."""
+    names = [t.strip() for t in text.split(",")]
+    known = dict(QUANT_FORMATS)
+    if not text.strip() or any(n not in known for n in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated formats of {', '.join(known)}, got {text!r}")
+    return tuple((f, g) for f, g in QUANT_FORMATS if f in names)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", action="store_true", help="tune the training-attention ranking per mask kind")
     p.add_argument("--decode-linear", action="store_true", help="tune decode_linear's launches at --model's shapes")
     p.add_argument("--quant-linear", action="store_true",
                    help="tune quant_linear's decode launches at --model's shapes (int4 g128, fp8 block 128)")
+    p.add_argument("--quant-formats", type=quant_formats, default=None,
+                   help=f"with --quant-linear, the formats to tune: {', '.join(f for f, _ in QUANT_FORMATS)} "
+                        "(default all)")
     p.add_argument("--model", type=model_shapes, default="llama3-8b",
                    help=f"{', '.join(MODELS)} or the path of a config.json (default llama3-8b)")
     p.add_argument("--kinds", type=name_list, default=None, help=f"mask kinds to time (default all: {','.join(KINDS)})")
@@ -394,7 +406,7 @@ def _quant_weight(p: QuantLaunch, device, gen):
                            torch.bfloat16)
 
 
-def measure_quant(model: dict, device, gpu: str) -> list:
+def measure_quant(model: dict, device, gpu: str, formats=None) -> list:
     """[(QuantLaunch, {config: ms}, rule, shipped pick or None)] at the model's shapes: ms per call replayed from a
     CUDA graph that calls it once on each of enough weight copies to pass QUANT_GRAPH_BYTES."""
     import torch
@@ -404,7 +416,7 @@ def measure_quant(model: dict, device, gpu: str) -> list:
     from tigon.ops import QuantLinearConfig, quant_linear_picks
 
     rows, gen = [], torch.Generator(device=device).manual_seed(0)
-    for p in quant_launches(model):
+    for p in quant_launches(model, formats):
         rule = QuantLinearConfig()  # passed as a config: the rule's launch, never a pick
         shipped = quant_linear_picks.lookup(gpu, p.K, p.n_out, p.rows, p.fmt, p.group, p.glu,
                                             quant_linear_picks.MEASURED_PICKS)
@@ -462,7 +474,7 @@ def dry_run(args, kinds, gpu) -> int:
         print(f"quant_linear at {args.model['name']}'s shapes, bf16 x, CUDA-graph timing over weight copies: the "
               "default launch (the rule) against a grid (1 row: the GEMV's; 8 rows: the tensor-core kernel's); "
               "per launch:")
-        for p in quant_launches(args.model):
+        for p in quant_launches(args.model, args.quant_formats):
             print(f"  {p.fmt + '-g' + str(p.group):<10} {p.name:<12} rows {p.rows}  K {p.K:<6} N {p.n_out:<6} "
                   f"{len(quant_grid(p.rows)) + 1} launches")
     return 0
@@ -514,7 +526,7 @@ def cmd_tune(args) -> int:
     if args.quant_linear:
         from tigon.ops.quant_linear_picks import rows_bucket
 
-        quant = _winners(measure_quant(args.model, device, gpu), "launch | format | rows | K | N",
+        quant = _winners(measure_quant(args.model, device, gpu, args.quant_formats), "launch | format | rows | K | N",
                          lambda p: p.key(rows_bucket(p.rows)),
                          lambda p, rule: f"{p.name} | {p.fmt}-g{p.group} | {p.rows} | {p.K} | {p.n_out}", "default")
     path = tuned_cache.write(gpu, attention=attention, decode_linear=decode, quant_linear=quant, path=args.cache,
