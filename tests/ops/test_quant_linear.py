@@ -236,6 +236,16 @@ def test_swap_same_tile_bits(device, dtype, M):
             _check("swap", got, x, qw, activation=act, config=QuantLinearConfig(swap=1))
 
 
+@pytest.mark.parametrize("case", ["int4-g32", "int4-perm-g128", "nf4-g32", "fp8-block128"])
+def test_swap_in_fp32(device, case):
+    """fp32 x on the swapped product: the fp32 tile (no 16-bit pairs), the IEEE dot, within the error model."""
+    qw = _on(_weight(*CASES[case], FP32), device)
+    for M in (2, 9):
+        x = _x(M, qw.shape[1], dtype=FP32).to(device)
+        cfg = QuantLinearConfig(swap=1)
+        _check(case, quant_linear(x, qw, activation="silu", config=cfg), x, qw, activation="silu", config=cfg)
+
+
 def test_split_k_is_deterministic(device):
     qw = _on(_weight("int4", 32, True, False, 20, 256, BF16), device)
     x = _x(1, 256, dtype=BF16).to(device)
