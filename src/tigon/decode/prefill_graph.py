@@ -45,7 +45,8 @@ class _Recording:
 def _fingerprint(model, layers):
     """What a recording's validity rests on: the attention implementation, where every parameter and buffer lies
     and the recorded layers' fused steps. Checked every call, so one walk of the module tree that builds no names
-    (`parameters()` and `buffers()` walk it twice with their names: ~1 ms at Llama-3-8B, a tenth of the prefill)."""
+    (`parameters()` and `buffers()` walk it twice with their names: 0.8-0.9 ms of host time at Llama-3-8B's tree,
+    against a replayed prefill's ~12 ms; this walk 0.2)."""
     pointers = []
     _pointers(model, pointers)
     return (getattr(model.config, "_attn_implementation", None), tuple(pointers),
