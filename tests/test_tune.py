@@ -2,6 +2,7 @@
 shipped tables, a bad file ignored with one warning, never read while dynamo traces), `tigon env` naming each
 choice's source, and `tigon tune` itself on a CPU (exit 2, --dry-run) with its selection logic on fake timings."""
 
+import dataclasses
 import importlib
 import json
 import math
@@ -246,3 +247,20 @@ def test_tune_writes_the_winners_and_prints_a_table(monkeypatch, capsys, cache_d
     assert rows.attention == {"packed": ("flex", "varlen"), "sliding": ()}
     assert rows.decode_linear == {(2048, 3072, 1, "norm"): tuple(fast.ints())}
     assert f"to {cache_dir / 'tuned.json'}" in out
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("rows,cfg", [(1, dict(block_n=32, block_k=256, split_k=2, prefetch=1)),
+                                      (3, dict(block_n=64, block_k=64, swap=1))])
+def test_a_launch_is_timed_only_where_it_computes_the_rules_product(fmt, rows, cfg):
+    from tigon import ops
+    from tigon.ops import QuantLinearConfig
+
+    p = tune.QuantLaunch("o", rows, 256, 96, False, fmt, 128)
+    w = tune._quant_weight(p, "cpu", torch.Generator().manual_seed(0))
+    x = torch.randn(rows, p.K, dtype=torch.bfloat16)
+    expected = ops.quant_linear(x, w, config=QuantLinearConfig()).float()
+    assert tune.same_product(ops.quant_linear(x, w, config=QuantLinearConfig(**cfg)), expected)
+    wrong = dataclasses.replace(w, scales=w.scales.flip(-1))  # a launch reading the wrong groups' scales
+    assert not tune.same_product(ops.quant_linear(x, wrong, config=QuantLinearConfig(**cfg)), expected)
+    assert not tune.same_product(torch.full_like(expected, math.nan), expected)

@@ -406,6 +406,16 @@ def _quant_weight(p: QuantLaunch, device, gen):
                            torch.bfloat16)
 
 
+def same_product(got, expected) -> bool:
+    """Whether two launches of one product agree to rounding: each output is rounded to bf16 once and the swapped
+    kernel rounds each weight to bf16 (2^-9 relative apiece), so their norm-relative difference stays near 2^-8; a
+    launch that reads the wrong layout or scales is off by O(1). The bound, 2^-5, sits between the two."""
+    import torch
+
+    got = got.float()
+    return bool(torch.isfinite(got).all()) and float((got - expected).norm()) <= 2.0**-5 * float(expected.norm())
+
+
 def measure_quant(model: dict, device, gpu: str, formats=None) -> list:
     """[(QuantLaunch, {config: ms}, rule, shipped pick or None)] at the model's shapes: ms per call replayed from a
     CUDA graph that calls it once on each of enough weight copies to pass QUANT_GRAPH_BYTES."""
@@ -426,13 +436,21 @@ def measure_quant(model: dict, device, gpu: str, formats=None) -> list:
         x = torch.randn(p.rows, p.K, device=device, dtype=torch.bfloat16)
         act = "silu" if p.glu else None
 
-        def time_of(cfg, x=x, ws=ws, act=act):
+        with torch.inference_mode():
+            expected = ops.quant_linear(x, first, activation=act, config=rule).float()
+
+        def time_of(cfg, x=x, ws=ws, act=act, expected=expected):
             def step():
                 for w in ws:
                     ops.quant_linear(x, w, activation=act, config=cfg)
             try:
                 with torch.inference_mode():
-                    step()  # compiles and allocates outside the capture
+                    got = ops.quant_linear(x, ws[0], activation=act, config=cfg)  # compiles outside the capture
+                    if not same_product(got, expected):
+                        print(f"  quant_linear {tuple(cfg.ints())}: a different product from the rule's launch; "
+                              "not timed", flush=True)
+                        return math.inf
+                    step()  # allocates outside the capture
                     return float(do_bench_cudagraph(step, rep=20, return_mode="median")) / len(ws)
             except Exception:  # noqa: BLE001  (a launch this card cannot compile: never the winner)
                 return math.inf
