@@ -201,6 +201,15 @@ def interpreted_kernels() -> list[str]:
 
 
 @pytest.fixture(autouse=True)
+def cuda_cache_returned():
+    """The suite's workers share one GPU: each hands its cached blocks back after every test, so a worker between
+    tests holds none of the memory a large test on another worker needs."""
+    yield
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
 def cuda_kernels_are_native(request):
     """On a CUDA device the GPU suite must test compiled kernels: fail a CUDA test if any Tigon kernel was built
     by Triton's interpreter."""

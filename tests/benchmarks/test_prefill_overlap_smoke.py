@@ -24,11 +24,12 @@ def test_quick_run_writes_the_table_and_json(tmp_path, capsys):
 def test_the_serial_layer_multiplies_the_dequantized_weights(kind):
     from tigon.ops.quant_linear import quant_linear_reference
 
-    device, gen = torch.device("cpu"), torch.Generator().manual_seed(3)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device).manual_seed(3)
     serial, overlapped, _ = bench.layer_fns(7, kind, bench.QUICK, device, gen)
     got, again = serial(), overlapped()
-    gen = torch.Generator().manual_seed(3)  # the same inputs and weights again, for the reference
-    xs = [torch.randn(7, K, generator=gen).to(torch.bfloat16) for _, _, K in bench.QUICK]
+    gen = torch.Generator(device).manual_seed(3)  # the same inputs and weights again, for the reference
+    xs = [torch.randn(7, K, generator=gen, device=device).to(torch.bfloat16) for _, _, K in bench.QUICK]
     qws = [bench.make_weight(kind, N, K, torch.bfloat16, device, gen) for _, N, K in bench.QUICK]
     for y, y2, x, qw in zip(got, again, xs, qws):
         assert torch.equal(y, y2)

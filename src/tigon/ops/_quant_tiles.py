@@ -165,8 +165,13 @@ _PAIRS_F16 = tl.constexpr(_pairs_asm("0x64006400", "0x3C003C00", "0xE408E408", "
 def _pair_order(x):
     """x [rows, BLOCK_K] with its columns in `_pairs`' order: in each 8, column 4 a + 2 b + c takes x's 4 c + 2 b + a
     (the bit reversal of its 3 bits: pairs i, i + 4 adjacent). Both dot operands permuted alike, the same sum: a
-    permutation of x's few rows in registers instead of a PRMT a pair of W's tile."""
-    return tl.reshape(tl.permute(tl.reshape(x, [x.shape[0], x.shape[1] // 8, 2, 2, 2]), (0, 1, 4, 3, 2)), x.shape)
+    permutation of x's few rows in registers instead of a PRMT a pair of W's tile. A gather, not a reshape of x to
+    [rows, BLOCK_K // 8, 2, 2, 2]: on sm_90 the dot's shared-memory operand would be hoisted onto that 5-D view,
+    whose 2-wide inner dimension no wgmma layout holds (Triton 3.6 fails to compile it where x comes through a
+    permutation's gather)."""
+    o = tl.arange(0, x.shape[1])
+    src = (o & -8) | ((o & 1) << 2) | (o & 2) | ((o >> 2) & 1)
+    return tl.gather(x, tl.broadcast_to(src[None, :], x.shape), axis=1)
 
 
 @triton.jit
