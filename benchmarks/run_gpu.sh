@@ -5,7 +5,7 @@
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops decode-norm e2e e2e-compile
 #                                             lce losses attention sft lora lora-autocast qlora moe long-context
 #                                             long-context-curves qk-norm-rope decode-int4 decode-fp8 decode-70b
-#                                             quant-sweep decode-70b-tuned decode-int4-tuned prefill-overlap
+#                                             quant-sweep decode-70b-tuned decode-int4-tuned
 #
 #   tests       the README's test command, natively: python -m pytest tests -v -n TEST_WORKERS (12) under TESTS_CAP_S
 #               (540 s), on a machine of several GPUs one such process a GPU over a share of the test files;
@@ -26,10 +26,8 @@
 #               then decode-70b reading it (TIGON_CACHE_DIR): the tuned step beside the untuned one of decode-70b
 #               (<gpu>_tune_70b.txt, <gpu>_decode_70b_tuned.md)
 #   decode-int4-tuned  decode --model llama3-8b --weights int4, tigon at batch 1 and 8, prompt 512: with the shipped
-#               picks, then with this card's own (tigon tune --quant-linear into a cache of this run, the swapped
-#               kernel in its grid): an A/B of the picks in one call (<gpu>_tune_8b.txt, <gpu>_decode_int4_ab.md)
-#   prefill-overlap  prefill-overlap: one 8B layer's quantized prefill projections (int4, fp8; 512 and 4096 rows)
-#               serial, with their dequantizations on a second stream, and as bf16 GEMMs (<gpu>_prefill_overlap.txt)
+#               picks, then with this card's own (tigon tune --quant-linear into a cache of this run): an A/B of
+#               the picks in one call (<gpu>_tune_8b.txt, <gpu>_decode_int4_ab.md)
 #   quant-sweep quant-linear --sweep --rows 1 8 --kinds QUANT_SWEEP_KINDS (int4 fp8): each decode shape's best launch
 #               of the grid and the default's time, from CUDA graphs, row by row (<gpu>_quant_sweep.txt, .json)
 #   decode-ops  decode-ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
@@ -225,10 +223,6 @@ for s in "$@"; do
                 --budget 140 >>"$LOG" 2>&1
             cat "$T/decode_int4_shipped/decode.md" "$T/decode_int4_tuned/decode.md" >"$T/decode_int4_ab.md" 2>/dev/null
             keep "$T/decode_int4_ab.md" "${GPU}_decode_int4_ab.md" ;;
-        prefill-overlap)  # how much of the quantized prefill's dequantization a second stream would hide
-            step prefill-overlap 120 "${bench[@]}" prefill-overlap --json "$T/prefill_overlap.json" \
-                >"$T/prefill_overlap.txt" 2>&1
-            keep "$T/prefill_overlap.txt" "${GPU}_prefill_overlap.txt" ;;
         quant-sweep)  # quant_linear's launch grid at the decode rows, timed from CUDA graphs: the picks for _plan
             step quant-sweep 300 "${bench[@]}" quant-linear --sweep --rows 1 8 --kinds ${QUANT_SWEEP_KINDS:-int4 fp8} \
                 --out "$T/quant_sweep.json" >"$T/quant_sweep.txt" 2>&1

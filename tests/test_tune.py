@@ -251,7 +251,7 @@ def test_tune_writes_the_winners_and_prints_a_table(monkeypatch, capsys, cache_d
 
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 @pytest.mark.parametrize("rows,cfg", [(1, dict(block_n=32, block_k=256, split_k=2, prefetch=1)),
-                                      (3, dict(block_n=64, block_k=64, swap=1))])
+                                      (3, dict(block_n=64, block_k=128, prefetch=1))])
 def test_a_launch_is_timed_only_where_it_computes_the_rules_product(fmt, rows, cfg):
     from tigon import ops
     from tigon.ops import QuantLinearConfig

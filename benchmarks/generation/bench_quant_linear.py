@@ -41,17 +41,10 @@ SWEEP_GEMV = [dict(block_n=bn, block_k=bk, prefetch=pf) for bn in (32, 64, 128) 
 SWEEP_GEMV += [dict(block_n=64, block_k=256, split_k=sk, num_warps=w) for sk in (1, 2, 4, 8, 16) for w in (2, 4, 8)]
 # fewer splits with the next tile's loads in flight: longer K loops whose loads overlap the math
 SWEEP_GEMV += [dict(block_n=bn, block_k=256, split_k=sk, prefetch=1) for bn in (32, 64) for sk in (2, 4)]
-# one row on the swapped tensor-core kernel instead of the GEMV: 3.6 instructions a weight element on sm_90 against
-# the GEMV's 4.7, 15 of its 16 MMA rows idle (docs/ops/quant_decode_rows_model.md, "Built")
-SWEEP_GEMV += [dict(gemv_max_rows=0, block_n=bn, block_k=bk, prefetch=1, swap=1) for bn in (64, 128)
-               for bk in (64, 128)]
 SWEEP_DECODE = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128)
                 for w in (4, 8)] + [dict(gemv_max_rows=16)]
 # the tensor-core kernel with the next step's scales loaded ahead (docs/ops/quant_decode_rows_model.md, change B)
 SWEEP_DECODE += [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)]
-# its transposed product: sm_90's warpgroup MMA and symmetric int4 in bf16 pairs (the same doc, changes C and D)
-SWEEP_DECODE += [dict(block_n=bn, block_k=bk, prefetch=pf, swap=1) for bn in (64, 128) for bk in (64, 128)
-                 for pf in (0, 1)]
 # (the tensor-core GEMM's tiles: dequant_min_rows=0 keeps prefill rows off the dequantize-then-cuBLAS path)
 SWEEP_PREFILL = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, dequant_min_rows=0)
                  for bm in (64, 128) for bn in (64, 128) for bk in (32, 64) for w in (4, 8) for st in (3, 4)]

@@ -280,12 +280,8 @@ def _cases(full: bool):
             ("int4", 128, "silu", 512, True, -1), ("nf4", 64, None, 1, True, -1), ("nf4", 64, "silu", 40, True, -1),
             ("nf4", 64, None, 300, True, -1), ("fp8", 128, "silu", 1, True, -1), ("fp8", 0, None, 8, True, -1),
             ("fp8", 128, None, 300, True, -1), ("fp8", 128, None, 1, False, -1), ("fp8", 0, "silu", 40, False, -1),
-            ("fp8", 0, None, 300, False, -1), ("int4", 128, "silu", 8, True, -2), ("int4", 64, None, 8, True, -2),
-            ("int4", 128, "silu", 8, True, -3), ("int4", 128, None, 8, True, -4), ("fp8", 128, None, 8, True, -3),
-            ("int4", 128, None, 8, True, -5)):
-        # dq -2: the default launch with prefetch=1 (the tensor-core kernel's scales loaded a step ahead); -3:
-        # swap=1 (the weight tile as the MMA's A operand, int4 made in 16-bit pairs); -4: swap=1 and prefetch=1;
-        # -5: swap=1 on an act-order weight (x gathered through perm)
+            ("fp8", 0, None, 300, False, -1), ("int4", 128, "silu", 8, True, -2), ("int4", 64, None, 8, True, -2)):
+        # dq -2: the default launch with prefetch=1 (the tensor-core kernel's scales loaded a step ahead)
         def quant(kind=kind, group=group, act=act, rows=rows, native=native, dq=dq):
             N, K = 512, 1024
             if kind == "fp8":
@@ -293,20 +289,18 @@ def _cases(full: bool):
                 data = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
             else:
                 shape, data = (N, K // group), torch.zeros(N, K // 2, dtype=torch.uint8)
-            perm = torch.randperm(K) if dq == -5 else None
-            qw = QuantizedWeight(kind, data, torch.ones(shape, dtype=bf16), None, group, (N, K), bf16, perm)
+            qw = QuantizedWeight(kind, data, torch.ones(shape, dtype=bf16), None, group, (N, K), bf16)
             plan, native_of, sms = ql._plan, ql._fp8_native, ql._launch.sm_count
             ql._plan = lambda *a: plan.__wrapped__(*a[:6], torch.device("cuda", 0), *a[7:])
             ql._fp8_native, ql._launch.sm_count = (lambda device: native), (lambda index: 132)
             try:
-                config = {-2: ql.QuantLinearConfig(prefetch=1), -3: ql.QuantLinearConfig(swap=1),
-                          -4: ql.QuantLinearConfig(swap=1, prefetch=1), -5: ql.QuantLinearConfig(swap=1)}.get(dq)
-                config = ql.QuantLinearConfig(dequant_min_rows=dq) if dq >= 0 else config
-                ops.quant_linear(rand(rows, K), qw, activation=act, config=config)
+                config = ql.QuantLinearConfig(dequant_min_rows=dq) if dq >= 0 else None
+                ops.quant_linear(rand(rows, K), qw, activation=act,
+                                 config=ql.QuantLinearConfig(prefetch=1) if dq == -2 else config)
             finally:
                 ql._plan, ql._fp8_native, ql._launch.sm_count = plan, native_of, sms
         add(f"quant_linear-{kind}-g{group}-{act}-m{rows}-{'native' if native else 'bytes'}{'-mm' if dq == 0 else ''}"
-            f"{ {-2: '-ahead', -3: '-swap', -4: '-swap-ahead', -5: '-swap-perm'}.get(dq, '') }",
+            f"{'-ahead' if dq == -2 else ''}",
             quant, lambda kernel, kw, cc, native=native, kind=kind: ql_gpu(
                 kernel, kw, cc, (89, 90) if kind == "fp8" and native else TARGETS))
     return cases

@@ -195,55 +195,15 @@ def test_non_contiguous_x_and_residual(device):
     (("nf4", 32, False, False, 24, 192), 9, QuantLinearConfig(block_n=32, block_k=64, prefetch=1)),
     (("fp8", 16, False, False, 48, 100), 3, QuantLinearConfig(block_n=32, block_k=16, split_k=3, prefetch=1)),
     (("fp8", 0, False, False, 20, 100), 2, QuantLinearConfig(block_n=16, block_k=32, prefetch=1)),
-    # the transposed product (swap): symmetric int4 in 16-bit pairs (words of 8-column chunks, ragged K, perm,
-    # scales ahead), int4 with zero points, nf4 and fp8 through the fp32 tile
-    (("int4", 32, False, False, 38, 192), 2, QuantLinearConfig(block_n=16, block_k=64, split_k=2, swap=1)),
-    (("int4", 40, False, False, 22, 200), 8, QuantLinearConfig(block_n=32, block_k=32, swap=1)),
-    (("int4", 64, False, True, 20, 256), 19, QuantLinearConfig(block_n=16, block_k=128, prefetch=1, swap=1)),
-    (("int4", 64, True, False, 38, 256), 8, QuantLinearConfig(block_n=32, block_k=64, split_k=2, swap=1)),
-    (("nf4", 32, False, False, 24, 192), 19, QuantLinearConfig(block_n=32, block_k=64, swap=1)),
-    (("fp8", 32, False, False, 40, 100), 8, QuantLinearConfig(block_n=16, block_k=64, split_k=2, swap=1)),
-    (("fp8", 0, False, False, 38, 100), 2, QuantLinearConfig(block_n=16, block_k=32, swap=1)),
 ], ids=["gemv-split3", "gemv-narrow-k", "gemv-2-rows", "dot-1-row", "split-prefill", "dot-split4", "prefetch-int4",
         "prefetch-nf4", "prefetch-fp8", "dot-scales-ahead-int4", "dot-scales-ahead-nf4", "dot-scales-ahead-fp8",
-        "dot-scales-ahead-fp8-channel", "swap-int4-2-rows", "swap-int4-ragged-k", "swap-int4-perm-ahead-19-rows",
-        "swap-int4-zeros", "swap-nf4-19-rows", "swap-fp8-block", "swap-fp8-channel"])
+        "dot-scales-ahead-fp8-channel"])
 def test_launch_configs(device, shape, M, config):
     qw = _on(_weight(*shape, FP16), device)
     x = _x(M, shape[-1], dtype=FP16).to(device)
     _check("glu", quant_linear(x, qw, activation="silu", config=config), x, qw, activation="silu", config=config)
     _check("plain", quant_linear(x, qw, config=config), x, qw, config=config)
     _assert_counters_clean(device)
-
-
-@pytest.mark.parametrize("dtype", [BF16, FP16])
-@pytest.mark.parametrize("M", [2, 8, 19])
-def test_swap_same_tile_bits(device, dtype, M):
-    # swap=1 makes symmetric int4 tiles in 16-bit pairs, columns in the pairs' order (x's alike), and sums them in
-    # another order: on data whose products and sums are all exact in fp32 every order gives the same bits, so the
-    # swapped launch equals the default one bit for bit only if each tile value and its column are the same
-    g = torch.Generator().manual_seed(M)
-    N, K, G = 38, 256, 64
-    codes = torch.randint(0, 16, (N, K), generator=g)
-    scales = (2.0 ** torch.randint(-6, -2, (N, K // G), generator=g).float()).to(dtype)
-    for perm in (None, torch.randperm(K, generator=g)):
-        qw = _on(QuantizedWeight("int4", pack_int4(codes), scales, None, G, (N, K), dtype, perm), device)
-        x = torch.randint(-4, 5, (M, K), generator=g).to(dtype).to(device)
-        for act in (None, "silu"):
-            want = quant_linear(x, qw, activation=act, config=QuantLinearConfig(block_k=64))
-            got = quant_linear(x, qw, activation=act, config=QuantLinearConfig(block_k=64, swap=1))
-            assert torch.equal(got, want), (perm is not None, act)
-            _check("swap", got, x, qw, activation=act, config=QuantLinearConfig(swap=1))
-
-
-@pytest.mark.parametrize("case", ["int4-g32", "int4-perm-g128", "nf4-g32", "fp8-block128"])
-def test_swap_in_fp32(device, case):
-    """fp32 x on the swapped product: the fp32 tile (no 16-bit pairs), the IEEE dot, within the error model."""
-    qw = _on(_weight(*CASES[case], FP32), device)
-    for M in (2, 9):
-        x = _x(M, qw.shape[1], dtype=FP32).to(device)
-        cfg = QuantLinearConfig(swap=1)
-        _check(case, quant_linear(x, qw, activation="silu", config=cfg), x, qw, activation="silu", config=cfg)
 
 
 def test_split_k_is_deterministic(device):
@@ -535,17 +495,16 @@ def test_bad_input(monkeypatch, path, over, exc, match):
 
 @pytest.mark.parametrize("field, value", [("block_n", 24), ("block_m", 8), ("block_k", 8), ("split_k", -1),
                                           ("num_warps", True), ("prefetch", 2), ("dequant_min_rows", -2),
-                                          ("dequant_min_rows", 1.0), ("swap", 2), ("swap", -2), ("swap", True)])
+                                          ("dequant_min_rows", 1.0)])
 def test_config_is_validated(field, value):
     with pytest.raises(ValueError, match=f"QuantLinearConfig: {field} must be"):
         QuantLinearConfig(**{field: value})
 
 
 def test_config_round_trips_through_the_ops_ints():
-    cfg = QuantLinearConfig(block_n=32, gemv_max_rows=4, prefetch=1, dequant_min_rows=128, swap=1)
-    assert QuantLinearConfig(*cfg.ints()) == cfg and cfg.ints()[8:] == [128, 1]
-    assert QuantLinearConfig().dequant_min_rows == -1 and QuantLinearConfig().swap == -1
-    assert QuantLinearConfig(*cfg.ints()[:9]) == dataclasses.replace(cfg, swap=-1)  # the 9 ints of older picks
+    cfg = QuantLinearConfig(block_n=32, gemv_max_rows=4, prefetch=1, dequant_min_rows=128)
+    assert QuantLinearConfig(*cfg.ints()) == cfg and cfg.ints()[-1] == 128
+    assert QuantLinearConfig().dequant_min_rows == -1
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -52,11 +52,9 @@ QUANT_GRID = {  # QuantLinearConfig fields around the rule's launch, per kernel 
     "gemv": [dict(block_n=bn, block_k=bk, prefetch=pf) for bn in (32, 64, 128) for bk in (256, 512) for pf in (0, 1)]
     + [dict(block_n=64, block_k=256, split_k=sk) for sk in (1, 2, 4, 8, 16)]
     + [dict(block_n=64, block_k=256, num_warps=w) for w in (2, 8)]
-    + [dict(block_n=bn, block_k=256, split_k=sk, prefetch=1) for bn in (32, 64) for sk in (2, 4)]
-    + [dict(gemv_max_rows=0, block_n=bn, block_k=64, prefetch=1, swap=1) for bn in (64, 128)],
+    + [dict(block_n=bn, block_k=256, split_k=sk, prefetch=1) for bn in (32, 64) for sk in (2, 4)],
     "decode": [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
-    + [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)] + [dict(gemv_max_rows=16)]
-    + [dict(block_n=bn, block_k=bk, prefetch=pf, swap=1) for bn in (64, 128) for bk in (64, 128) for pf in (0, 1)],
+    + [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)] + [dict(gemv_max_rows=16)],
 }
 QUANT_GRAPH_BYTES = 200 << 20  # weight bytes a timed graph cycles through: 4x a 50 MiB L2 (2 to 32 copies)
 NEEDS_GPU = ("tigon tune needs a CUDA GPU: it times kernels on the card it tunes for, and this machine has none "
@@ -407,9 +405,10 @@ def _quant_weight(p: QuantLaunch, device, gen):
 
 
 def same_product(got, expected) -> bool:
-    """Whether two launches of one product agree to rounding: each output is rounded to bf16 once and the swapped
-    kernel rounds each weight to bf16 (2^-9 relative apiece), so their norm-relative difference stays near 2^-8; a
-    launch that reads the wrong layout or scales is off by O(1). The bound, 2^-5, sits between the two."""
+    """Whether two launches of one product agree to rounding: each sums its fp32 products in its own order (split-K,
+    tile shapes), the tensor-core kernel rounds each weight to bf16 first, and each output is rounded to bf16 once
+    (2^-9 relative apiece), so their norm-relative difference stays near 2^-8; a launch that reads the wrong layout
+    or scales is off by O(1). The bound, 2^-5, sits between the two."""
     import torch
 
     got = got.float()

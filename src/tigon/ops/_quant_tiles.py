@@ -1,7 +1,7 @@
 """The tile code of `quant_linear`'s kernels (`ops/quant_linear.py`): loading a [BLOCK_N, GPT, GW] weight tile and
-its scales, turning its codes into values (int4 as 1 + q / 16 in fp32, or in 16-bit pairs for the swapped product;
-nf4 through its table; fp8 from its bytes where Triton has no e4m3), the GEMV's chunk sums, the tensor-core step
-(`_mm_tile`, `_dot`), and the split-K finish and epilogue both kernels share."""
+its scales, turning its codes into values (int4 as 1 + q / 16 in fp32; nf4 through its table; fp8 from its bytes
+where Triton has no e4m3), the GEMV's chunk sums, the tensor-core step (`_mm_tile`, `_dot`), and the split-K finish
+and epilogue both kernels share."""
 
 import triton
 import triton.language as tl
@@ -132,113 +132,31 @@ def _x_tile(p_x, P, o_x, k0, k_end, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
-def _dot(x, w, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
-    """x [BLOCK_M, BLOCK_K] @ w^T, or with SWAP its transpose w @ x^T [BLOCK_N, BLOCK_M]: the weight tile as the
-    A operand, which lets sm_90 run the warpgroup MMA (64 rows of A) where BLOCK_M is 16."""
+def _dot(x, w, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     if UPCAST:  # the interpreter computes raw 16-bit products wrongly: fp32 numpy matmul instead
-        if SWAP:
-            d = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-        else:
-            d = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    elif SWAP:
-        d = tl.dot(w, tl.trans(x), input_precision=PRECISION)
-    else:
-        d = tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    return d
-
-
-def _pairs_asm(magic: str, one: str, minus_z: str, ty: str) -> str:
-    """`_pairs`' PTX for one word $8 and the scale pair $9: codes i and i + 4 into outputs $i and $(i + 4)."""
-    asm = f"{{ .reg .b32 w, q, c1, cz, c0; mov.b32 c1, {one}; mov.b32 cz, {minus_z}; mov.b32 c0, 0; "
-    for i in range(4):
-        asm += "mov.b32 w, $8; " if i == 0 else f"shr.u32 w, $8, {4 * i}; "
-        asm += (f"lop3.b32 q, w, 0x000f000f, {magic}, 0xea; fma.rn.{ty} q, q, c1, cz; fma.rn.{ty} q, q, $9, c0; "
-                f"mov.b32 {{${i}, ${i + 4}}}, q; ")
-    return asm + "}"
-
-
-_PAIRS_BF16 = tl.constexpr(_pairs_asm("0x43004300", "0x3F803F80", "0xC308C308", "bf16x2"))  # 128 + q, 1, -136
-_PAIRS_F16 = tl.constexpr(_pairs_asm("0x64006400", "0x3C003C00", "0xE408E408", "f16x2"))  # 1024 + q, 1, -1032
-
-
-@triton.jit
-def _pair_order(x):
-    """x [rows, BLOCK_K] with its columns in `_pairs`' order: in each 8, column 4 a + 2 b + c takes x's 4 c + 2 b + a
-    (the bit reversal of its 3 bits: pairs i, i + 4 adjacent). Both dot operands permuted alike, the same sum: a
-    permutation of x's few rows in registers instead of a PRMT a pair of W's tile. A gather, not a reshape of x to
-    [rows, BLOCK_K // 8, 2, 2, 2]: on sm_90 the dot's shared-memory operand would be hoisted onto that 5-D view,
-    whose 2-wide inner dimension no wgmma layout holds (Triton 3.6 fails to compile it where x comes through a
-    permutation's gather)."""
-    o = tl.arange(0, x.shape[1])
-    src = (o & -8) | ((o & 1) << 2) | (o & 2) | ((o >> 2) & 1)
-    return tl.gather(x, tl.broadcast_to(src[None, :], x.shape), axis=1)
-
-
-@triton.jit
-def _pairs(raw, s, dt: tl.constexpr, ASM: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr):
-    """The symmetric int4 tile [BLOCK_N, GPT * GW] in dt (bf16 or fp16, the scales' own dtype), its columns in
-    `_pair_order`, made in 16-bit pairs by inline PTX, 15 instructions a word of 8 codes: codes i and i + 4 by one
-    LOP3 into the two halves (bits 0x4300 | q: bf16 128 + q; 0x6400 | q: fp16 1024 + q), one paired FMA
-    subtracting 136 (1032), exact q - 8, one paired FMA by the scale pair and +0 (a product's one rounding; a zero
-    made +0, as `_scaled`'s). That is the exact (q - 8) s rounded once to dt, which `_scaled`'s fp32 FMA holds
-    exactly ((q - 8) s has at most 15 significant bits, fp32 24) and its rounding to dt gives: the same bits for
-    every code and finite scale (checked exhaustively), but bf16 scales above 1.4e37, where 24 s overflows fp32 in
-    `_scaled`. The paired FMAs are sm_80's (sub / mul of bf16x2 are sm_90's). Without ASM (the interpreter) the
-    same values from fp32 math, in the same order. s: the chunks' scales in fp32 (exact: loaded from dt)."""
-    if ASM:
-        sb = s.to(dt).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        s2 = tl.broadcast_to((sb | (sb << 16))[:, :, None], raw.shape)
-        if dt == tl.bfloat16:
-            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-                _PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [raw, s2], dtype=(tl.bfloat16,) * 8, is_pure=True,
-                pack=1)
-        else:
-            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-                _PAIRS_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [raw, s2], dtype=(tl.float16,) * 8, is_pure=True,
-                pack=1)
-    else:
-        sw = s[:, :, None]
-        c0 = (((raw & 15) - 8).to(tl.float32) * sw).to(dt)
-        c1 = ((((raw >> 4) & 15) - 8).to(tl.float32) * sw).to(dt)
-        c2 = ((((raw >> 8) & 15) - 8).to(tl.float32) * sw).to(dt)
-        c3 = ((((raw >> 12) & 15) - 8).to(tl.float32) * sw).to(dt)
-        c4 = ((((raw >> 16) & 15) - 8).to(tl.float32) * sw).to(dt)
-        c5 = ((((raw >> 20) & 15) - 8).to(tl.float32) * sw).to(dt)
-        c6 = ((((raw >> 24) & 15) - 8).to(tl.float32) * sw).to(dt)
-        c7 = ((((raw >> 28) & 15) - 8).to(tl.float32) * sw).to(dt)
-    # position 4 a + 2 b + c of word j (the last join picks c) holds code 4 c + 2 b + a of the word (code i: bits
-    # 4 i..4 i + 3, column 8 j + i), as `_pair_order` places x's columns
-    v = tl.join(tl.join(tl.join(c0, c1), tl.join(c2, c3)), tl.join(tl.join(c4, c5), tl.join(c6, c7)))
-    return tl.reshape(v, [raw.shape[0], GPT * GW])
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return tl.dot(x, tl.trans(w), input_precision=PRECISION)
 
 
 @triton.jit
 def _mm_tile(x, D, T, S, Z, o_n, m_n, k0, k_end, G: tl.constexpr, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
              KIND: tl.constexpr, WORDS: tl.constexpr, FP8_BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
              PER_CHANNEL: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-             ASM: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr, s_given, z_given, GIVEN: tl.constexpr,
-             SWAP: tl.constexpr, PAIRS: tl.constexpr):
-    """x [BLOCK_M, BLOCK_K] @ (this weight tile)^T in fp32, the tile dequantized in fp32 and rounded to x's dtype
-    ([BLOCK_N, BLOCK_M], the transpose, with SWAP). GIVEN: the tile's scales and zero points are s_given, z_given
-    (loaded a step ahead), not loaded here. PAIRS: the symmetric int4 tile made in 16-bit pairs (`_pairs`: the same
-    values)."""
+             ASM: tl.constexpr, GPT: tl.constexpr, GW: tl.constexpr, s_given, z_given, GIVEN: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] @ (this weight tile)^T in fp32, the tile dequantized in fp32 and rounded to x's dtype.
+    GIVEN: the tile's scales and zero points are s_given, z_given (loaded a step ahead), not loaded here."""
     raw, s, z = _load_tile(D, S, Z, o_n, m_n, k0, k_end, G, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
                            KIND, WORDS, HAS_ZEROS, not PER_CHANNEL and not GIVEN, EVEN_K, GPT, GW)
     if GIVEN:
         s, z = s_given, z_given
-    if PAIRS:  # x's columns already in the pairs' order (`_pair_order`)
-        d = _dot(x, _pairs(raw, s, x.dtype, ASM, GPT, GW), UPCAST, PRECISION, SWAP)
-    elif KIND == 2 and (PER_CHANNEL or GPT == 1):  # fp8 values are exact in x's dtype: scale after the dot
-        v = _values(raw, T, KIND, WORDS, FP8_BITS, ASM, GPT, GW)
-        d = _dot(x, tl.reshape(v, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION, SWAP)
+    v = _values(raw, T, KIND, WORDS, FP8_BITS, ASM, GPT, GW)
+    if KIND == 2 and (PER_CHANNEL or GPT == 1):  # fp8 values are exact in x's dtype: scale after the dot
+        d = _dot(x, tl.reshape(v, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION)
         if not PER_CHANNEL:
-            if SWAP:
-                d = d * tl.reshape(s, [o_n.shape[0]])[:, None]
-            else:
-                d = d * tl.reshape(s, [o_n.shape[0]])[None, :]
+            d = d * tl.reshape(s, [o_n.shape[0]])[None, :]
     else:
-        w = _scaled(_values(raw, T, KIND, WORDS, FP8_BITS, ASM, GPT, GW), s, z, KIND)
-        d = _dot(x, tl.reshape(w, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION, SWAP)
+        w = _scaled(v, s, z, KIND)
+        d = _dot(x, tl.reshape(w, [o_n.shape[0], GPT * GW]).to(x.dtype), UPCAST, PRECISION)
     return d
 
 

@@ -266,10 +266,7 @@ class QuantLinearConfig:
     tensor-core kernel the next step's scales (the codes and x are pipelined by Triton, bf16 scales are not).
     dequant_min_rows: from this many rows (past `gemv_max_rows`, 16-bit x) W is dequantized into a buffer and one
     cuBLAS GEMM runs (-1: the default, 256 on a GPU, never elsewhere; 0: never); block_n, block_k and num_warps
-    then set the dequantization's tile. swap: 1 runs the tensor-core kernel's transposed product (-1: the default,
-    0: off): W's tile the dot's A operand, which sm_90 feeds to its warpgroup MMA at 16 rows, and on a GPU symmetric
-    int4 with scales in x's 16-bit dtype dequantized in 16-bit pairs by inline PTX (the same tile values; the fp32
-    sums may run in another order). docs/ops/quant_decode_rows_model.md, "Built"."""
+    then set the dequantization's tile."""
 
     block_m: int = 0
     block_n: int = 0
@@ -280,18 +277,16 @@ class QuantLinearConfig:
     gemv_max_rows: int = -1
     prefetch: int = -1
     dequant_min_rows: int = -1
-    swap: int = -1
 
     def __post_init__(self):
         _check_fields(self, powers_of_two=("block_m", "block_n", "block_k", "num_warps"),
                       zero_ok=tuple(f.name for f in dataclasses.fields(self)),
-                      minus_one_ok=("gemv_max_rows", "prefetch", "dequant_min_rows", "swap"))
+                      minus_one_ok=("gemv_max_rows", "prefetch", "dequant_min_rows"))
         for name in ("block_m", "block_k"):
             if 0 < getattr(self, name) < 16:
                 raise ValueError(f"QuantLinearConfig: {name} must be 0 or >= 16 (tl.dot), got {getattr(self, name)}")
-        for name in ("prefetch", "swap"):
-            if getattr(self, name) > 1:
-                raise ValueError(f"QuantLinearConfig: {name} must be -1, 0 or 1, got {getattr(self, name)}")
+        if self.prefetch > 1:
+            raise ValueError(f"QuantLinearConfig: prefetch must be -1, 0 or 1, got {self.prefetch}")
 
     def ints(self) -> list[int]:
         """The fields in order: the custom op's `config` argument (`QuantLinearConfig(*ints)` reads it back)."""

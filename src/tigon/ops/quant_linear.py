@@ -9,8 +9,7 @@ scales serves a tile.
   GPU, the splits summed in a fixed order by the last program of a tile to arrive.
 - `_quant_mm_kernel`, the rest (a few decode rows on tensor cores with M padded to 16, and the prefill GEMM): each
   tile is dequantized in fp32, rounded to x's dtype and fed to `tl.dot` (fp32 accumulation); fp8 tiles with one
-  scale a row are exact in x's dtype and scaled after the dot. `QuantLinearConfig(swap=1)`: the transposed
-  product (W's tile the A operand: sm_90's warpgroup MMA at 16 rows), symmetric int4 made in 16-bit pairs (`_pairs`).
+  scale a row are exact in x's dtype and scaled after the dot.
 - `_dequant_kernel`, the prefill path (M >= `dequant_min_rows`, default 256 on a GPU, 16-bit x): W dequantized once
   into a transient [N, K] buffer of x's dtype by the mm kernel's own tile code, then one cuBLAS GEMM and the
   epilogue in torch; at prefill rows the GEMM's FLOPs, not the weight's bytes, set the time.
@@ -29,7 +28,7 @@ import triton.language as tl
 from . import _launch, _library, _pdl, quant_linear_picks, reference
 from . import _rolling_buffer as _ws
 from . import swiglu as _glu
-from ._quant_tiles import _finish, _gemv_sum, _load_scales, _load_tile, _mm_tile, _pair_order, _scaled, _values, _x_tile
+from ._quant_tiles import _finish, _gemv_sum, _load_scales, _load_tile, _mm_tile, _scaled, _values, _x_tile
 from .config import QuantLinearConfig
 from .decode_linear import _gpu_name
 from .quantized_weight import KINDS, NF4, QuantizedWeight, linear_reference
@@ -157,7 +156,6 @@ def _quant_mm_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GPT: tl.constexpr, GW: tl.constexpr, GROUP_M: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
     SCALES_AHEAD: tl.constexpr,  # the next step's scales loaded before this step's math (not per channel)
-    SWAP: tl.constexpr,  # the transposed product: W's tile the dot's A operand (`_dot`), acc [BLOCK_N, BLOCK_M]
 ):
     # GROUP_M row blocks share a band of column blocks, so their weight tiles are read from L2 after the first
     tile = tl.program_id(0)
@@ -175,16 +173,8 @@ def _quant_mm_kernel(
     p_x = X + o_m.to(tl.int64)[:, None] * stride_xm
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    # with SWAP, symmetric int4 words with scales of x's 16-bit dtype are made in 16-bit pairs (`_pairs`)
-    xt: tl.constexpr = X.dtype.element_ty
-    PAIRS: tl.constexpr = (SWAP and KIND == 0 and WORDS and not HAS_ZEROS and S.dtype.element_ty == xt
-                           and (xt == tl.bfloat16 or xt == tl.float16))
-    if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PDL:
         _pdl.wait(PDL)
     # bf16 scales are 2 B a thread, under cp.async's 4 B: the pipeliner leaves them as loads waited every step
@@ -204,8 +194,6 @@ def _quant_mm_kernel(
         if HAS_PERM:
             kk = tl.load(P + kk, mask=m_k, other=0)
         x = tl.load(p_x + kk[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
-        if PAIRS:
-            x = _pair_order(x)
         s1, z1, s1_u, z1_u = s, z, s_u, z_u
         if SCALES_AHEAD:  # the next step's (0 past k_hi)
             s1, z1 = _load_scales(S, Z, o_n, m_n, k0 + GPT * GW, k_hi, G, stride_sn, stride_sg, stride_zn,
@@ -215,16 +203,14 @@ def _quant_mm_kernel(
                                           stride_zn, stride_zg, KIND, HAS_ZEROS, GPT, GW)
         acc += _mm_tile(x, D, T, S, Z, o_n, m_n, k0, k_hi, G, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
                         KIND, WORDS, FP8_BITS, HAS_ZEROS, PER_CHANNEL, EVEN_K, UPCAST, PRECISION, ASM, GPT,
-                        GW, s, z, SCALES_AHEAD, SWAP, PAIRS)
+                        GW, s, z, SCALES_AHEAD)
         if ACT != 0:
             acc_u += _mm_tile(x, D, T, S, Z, o_n + N_OUT, m_n, k0, k_hi, G, stride_dn, stride_sn, stride_sg, stride_zn,
                               stride_zg, KIND, WORDS, FP8_BITS, HAS_ZEROS, PER_CHANNEL, EVEN_K, UPCAST, PRECISION,
-                              ASM, GPT, GW, s_u, z_u, SCALES_AHEAD, SWAP, PAIRS)
+                              ASM, GPT, GW, s_u, z_u, SCALES_AHEAD)
         s, z, s_u, z_u = s1, z1, s1_u, z1_u
     if PDL:
         _pdl.start(PDL)
-    if SWAP:
-        acc, acc_u = tl.trans(acc), tl.trans(acc_u)
     _finish(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n, m_n, M, N, N_OUT, stride_sn,
             stride_rm, stride_ym, HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL, SPLIT_K)
 
@@ -257,7 +243,6 @@ class _Plan:
     split: int
     prefetch: bool
     dequant: bool = False  # the prefill path: `_dequant_kernel` tiles of block_n x gpt * gw, then cuBLAS
-    swap: bool = False  # the tensor-core kernel's transposed product (QuantLinearConfig.swap)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -322,7 +307,7 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
     split = split or 1
     k_split = _launch.cdiv(_launch.cdiv(K, split), block_k) * block_k
     return _Plan(gemv, block_m, block_n, gw, block_k // gw, cfg.num_warps or warps, cfg.num_stages or stages,
-                 k_split, _launch.cdiv(K, k_split), cfg.prefetch == 1, swap=cfg.swap == 1 and not gemv)
+                 k_split, _launch.cdiv(K, k_split), cfg.prefetch == 1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -442,7 +427,6 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
         _quant_mm_kernel[(tiles, plan.split)](
             *args, UPCAST=x.device.type == "cpu", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, GROUP_M=8, SCALES_AHEAD=plan.prefetch and not per_channel,
-            SWAP=plan.swap,
             **flags)
     return y
 

@@ -97,9 +97,8 @@ def _key(value, where: str) -> tuple:
 
 def _quant_config(value, where: str) -> tuple:
 
-    if not isinstance(value, list) or len(value) not in (9, 10) or not all(type(v) is int for v in value):
-        raise ValueError(f"{where}: config must be a list of 9 or 10 ints (QuantLinearConfig.ints(); 9 before its "
-                         f"swap field), got {value!r}")
+    if not isinstance(value, list) or len(value) != 9 or not all(type(v) is int for v in value):
+        raise ValueError(f"{where}: config must be a list of 9 ints (QuantLinearConfig.ints()), got {value!r}")
     QuantLinearConfig(*value)  # its own checks (powers of two, >= 16, -1 defaults): a ValueError names the field
     return tuple(value)
 
