@@ -17,7 +17,8 @@
 #   decode-8b   decode --model llama3-8b: tigon and HF static cache + compile at batch 1 and 8, prompts
 #               DECODE_8B_PROMPTS (default 512,8192), with the weight + KV read bound (<gpu>_decode_8b.md, .json);
 #               with BASELINE also that tree's tigon rows at prompt 512 (<gpu>_decode_8b_base.md)
-#   decode-int4 decode-fp8  decode --model llama3-8b --weights int4|fp8: tigon at batch 1 and 8 beside HF's generate
+#   decode-int4 decode-fp8  decode --model llama3-8b --weights int4|fp8: tigon at batch 1 and 8 beside the same model
+#               in bf16 (tigon-bf16, batch 1: the TTFT reference) and HF's generate
 #               on the same quantized model (and, int4, torchao's int4 + compile) at batch 1, prompts
 #               DECODE_QUANT_PROMPTS (default 512) (<gpu>_decode-int4.md, .json); torchao from .whl/
 #   decode-70b  decode --model llama3-70b --weights int4: the 70B shape (random init, built layer by layer and
@@ -189,7 +190,7 @@ for s in "$@"; do
                 extras+=("$T/decode_8b_base/decode.json ${GPU}_decode_8b_base.json")
             fi ;;
         decode-int4|decode-fp8)  # the quantized 8B step beside HF's generate on the same model (and torchao's int4)
-            w=${s#decode-}; peers=hf-static-compile@1; [[ $w == int4 ]] && peers+=",torchao-static-compile@1"
+            w=${s#decode-}; peers=tigon-bf16@1,hf-static-compile@1; [[ $w == int4 ]] && peers+=",torchao-static-compile@1"
             bq=$(( BUDGET - SECONDS - 30 )); (( bq > 550 )) && bq=550
             step "$s" 580 "${bench[@]}" decode --model llama3-8b --weights "$w" --out "$T/$s" \
                 --variants "tigon,$peers" --batches 1,8 --prompts "${DECODE_QUANT_PROMPTS:-512}" \

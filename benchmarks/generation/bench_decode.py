@@ -59,7 +59,9 @@ one timed call with the peak-memory counter reset just before it (weights includ
   through QuantLinear's module forward: static cache + compile where it works, else the dynamic cache eagerly;
   the row's `hf_path` says which). With int4, `torchao-static-compile` is the peer outside Tigon: the bf16
   model's decoder projections quantized by torchao (int4 weight-only, the tinygemm layout gpt-fast runs, group
-  128), then HF's generate with the static cache, compiled. The read bound then counts the packed projections
+  128), then HF's generate with the static cache, compiled. `tigon-bf16` runs the same random-init model left in
+  bf16 through tigon in the same call: the quantized rows' TTFT is checked against its (issue 42: within 1.3x).
+  The read bound then counts the packed projections
   (QuantizedWeight.nbytes: codes, scales) measured on the model, plus the bf16 norms and lm_head and the KV; the
   bf16 model's bound is reported beside it. Except at the 70B shape a separate process reports fidelity once: KL(bf16 ||
   quantized) and top-1 agreement of the next-token distributions over one FIDELITY_PROMPT-token prompt (the bf16
@@ -103,7 +105,9 @@ DEFAULT_MODEL = "llama-1.5b"
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=512, max_position_embeddings=256)
 VARIANTS = ("hf-eager", "hf-static-compile", "tigon", "tigon-nograph", "tigon-hf-attn", "swa-hf-static-compile",
-            "swa-tigon", "swa-tigon-full", "swa-tigon-hf-attn", "torchao-static-compile")
+            "swa-tigon", "swa-tigon-full", "swa-tigon-hf-attn", "torchao-static-compile", "tigon-bf16")
+# tigon-bf16 (with --weights int4|nf4|fp8): the same model left in bf16, run by tigon in the same call, the
+# reference of the quantized rows' TTFT (TARGETS_QUANT["ttft_over_bf16"]) and step
 # torchao-static-compile (--weights int4 only): the bf16 model quantized by torchao's int4 weight-only config in
 # the tinygemm layout (`Int4WeightOnlyConfig(group_size, int4_packing_format="tile_packed_to_4d")`, torch's own
 # `_weight_int4pack_mm` kernel, as gpt-fast runs it), then HF's generate with the static cache, which compiles itself
@@ -135,7 +139,7 @@ TARGETS_8B = dict(pct_of_bound=85.0, over_hf=1.5, p99_over_p50=1.1, ttft_over_hf
 # Issue 42's targets of quantized weights: % of the format's read bound, speedup against HF's own generate on the
 # same quantized model, batch 8 against batch 1, and at the 8B shape, batch 1, prompt 512, the H200's ms/token.
 TARGETS_QUANT = dict(pct_of_bound=80.0, over_hf=3.0, over_torchao=1.5, b8_over_b1=1.3, p99_over_p50=1.1,
-                     ms_8b_h200={"int4": 1.4, "fp8": 2.35})
+                     ms_8b_h200={"int4": 1.4, "fp8": 2.35}, ttft_over_bf16=1.3)
 TARGETS_BY_MODEL = {"llama-1.5b": TARGETS, "llama3-8b": TARGETS_8B, "llama3-70b": TARGETS_QUANT}
 # HF's own rows measured with this method, to check a run against (tigon's rows are this benchmark's).
 REFERENCE_TIMINGS = ("Peer reference timings (same method, H200, torch 2.11, transformers 5.17): HF eager "
@@ -489,6 +493,11 @@ def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profil
     if model in QUANTIZED_ONLY and weights == "bf16":
         raise SystemExit(f"bench_decode: --model {model} is built quantized only (its bf16 weights would not fit "
                          "one GPU): pass --weights int4, nf4 or fp8")
+    if weights == "bf16" and any(v.partition("@")[0] == "tigon-bf16" for v in variants):
+        raise SystemExit("bench_decode: tigon-bf16 is the bf16 reference of a quantized run: pass --weights int4, "
+                         "nf4 or fp8 (with bf16 weights the tigon variant is that row)")
+    if model in QUANTIZED_ONLY and any(v.partition("@")[0] == "tigon-bf16" for v in variants):
+        raise SystemExit(f"bench_decode: --model {model} is built quantized only: no tigon-bf16 row")
     if weights != "int4" and any(v.partition("@")[0] == TORCHAO_VARIANT for v in variants):
         raise SystemExit(f"bench_decode: {TORCHAO_VARIANT} is torchao's int4 weight-only model: pass --weights int4")
     if model in QUANTIZED_ONLY and any(v.startswith("swa-") for v in variants):
@@ -526,7 +535,7 @@ def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profil
                     spec["ttft_new_lengths"] = ttft_new_lengths
                 if ttft_idle:
                     spec["ttft_idle"] = ttft_idle
-                if weights != "bf16":
+                if weights != "bf16" and v != "tigon-bf16":
                     spec.update(weights=weights, group_size=group_size(weights, quick))
                 if model in QUANTIZED_ONLY and not quick:
                     spec["capacity"] = RING_70B
@@ -898,6 +907,12 @@ def _targets_quant(rows, r):
         speed = ao["p50_ms"] / r["p50_ms"]
         out.append((f"tigon int4 {at} p50 >= {t['over_torchao']:g}x torchao int4 + torch.compile", f"x{speed:.2f}",
                     speed >= t["over_torchao"]))
+    ref = next((x for x in rows if x["variant"] == "tigon-bf16" and x["batch"] == r["batch"]
+                and x["prompt"] == r["prompt"] and x.get("model") == r.get("model") and "p50_ms" in x), None)
+    if ref:
+        ratio = _ttft(r) / _ttft(ref)
+        out.append((f"tigon {fmt} {at} TTFT <= {t['ttft_over_bf16']:g}x the bf16 model's (tigon-bf16)",
+                    f"{ratio:.2f}x ({_ttft(r):.1f} vs {_ttft(ref):.1f} ms)", ratio <= t["ttft_over_bf16"]))
     one = next((x for x in rows if x["variant"] == "tigon" and x["batch"] == 1 and x["prompt"] == r["prompt"]
                 and x.get("model") == r.get("model") and x.get("weights") == fmt and "p50_ms" in x), None)
     if r["batch"] == 8 and one:

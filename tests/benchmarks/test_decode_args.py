@@ -220,6 +220,14 @@ def test_weights_option_and_the_quantized_plan(core):
                    weights="int4")
     assert [(s["variant"], s["weights"], s["group_size"]) for s in ao] == [("tigon", "int4", 128),
                                                                            (core.TORCHAO_VARIANT, "int4", 128)]
+    ref = core.plan(["tigon", "tigon-bf16@1"], [1, 8], [512], 8, quick=False, device="cuda", model="llama3-8b",
+                    weights="fp8")
+    assert [(s["variant"], s["batch"], s.get("weights")) for s in ref] == [("tigon", 1, "fp8"), ("tigon", 8, "fp8"),
+                                                                          ("tigon-bf16", 1, None)]
+    with pytest.raises(SystemExit, match="tigon-bf16 is the bf16 reference of a quantized run"):
+        core.plan(["tigon-bf16"], [1], [512], 8, quick=False, device="cuda", model="llama3-8b")
+    with pytest.raises(SystemExit, match="built quantized only: no tigon-bf16 row"):
+        core.plan(["tigon-bf16"], [1], [512], 8, quick=False, device="cuda", model="llama3-70b", weights="int4")
     for fmt in ("bf16", "fp8"):
         with pytest.raises(SystemExit, match="torchao's int4 weight-only model: pass --weights int4"):
             core.plan([core.TORCHAO_VARIANT + "@1"], [1], [512], 8, quick=False, device="cuda", weights=fmt)
@@ -340,7 +348,14 @@ def test_quantized_targets_and_tables(core):
     rows = [row("hf-static-compile", 1, 4.5, hf_path="static cache + torch.compile"),
             row("tigon", 1, 1.35, fused_layers=[32, 32]), row("tigon", 8, 1.9, fused_layers=[32, 32]),
             row(core.TORCHAO_VARIANT, 1, 2.7, hf_path="static cache + torch.compile")]
+    bf16 = row("tigon-bf16", 1, 2.4)
+    del bf16["weights"], bf16["group_size"]
+    bf16.update(ttft_median_ms=15.0)
+    rows.append(bf16)
     checks = {t: (v, ok) for t, v, ok in core.targets(rows)}
+    assert checks["tigon int4 batch 1 prompt 512 TTFT <= 1.3x the bf16 model's (tigon-bf16)"] == (
+        "1.27x (19.0 vs 15.0 ms)", True)
+    assert not any("bf16 model's" in t and "batch 8" in t for t in checks)  # its row is at batch 1 only
     assert checks["tigon int4 batch 1 prompt 512 p50 >= 1.5x torchao int4 + torch.compile"] == ("x2.00", True)
     assert not any("torchao" in t and "batch 8" in t for t in checks)  # no torchao row at batch 8
     assert checks["tigon int4 batch 1 prompt 512 p50 <= 1.4 ms/token (the H200's target)"] == ("1.350 ms", True)
@@ -350,7 +365,7 @@ def test_quantized_targets_and_tables(core):
     assert checks["tigon int4 batch 1 prompt 512 p50 >= 3x HF generate on the same int4 model"] == ("x3.33", True)
     assert checks["tigon int4 batch 8 prompt 512 p50 <= 1.3x batch 1's"] == ("1.41x (1.900 vs 1.350 ms)", False)
     assert checks["tigon batch 1 prompt 512 p99 <= 1.1x p50"] == ("1.050x", True)
-    assert not any("85%" in t or "TTFT" in t for t in checks)  # the bf16 8B targets stay off quantized rows
+    assert not any("85%" in t or "x hf-static-compile's" in t for t in checks)  # no bf16 8B target on quantized rows
     ceiling = dict(GBps=4200.0, bytes=4 * 2**30, ms=1.0, how="2048 MiB copy, do_bench median")
     fid = dict(core.fidelity_spec("llama3-8b", "int4", False, "cuda"), kl_mean=0.0123, kl_max=0.05,
                top1_agreement=0.9375, positions=512)
