@@ -112,9 +112,10 @@ DECODE_GROUPS = {
 
 def test_decode_groups_cover_every_variant(harness):
     # torchao-static-compile is torchao's int4 model in the tinygemm layout, a CUDA kernel: its plan and target rows
-    # are checked in tests/benchmarks/test_decode_args.py, its run on the GPU (run_gpu.sh decode-int4)
+    # are checked in tests/benchmarks/test_decode_args.py, its run on the GPU (run_gpu.sh decode-int4); tigon-bf16
+    # runs beside quantized rows only (test_decode_args.py::test_quick_quantized_run)
     grouped = [v for variants, _ in DECODE_GROUPS.values() for v in variants]
-    assert sorted(grouped + [core.TORCHAO_VARIANT]) == sorted(core.VARIANTS)
+    assert sorted(grouped + [core.TORCHAO_VARIANT, "tigon-bf16"]) == sorted(core.VARIANTS)
 
 
 @pytest.mark.parametrize("group", list(DECODE_GROUPS))
