@@ -9,7 +9,8 @@
 #
 #   tests       the README's test command, natively: python -m pytest tests -v -n TEST_WORKERS (12) under TESTS_CAP_S
 #               (540 s), on a machine of several GPUs one such process a GPU over a share of the test files;
-#               failures named as they happen (tests.log; the run log gets them and the summary);
+#               failures named as they happen (tests.log; the run log gets them and the summary), each one's
+#               traceback in failures.log as it happens (copied into RESULTS_DIR every 15 s while the tests run);
 #               TESTS="tests/memory tests/test_optim.py" runs those paths instead of the whole suite
 #   ops         gpu-check without its tests: ceilings and every op benchmark (<gpu>_ops.md, <gpu>_ops.json)
 #   decode      decode: tigon at batch 1 and 8 beside HF static cache + compile at batch 1
@@ -144,7 +145,8 @@ run_tests() {  # the suite (or TESTS) over every GPU of the machine: one pytest 
         for (( j = i; j < ${#files[@]}; j += n )); do part+=("${files[j]}"); done
         (( ${#part[@]} )) || continue
         CUDA_VISIBLE_DEVICES=$i python3 -m pytest "${part[@]}" -v -n "${TEST_WORKERS:-12}" -rfE --durations=15 \
-            -o cache_dir="/tmp/pytest_cache_$i" -p no:randomly >"$T/tests_gpu$i.log" 2>&1 &
+            -o cache_dir="/tmp/pytest_cache_$i" -p no:randomly --failure-log "$T/failures.log" \
+            >"$T/tests_gpu$i.log" 2>&1 &
         pids+=($!)
     done
     for j in "${pids[@]}"; do wait "$j" || rc=1; done
@@ -155,7 +157,9 @@ export T
 
 for s in "$@"; do
     case "$s" in
-        tests) step tests "${TESTS_CAP_S:-540}" bash -c run_tests
+        tests) (while sleep 15; do cp "$T/failures.log" "$RESULTS/failures.log" 2>/dev/null; done) & mirror=$!
+               step tests "${TESTS_CAP_S:-540}" bash -c run_tests
+               kill "$mirror" 2>/dev/null; rm -f "$RESULTS/failures.log"; keep "$T/failures.log" failures.log
                cat "$T"/tests_gpu*.log >"$T/tests.log" 2>/dev/null
                # -v: each failure's name is in the log as it happens, so a run cut off by its limit still names them
                grep -E "(FAILED|ERROR) tests/|^(FAILED|ERROR) | (passed|failed)" "$T/tests.log" | sort -u | tail -n 40 \

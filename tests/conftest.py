@@ -149,6 +149,20 @@ def _long_first_rank(item) -> int:
     return next((i for i, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)), len(LONG_FIRST))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--failure-log", default=None, metavar="PATH",
+                     help="append each failure's traceback to PATH as it happens (a run cut short still names why)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report, path = outcome.get_result(), item.config.getoption("--failure-log")
+    if path and report.failed:  # O_APPEND: each xdist worker's record lands whole
+        with open(path, "a") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
