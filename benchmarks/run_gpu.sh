@@ -5,7 +5,7 @@
 #     bash benchmarks/run_gpu.sh [STEP ...]   steps: tests ops decode decode-8b decode-ops decode-norm e2e e2e-compile
 #                                             lce losses attention sft lora lora-autocast qlora moe long-context
 #                                             long-context-curves qk-norm-rope decode-int4 decode-fp8 decode-70b
-#                                             quant-sweep decode-70b-tuned decode-int4-tuned
+#                                             quant-sweep decode-70b-tuned decode-int4-tuned decode-quant-profile
 #
 #   tests       the README's test command, natively: python -m pytest tests -v -n TEST_WORKERS (12) under TESTS_CAP_S
 #               (540 s), on a machine of several GPUs one such process a GPU over a share of the test files;
@@ -30,6 +30,8 @@
 #   decode-int4-tuned  decode --model llama3-8b --weights int4, tigon at batch 1 and 8, prompt 512: with the shipped
 #               picks, then with this card's own (tigon tune --quant-linear into a cache of this run): an A/B of
 #               the picks in one call (<gpu>_tune_8b.txt, <gpu>_decode_int4_ab.md)
+#   decode-quant-profile  decode --model llama3-8b --weights DECODE_PROFILE_WEIGHTS (int4) --profile: tigon at batch 1
+#               and 8, prompt 512, each step's kernel times (<gpu>_decode_int4_profile.md, .json)
 #   quant-sweep quant-linear --sweep --rows 1 8 --kinds QUANT_SWEEP_KINDS (int4 fp8): each decode shape's best launch
 #               of the grid and the default's time, from CUDA graphs, row by row (<gpu>_quant_sweep.txt, .json)
 #   decode-ops  decode-ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
@@ -228,6 +230,13 @@ for s in "$@"; do
                 --budget 140 >>"$LOG" 2>&1
             cat "$T/decode_int4_shipped/decode.md" "$T/decode_int4_tuned/decode.md" >"$T/decode_int4_ab.md" 2>/dev/null
             keep "$T/decode_int4_ab.md" "${GPU}_decode_int4_ab.md" ;;
+        decode-quant-profile)  # where the quantized 8B step's time goes at batch 1 and 8 (kernel times per step)
+            w=${DECODE_PROFILE_WEIGHTS:-int4}
+            step decode-quant-profile 200 "${bench[@]}" decode --model llama3-8b --weights "$w" \
+                --out "$T/decode_quant_profile" --variants tigon --batches 1,8 --prompts 512 --profile --budget 180 \
+                >>"$LOG" 2>&1
+            keep "$T/decode_quant_profile/decode.md" "${GPU}_decode_${w}_profile.md"
+            keep "$T/decode_quant_profile/decode.json" "${GPU}_decode_${w}_profile.json" ;;
         quant-sweep)  # quant_linear's launch grid at the decode rows, timed from CUDA graphs: the picks for _plan
             step quant-sweep 300 "${bench[@]}" quant-linear --sweep --rows 1 8 --kinds ${QUANT_SWEEP_KINDS:-int4 fp8} \
                 --out "$T/quant_sweep.json" >"$T/quant_sweep.txt" 2>&1
