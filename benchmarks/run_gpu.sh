@@ -6,6 +6,7 @@
 #                                             lce losses attention sft lora lora-autocast qlora moe long-context
 #                                             long-context-curves qk-norm-rope decode-int4 decode-fp8 decode-70b
 #                                             quant-sweep decode-70b-tuned decode-int4-tuned decode-quant-profile
+#                                             rms-norm-hidden
 #
 #   tests       the README's test command, natively: python -m pytest tests -v -n TEST_WORKERS (12) under TESTS_CAP_S
 #               (540 s), on a machine of several GPUs one such process a GPU over a share of the test files;
@@ -30,6 +31,8 @@
 #   decode-int4-tuned  decode --model llama3-8b --weights int4, tigon at batch 1 and 8, prompt 512: with the shipped
 #               picks, then with this card's own (tigon tune --quant-linear into a cache of this run): an A/B of
 #               the picks in one call (<gpu>_tune_8b.txt, <gpu>_decode_int4_ab.md)
+#   rms-norm-hidden  tune --ops rms_norm_hidden: rms_norm fwd+bwd at 65536 x 1024 and 32768 x 2048 over backward
+#               warps, programs an SM and tiles of rows (<gpu>_rms_norm_hidden_tune.json)
 #   decode-quant-profile  decode --model llama3-8b --weights DECODE_PROFILE_WEIGHTS (int4) --profile: tigon at batch 1
 #               and 8, prompt 512, each step's kernel times (<gpu>_decode_int4_profile.md, .json)
 #   quant-sweep quant-linear --sweep --rows 1 8 --kinds QUANT_SWEEP_KINDS (int4 fp8): each decode shape's best launch
@@ -297,6 +300,9 @@ for s in "$@"; do
                                  --curve-steps 30 --deterministic --out "$T/long_context_curves" --timeout 55 \
                                  >>"$LOG" 2>&1
             keep "$T/long_context_curves/long_context.md" "${GPU}_long_context_curves.md" ;;
+        rms-norm-hidden) mkdir -p "$T/rms_norm_hidden"  # rms_norm's launches at hidden 1024 and 2048
+            step rms-norm-hidden 150 "${bench[@]}" tune --ops rms_norm_hidden --out "$T/rms_norm_hidden" >>"$LOG" 2>&1
+            keep "$T/rms_norm_hidden/tune.json" "${GPU}_rms_norm_hidden_tune.json" ;;
         qk-norm-rope) mkdir -p "$T/qk_norm_rope"
             step qk-norm-rope 240 "${bench[@]}" norms --only qk_norm_rope --budget 200 \
                 --json "$T/qk_norm_rope/qk_norm_rope.json" >"$T/qk_norm_rope/qk_norm_rope.md" 2>>"$LOG"

@@ -2,7 +2,8 @@
 where the host time of one small-op fwd+bwd goes. Each setting is a frozen config passed to the op
 (`tigon.ops.config`); the winners become the configs' defaults.
 
-    PYTHONPATH=src python -m benchmarks tune [--ops rms_norm,rms_norm_heads,qk_norm_rope,rope,glu,ce,flce] [--out DIR]
+    PYTHONPATH=src python -m benchmarks tune [--out DIR]
+        [--ops rms_norm,rms_norm_heads,rms_norm_hidden,qk_norm_rope,rope,glu,ce,flce]
 """
 
 import argparse
@@ -106,6 +107,30 @@ def tune_rms_norm_heads(ctx):
         grid = [{}] + [dict(tile_elems=t, fwd_warps=nw, bwd_warps=nw, bwd_per_sm=p)
                        for t in (2048, 4096, 8192) for nw in (4, 8) for p in (2, 4, 8)]
         out[f"head_{h}"] = sweep(ctx, RMSNormConfig, grid, make)
+        del x, w, dy
+    return out
+
+
+def tune_rms_norm_hidden(ctx):
+    """rms_norm at the hidden sizes of 0.5-1.5B models (64M elements: 65536 x 1024, 32768 x 2048), where the
+    default backward (one row a loop step, 2 programs an SM) ran at 1.41x / 1.67x torch.compile's fwd+bwd (H100 /
+    H200) at 1024: one row a step with more programs or warps, and tiles of rows; the first row is the default."""
+    m = importlib.import_module("tigon.ops.rms_norm")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    for h in (1024, 2048):
+        x = torch.randn((1 << 26) // h, h, device="cuda", generator=g).to(BF16).requires_grad_()
+        w = (1 + 0.1 * torch.randn(h, device="cuda", generator=g)).to(BF16).requires_grad_()
+        dy = torch.randn_like(x)
+
+        def make(c, x=x, w=w, dy=dy):
+            f = lambda: m.rms_norm(x, w, config=c)
+            return f, _fb(f, (x, w), (dy,))
+
+        grid = ([{}] + [dict(bwd_warps=nw, bwd_per_sm=p) for nw in (2, 4, 8) for p in (2, 4, 8, 16)]
+                + [dict(tile_elems=t, fwd_warps=nw, bwd_warps=nw, bwd_per_sm=p)
+                   for t in (2 * h, 4 * h, 8 * h) for nw in (4, 8) for p in (2, 4, 8)])
+        out[f"hidden_{h}"] = sweep(ctx, RMSNormConfig, grid, make)
         del x, w, dy
     return out
 
@@ -321,6 +346,7 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     ctx = H.Context("cuda")
     fns = {"host": host_profile, "rms_norm": tune_rms_norm, "rms_norm_heads": tune_rms_norm_heads,
+           "rms_norm_hidden": tune_rms_norm_hidden,
            "qk_norm_rope": tune_qk_norm_rope, "rope": tune_rope, "glu": tune_glu, "ce": tune_ce, "flce": tune_flce}
     results = {}
     for name in a.ops.split(","):

@@ -90,6 +90,37 @@ def test_short_rows_go_in_tiles(device, dtype, shape, mode, offset):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode,offset", MODES)
+def test_wide_rows_in_tiles_when_a_config_asks(device, dtype, mode, offset, monkeypatch):
+    """A config's tile_elems tiles rows wider than 512 too: rows of 600 (padded to 1024) two a tile with 2048,
+    7 rows: three full tiles and one partial, looped over by the backward's programs. Forward and every gradient
+    against fp64 and the HF formula in dtype."""
+    from tigon.ops.config import RMSNormConfig
+
+    mod = sys.modules["tigon.ops.rms_norm"]
+    assert mod._rows_per_tile(1024, 2048) == 2 and mod._rows_per_tile(1024, 512) == 1
+    fwd, bwd = KernelSpy(mod._rms_norm_fwd_kernel), KernelSpy(mod._rms_norm_bwd_kernel)
+    monkeypatch.setattr(mod, "_rms_norm_fwd_kernel", fwd)
+    monkeypatch.setattr(mod, "_rms_norm_bwd_kernel", bwd)
+    cfg = RMSNormConfig(tile_elems=2048)
+    torch.manual_seed(600)
+    x, r = (randn(7, 600, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    w = randn(600, dtype=dtype, device=device, requires_grad=True)
+    kw = dict(offset=offset, casting_mode=mode)
+    _check(
+        "rms_norm", lambda x, w: ops.rms_norm(x, w, 1e-6, config=cfg, **kw),
+        lambda x, w: reference.rms_norm(x, w, 1e-6, **kw), lambda x, w: reference.eager_rms_norm(x, w, 1e-6, **kw),
+        (x, w), dtype, 1,
+    )
+    _check(
+        "add_rms_norm", lambda x, r, w: ops.add_rms_norm(x, r, w, 1e-6, config=cfg, **kw),
+        lambda x, r, w: reference.add_rms_norm(x, r, w, 1e-6, **kw),
+        lambda x, r, w: reference.eager_add_rms_norm(x, r, w, 1e-6, **kw), (x, r, w), dtype, 2,
+    )
+    assert {c["BLOCK_M"] for c in fwd.calls + bwd.calls} == {2}
+
+
 def test_runs_the_kernel_on_this_device(device):
     before = ops.dispatch_counts[("rms_norm", "triton")]
     ops.rms_norm(torch.randn(2, 8, device=device), torch.ones(8, device=device))

@@ -132,9 +132,10 @@ def _ints(cfg) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class RMSNormConfig:
     """The launches of `rms_norm` / `add_rms_norm`: warps of the forward and of the backward, backward programs
-    per SM (each loops over rows and keeps one fp32 partial dw row), and for rows of <= 512 elements the
-    elements of a tile of rows (`tile_elems`, a power of two). 0 (every default): from the shape, as measured
-    (`rms_norm._launch_plan`, `rms_norm._rows_per_tile`)."""
+    per SM (each loops over rows and keeps one fp32 partial dw row), and the elements of a tile of rows a
+    program takes at once (`tile_elems`, a power of two; rows wider than it go one a program). 0 (every
+    default): from the shape, as measured (`rms_norm._launch_plan`, `rms_norm._rows_per_tile`: tiles of 8192
+    elements for rows of <= 512, else one row)."""
 
     fwd_warps: int = 0
     bwd_warps: int = 0

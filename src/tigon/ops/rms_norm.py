@@ -44,7 +44,7 @@ def _rms_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     CASTING: tl.constexpr,  # 0 llama (round x*rstd to x.dtype before the weight), 1 gemma, 2 none
     BLOCK_H: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # rows a program normalizes: 1, or a tile of short rows (_rows_per_tile)
+    BLOCK_M: tl.constexpr,  # rows a program normalizes: 1, or a tile of rows (_rows_per_tile)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/_pdl.py): every access after the wait
 ):
     _pdl.wait(PDL)  # no early start: the next kernel launches when this one exits
@@ -121,7 +121,7 @@ def _rms_norm_bwd_kernel(
     COMPUTE_DW: tl.constexpr,
     CASTING: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # rows a loop step handles: 1, or a tile of short rows (_rows_per_tile)
+    BLOCK_M: tl.constexpr,  # rows a loop step handles: 1, or a tile of rows (_rows_per_tile)
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -199,14 +199,14 @@ def _rms_norm_bwd_tiles(DY, DS, X, RSTD, DX, DR, stride_dy, stride_ds, stride_x,
 
 
 def _rows_per_tile(block_h: int, tile_elems: int = 0) -> int:
-    """Rows a program takes at once: 1 for rows of more than 512 (one row fills a program), else a tile of
-    `tile_elems` elements (0: 8192, at most 128 rows). One short row a program (or a loop step) moved 128
-    bytes between dependent loads: Qwen3's QK-norm backward (head 64) took 26 of a 272 ms step on the H200, ~27x
-    its bytes at the copy rate. 8192 from the H200 sweep (tune.py rms_norm_heads, h200_tune.json): with 4096 the
-    backward at head 256 took 543-691 us against 442-485."""
-    if block_h > 512:
-        return 1
-    return max(1, tile_elems // block_h) if tile_elems else min(128, 8192 // block_h)
+    """Rows a program takes at once: a tile of `tile_elems` elements where a config sets it; by default 1 for
+    rows of more than 512 (one row fills a program), else a tile of 8192 elements (at most 128 rows). One short
+    row a program (or a loop step) moved 128 bytes between dependent loads: Qwen3's QK-norm backward (head 64)
+    took 26 of a 272 ms step on the H200, ~27x its bytes at the copy rate. 8192 from the H200 sweep (tune.py
+    rms_norm_heads, h200_tune.json): with 4096 the backward at head 256 took 543-691 us against 442-485."""
+    if tile_elems:
+        return max(1, tile_elems // block_h)
+    return 1 if block_h > 512 else min(128, 8192 // block_h)
 
 
 def _launch_plan(block_h: int, config) -> tuple[int, int, int, int]:
