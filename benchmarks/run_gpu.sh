@@ -6,7 +6,7 @@
 #                                             lce losses attention sft lora lora-autocast qlora moe long-context
 #                                             long-context-curves qk-norm-rope decode-int4 decode-fp8 decode-70b
 #                                             quant-sweep decode-70b-tuned decode-int4-tuned decode-quant-profile
-#                                             rms-norm-hidden
+#                                             rms-norm-hidden quant-read-floor
 #
 #   tests       the README's test command, natively: python -m pytest tests -v -n TEST_WORKERS (12) under TESTS_CAP_S
 #               (540 s), on a machine of several GPUs one such process a GPU over a share of the test files;
@@ -35,6 +35,8 @@
 #               warps, programs an SM and tiles of rows (<gpu>_rms_norm_hidden_tune.json)
 #   decode-quant-profile  decode --model llama3-8b --weights DECODE_PROFILE_WEIGHTS (int4) --profile: tigon at batch 1
 #               and 8, prompt 512, each step's kernel times (<gpu>_decode_int4_profile.md, .json)
+#   quant-read-floor  quant-linear --rows 1 8 --kinds int4 fp8 --read-floor: the default decode launches beside the
+#               fastest Triton kernel that only reads each weight's codes (<gpu>_quant_read_floor.txt, .json)
 #   quant-sweep quant-linear --sweep --rows 1 8 --kinds QUANT_SWEEP_KINDS (int4 fp8): each decode shape's best launch
 #               of the grid and the default's time, from CUDA graphs, row by row (<gpu>_quant_sweep.txt, .json)
 #   decode-ops  decode-ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
@@ -240,6 +242,11 @@ for s in "$@"; do
                 >>"$LOG" 2>&1
             keep "$T/decode_quant_profile/decode.md" "${GPU}_decode_${w}_profile.md"
             keep "$T/decode_quant_profile/decode.json" "${GPU}_decode_${w}_profile.json" ;;
+        quant-read-floor)  # quant_linear's decode rows beside a kernel that only reads each weight's codes
+            step quant-read-floor 200 "${bench[@]}" quant-linear --rows 1 8 --kinds int4 fp8 --read-floor \
+                --out "$T/quant_read_floor.json" >"$T/quant_read_floor.txt" 2>&1
+            keep "$T/quant_read_floor.txt" "${GPU}_quant_read_floor.txt"
+            keep "$T/quant_read_floor.json" "${GPU}_quant_read_floor.json" ;;
         quant-sweep)  # quant_linear's launch grid at the decode rows, timed from CUDA graphs: the picks for _plan
             step quant-sweep 300 "${bench[@]}" quant-linear --sweep --rows 1 8 --kinds ${QUANT_SWEEP_KINDS:-int4 fp8} \
                 --out "$T/quant_sweep.json" >"$T/quant_sweep.txt" 2>&1

@@ -16,6 +16,7 @@ bound time / measured time. Prefill rows report TFLOP/s as well (2 M N K flops),
     python -m benchmarks quant-linear --out results.json            # on a GPU
     python -m benchmarks quant-linear --sweep --kinds int4 --rows 1   # also a small grid of launch configs
     python -m benchmarks quant-linear --smoke --out /tmp/q.json     # tiny shapes on the CPU (interpreter)
+    python -m benchmarks quant-linear --rows 1 8 --kinds int4 --read-floor  # and each weight's read floor
 """
 
 import argparse
@@ -188,6 +189,14 @@ def run(args) -> dict:
                               id(w16): [w16] + [torch.randn_like(w16) for _ in range(copies_for(w16.nbytes) - 1)]}
                     graph = graph_timer(copies.__getitem__, id)
                 row = measure(bench, ceiling, x, qw, w16, act, args.sweep, graph)
+                if args.read_floor and M == rows_list[0]:  # a property of the weight: once, at the first rows
+                    from benchmarks.generation import read_floor  # after main() chose the interpreter or not
+
+                    floor = read_floor.read_floor(graph or (lambda call, w: bench(lambda: call(w))), qw)
+                    row.update(read_floor=dict(floor, gbps=floor["bytes"] / (floor["ms"] * 1e-3) / 1e9))
+                    print(f"  read floor of the codes: {floor['ms'] * 1e3:.1f} us "
+                          f"({row['read_floor']['gbps']:.0f} GB/s; {floor['block']} words x {floor['steps']} a "
+                          f"program, {floor['warps']} warps)", flush=True)
                 graph = copies = None
                 row.update(shape=shape, kind=kind)
                 rows.append(row)
@@ -232,6 +241,8 @@ def main(argv=None):
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--rows", nargs="+", type=int, help="rows M (default 1 8 512; 1 17 with --smoke)")
+    p.add_argument("--read-floor", action="store_true",
+                   help="also time a kernel that only reads each weight's codes (read_floor.py), at the first rows")
     args = p.parse_args(argv)
     if args.smoke and not torch.cuda.is_available():
         # before the first tigon import decorates its kernels (a no-op when the caller set it already)

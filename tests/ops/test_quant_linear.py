@@ -514,6 +514,21 @@ def test_config_round_trips_through_the_ops_ints():
 def test_benchmark_smoke(tmp_path):
     bench = importlib.import_module("benchmarks.generation.bench_quant_linear")
     out = tmp_path / "quant.json"
-    bench.main(["--smoke", "--kinds", "int4", "nf4", "fp8", "--rows", "1", "--out", str(out)])
+    bench.main(["--smoke", "--kinds", "int4", "nf4", "fp8", "--rows", "1", "--out", str(out), "--read-floor"])
     rows = json.loads(out.read_text())["rows"]
     assert {r["kind"] for r in rows} >= {"int4", "nf4", "fp8"} and all(math.isfinite(r["ms"]) for r in rows)
+    # the floor reads the codes alone: 48 x 256 at 4 bits, or at 8 in fp8
+    assert {r["kind"]: r["read_floor"]["bytes"] for r in rows} == {"int4": 6144, "nf4": 6144, "fp8": 12288}
+    assert all(math.isfinite(r["read_floor"]["ms"]) for r in rows)
+
+
+@pytest.mark.parametrize("n,block,steps", [(5000, 1024, 2), (37, 1024, 1), (4096, 1024, 4)])
+def test_read_floor_kernel_reads_every_word(n, block, steps):
+    """The read-floor probe XORs each program's words: all n of them, none twice, none past n."""
+    import functools
+    import operator
+
+    floor = importlib.import_module("benchmarks.generation.read_floor")
+    w = torch.randint(-2**31, 2**31 - 1, (n + 3,), dtype=torch.int32)[:n]  # a view: words past n exist, unread
+    got = floor.read_xors(w, block, steps, 4)
+    assert got.tolist() == [functools.reduce(operator.xor, c.tolist()) for c in w.split(block * steps)]
