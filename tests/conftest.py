@@ -157,7 +157,7 @@ def pytest_addoption(parser):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    report, path = outcome.get_result(), item.config.getoption("--failure-log")
+    report, path = outcome.get_result(), item.config.getoption("--failure-log", None)
     if path and report.failed:  # O_APPEND: each xdist worker's record lands whole
         with open(path, "a") as f:
             f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
