@@ -237,8 +237,15 @@ def test_tune_writes_the_winners_and_prints_a_table(monkeypatch, capsys, cache_d
         "causal+softcap": {"eager": "OutOfMemoryError: ...", "flex": 1.0}})
     monkeypatch.setattr(tune, "measure_decode", lambda model, device, gpu: [
         (qkv, {rule: 0.020, fast: 0.015}, rule, None), (o, {rule: 0.010, fast: 0.0099}, rule, None)])
-    assert cli.main(["tune", "--model", "1.5b", "--kinds", "packed,sliding,causal+softcap"]) == 0
+    times = cache_dir / "times.json"
+    assert cli.main(["tune", "--model", "1.5b", "--kinds", "packed,sliding,causal+softcap", "--times",
+                     str(times)]) == 0
     out = capsys.readouterr().out
+    every = json.loads(times.read_text())  # every launch timed, the losers too
+    assert every["gpu"] == "FAKE GPU"
+    assert [r["launch"]["name"] for r in every["decode_linear"]] == ["norm+qkv", "o+residual"]
+    assert every["decode_linear"][1]["times"] == {str(tuple(rule.ints())): 0.010, str(tuple(fast.ints())): 0.0099}
+    assert every["decode_linear"][0]["rule"] == list(rule.ints())
     assert "| packed | 10.000 ms | 2.000 ms | 1.000 ms | flash_attn cannot take it here | flex > varlen |" in out
     assert "| sliding | 1.000 ms | 1.000 ms | 3.000 ms | - | HF's pick |" in out
     assert "not written: HF's pick did not run" in out

@@ -105,6 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print what would be measured; time and write nothing")
     p.add_argument("--cache", default=None, help="the cache file to write (default $TIGON_CACHE_DIR/tuned.json or "
                                                  "~/.cache/tigon/tuned.json, the one Tigon reads)")
+    p.add_argument("--times", default=None, metavar="PATH",
+                   help="also write every launch timed (decode_linear, quant_linear), not only the winners, as JSON")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,6 +499,16 @@ def dry_run(args, kinds, gpu) -> int:
     return 0
 
 
+def write_times(path: str, gpu: str, timed: dict) -> None:
+    """Every launch timed, per op: the launch's fields, the rule's config and {config ints: ms} (inf: did not run
+    or computed another product), as JSON at `path`."""
+    out = {op: [dict(launch=dataclasses.asdict(p), rule=list(rule.ints()),
+                     times={_ints(c): (ms if math.isfinite(ms) else None) for c, ms in times.items()})
+                for p, times, rule, _ in rows] for op, rows in timed.items()}
+    with open(path, "w") as f:
+        json.dump(dict(gpu=gpu, **out), f, indent=1)
+
+
 def cmd_tune(args) -> int:
     if not (args.attention or args.decode_linear or args.quant_linear):
         args.attention = args.decode_linear = True
@@ -536,16 +548,21 @@ def cmd_tune(args) -> int:
             cells = [_ms(row.get(b, "-")) for b in (backends_for(kind)[0], "varlen", "flex", "flash_attn")]
             shown = "not written: HF's pick did not run" if won is None else " > ".join(won) or "HF's pick"
             print(f"| {kind} | " + " | ".join(cells) + f" | {shown} |")
+    timed = {}
     if args.decode_linear:
-        decode = _winners(measure_decode(args.model, device, gpu), "launch | batch | K | N | kind | rule",
+        timed["decode_linear"] = measure_decode(args.model, device, gpu)
+        decode = _winners(timed["decode_linear"], "launch | batch | K | N | kind | rule",
                           lambda p: p.key(batch_bucket(p.batch)),
                           lambda p, rule: f"{p.name} | {p.batch} | {p.K} | {p.n_total} | {p.kind} | {_ints(rule)}")
     if args.quant_linear:
         from tigon.ops.quant_linear_picks import rows_bucket
 
-        quant = _winners(measure_quant(args.model, device, gpu, args.quant_formats), "launch | format | rows | K | N",
+        timed["quant_linear"] = measure_quant(args.model, device, gpu, args.quant_formats)
+        quant = _winners(timed["quant_linear"], "launch | format | rows | K | N",
                          lambda p: p.key(rows_bucket(p.rows)),
                          lambda p, rule: f"{p.name} | {p.fmt}-g{p.group} | {p.rows} | {p.K} | {p.n_out}", "default")
+    if args.times:
+        write_times(args.times, gpu, timed)
     path = tuned_cache.write(gpu, attention=attention, decode_linear=decode, quant_linear=quant, path=args.cache,
                              info=dict(tigon=__version__, updated=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
     print(f"\nwrote {len(attention)} attention rows, {len(decode)} decode_linear picks and {len(quant)} quant_linear "
