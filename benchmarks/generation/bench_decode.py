@@ -493,12 +493,13 @@ def plan(variants, batches, prompt, new, quick, device, swa_batches=None, profil
     if model in QUANTIZED_ONLY and weights == "bf16":
         raise SystemExit(f"bench_decode: --model {model} is built quantized only (its bf16 weights would not fit "
                          "one GPU): pass --weights int4, nf4 or fp8")
-    if weights == "bf16" and any(v.partition("@")[0] == "tigon-bf16" for v in variants):
+    names = {v.partition("@")[0] for v in variants}
+    if weights == "bf16" and "tigon-bf16" in names:
         raise SystemExit("bench_decode: tigon-bf16 is the bf16 reference of a quantized run: pass --weights int4, "
                          "nf4 or fp8 (with bf16 weights the tigon variant is that row)")
-    if model in QUANTIZED_ONLY and any(v.partition("@")[0] == "tigon-bf16" for v in variants):
+    if model in QUANTIZED_ONLY and "tigon-bf16" in names:
         raise SystemExit(f"bench_decode: --model {model} is built quantized only: no tigon-bf16 row")
-    if weights != "int4" and any(v.partition("@")[0] == TORCHAO_VARIANT for v in variants):
+    if weights != "int4" and TORCHAO_VARIANT in names:
         raise SystemExit(f"bench_decode: {TORCHAO_VARIANT} is torchao's int4 weight-only model: pass --weights int4")
     if model in QUANTIZED_ONLY and any(v.startswith("swa-") for v in variants):
         raise SystemExit(f"bench_decode: --model {model} runs the Llama variants only, not swa-*")
@@ -808,12 +809,16 @@ def _model_name(r):
     return f"{name} {r['weights']}" if r.get("weights") else name
 
 
+def _peer(rows, r, variant, same_weights=True):
+    """`variant`'s measured row at r's model, batch and prompt (and r's weights, unless same_weights is False)."""
+    return next((x for x in rows if x["variant"] == variant and x["batch"] == r["batch"] and x["prompt"] == r["prompt"]
+                 and x.get("model") == r.get("model") and "p50_ms" in x
+                 and (not same_weights or x.get("weights") == r.get("weights"))), None)
+
+
 def _baseline(rows, r):
     """hf-static-compile's row (swa-hf-static-compile's for swa-*) at r's model, weights, batch and prompt."""
-    want = "swa-hf-static-compile" if r["variant"].startswith("swa-") else "hf-static-compile"
-    return next((x for x in rows if x["variant"] == want and x["batch"] == r["batch"] and x["prompt"] == r["prompt"]
-                 and x.get("model") == r.get("model") and x.get("weights") == r.get("weights") and "p50_ms" in x),
-                None)
+    return _peer(rows, r, "swa-hf-static-compile" if r["variant"].startswith("swa-") else "hf-static-compile")
 
 
 def _ttft(r):
@@ -901,14 +906,12 @@ def _targets_quant(rows, r):
         speed = base["p50_ms"] / r["p50_ms"]
         out.append((f"tigon {fmt} {at} p50 >= {t['over_hf']:g}x HF generate on the same {fmt} model",
                     f"x{speed:.2f}", speed >= t["over_hf"]))
-    ao = next((x for x in rows if x["variant"] == TORCHAO_VARIANT and x["batch"] == r["batch"]
-               and x["prompt"] == r["prompt"] and x.get("model") == r.get("model") and "p50_ms" in x), None)
+    ao = _peer(rows, r, TORCHAO_VARIANT, same_weights=False)  # torchao's own int4 model of the bf16 weights
     if ao and fmt == "int4":
         speed = ao["p50_ms"] / r["p50_ms"]
         out.append((f"tigon int4 {at} p50 >= {t['over_torchao']:g}x torchao int4 + torch.compile", f"x{speed:.2f}",
                     speed >= t["over_torchao"]))
-    ref = next((x for x in rows if x["variant"] == "tigon-bf16" and x["batch"] == r["batch"]
-                and x["prompt"] == r["prompt"] and x.get("model") == r.get("model") and "p50_ms" in x), None)
+    ref = _peer(rows, r, "tigon-bf16", same_weights=False)
     if ref:
         ratio = _ttft(r) / _ttft(ref)
         out.append((f"tigon {fmt} {at} TTFT <= {t['ttft_over_bf16']:g}x the bf16 model's (tigon-bf16)",
