@@ -189,7 +189,8 @@ def run(args) -> dict:
                               id(w16): [w16] + [torch.randn_like(w16) for _ in range(copies_for(w16.nbytes) - 1)]}
                     graph = graph_timer(copies.__getitem__, id)
                 row = measure(bench, ceiling, x, qw, w16, act, args.sweep, graph)
-                if args.read_floor and M == rows_list[0]:  # a property of the weight: once, at the first rows
+                # a property of the weight: once, at the first rows; a Triton kernel, so on the GPU or interpreted
+                if args.read_floor and M == rows_list[0] and (device.type == "cuda" or interpreted()):
                     from benchmarks.generation import read_floor  # after main() chose the interpreter or not
 
                     floor = read_floor.read_floor(graph or (lambda call, w: bench(lambda: call(w))), qw)
@@ -231,6 +232,10 @@ def _triton_version():
     import triton
 
     return triton.__version__
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def main(argv=None):

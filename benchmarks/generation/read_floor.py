@@ -8,6 +8,8 @@ grid) against what the GEMV's own structure adds. The codes only (`QuantizedWeig
 weight's bytes); each program reads STEPS blocks of BLOCK int32 words in turn and writes their XOR.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,8 @@ def words(qw) -> torch.Tensor:
 
 def read_xors(w: torch.Tensor, block: int, steps: int, warps: int) -> torch.Tensor:
     """Each program's XOR of its words: the kernel's output, for checking it read them all."""
+    if w.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"read_xors: w must be a CUDA tensor (or Triton's interpreter on), got one on {w.device}")
     n = w.numel()
     programs = triton.cdiv(n, block * steps)
     out = torch.empty(programs, dtype=torch.int32, device=w.device)

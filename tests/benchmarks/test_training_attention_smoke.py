@@ -12,7 +12,8 @@ from tigon.hf import training_attention as ta
 
 
 def test_smoke_run_writes_every_mask_kind(tmp_path):
-    assert bench.main(["--smoke", "--out", str(tmp_path), "--budget", "120"]) == 0
+    # the budget cuts the tail of the cases: wide enough for a GPU shared by a dozen test workers (flex compiles)
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--budget", "500"]) == 0
     result = json.loads((tmp_path / "training_attention.json").read_text())
     kinds = {r["op"] for r in result["rows"]}
     assert kinds == {"causal", "packed", "sliding", "packed+sliding", "causal+softcap", "packed+softcap"}

@@ -517,18 +517,29 @@ def test_benchmark_smoke(tmp_path):
     bench.main(["--smoke", "--kinds", "int4", "nf4", "fp8", "--rows", "1", "--out", str(out), "--read-floor"])
     rows = json.loads(out.read_text())["rows"]
     assert {r["kind"] for r in rows} >= {"int4", "nf4", "fp8"} and all(math.isfinite(r["ms"]) for r in rows)
+    if torch.cuda.is_available():  # the smoke's tensors are on the CPU, and the floor is a Triton kernel: not run
+        assert not any("read_floor" in r for r in rows)  # (test_read_floor_kernel_reads_every_word runs it there)
+        return
     # the floor reads the codes alone: 48 x 256 at 4 bits, or at 8 in fp8
     assert {r["kind"]: r["read_floor"]["bytes"] for r in rows} == {"int4": 6144, "nf4": 6144, "fp8": 12288}
     assert all(math.isfinite(r["read_floor"]["ms"]) for r in rows)
 
 
 @pytest.mark.parametrize("n,block,steps", [(5000, 1024, 2), (37, 1024, 1), (4096, 1024, 4)])
-def test_read_floor_kernel_reads_every_word(n, block, steps):
+def test_read_floor_kernel_reads_every_word(n, block, steps, device):
     """The read-floor probe XORs each program's words: all n of them, none twice, none past n."""
     import functools
     import operator
 
     floor = importlib.import_module("benchmarks.generation.read_floor")
-    w = torch.randint(-2**31, 2**31 - 1, (n + 3,), dtype=torch.int32)[:n]  # a view: words past n exist, unread
-    got = floor.read_xors(w, block, steps, 4)
+    w = torch.randint(-2**31, 2**31 - 1, (n + 3,), dtype=torch.int32, device=device)[:n]  # words past n: unread
+    got = floor.read_xors(w, block, steps, 4).cpu()
+    w = w.cpu()
     assert got.tolist() == [functools.reduce(operator.xor, c.tolist()) for c in w.split(block * steps)]
+
+
+def test_read_floor_names_a_cpu_tensor_it_cannot_launch_on(monkeypatch):
+    floor = importlib.import_module("benchmarks.generation.read_floor")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read at the call: a CPU tensor with no interpreter to run it
+    with pytest.raises(ValueError, match="read_xors: w must be a CUDA tensor"):
+        floor.read_xors(torch.zeros(8, dtype=torch.int32), 1024, 1, 4)
