@@ -294,3 +294,13 @@ def test_row_entries_compile_to_their_custom_ops(device):
     torch._dynamo.reset()
     for got, want in zip(torch.compile(f, fullgraph=True)(x, r, w), f(x, r, w)):
         assert torch.equal(got, want)
+
+
+def test_default_backward_keeps_about_8192_elements_of_rows_in_flight_an_sm():
+    """One row a program: backward programs per SM for ~8192 elements an SM, at least 2 (the measured plan)."""
+    import sys
+
+    mod = sys.modules["tigon.ops.rms_norm"]
+    assert [mod._launch_plan(h, None)[3] for h in (1024, 2048, 4096, 8192, 16384)] == [8, 4, 2, 2, 2]
+    assert [mod._launch_plan(h, None)[0] for h in (1024, 2048)] == [1, 1]  # rows of 1024 on: one a program
+    assert mod._launch_plan(1024, [0, 0, 3, 0])[3] == 3  # a config's count wins
