@@ -40,7 +40,6 @@ BENCHMARKS = (
     "benchmarks.generation.bench_decode_ops",
     "benchmarks.generation.bench_hf_generate",
     "benchmarks.generation.bench_quant_linear",
-    "benchmarks.generation.bench_prefill_chunks",
     "benchmarks.generation.prefill_host",
     "benchmarks.generation.profile_ttft",
     "benchmarks.generation.sdpa_new_shapes",

@@ -6,7 +6,7 @@
 #                                             lce losses attention sft lora lora-autocast qlora moe long-context
 #                                             long-context-curves qk-norm-rope decode-int4 decode-fp8 decode-70b
 #                                             quant-sweep decode-70b-tuned decode-int4-tuned decode-quant-profile
-#                                             rms-norm-hidden quant-read-floor prefill-chunks
+#                                             rms-norm-hidden quant-read-floor
 #
 #   tests       the README's test command, natively: python -m pytest tests -v -n TEST_WORKERS (12) under TESTS_CAP_S
 #               (540 s), on a machine of several GPUs one such process a GPU over a share of the test files;
@@ -37,8 +37,6 @@
 #               and 8, prompt 512, each step's kernel times (<gpu>_decode_int4_profile.md, .json)
 #   quant-read-floor  quant-linear --rows 1 8 --kinds int4 fp8 --read-floor: the default decode launches beside the
 #               fastest Triton kernel that only reads each weight's codes (<gpu>_quant_read_floor.txt, .json)
-#   prefill-chunks  prefill-chunks --rows 512: the int4 prefill's dequantize-then-GEMM over the whole weight beside
-#               chunks of 1024-8192 output rows into a reused buffer (<gpu>_prefill_chunks.txt, .json)
 #   quant-sweep quant-linear --sweep --rows 1 8 --kinds QUANT_SWEEP_KINDS (int4 fp8): each decode shape's best launch
 #               of the grid and the default's time, from CUDA graphs, row by row (<gpu>_quant_sweep.txt, .json)
 #   decode-ops  decode-ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
@@ -249,11 +247,6 @@ for s in "$@"; do
                 --out "$T/quant_read_floor.json" >"$T/quant_read_floor.txt" 2>&1
             keep "$T/quant_read_floor.txt" "${GPU}_quant_read_floor.txt"
             keep "$T/quant_read_floor.json" "${GPU}_quant_read_floor.json" ;;
-        prefill-chunks)  # the int4 prefill's weight dequantized whole or in L2-sized chunks, each then multiplied
-            step prefill-chunks 150 "${bench[@]}" prefill-chunks --rows 512 --out "$T/prefill_chunks.json" \
-                >"$T/prefill_chunks.txt" 2>&1
-            keep "$T/prefill_chunks.txt" "${GPU}_prefill_chunks.txt"
-            keep "$T/prefill_chunks.json" "${GPU}_prefill_chunks.json" ;;
         quant-sweep)  # quant_linear's launch grid at the decode rows, timed from CUDA graphs: the picks for _plan
             step quant-sweep 300 "${bench[@]}" quant-linear --sweep --rows 1 8 --kinds ${QUANT_SWEEP_KINDS:-int4 fp8} \
                 --out "$T/quant_sweep.json" >"$T/quant_sweep.txt" 2>&1
