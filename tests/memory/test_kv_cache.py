@@ -3,6 +3,8 @@
 Exactness is "the same greedy tokens and logits within fp32 reordering noise": the ring returns keys in slot
 order and with masked empty slots, so attention sums in another order (measured |d logits| <= 5e-6)."""
 
+import gc
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -456,6 +458,7 @@ def test_gpu_decode_no_host_sync_fixed_memory_deterministic():
                                device="cuda")  # "cuda", not "cuda:0": the cache must normalize it
         for layer in range(4):
             cache.update(prefill, prefill, layer)
+        gc.collect()  # garbage of earlier tests freed now, not between the two readings
         torch.cuda.synchronize()
         allocated = torch.cuda.memory_allocated()
         if check:

@@ -215,9 +215,10 @@ def _launch_plan(block_h: int, config) -> tuple[int, int, int, int]:
     row's size, at most 8 in the forward (H 4096: 70 vs 80 us with 16); backward programs per SM for ~8192
     elements of rows in flight an SM, at least 2: 2 from H 4096 (2 x 16 warps beat 4 x 16, 204 vs 216 us fwd+bwd),
     4 at 2048 and 8 at 1024 (H100, tune.py rms_norm_hidden: 65536 x 1024 fwd+bwd 249 us against 365 with 2, 32768
-    x 2048 256 against 289; the sweep's best 249 and 248). Tiles of short rows: 4 warps, and 8 programs per SM from rows of 128
-    on (H200, 524288 rows fwd+bwd: 218-239 / 442 us at head 128 / 256 against 264 / 485 with 2 and 280 / 775 with
-    the first guess, 8 warps and 2 programs; at head 64, 2 programs: 115 us against 125 with 8)."""
+    x 2048 255 against 289; the sweep's best 249 and 248). Tiles of short rows: 4 warps, and 8 programs per SM
+    from rows of 128 on (H200, 524288 rows fwd+bwd: 218-239 / 442 us at head 128 / 256 against 264 / 485 with 2
+    and 280 / 775 with the first guess, 8 warps and 2 programs; at head 64, 2 programs: 115 us against 125 with
+    8)."""
     fwd_warps, bwd_warps, per_sm, tile_elems = config or _DEFAULT
     rows = _rows_per_tile(block_h, tile_elems)
     if rows > 1:
