@@ -252,11 +252,11 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
     picks (no config passed, 16-bit x; zeros: int4 with zero points): on a CUDA device, a measured pick for this GPU
     and shape (`quant_linear_picks.lookup`: the user cache, then MEASURED_PICKS; up to 16 rows) replaces the default
     config, and the rule below fills what the pick leaves 0. GPU
-    defaults, by the byte model in docs/ops/quant_linear.md (to be swept on H100 / H200): the GEMV streams 64 rows
+    defaults, by the byte model in docs/ops/quant_linear.md (where a card has no picks): the GEMV streams 64 rows
     x 256 columns a step (8 KiB of int4 a program, 16 B a lane on 4 warps); the decode dot 16 x 128 x 64 tiles;
     the prefill GEMM 64 or 128 x 128 x 64. Rows <= 16 split K until enough programs stream the weight (below);
     the interpreter splits in 2, so the tests' default launches sum splits. From `dequant_min_rows` rows (256 on a
-    GPU) the dequantization's tiles: 32 x 256, 16 KiB of bf16 written a program (to be swept)."""
+    GPU) the dequantization's tiles: 32 x 256, 16 KiB of bf16 written a program (at the copy rate on an H100)."""
     gpu = device.type == "cuda"
     if picks and gpu and cfg == _DEFAULT_CONFIG:
         pick = quant_linear_picks.lookup(_gpu_name(device.index or 0), K, n_out, M,
