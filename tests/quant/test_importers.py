@@ -134,6 +134,29 @@ def test_fp8(case):
     _check(m, qw, w, before)
 
 
+def test_fp8_fbgemm_class_as_transformers_builds_it():
+    """transformers' own FbgemmFp8Linear (weight e4m3 [N, K], weight_scale fp32 [N, 1], an fp32 bias): one scale a
+    row, the weight's bytes shared. Its forward needs fbgemm_gpu's kernels, so the reference is the layout's
+    documented dequantization, weight * weight_scale."""
+    fbgemm = pytest.importorskip("transformers.integrations.fbgemm_fp8")
+    m = fbgemm.FbgemmFp8Linear(40, 24, True)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        m.weight.copy_((torch.randn(24, 40, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn))
+        m.weight_scale.copy_(torch.rand(24, 1, generator=gen) * 0.01 + 0.001)
+        m.bias.copy_(torch.randn(24, generator=gen))
+    assert format_of(m) == "fp8"
+    before = _snapshot(m)
+    qw = import_fp8(m)
+    assert qw.group_size == 0 and qw.data.data_ptr() == m.weight.data_ptr() and qw.dtype == torch.float32
+    w = m.weight.float() * m.weight_scale.float()
+    assert torch.equal(dequantize(qw), w)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    x = torch.randn(3, 40, generator=gen)
+    got = linear_reference(x, qw, m.bias.float())
+    assert_tol("import forward", got, x.double() @ w.double().T + m.bias.double(), matmul_tol(x, w.T))
+
+
 def test_fp8_refusals():
     m, _ = _formats.fp8(256, 256, block=(128, 64))
     with pytest.raises(ValueError, match=r"tigon.quant.import_fp8: scales \[2, 4\] are not square blocks"):
