@@ -1,15 +1,20 @@
-"""Quantized models on the fused decode step: QuantLinear projections (tigon.quantize, or a bitsandbytes NF4
-checkpoint adopted by tigon.patch, with or without PEFT LoRA adapters) decode through `_quantized_step`.
+"""Quantized models on the fused decode step: QuantLinear projections (tigon.quantize, or a checkpoint adopted by
+tigon.patch: bitsandbytes NF4, with or without PEFT LoRA adapters; GPTQ, AWQ, compressed-tensors and FP8 stand-ins)
+decode through `_quantized_step`.
 
 The reference of each case is the same model run by Hugging Face's own module forwards with its QuantLinear
-modules (no patch; `tigon.quant.adopt` for the checkpoint): fp32 greedy tokens must be equal. The fused step
-is proven to run by the quant_linear launches it makes (4 a layer and step where q|k|v and gate|up stack, 7 for
-the module forwards). Most cases run the reference ops (the model plumbing is under test; the kernels are
-tests/ops' job), one the interpreted kernels. bitsandbytes' own CPU forward is not the reference: it differs
-from the product of its own dequantized weight by ~2% (tests/quant/test_importers_bnb.py checks the import).
+modules (no patch; `tigon.quant.adopt` for the NF4 checkpoint) or, for the stand-ins (tests/quant/_formats.py,
+whose forward is the product of the weight their tensors encode), with the checkpoint's modules: fp32 greedy
+tokens must be equal. The fused step is proven to run by the quant_linear launches it makes (4 a layer and step
+where q|k|v and gate|up stack, 7 for the module forwards). Most quantize / NF4 cases run the reference ops (the
+model plumbing is under test; the kernels are tests/ops' job), the stand-in checkpoints the interpreted kernels.
+bitsandbytes' own CPU forward is not the reference: it differs from the product of its own dequantized weight by
+~2% (tests/quant/test_importers_bnb.py checks the import). A projection adopt leaves alone (bitsandbytes 8-bit,
+a GPTQ group size that does not divide K) keeps its layer on the module forwards, named in the patch report.
 """
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -341,3 +346,192 @@ def test_gpu_quantized_prefill_replays_as_the_eager_one():
         want = tigon.generate(model, ids, max_new_tokens=4, settings=off)
         assert stats["prefill_graph"] == how and torch.equal(got, want), p
     tigon.decode.release(model)
+
+
+# -- checkpoints of each imported format (synthetic stand-ins, tests/quant/_formats.py) --------------------------
+
+def _fp8_channel(n, k, seed):
+    """compressed-tensors FP8: one scale an output channel, the module's quantization_scheme naming the format."""
+    import types
+
+    from tests.quant import _formats
+
+    m, w = _formats.fp8(n, k, block=None, scale_name="weight_scale", scale_shape=(n, 1), scale_dtype=torch.bfloat16,
+                        seed=seed)
+    m.quantization_scheme = types.SimpleNamespace(weights=types.SimpleNamespace(num_bits=8, type="float"))
+    return m, w
+
+
+def _stand_in(fmt, n, k, seed):
+    """A `fmt` checkpoint module [n, k] (tests/quant/_formats.py): int4 in groups of 32; transformers' finegrained
+    FP8 in 32 x 32 or 64 x 64 blocks; compressed-tensors FP8 with a scale a channel."""
+    from tests.quant import _formats
+
+    if fmt.startswith("gptq"):
+        return _formats.gptq(n, k, 32, act_order="act-order" in fmt, seed=seed, bias=False)
+    return {"awq": lambda: _formats.awq(n, k, 32, seed=seed),
+            "ct-int4": lambda: _formats.compressed_int4(n, k, 32, symmetric=False, seed=seed),
+            "fp8-blocks": lambda: _formats.fp8(n, k, block=(32, 32), seed=seed),
+            "fp8-blocks-64": lambda: _formats.fp8(n, k, block=(64, 64), seed=seed),
+            "ct-fp8": lambda: _fp8_channel(n, k, seed)}[fmt]()
+
+
+def _checkpoint(fmt, odd=None):
+    """A tiny Llama whose projections are `fmt` stand-ins (distinct codes for each), as a loader builds them;
+    `odd` {projection name: module} puts other modules in their place."""
+    model = tiny_model("llama", attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    for i in range(LAYERS):
+        for j, proj in enumerate(PROJECTIONS):
+            name = f"model.layers.{i}.{'self_attn' if j < 4 else 'mlp'}.{proj}"  # q, k, v, o first
+            module = (odd or {}).get(name)
+            if module is None:
+                lin = model.get_submodule(name)
+                module, _ = _stand_in(fmt, lin.out_features, lin.in_features, seed=10 * i + j)
+            model.set_submodule(name, module.eval())
+    return model
+
+
+def _tensors(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _given_back(model, modules, tensors):
+    """The model holds the same module objects as before the patch (not copies), with the same tensors."""
+    assert dict(model.named_modules()).keys() == modules.keys()
+    assert all(m is modules[n] for n, m in model.named_modules())
+    after = model.state_dict()
+    assert after.keys() == tensors.keys() and all(torch.equal(after[k], tensors[k]) for k in after)
+
+
+def _shared_act_order(monkeypatch):
+    """GPTQ's act-order sorts a projection's input columns by the Hessian diagonal of its input, which the
+    projections of one input share: one g_idx for every stand-in of a given K (q, k, v, o, gate, up; down its own),
+    the codes still each stand-in's own."""
+    from tests.quant import _formats
+
+    drawn, groups = {}, _formats._groups
+    monkeypatch.setattr(_formats, "_groups", lambda k, gs, act_order, gen: drawn.setdefault(
+        (k, gs, act_order), groups(k, gs, act_order, gen)))
+
+
+# quant_linear launches a layer per step (the fused prefill the same), from `_quantized_step`'s docstring: q|k|v
+# one launch, o_proj one, gate|up one (the GLU in its epilogue), down_proj one = 4 where the layouts stack
+# (`concat`: same kind, group size, zero points and act-order perm, fp8 blocks not split by a part's rows); with a
+# perm of each projection's own q, k, v launch one by one (3), o 1, gate and up one by one (2, glu_rows after),
+# down 1 = 7. FP8 in 32 x 32 blocks: every part a whole number of blocks, 4. In 64 x 64 blocks: q, k, v (64 x 64,
+# 32 x 64) hold one block each, a single scale the importer reads as one a tensor (per channel, block 0), so they
+# stack (1); o 1; gate's 96 rows would split a block, so gate and up launch apart (2); down 1 = 5.
+CHECKPOINTS = {"gptq": 4, "gptq-act-order": 4, "gptq-act-order-unshared": 7, "awq": 4, "ct-int4": 4,
+               "fp8-blocks": 4, "fp8-blocks-64": 5, "ct-fp8": 4}
+
+
+@pytest.mark.parametrize("fmt", list(CHECKPOINTS))
+def test_checkpoint_format_decodes_fused_and_unpatch_gives_it_back(fmt, monkeypatch):
+    """A checkpoint of each imported format: tigon.patch(quantized=True) adopts every projection, tigon.generate
+    runs the fused quantized step on each layer (the interpreted kernels on a CPU) with HF's greedy tokens over the
+    checkpoint modules' own forwards, and unpatch puts back the same modules, their tensors untouched."""
+    if fmt == "gptq-act-order":
+        _shared_act_order(monkeypatch)
+    model = _checkpoint(fmt)
+    modules, tensors = dict(model.named_modules()), _tensors(model)
+    ids = prompt_ids(2, 6)
+    want = _greedy(model, ids, 3)
+    report = tigon.patch(model, quantized=True)
+    try:
+        assert report.replaced["QuantLinear (quantized projections: tigon.ops.quant_linear)"] == 14
+        assert not [piece for piece, _ in report.skipped if piece.startswith("quantized")]
+        q, k = (model.get_submodule(f"model.layers.0.self_attn.{p}").perm for p in ("q_proj", "k_proj"))
+        assert (q is not None) == ("act-order" in fmt)
+        assert (q is not None and torch.equal(q, k)) == (fmt == "gptq-act-order")  # one perm: q|k|v stack
+        before, glu = op_calls("quant_linear"), op_calls("swiglu")
+        got = tigon.generate(model, ids, max_new_tokens=3, cuda_graph=False)
+        assert op_calls("quant_linear") - before == _launches(CHECKPOINTS[fmt], 2)
+        # the GLU in gate|up's epilogue where they stack, else glu_rows in the prefill and each decode step
+        assert op_calls("swiglu") - glu == (0 if CHECKPOINTS[fmt] == 4 else LAYERS * 3)
+        assert all(STACK in layer.__dict__ for layer in model.model.layers)
+        stack = model.model.layers[0].__dict__[STACK]
+        assert [stack.qkv.stacked, stack.gate_up.stacked] == [CHECKPOINTS[fmt] in (4, 5), CHECKPOINTS[fmt] == 4]
+    finally:
+        tigon.unpatch(model)
+    assert torch.equal(got, want)
+    _given_back(model, modules, tensors)
+
+
+def _gptq_partial_group(n, k, group_size, seed):
+    """A GPTQ stand-in whose group size does not divide K: ceil(K / group_size) groups, the last one short."""
+    from tests.quant import _formats
+
+    gen = torch.Generator().manual_seed(seed)
+    groups, g_idx = -(-k // group_size), torch.arange(k) // group_size
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    z = torch.randint(1, 16, (groups, n), generator=gen)
+    s = (torch.rand(groups, n, generator=gen) * 0.02 + 0.005).half()
+    m = _formats.TorchQuantLinear()
+    m.bits, m.group_size, m.fmt = 4, group_size, 2
+    m.register_buffer("qweight", _formats.pack(q, 0))
+    m.register_buffer("qzeros", _formats.pack(z, 1))
+    m.register_buffer("scales", s)
+    m.register_buffer("g_idx", g_idx.to(torch.int32))
+    m._finish(((q - z[g_idx]).float() * s.float()[g_idx]).T.contiguous(), n, k, None)
+    return m
+
+
+def _bnb_int8(n, k, seed):
+    """bitsandbytes' own Linear8bitLt, quantized from a full-precision weight as load_in_8bit does."""
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(seed)
+    m = bnb.nn.Linear8bitLt(k, n, bias=False, has_fp16_weights=False, threshold=0.0)
+    m.load_state_dict(torch.nn.Linear(k, n, bias=False).state_dict())
+    try:
+        m = m.to("cpu")  # the int8 quantization runs on the move
+        with torch.no_grad():
+            m(torch.randn(1, k))
+    except Exception as e:  # a build without a CPU backend raises from its native library
+        pytest.skip(f"bitsandbytes {bnb.__version__} cannot run 8-bit on the CPU: {type(e).__name__}: {e}")
+    return m
+
+
+# the module no importer takes, where it sits, and the reason adopt gives
+FALLBACKS = {
+    "no-importer": ("model.layers.0.self_attn.k_proj", lambda: _bnb_int8(32, 64, 1),
+                    "format 'bnb8' (Linear8bitLt) has no importer"),
+    "refused": ("model.layers.0.mlp.down_proj", lambda: _gptq_partial_group(64, 96, 64, 1),
+                "tigon.quant.import_gptq: group_size 64 and 2 scale rows do not cover in_features 96"),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_a_projection_no_importer_takes_leaves_its_layer_on_the_module_forwards(case, caplog):
+    """A GPTQ checkpoint with one projection adopt cannot take (bitsandbytes 8-bit: no importer; a GPTQ group size
+    that does not divide K: refused): patch reports it by name and reason, its layer runs the modules' own forwards
+    (the other six adopted, each its own quant_linear launch), the other layer the fused step; HF's greedy
+    tokens."""
+    name, build, reason = FALLBACKS[case]
+    odd = build()
+    model = _checkpoint("gptq", odd={name: odd})
+    modules, tensors = dict(model.named_modules()), _tensors(model)
+    ids = prompt_ids(2, 6)
+    want = _greedy(model, ids, 3)
+    with caplog.at_level(logging.WARNING, logger="tigon"):
+        report = tigon.patch(model, quantized=True)
+    calls = []
+    hook = odd.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        assert [(p, r) for p, r in report.skipped if p.startswith("quantized")] == [(f"quantized {name}", reason)]
+        assert f"{name}: {reason}" in caplog.text
+        assert report.replaced["QuantLinear (quantized projections: tigon.ops.quant_linear)"] == 13
+        assert model.get_submodule(name) is odd
+        before = op_calls("quant_linear")
+        got = tigon.generate(model, ids, max_new_tokens=3, cuda_graph=False)
+        # the prefill and 2 decode steps: layer 0 on its module forwards (six QuantLinear launches and the odd
+        # module's own forward each time), layer 1 on the fused step (4 launches)
+        assert len(calls) == 3
+        assert op_calls("quant_linear") - before == 3 * (6 + 4)
+        assert STACK not in model.model.layers[0].__dict__ and STACK in model.model.layers[1].__dict__
+    finally:
+        hook.remove()
+        tigon.unpatch(model)
+    assert torch.equal(got, want)
+    _given_back(model, modules, tensors)
