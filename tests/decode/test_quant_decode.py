@@ -76,6 +76,26 @@ def test_generate_runs_the_fused_quantized_step(model_type, fmt, reference_path)
     assert torch.equal(got, want)
 
 
+def test_sampling_and_stats_run_the_fused_quantized_step(reference_path):
+    """Sampling (temperature, top-k, top-p, a seeded generator) and return_stats on a quantized model: the same fused
+    step's launches, draws that repeat with the seed, top_k=1 equal to greedy, and the stats of every step."""
+    patched = _quantized("llama", "int4")
+    tigon.patch(patched)
+    ids = prompt_ids(2, 6)
+    kw = dict(max_new_tokens=4, cuda_graph=False, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    before = op_calls("quant_linear")
+    a, stats = tigon.generate(patched, ids, generator=torch.Generator().manual_seed(7), return_stats=True, **kw)
+    assert op_calls("quant_linear") - before == _launches(4, 3)
+    assert torch.equal(a, tigon.generate(patched, ids, generator=torch.Generator().manual_seed(7), **kw))
+    assert not torch.equal(a, tigon.generate(patched, ids, generator=torch.Generator().manual_seed(8), **kw))
+    assert stats["new_tokens"] == 4 and len(stats["step_s"]) == 3 and all(t > 0 for t in stats["step_s"])
+    assert stats["ttft_s"] > 0 and stats["decode_tokens_per_s"] > 0
+    greedy = tigon.generate(patched, ids, max_new_tokens=4, cuda_graph=False)
+    one = tigon.generate(patched, ids, max_new_tokens=4, cuda_graph=False, do_sample=True, top_k=1, temperature=3.0,
+                         generator=torch.Generator().manual_seed(0))
+    assert torch.equal(one, greedy)
+
+
 def test_layouts_that_do_not_stack_launch_apart(reference_path):
     """q_proj and gate_proj with an act-order permutation of their own: q, k, v launch one by one, gate and up
     too (their GLU after); the tokens stay the module forwards'."""
