@@ -27,7 +27,7 @@ from tests._grid import U32, UNIT_ROUNDOFF, assert_tol, sum_ulps
 from tigon import ops
 from tigon.ops import _library
 from tigon.ops.quant_linear import QuantLinearConfig, quant_linear, quant_linear_reference
-from tigon.ops.quantized_weight import QuantizedWeight, dequantize, pack_int4, unpack_int4
+from tigon.ops.quantized_weight import KINDS, TABLES, QuantizedWeight, dequantize, pack_int4, unpack_int4
 
 ql = importlib.import_module("tigon.ops.quant_linear")  # the module: tigon.ops.quant_linear is the function
 
@@ -42,6 +42,8 @@ CASES = {
     "int4-zeros-g12": ("int4", 12, True, False, 20, 96),  # 4-column chunks: the codes read as bytes, not words
     "nf4-g32": ("nf4", 32, False, False, 24, 192),
     "nf4-g128": ("nf4", 128, False, True, 40, 256),
+    "fp4-g64": ("fp4", 64, False, False, 23, 320),  # nf4's table path with bitsandbytes' FP4 table
+    "fp4-g32-perm": ("fp4", 32, False, True, 30, 160),
     "fp8-channel": ("fp8", 0, False, False, 37, 200),
     "fp8-block128": ("fp8", 128, False, False, 40, 200),
     "fp8-block32": ("fp8", 32, False, False, 40, 96),
@@ -145,6 +147,8 @@ def test_every_kind_both_kernels(device, case, M):
     ("int4-zeros-g64", BF16, 1, "silu", True, True),
     ("int4-g32", FP16, 5, "gelu_tanh", False, True),
     ("nf4-g32", FP32, 20, "silu", True, False),
+    ("fp4-g64", BF16, 1, "gelu_tanh", True, True),
+    ("fp4-g32-perm", FP16, 6, "silu", False, True),
     ("fp8-channel", BF16, 1, "gelu_tanh", True, True),  # per-channel scales of the up half, in the epilogue
     ("fp8-block32", FP32, 4, "silu", False, False),
     ("int4-perm-g128", FP16, 18, None, True, True),
@@ -184,20 +188,23 @@ def test_non_contiguous_x_and_residual(device):
     (("int4", 32, False, False, 20, 192), 1, QuantLinearConfig(block_n=16, block_k=64, split_k=3)),  # 2 x 3 tiles
     (("int4", 64, True, False, 12, 128), 1, QuantLinearConfig(block_n=8, block_k=32, split_k=1)),  # 2 steps a group
     (("nf4", 32, False, False, 24, 128), 2, QuantLinearConfig(block_n=32, block_k=64, split_k=2, gemv_max_rows=4)),
+    (("fp4", 32, False, True, 22, 192), 1, QuantLinearConfig(block_n=16, block_k=64, split_k=3)),
     (("fp8", 128, False, False, 20, 200), 1, QuantLinearConfig(block_n=32, block_k=128, gemv_max_rows=0)),
     (("int4", 32, True, True, 20, 128), 17, QuantLinearConfig(block_m=16, block_n=32, block_k=64, split_k=2)),
     (("fp8", 48, False, False, 50, 120), 3, QuantLinearConfig(block_n=64, block_k=16, split_k=4)),  # ragged K
     (("int4", 32, True, True, 20, 192), 1, QuantLinearConfig(block_k=64, split_k=2, prefetch=1)),
     (("nf4", 64, False, False, 24, 192), 1, QuantLinearConfig(block_k=64, split_k=1, prefetch=1)),
+    (("fp4", 64, False, False, 24, 192), 1, QuantLinearConfig(block_k=64, split_k=1, prefetch=1)),
     (("fp8", 32, False, False, 20, 100), 1, QuantLinearConfig(block_k=64, prefetch=1)),  # ragged K
     # the tensor-core kernel with the next step's scales loaded ahead: two steps a group, groups a step, ragged K
     (("int4", 64, True, True, 20, 256), 5, QuantLinearConfig(block_n=16, block_k=32, split_k=2, prefetch=1)),
     (("nf4", 32, False, False, 24, 192), 9, QuantLinearConfig(block_n=32, block_k=64, prefetch=1)),
+    (("fp4", 32, False, True, 22, 160), 9, QuantLinearConfig(block_n=16, block_k=64, split_k=2, prefetch=1)),
     (("fp8", 16, False, False, 48, 100), 3, QuantLinearConfig(block_n=32, block_k=16, split_k=3, prefetch=1)),
     (("fp8", 0, False, False, 20, 100), 2, QuantLinearConfig(block_n=16, block_k=32, prefetch=1)),
-], ids=["gemv-split3", "gemv-narrow-k", "gemv-2-rows", "dot-1-row", "split-prefill", "dot-split4", "prefetch-int4",
-        "prefetch-nf4", "prefetch-fp8", "dot-scales-ahead-int4", "dot-scales-ahead-nf4", "dot-scales-ahead-fp8",
-        "dot-scales-ahead-fp8-channel"])
+], ids=["gemv-split3", "gemv-narrow-k", "gemv-2-rows", "gemv-split3-fp4", "dot-1-row", "split-prefill",
+        "dot-split4", "prefetch-int4", "prefetch-nf4", "prefetch-fp4", "prefetch-fp8", "dot-scales-ahead-int4",
+        "dot-scales-ahead-nf4", "dot-scales-ahead-fp4", "dot-scales-ahead-fp8", "dot-scales-ahead-fp8-channel"])
 def test_launch_configs(device, shape, M, config):
     qw = _on(_weight(*shape, FP16), device)
     x = _x(M, shape[-1], dtype=FP16).to(device)
@@ -256,6 +263,26 @@ def test_plan_picks_the_kernel_and_split(monkeypatch):
     assert odd.gw * odd.gpt == 64 and odd.gpt == 1
 
 
+def test_each_kind_runs_its_code_path_with_its_table(monkeypatch):
+    assert set(ql.KIND_CODES) == set(ql.KERNEL_KIND) == set(KINDS) and len(set(ql.KIND_CODES.values())) == len(KINDS)
+    assert ql.KERNEL_KIND == {"int4": 0, "nf4": 1, "fp8": 2, "fp4": 1}  # fp4: the table path, never int4's affine one
+    scales, b = torch.ones(4, 2), torch.arange(256)
+    for kind, values in TABLES.items():
+        path, table, zeros = ql._kernel_args(ql.KIND_CODES[kind], scales, scales)
+        v = torch.tensor(values)
+        assert path == 1 and zeros is None and torch.equal(table, torch.stack((v[b & 15], v[b >> 4]), dim=1))
+    assert not torch.equal(ql._pairs("fp4", torch.device("cpu")), ql._pairs("nf4", torch.device("cpu")))
+    path, table, zeros = ql._kernel_args(ql.KIND_CODES["int4"], scales, scales)
+    assert path == 0 and table is scales and zeros is scales
+    # fp4 plans as nf4: the same bytes and instructions (nf4's 32-column GEMV blocks on a GPU, nf4's picks)
+    monkeypatch.setattr(ql._launch, "sm_count", lambda index: 132)
+    cuda, plan = torch.device("cuda", 0), ql._plan.__wrapped__
+    for M in (1, 8, 512):
+        assert plan(M, 4096, 4096, "fp4", 64, False, cuda, QuantLinearConfig()) == \
+            plan(M, 4096, 4096, "nf4", 64, False, cuda, QuantLinearConfig())
+    assert plan(1, 4096, 4096, "fp4", 64, False, cuda, QuantLinearConfig()).block_n == 32
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Prefill: W dequantized once, then one GEMM
 
@@ -284,6 +311,7 @@ def test_dequant_path_every_kind(device, monkeypatch, case):
     ("int4-zeros-g64", BF16, "silu", True, True),
     ("int4-perm-g128", FP16, "gelu_tanh", False, True),
     ("nf4-g32", BF16, None, True, True),
+    ("fp4-g32-perm", FP16, "silu", True, True),
     ("fp8-channel", BF16, "silu", True, True),  # the scale of each half, then the bias, on the GEMM's output
     ("fp8-channel", FP16, None, True, False),
     ("fp8-channel", FP16, "gelu_tanh", False, True),  # the scale alone, in place on the GEMM's output
@@ -327,6 +355,7 @@ DEQUANT_SHAPES = [
     ("int4", 32, True, 21, 160, 16, 64),
     ("int4", 12, True, 19, 72, 8, 32),
     ("nf4", 32, False, 23, 160, 16, 64),
+    ("fp4", 64, False, 27, 192, 16, 128),
     ("fp8", 0, False, 37, 101, 16, 32),
     ("fp8", 32, False, 45, 77, 16, 64),
     ("fp8", 48, False, 50, 120, 32, 64),

@@ -14,8 +14,9 @@ scales serves a tile.
   into a transient [N, K] buffer of x's dtype by the mm kernel's own tile code, then one cuBLAS GEMM and the
   epilogue in torch; at prefill rows the GEMM's FLOPs, not the weight's bytes, set the time.
 int4 is read as 32-bit words of 8 codes, each code turned into the fp32 1 + q / 16 by a shift and a LOP3 (no
-int -> float conversion); nf4 codes index a 256 x 2 table (the value pair of a byte: one 8-byte gather a byte);
-`perm` is applied to x's columns in the loads. Inference only.
+int -> float conversion); nf4 and fp4 codes index a 256 x 2 table (the value pair of a byte: one 8-byte gather a
+byte), the same code with each kind's table (`KERNEL_KIND`); `perm` is applied to x's columns in the loads.
+Inference only.
 """
 
 import dataclasses
@@ -31,10 +32,15 @@ from . import swiglu as _glu
 from ._quant_tiles import _finish, _gemv_sum, _load_scales, _load_tile, _mm_tile, _scaled, _values, _x_tile
 from .config import QuantLinearConfig
 from .decode_linear import _gpu_name
-from .quantized_weight import KINDS, NF4, QuantizedWeight, linear_reference
+from .quantized_weight import TABLES, QuantizedWeight, linear_reference
 
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
-KIND_CODES = {kind: i for i, kind in enumerate(KINDS)}  # int4 0, nf4 1, fp8 2
+# A weight kind's number: the op's `kind` argument (what `_launch_kernel` and `_dequant` take)
+KIND_CODES = {"int4": 0, "nf4": 1, "fp8": 2, "fp4": 3}
+_KIND_NAMES = {code: kind for kind, code in KIND_CODES.items()}
+# The kernels' code path for a weight kind (their constexpr KIND): 0 int4 affine (a shift and a LOP3), 1 a 4-bit
+# table lookup through T (nf4 and fp4, each with its own table: `_pairs`), 2 fp8
+KERNEL_KIND = {"int4": 0, "nf4": 1, "fp8": 2, "fp4": 1}
 OP = "tigon.ops.quant_linear"
 
 
@@ -47,7 +53,7 @@ def _quant_gemv_kernel(
     D,  # [N, K // 2] uint8 (int4, nf4) or [N, K] float8_e4m3fn (its bytes with FP8_BITS) data, unit stride on K
     S, Z,  # scales [N, K / G] (int4, nf4), [N] (fp8 per channel) or [ceil(N / G), ceil(K / G)] (fp8); zeros like S
     P,  # [K] int perm: stored column j multiplies x[:, P[j]] (read when HAS_PERM)
-    T,  # [256, 2] fp32: the nf4 values of each byte's (low, high) nibbles (read for nf4)
+    T,  # [256, 2] fp32: the table's values of each byte's (low, high) nibbles (read for KIND 1: nf4, fp4)
     BIAS, R, Y,  # [N] bias, [M, N_OUT] residual, [M, N_OUT] output
     WS, CNT,  # fp32 [SPLIT_K, M, N] split-K partials; int32 [tiles] zeroed arrival counters
     M, N, K, N_OUT, K_SPLIT,
@@ -215,12 +221,21 @@ def _quant_mm_kernel(
             stride_rm, stride_ym, HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL, SPLIT_K)
 
 
-@functools.lru_cache(maxsize=8)
-def _nf4_pairs(device: torch.device) -> torch.Tensor:
-    """[256, 2] fp32: NF4[byte & 15], NF4[byte >> 4] for every byte (made once a device: warm up before a CUDA graph
-    capture, like every first call)."""
-    table, b = torch.tensor(NF4, dtype=torch.float32), torch.arange(256)
+@functools.lru_cache(maxsize=16)
+def _pairs(kind: str, device: torch.device) -> torch.Tensor:
+    """The kernels' T for a table kind (nf4, fp4): [256, 2] fp32, TABLES[kind][byte & 15], TABLES[kind][byte >> 4]
+    for every byte (made once a kind and device: warm up before a CUDA graph capture, like every first call)."""
+    table, b = torch.tensor(TABLES[kind], dtype=torch.float32), torch.arange(256)
     return torch.stack((table[b & 15], table[b >> 4]), dim=1).contiguous().to(device)
+
+
+def _kernel_args(kind: int, scales: torch.Tensor, zeros: torch.Tensor | None):
+    """(KIND, T, zeros) for the op's `kind` (KIND_CODES): the kernels' code path, the table (the scales where none
+    is read) and the zero points (int4's only: `dequantize` reads none for the other kinds)."""
+    name = _KIND_NAMES[kind]
+    path = KERNEL_KIND[name]
+    table = _pairs(name, scales.device) if path == 1 else scales
+    return path, table, zeros if path == 0 else None
 
 
 @functools.lru_cache(maxsize=16)
@@ -249,6 +264,7 @@ class _Plan:
 def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torch.device,
           cfg: QuantLinearConfig, picks: bool = False, zeros: bool = False) -> _Plan:
     """The launch for these shapes (cached: no host work a call); every field of `cfg` that is not 0 wins.
+    kind: a weight kind (KINDS); fp4 plans as nf4, the same code path and bytes with another table.
     picks (no config passed, 16-bit x; zeros: int4 with zero points): on a CUDA device, a measured pick for this GPU
     and shape (`quant_linear_picks.lookup`: the user cache, then MEASURED_PICKS; up to 16 rows) replaces the default
     config, and the rule below fills what the pick leaves 0. GPU
@@ -258,6 +274,8 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
     the interpreter splits in 2, so the tests' default launches sum splits. From `dequant_min_rows` rows (256 on a
     GPU) the dequantization's tiles: 32 x 256, 16 KiB of bf16 written a program (at the copy rate on an H100)."""
     gpu = device.type == "cuda"
+    if kind == "fp4":
+        kind = "nf4"
     if picks and gpu and cfg == _DEFAULT_CONFIG:
         pick = quant_linear_picks.lookup(_gpu_name(device.index or 0), K, n_out, M,
                                          quant_linear_picks.format_of(kind, zeros), G, glu)
@@ -316,15 +334,15 @@ def _without_dequant(cfg: QuantLinearConfig) -> QuantLinearConfig:
     return dataclasses.replace(cfg, dequant_min_rows=0)
 
 
-def _stored(data, kind, gw, device):
-    """(data, words, fp8_bits): the data as the kernels read it: fp8 as bytes where Triton has no e4m3
-    (`_fp8_native`); int4 as 32-bit words (8 codes a load element, no byte extraction) when every chunk of gw
-    columns is whole words."""
-    fp8_bits = kind == 2 and not _fp8_native(device)
+def _stored(data, path, gw, device):
+    """(data, words, fp8_bits): the data as the kernels read it, for their code path (KERNEL_KIND): fp8 as bytes
+    where Triton has no e4m3 (`_fp8_native`); int4 as 32-bit words (8 codes a load element, no byte extraction)
+    when every chunk of gw columns is whole words."""
+    fp8_bits = path == 2 and not _fp8_native(device)
     data = _launch.unit_last(data)
     if fp8_bits:
         data = data.view(torch.uint8)
-    words = kind == 0 and gw % 8 == 0 and data.shape[1] % 4 == 0 and data.stride(0) % 4 == 0 and (
+    words = path == 0 and gw % 8 == 0 and data.shape[1] % 4 == 0 and data.stride(0) % 4 == 0 and (
         data.storage_offset() % 4 == 0)
     if words:
         data = data.view(torch.int32)
@@ -332,21 +350,21 @@ def _stored(data, kind, gw, device):
 
 
 def _dequant(data, scales, zeros, kind, group_size, shape, dtype, plan):
-    """W [N, K] in `dtype` (`_dequant_kernel`): a fresh buffer, columns in stored order (perm is x's)."""
+    """W [N, K] in `dtype` (`_dequant_kernel`; kind: a KIND_CODES number): a fresh buffer, columns in stored order
+    (perm is x's)."""
     N, K = shape
     w = torch.empty((N, K), dtype=dtype, device=data.device)
     if N == 0 or K == 0:
         return w
-    data, words, fp8_bits = _stored(data, kind, plan.gw, data.device)
-    table = _nf4_pairs(data.device) if kind == 1 else scales
-    zeros = zeros if kind == 0 else None  # zero points are int4's only
+    path, table, zeros = _kernel_args(kind, scales, zeros)
+    data, words, fp8_bits = _stored(data, path, plan.gw, data.device)
     z = zeros if zeros is not None else scales
     block_k = plan.gpt * plan.gw
     _dequant_kernel[(_launch.cdiv(N, plan.block_n), _launch.cdiv(K, block_k))](
         data, scales, z, table, w, N, K, data.stride(0), scales.stride(0),
         scales.stride(-1) if scales.dim() == 2 else 0, z.stride(0), z.stride(-1) if z.dim() == 2 else 0, w.stride(0),
-        G=max(group_size, 1), KIND=kind, WORDS=words, FP8_BITS=fp8_bits, HAS_ZEROS=zeros is not None,
-        PER_CHANNEL=kind == 2 and group_size == 0, EVEN_K=K % block_k == 0, BLOCK_N=plan.block_n, GPT=plan.gpt,
+        G=max(group_size, 1), KIND=path, WORDS=words, FP8_BITS=fp8_bits, HAS_ZEROS=zeros is not None,
+        PER_CHANNEL=path == 2 and group_size == 0, EVEN_K=K % block_k == 0, BLOCK_N=plan.block_n, GPT=plan.gpt,
         GW=plan.gw, ASM=data.device.type == "cuda" and torch.version.hip is None, num_warps=plan.num_warps)
     return w
 
@@ -362,9 +380,10 @@ def _dequant_mm(x, data, scales, zeros, perm, bias, residual, kind, group_size, 
     w = _dequant(data, scales, zeros, kind, group_size, (n, x.shape[1]), x.dtype, plan)
     if perm is not None:
         x = x.index_select(1, perm.long())  # stored column j multiplies x[:, perm[j]]
-    if kind == 2 and group_size == 0 and bias is not None:
+    per_channel = kind == KIND_CODES["fp8"] and group_size == 0
+    if per_channel and bias is not None:
         y = (torch.mm(x, w.t()).float() * scales.float() + bias.float()).to(x.dtype)
-    elif kind == 2 and group_size == 0:
+    elif per_channel:
         y = torch.mm(x, w.t()).mul_(scales)
     elif bias is not None:
         y = torch.addmm(bias, x, w.t())
@@ -380,7 +399,8 @@ def _dequant_mm(x, data, scales, zeros, perm, bias, residual, kind, group_size, 
 
 def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, act, config,
                    per_call_scratch=False):
-    """x [M, K] (unit stride on K); returns [M, n_out]. config: None or `QuantLinearConfig.ints()`.
+    """x [M, K] (unit stride on K); returns [M, n_out]. kind: a KIND_CODES number. config: None or
+    `QuantLinearConfig.ints()`.
     per_call_scratch: the split-K scratch allocated for this call (`_rolling_buffer.split_scratch`)."""
     M, K = x.shape
     n_out = n // 2 if act else n
@@ -390,7 +410,7 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
     if x.dtype == torch.float32:  # cuBLAS may run fp32 in TF32 (a process-wide switch): the IEEE dot kernel
         cfg = _without_dequant(cfg)
     # measured picks (`_plan`): for the default launch of 16-bit x, as the picks were timed (bf16; fp16 the same bytes)
-    plan = _plan(M, n_out, K, KINDS[kind], group_size, bool(act), x.device, cfg,
+    plan = _plan(M, n_out, K, _KIND_NAMES[kind], group_size, bool(act), x.device, cfg,
                  config is None and x.element_size() == 2, zeros is not None)
     if plan.dequant:
         return _dequant_mm(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, act, plan)
@@ -403,11 +423,9 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
                                per_call=per_call_scratch)
         cnt = _ws.split_scratch(x.device, "quant_linear.counters", tiles, torch.int32, least=1 << 12, zeros=True,
                                 per_call=per_call_scratch)
-    per_channel = kind == 2 and group_size == 0
-    data, words, fp8_bits = _stored(data, kind, plan.gw, x.device)
-    table = _nf4_pairs(x.device) if kind == 1 else scales
-    if kind != 0:
-        zeros = None  # zero points are int4's only (`dequantize` reads none for nf4 and fp8)
+    path, table, zeros = _kernel_args(kind, scales, zeros)
+    per_channel = path == 2 and group_size == 0
+    data, words, fp8_bits = _stored(data, path, plan.gw, x.device)
     z = zeros if zeros is not None else scales
     pdl = _pdl.enabled(x.device)
     args = (x, data, scales, z, perm if perm is not None else data, table, bias if bias is not None else y,
@@ -415,7 +433,7 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
             x.stride(0), data.stride(0), scales.stride(0), scales.stride(-1) if scales.dim() == 2 else 0,
             z.stride(0), z.stride(-1) if z.dim() == 2 else 0, residual.stride(0) if residual is not None else 0,
             y.stride(0))
-    flags = dict(G=max(group_size, 1), KIND=kind, WORDS=words, FP8_BITS=fp8_bits, HAS_ZEROS=zeros is not None,
+    flags = dict(G=max(group_size, 1), KIND=path, WORDS=words, FP8_BITS=fp8_bits, HAS_ZEROS=zeros is not None,
                  HAS_PERM=perm is not None, HAS_BIAS=bias is not None, ACT=act, RESIDUAL=residual is not None,
                  PER_CHANNEL=per_channel, SPLIT_K=plan.split, EVEN_K=K % (plan.gpt * plan.gw) == 0, GPT=plan.gpt,
                  GW=plan.gw, PDL=pdl, ASM=x.device.type == "cuda" and torch.version.hip is None,

@@ -1,6 +1,6 @@
 """QuantizedWeight: one [N, K] linear weight stored in 4 or 8 bits, in the one layout Tigon's quantized kernels read.
 
-Every checkpoint format (GPTQ, AWQ, compressed-tensors, bitsandbytes NF4, FP8 releases, torchao) is repacked once
+Every checkpoint format (GPTQ, AWQ, compressed-tensors, bitsandbytes NF4 / FP4, FP8 releases, torchao) is repacked once
 into this layout (`tigon.quant`); the kernels (`tigon.ops.quant_linear`) and the reference below read nothing else.
 
 Layouts (row n of the weight is output feature n; K is the reduction dimension):
@@ -8,9 +8,10 @@ Layouts (row n of the weight is output feature n; K is the reduction dimension):
   w[n, k] = (q - z) * s with s = scales[n, g], z = zeros[n, g] (float), or z = 8 when `zeros` is None (symmetric),
   g = k // group_size.
 - "nf4": the same packing; w[n, k] = NF4[q] * scales[n, g] (NF4 is bitsandbytes' 16-value table below).
+- "fp4": the same packing; w[n, k] = FP4[q] * scales[n, g] (FP4 is bitsandbytes' 4-bit float table below).
 - "fp8": `data` float8_e4m3fn [N, K]; w[n, k] = data[n, k] * s, with s = scales[n] (per channel, group_size 0)
   or scales[n // B, k // B] (square blocks of B = group_size, the last block of a dimension may be partial).
-- `perm` (int4/nf4, optional): int64 [K]; stored column j holds original column perm[j], so
+- `perm` (int4/nf4/fp4, optional): int64 [K]; stored column j holds original column perm[j], so
   y[m, n] = sum_j x[m, perm[j]] * w_stored[n, j] (GPTQ act-order, whose groups follow g_idx, stored sorted).
 - `dtype`: the activations' dtype, which the output takes.
 """
@@ -19,11 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("int4", "nf4", "fp8")
+KINDS = ("int4", "nf4", "fp8", "fp4")
 # bitsandbytes' NormalFloat4 code book: quantiles of N(0, 1) scaled to [-1, 1], index = the 4-bit code.
 NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+# bitsandbytes' FP4 code book (get_4bit_type("fp4")): 1 sign bit (the high one), 2 exponent and 1 mantissa bits, the
+# magnitudes 0, 0.0625, 8, 12, 4, 6, 2, 3 by code over 12 (their largest), in fp32; index = the 4-bit code. Code 8
+# ("-0") is +0, as in bitsandbytes' table.
+FP4 = (0.0, 0.0052083334885537624, 0.6666666865348816, 1.0, 0.3333333432674408, 0.5, 0.1666666716337204, 0.25,
+       0.0, -0.0052083334885537624, -0.6666666865348816, -1.0, -0.3333333432674408, -0.5, -0.1666666716337204, -0.25)
+# The kinds whose codes index a table (w = TABLES[kind][q] * s): one code path of the kernels, a table each.
+TABLES = {"nf4": NF4, "fp4": FP4}
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,7 @@ class QuantizedWeight:
         if tuple(self.scales.shape) != groups:
             raise ValueError(f"QuantizedWeight: scales must be {list(groups)}, got {list(self.scales.shape)}")
         if self.zeros is not None and (self.kind != "int4" or tuple(self.zeros.shape) != groups):
-            raise ValueError(f"QuantizedWeight: zeros must be None or {list(groups)} for int4 (none for nf4)")
+            raise ValueError(f"QuantizedWeight: zeros must be None or {list(groups)} for int4 (none for nf4 and fp4)")
         if self.perm is not None and tuple(self.perm.shape) != (k,):
             raise ValueError(f"QuantizedWeight: perm must be [{k}], got {list(self.perm.shape)}")
 
@@ -95,8 +103,8 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
         return w * s
     codes = unpack_int4(qw.data)
     s = qw.scales.float().repeat_interleave(qw.group_size, 1)
-    if qw.kind == "nf4":
-        return torch.tensor(NF4, device=codes.device)[codes.long()] * s
+    if qw.kind in TABLES:
+        return torch.tensor(TABLES[qw.kind], device=codes.device)[codes.long()] * s
     z = 8.0 if qw.zeros is None else qw.zeros.float().repeat_interleave(qw.group_size, 1)
     return (codes.float() - z) * s
 

@@ -18,8 +18,9 @@ N = out_features, G = K / group_size groups; "packed along K" means element k of
 - FP8 (e4m3): compressed-tensors "float-quantized" and fbgemm (`weight` + `weight_scale` per tensor [1] or per
   channel [N, 1]); transformers' finegrained `FP8Linear` (`weight` + `weight_scale_inv` [ceil(N / B), ceil(K / B)]
   for B x B blocks, or a scalar). Both scales multiply: w = q * s. UE8M0 scales (powers of two) convert exactly.
-- bitsandbytes `Linear4bit`, NF4: the [N, K] codes flattened row-major, two a byte, the first in the HIGH nibble;
-  absmax per block of `blocksize` codes (dequantized first when double-quantized: code2[q] * absmax2 + offset).
+- bitsandbytes `Linear4bit`, NF4 and FP4: the [N, K] codes flattened row-major, two a byte, the first in the HIGH
+  nibble; absmax per block of `blocksize` codes (dequantized first when double-quantized: code2[q] * absmax2 +
+  offset); w = code[q] * absmax, code bitsandbytes' NF4 or FP4 table (the layout's nf4 / fp4).
 - torchao (an `nn.Linear` whose `weight` is a torchao tensor subclass, groups of `block_size` (1, G)):
   `IntxUnpackedToInt8Tensor` with target_dtype int4 (IntxWeightOnlyConfig; the weights of
   Int8DynamicActivationIntxWeightConfig): qdata int8 [N, K] holding q in [-8, 7], scale and zero_point [N, K / G]
@@ -32,15 +33,16 @@ N = out_features, G = K / group_size groups; "packed along K" means element k of
 
 Not imported (each raises ValueError with the reason; `tigon.quant.adopt` logs it and leaves the module alone):
 bits other than 4, GPTQ/AWQ kernels that repack the tensors for themselves (Marlin, ExLlama, Machete, BitBLAS,
-IPEX, fused CPU), bitsandbytes FP4 and 8-bit, blocks that straddle rows, non-square FP8 blocks, the other torchao
-layouts (mslk's preshuffled int4, XPU / NPU "plain_int32", the int8-activation DA8W4 packing, packed intx,
-version-1 AffineQuantizedTensor, float8, nf4) and torchao tensors that pre-scale the activations.
+IPEX, fused CPU), bitsandbytes 8-bit and 4-bit code books other than NF4 and FP4, blocks that straddle rows,
+non-square FP8 blocks, the other torchao layouts (mslk's preshuffled int4, XPU / NPU "plain_int32", the
+int8-activation DA8W4 packing, packed intx, version-1 AffineQuantizedTensor, float8, nf4) and torchao tensors that
+pre-scale the activations.
 """
 
 import torch
 from torch import nn
 
-from tigon.ops.quantized_weight import NF4, QuantizedWeight, pack_int4, unpack_int4
+from tigon.ops.quantized_weight import TABLES, QuantizedWeight, pack_int4, unpack_int4
 
 # GPTQ / AWQ kernels whose buffers keep the checkpoint's packing after loading (the others repack at post_init)
 GPTQ_KERNELS = ("torch", "triton", "tritonv2", "cuda", "cuda-old")
@@ -265,15 +267,20 @@ def import_fp8(module: nn.Module, *, dtype: torch.dtype | None = None) -> Quanti
 
 
 def import_bnb4(module: nn.Module, *, dtype: torch.dtype | None = None) -> QuantizedWeight:
-    """A bitsandbytes Linear4bit (NF4, plain or double-quantized absmax) -> nf4 QuantizedWeight; `dtype`
-    defaults to the module's compute dtype."""
+    """A bitsandbytes Linear4bit (NF4 or FP4, plain or double-quantized absmax) -> nf4 / fp4 QuantizedWeight;
+    `dtype` defaults to the module's compute dtype. The state's code book must be the layout's table, value for
+    value (`TABLES`), so the kernels' lookup is bitsandbytes' dequantization."""
     where = "import_bnb4"
     state = getattr(getattr(module, "weight", None), "quant_state", None)
     if state is None:
         _fail(where, "module.weight has no quant_state (not a quantized bitsandbytes Linear4bit)")
     n, k = tuple(state.shape)
-    if state.quant_type != "nf4" or not torch.equal(state.code.float().cpu(), torch.tensor(NF4)):
-        _fail(where, f"only the NF4 code book is supported, got quant_type {state.quant_type!r}")
+    kind = state.quant_type
+    if kind not in TABLES:
+        _fail(where, f"quant_type must be 'nf4' or 'fp4' (the NF4 and FP4 code books), got {kind!r}")
+    if not torch.equal(state.code.float().cpu(), torch.tensor(TABLES[kind])):
+        _fail(where, f"the state's {kind} code book differs from bitsandbytes' {kind.upper()} table "
+                     f"(tigon.ops.quantized_weight.TABLES[{kind!r}]): got {state.code.float().cpu().tolist()}")
     block = state.blocksize
     if k % block or k % 2:
         _fail(where, f"blocksize {block} must divide in_features {k}: its blocks would straddle rows")
@@ -286,7 +293,7 @@ def import_bnb4(module: nn.Module, *, dtype: torch.dtype | None = None) -> Quant
     data = (raw >> 4) | (raw << 4)  # the first code of a byte moves from the high nibble to the low one
     if dtype is None:
         dtype = getattr(module, "compute_dtype", None) or state.dtype
-    return QuantizedWeight("nf4", data, absmax.float().reshape(n, k // block), None, block, (n, k), dtype)
+    return QuantizedWeight(kind, data, absmax.float().reshape(n, k // block), None, block, (n, k), dtype)
 
 
 def _float_zeros(where, scales, zeros):

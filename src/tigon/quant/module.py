@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from tigon.ops.quant_linear import quant_linear
-from tigon.ops.quantized_weight import KINDS, NF4, QuantizedWeight, pack_int4
+from tigon.ops.quantized_weight import NF4, QuantizedWeight, pack_int4
 
+_RTN_KINDS = ("int4", "nf4", "fp8")  # the kinds quantize_rtn writes (fp4 weights come from bitsandbytes checkpoints)
 _FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
@@ -42,8 +43,8 @@ def _check_rtn(where, weight, kind, group_size, symmetric, dtype):
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         raise TypeError(f"{where}: weight must be a floating-point [N, K] tensor, got "
                         f"{getattr(weight, 'dtype', type(weight).__name__)} {list(getattr(weight, 'shape', []))}")
-    if kind not in KINDS:
-        raise ValueError(f"{where}: kind must be one of {KINDS}, got {kind!r}")
+    if kind not in _RTN_KINDS:
+        raise ValueError(f"{where}: kind must be one of {_RTN_KINDS}, got {kind!r}")
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise TypeError(f"{where}: group_size must be an int, got {type(group_size).__name__}")
     if not isinstance(symmetric, bool):
@@ -114,7 +115,7 @@ def _fp8_rtn(w: torch.Tensor, block: int, dtype: torch.dtype) -> QuantizedWeight
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W.T + bias with W stored as a QuantizedWeight (int4, nf4 or fp8); forward is
+    """y = x @ W.T + bias with W stored as a QuantizedWeight (int4, nf4, fp4 or fp8); forward is
     `tigon.ops.quant_linear.quant_linear`. The output takes x's dtype, as nn.Linear's does; `dtype` is the
     activation dtype the weight was made for (what `quantized_weight` reports to callers without an input).
 
