@@ -9,7 +9,7 @@
 #                                             rms-norm-hidden quant-read-floor
 #
 #   tests       the README's test command, natively: python -m pytest tests -v -n TEST_WORKERS (12) under TESTS_CAP_S
-#               (540 s), on a machine of several GPUs one such process a GPU over a share of the test files;
+#               (565 s), on a machine of several GPUs one such process a GPU over a share of the test files;
 #               failures named as they happen (tests.log; the run log gets them and the summary), each one's
 #               traceback in failures.log as it happens (copied into RESULTS_DIR every 15 s while the tests run);
 #               TESTS="tests/memory tests/test_optim.py" runs those paths instead of the whole suite
@@ -67,7 +67,7 @@
 #               tune --ops qk_norm_rope: the QKNormRopeConfig sweep (<gpu>_qk_norm_rope_tune.json)
 #
 # <gpu> is the GPU's short name ("h200"), as in benchmarks/results/<gpu>.md, whose tables these files refresh.
-# RESULTS_DIR is the folder it writes (default ./tigon-bench-results). BUDGET_S bounds the whole run (default 570 s).
+# RESULTS_DIR is the folder it writes (default ./tigon-bench-results). BUDGET_S bounds the whole run (default 585 s).
 # DECODE_VARIANTS overrides the decode step's variants.
 # Each benchmark runs as `python3 -m benchmarks NAME` from the tree's root (`python3 -m benchmarks --list` names them).
 # BASELINE=DIR (a tree with src/ and benchmarks/ of another commit) adds, to decode, decode-8b and e2e, a run of that
@@ -81,7 +81,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS="${RESULTS_DIR:-$PWD/tigon-bench-results}"
-BUDGET="${BUDGET_S:-570}"
+BUDGET="${BUDGET_S:-585}"
 mkdir -p "$RESULTS"
 LOG="$RESULTS/run.log"
 : >"$LOG"
@@ -165,7 +165,7 @@ export T
 for s in "$@"; do
     case "$s" in
         tests) (while sleep 15; do cp "$T/failures.log" "$RESULTS/failures.log" 2>/dev/null; done) & mirror=$!
-               step tests "${TESTS_CAP_S:-540}" bash -c run_tests
+               step tests "${TESTS_CAP_S:-565}" bash -c run_tests
                kill "$mirror" 2>/dev/null; rm -f "$RESULTS/failures.log"; keep "$T/failures.log" failures.log
                cat "$T"/tests_gpu*.log >"$T/tests.log" 2>/dev/null
                # -v: each failure's name is in the log as it happens, so a run cut off by its limit still names them
