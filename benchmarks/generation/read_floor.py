@@ -35,9 +35,14 @@ def words(qw) -> torch.Tensor:
     return flat[: flat.numel() // 4 * 4].view(torch.int32)
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether the probe's Triton kernel can take tensors on `device`: a GPU, or any device under the interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def read_xors(w: torch.Tensor, block: int, steps: int, warps: int) -> torch.Tensor:
     """Each program's XOR of its words: the kernel's output, for checking it read them all."""
-    if w.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not runs_on(w.device):
         raise ValueError(f"read_xors: w must be a CUDA tensor (or Triton's interpreter on), got one on {w.device}")
     n = w.numel()
     programs = triton.cdiv(n, block * steps)
