@@ -38,11 +38,16 @@ def reference_path(monkeypatch):
     monkeypatch.setattr(_library, "use_kernels", lambda op, x: _library.record(op, "reference") or False)
 
 
-def _quantized(model_type, fmt, **overrides):
+def _tiny(model_type, **overrides):
+    """A tiny random-init model on SDPA that generates every token asked for (no eos)."""
     model = tiny_model(model_type, attn_implementation="sdpa", **overrides).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return quantize(model, fmt, group_size=32)
+    return model
+
+
+def _quantized(model_type, fmt, **overrides):
+    return quantize(_tiny(model_type, **overrides), fmt, group_size=32)
 
 
 def _greedy(model, ids, new, **kw):
@@ -399,9 +404,7 @@ def _stand_in(fmt, n, k, seed):
 def _checkpoint(fmt, odd=None):
     """A tiny Llama whose projections are `fmt` stand-ins (distinct codes for each), as a loader builds them;
     `odd` {projection name: module} puts other modules in their place."""
-    model = tiny_model("llama", attn_implementation="sdpa").eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
+    model = _tiny("llama")
     for i in range(LAYERS):
         for j, proj in enumerate(PROJECTIONS):
             name = f"model.layers.{i}.{'self_attn' if j < 4 else 'mlp'}.{proj}"  # q, k, v, o first
