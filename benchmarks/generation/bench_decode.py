@@ -915,7 +915,7 @@ def _targets_quant(rows, r):
     if ref:
         ratio = _ttft(r) / _ttft(ref)
         out.append((f"tigon {fmt} {at} TTFT <= {t['ttft_over_bf16']:g}x the bf16 model's (tigon-bf16)",
-                    f"{ratio:.2f}x ({_ttft(r):.1f} vs {_ttft(ref):.1f} ms)", ratio <= t["ttft_over_bf16"]))
+                    f"{ratio:.3f}x ({_ttft(r):.2f} vs {_ttft(ref):.2f} ms)", ratio <= t["ttft_over_bf16"]))
     one = next((x for x in rows if x["variant"] == "tigon" and x["batch"] == 1 and x["prompt"] == r["prompt"]
                 and x.get("model") == r.get("model") and x.get("weights") == fmt and "p50_ms" in x), None)
     if r["batch"] == 8 and one:

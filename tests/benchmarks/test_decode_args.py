@@ -354,7 +354,7 @@ def test_quantized_targets_and_tables(core):
     rows.append(bf16)
     checks = {t: (v, ok) for t, v, ok in core.targets(rows)}
     assert checks["tigon int4 batch 1 prompt 512 TTFT <= 1.3x the bf16 model's (tigon-bf16)"] == (
-        "1.27x (19.0 vs 15.0 ms)", True)
+        "1.267x (19.00 vs 15.00 ms)", True)
     assert not any("bf16 model's" in t and "batch 8" in t for t in checks)  # its row is at batch 1 only
     assert checks["tigon int4 batch 1 prompt 512 p50 >= 1.5x torchao int4 + torch.compile"] == ("x2.00", True)
     assert not any("torchao" in t and "batch 8" in t for t in checks)  # no torchao row at batch 8
