@@ -14,7 +14,8 @@ import time
 import torch
 
 import tigon
-from benchmarks.generation.bench_decode import DEFAULT_MODEL, MODELS, build
+from benchmarks.generation.bench_decode import MODELS, build
+from benchmarks.generation.decode_report import DEFAULT_MODEL
 
 
 def main(argv=None):

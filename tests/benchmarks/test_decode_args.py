@@ -1,13 +1,15 @@
-"""benchmarks/generation/bench_decode.py's CPU-checkable parts at the Llama-3-8B shape: the model and prompt options,
-the plan, the weight + KV read bound's arithmetic (against the parameters of the models it describes, built on the meta
-device) and the 8B targets; and of quantized weights (--weights, the 70B shape): the plan, the bound's bytes against
-tigon.quantize's own QuantizedWeight.nbytes, the layer-by-layer build, the fidelity arithmetic, the targets and tables,
-and a --quick run of int4 and fp8. The timing needs a GPU (benchmarks/run_gpu.sh decode-8b)."""
+"""benchmarks/generation/bench_decode.py's and decode_report.py's CPU-checkable parts at the Llama-3-8B shape: the
+model and prompt options, the plan, the weight + KV read bound's arithmetic (against the parameters of the models it
+describes, built on the meta device) and the 8B targets; and of quantized weights (--weights, the 70B shape): the plan,
+the bound's bytes against tigon.quantize's own QuantizedWeight.nbytes, the layer-by-layer build, the fidelity
+arithmetic, the targets and tables, and a --quick run of int4 and fp8. The timing needs a GPU (benchmarks/run_gpu.sh
+decode-8b)."""
 
 import pytest
 import torch
 
 from benchmarks.generation import bench_decode, bench_hf_generate
+from benchmarks.generation import decode_report as report
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def _param_bytes_without_input_embedding(cfg, dtype_bytes, monkeypatch):
 @pytest.mark.parametrize("name", ["llama-1.5b", "llama3-8b", "toy"])
 def test_weight_bytes_are_the_models_parameters(core, name, monkeypatch):
     cfg = core.TOY if name == "toy" else core.MODELS[name]
-    assert core.weight_read_bytes(cfg, 2) == _param_bytes_without_input_embedding(cfg, 2, monkeypatch)
+    assert report.weight_read_bytes(cfg, 2) == _param_bytes_without_input_embedding(cfg, 2, monkeypatch)
 
 
 def test_the_8b_shape_and_its_bound(core):
@@ -39,19 +41,19 @@ def test_the_8b_shape_and_its_bound(core):
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
             cfg["num_key_value_heads"], cfg["vocab_size"], cfg["rope_theta"]) == (
         4096, 14336, 32, 32, 8, 128256, 500000.0)
-    weights = core.weight_read_bytes(cfg, 2)
+    weights = report.weight_read_bytes(cfg, 2)
     # Llama-3-8B: 8.03 B parameters, 525 M of them the input embedding, read 2 bytes each.
     assert weights == pytest.approx(2 * (8.03e9 - 128256 * 4096), rel=2e-3)
     per_token = 32 * 2 * 8 * 128 * 2  # layers, K and V, KV heads, head dim, bf16: 128 KiB a cached token
     # 255 decode steps after a 512-token prompt attend over 513 .. 767 tokens: 640 on average.
-    assert core.kv_read_bytes(cfg, 1, 512, 256, None, 2) == per_token * 640
-    assert core.kv_read_bytes(cfg, 8, 8192, 256, None, 2) == 8 * per_token * (8192 + 128)
-    assert core.kv_read_bytes(cfg, 1, 4096, 256, 1024, 2) == per_token * 1024  # the window caps the context
+    assert report.kv_read_bytes(cfg, 1, 512, 256, None, 2) == per_token * 640
+    assert report.kv_read_bytes(cfg, 8, 8192, 256, None, 2) == 8 * per_token * (8192 + 128)
+    assert report.kv_read_bytes(cfg, 1, 4096, 256, 1024, 2) == per_token * 1024  # the window caps the context
     mean = sum(min(1000 + j, 1024) for j in range(1, 51)) / 50  # 1001 .. 1024, then the window's 1024
-    assert core.kv_read_bytes(cfg, 1, 1000, 51, 1024, 2) == pytest.approx(per_token * mean)
+    assert report.kv_read_bytes(cfg, 1, 1000, 51, 1024, 2) == pytest.approx(per_token * mean)
     row = dict(variant="tigon", family="llama", batch=1, prompt=512, new=256, window=None, quick=False,
                device="cuda", model="llama3-8b", p50_ms=5.0)
-    got = core.read_bound(row, copy_GBps=4000.0)
+    got = report.read_bound(row, cfg, copy_GBps=4000.0)
     assert got["weight_read_bytes"] == weights and got["kv_read_bytes"] == per_token * 640
     assert got["bound_ms"] == pytest.approx((weights + per_token * 640) / 4e12 * 1e3)
     assert got["pct_of_bound"] == pytest.approx(100 * got["bound_ms"] / 5.0)
@@ -82,7 +84,7 @@ def test_model_and_prompt_options_and_the_plan(core):
     assert core.plan(["tigon"], [1], 512, 8, quick=False, device="cuda")[0]["model"] == "llama-1.5b"
     with pytest.raises(SystemExit, match="unknown model 'llama-70b'"):
         core.plan(["tigon"], [1], 512, 8, quick=False, device="cuda", model="llama-70b")
-    names = {core._model_name(dict(s, quick=False)) for s in specs}
+    names = {report._model_name(dict(s, quick=False)) for s in specs}
     assert names == {"llama3-8b", "mistral-8b-swa1024"}
     skipped = core.run_plan(specs[:2], budget_s=0, log=lambda s: None)  # the 8B rows' guessed need, nothing runs
     assert all(r["skipped"].startswith("time budget") for r in skipped)
@@ -94,12 +96,12 @@ def test_the_8b_targets_and_the_bound_section(core):
                  device="cuda", model="llama3-8b", ttft_ms=ttft, ttft_median_ms=ttft_median, ttft_repeats_ms=[],
                  p50_ms=p50, p99_ms=1.05 * p50, mean_ms=p50, tokens_per_s=batch / p50 * 1e3, wall_ms_per_step=p50,
                  peak_gib=20.0, cuda_graph=variant == "tigon")
-        r.update(core.read_bound(r, copy_GBps=4200.0))
+        r.update(report.read_bound(r, core.model_config(r), copy_GBps=4200.0))
         return r
 
     rows = [row("hf-static-compile", 1, 512, 7.3, 36.5), row("tigon", 1, 512, 4.2, 30.0, ttft_median=28.0),
             row("hf-static-compile", 1, 8192, 9.0, 400.0), row("tigon", 1, 8192, 5.0, 350.0)]
-    checks = {t: (v, ok) for t, v, ok in core.targets(rows)}
+    checks = {t: (v, ok) for t, v, ok in report.targets(rows)}
     bound = rows[1]["bound_ms"]
     assert checks["tigon batch 1 prompt 512 >= 85% of the weight + KV read bound"] == (
         f"{100 * bound / 4.2:.1f}% ({bound:.3f} of 4.200 ms)", 100 * bound / 4.2 >= 85)
@@ -111,12 +113,12 @@ def test_the_8b_targets_and_the_bound_section(core):
     assert checks["tigon batch 1 prompt 512 p99 <= 1.1x p50"] == ("1.050x", True)
     assert not any("<= 1.0 ms/step" in t for t in checks)  # the 1.5B's targets stay off the 8B rows
     ceiling = dict(GBps=4200.0, bytes=4 * 2**30, ms=1.0, how="2048 MiB copy, do_bench median")
-    md = core.markdown(rows, dict(copy_ceiling=ceiling))
+    md = report.markdown(rows, dict(copy_ceiling=ceiling))
     section = md.split("### Weight + KV read bound")[1]
     assert "Copy ceiling 4200 GB/s (2048 MiB copy, do_bench median" in section
     assert f"| llama3-8b | tigon | 1 | 8192 | {rows[3]['weight_read_bytes'] / 1e6:.1f} |" in section
     assert "| llama3-8b | tigon | 1 | 512 | 256 | 30.0 | 28.0 | 4.200 |" in md
-    assert "### Weight + KV read bound" not in core.markdown(rows, {})  # no ceiling measured, no section
+    assert "### Weight + KV read bound" not in report.markdown(rows, {})  # no ceiling measured, no section
 
 
 def test_ttft_after_idle_is_planned_checked_and_reported(core):
@@ -137,21 +139,21 @@ def test_ttft_after_idle_is_planned_checked_and_reported(core):
         return r
 
     rows = [row("hf-static-compile", 250.0, [240.0, 245.0, 246.0]), row("tigon", 205.0, [192.0, 194.0, 196.0])]
-    checks = {t: (v, ok) for t, v, ok in core.targets(rows)}
+    checks = {t: (v, ok) for t, v, ok in report.targets(rows)}
     assert checks["tigon batch 1 prompt 8192 TTFT <= 0.8x hf-static-compile's"] == ("0.82x (205.0 vs 250.0 ms)",
                                                                                     False)
     assert checks["tigon batch 1 prompt 8192 TTFT after 1 s idle <= 0.8x hf-static-compile's"] == (
         "0.79x (194.0 vs 245.0 ms)", True)
-    md = core.markdown(rows, {})
+    md = report.markdown(rows, {})
     assert "| llama3-8b | tigon | 1 | 8192 | 205.0 | 192.0, 194.0, 196.0 | 194.0 |" in md
     rows[0].pop("ttft_idle_median_ms")
-    assert not any("idle" in t for t, _, _ in core.targets(rows))  # one side without it: no ratio
+    assert not any("idle" in t for t, _, _ in report.targets(rows))  # one side without it: no ratio
     with pytest.raises(SystemExit, match="--ttft-idle must be >= 0"):
         core.main(["--quick", "--ttft-idle", "-1"])
 
 
 def test_copy_ceiling_on_the_cpu_is_the_arithmetic(core):
-    got = core.copy_ceiling("cpu", quick=True)
+    got = report.copy_ceiling("cpu", quick=True)
     assert got["bytes"] == 2 * 2 * (1 << 24) and got["ms"] > 0
     assert got["GBps"] == pytest.approx(got["bytes"] / (got["ms"] * 1e-3) / 1e9)
     assert got["how"].startswith("32 MiB copy")
@@ -173,7 +175,7 @@ def test_cli_forwards_the_model_and_checks_prompts(capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy ceiling of a GPU")
 def test_copy_ceiling_on_a_gpu(core):
-    got = core.copy_ceiling("cuda", quick=False)
+    got = report.copy_ceiling("cuda", quick=False)
     assert got["bytes"] == 4 * 2**30 and got["how"] == "2048 MiB copy, do_bench median"
     assert 100 < got["GBps"] < 20000  # a sanity range for HBM (the H200's is ~4.2 TB/s by the ops benchmarks)
 
@@ -216,10 +218,10 @@ def test_weights_option_and_the_quantized_plan(core):
         core.plan(["tigon"], [1], [512], 8, quick=False, device="cuda", model="llama3-70b")
     with pytest.raises(SystemExit, match="runs the Llama variants only"):
         core.plan(["swa-tigon"], [1], [512], 8, quick=False, device="cuda", model="llama3-70b", weights="int4")
-    ao = core.plan(["tigon", core.TORCHAO_VARIANT], [1], [512], 8, quick=False, device="cuda", model="llama3-8b",
+    ao = core.plan(["tigon", report.TORCHAO_VARIANT], [1], [512], 8, quick=False, device="cuda", model="llama3-8b",
                    weights="int4")
     assert [(s["variant"], s["weights"], s["group_size"]) for s in ao] == [("tigon", "int4", 128),
-                                                                           (core.TORCHAO_VARIANT, "int4", 128)]
+                                                                           (report.TORCHAO_VARIANT, "int4", 128)]
     ref = core.plan(["tigon", "tigon-bf16@1"], [1, 8], [512], 8, quick=False, device="cuda", model="llama3-8b",
                     weights="fp8")
     assert [(s["variant"], s["batch"], s.get("weights")) for s in ref] == [("tigon", 1, "fp8"), ("tigon", 8, "fp8"),
@@ -230,14 +232,14 @@ def test_weights_option_and_the_quantized_plan(core):
         core.plan(["tigon-bf16"], [1], [512], 8, quick=False, device="cuda", model="llama3-70b", weights="int4")
     for fmt in ("bf16", "fp8"):
         with pytest.raises(SystemExit, match="torchao's int4 weight-only model: pass --weights int4"):
-            core.plan([core.TORCHAO_VARIANT + "@1"], [1], [512], 8, quick=False, device="cuda", weights=fmt)
+            core.plan([report.TORCHAO_VARIANT + "@1"], [1], [512], 8, quick=False, device="cuda", weights=fmt)
     with pytest.raises(SystemExit, match="unknown weights 'int8'"):
         core.plan(["tigon"], [1], [512], 8, quick=False, device="cuda", weights="int8")
     cfg = core.MODELS["llama3-70b"]
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
             cfg["num_key_value_heads"]) == (8192, 28672, 80, 64, 8)
     assert core.prompt_lengths(None, None, "llama3-70b", quick=False) == [512]
-    assert core._model_name(dict(big[0], quick=False)) == "llama3-70b int4"
+    assert report._model_name(dict(big[0], quick=False)) == "llama3-70b int4"
 
 
 @pytest.mark.parametrize("fmt", ["int4", "nf4", "fp8"])
@@ -253,43 +255,43 @@ def test_quantized_bytes_are_quantize_rtns_nbytes(core, fmt, dtype):
     model = LlamaForCausalLM(LlamaConfig(**core.TOY)).to(dtype)
     core.quantize_model(model, dict(weights=fmt, group_size=core.QUICK_GROUP_SIZE))
     nbytes = torch.finfo(dtype).bits // 8
-    want = core.quantized_read_bytes(core.TOY, fmt, core.QUICK_GROUP_SIZE, nbytes)
-    assert core.projection_bytes(model) + core.unquantized_read_bytes(core.TOY, nbytes) == want
+    want = report.quantized_read_bytes(core.TOY, fmt, core.QUICK_GROUP_SIZE, nbytes)
+    assert core.projection_bytes(model) + report.unquantized_read_bytes(core.TOY, nbytes) == want
     n, k = (40, 72) if fmt == "fp8" else (40, 96)
     qw = quantize_rtn(torch.randn(n, k, dtype=dtype), fmt, 32 if fmt != "fp8" else 32)
-    assert qw.nbytes == core.quantized_weight_bytes(n, k, fmt, 32, nbytes)
+    assert qw.nbytes == report.quantized_weight_bytes(n, k, fmt, 32, nbytes)
     if fmt == "fp8":  # per output channel
-        assert quantize_rtn(torch.randn(n, k), fmt, 0).nbytes == core.quantized_weight_bytes(n, k, fmt, 0, 4)
+        assert quantize_rtn(torch.randn(n, k), fmt, 0).nbytes == report.quantized_weight_bytes(n, k, fmt, 0, 4)
 
 
 def test_the_quantized_bounds_at_8b_and_70b(core):
     cfg8, cfg70 = core.MODELS["llama3-8b"], core.MODELS["llama3-70b"]
     params = 32 * (4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336)  # the 8B's projections
     rest = 2 * (32 * 2 * 4096 + 4096 + 128256 * 4096)  # norms and the lm_head in bf16
-    assert core.unquantized_read_bytes(cfg8, 2) == rest
-    int4 = core.quantized_read_bytes(cfg8, "int4", 128, 2)
+    assert report.unquantized_read_bytes(cfg8, 2) == rest
+    int4 = report.quantized_read_bytes(cfg8, "int4", 128, 2)
     assert int4 == params // 2 + 2 * params // 128 + rest
     assert int4 == pytest.approx(4.6e9, rel=0.02)  # issue 42: ~4.6 GB a step with the scales and the bf16 lm_head
-    nf4 = core.quantized_read_bytes(cfg8, "nf4", 64, 2)
+    nf4 = report.quantized_read_bytes(cfg8, "nf4", 64, 2)
     assert nf4 - int4 == 2 * params // 128  # twice the scales
     blocks = 32 * (32 * 32 + 2 * 8 * 32 + 32 * 32 + 3 * 112 * 32)  # 128 x 128 blocks of q, k, v, o, gate, up, down
-    fp8 = core.quantized_read_bytes(cfg8, "fp8", 128, 2)
+    fp8 = report.quantized_read_bytes(cfg8, "fp8", 128, 2)
     assert fp8 == params + 4 * blocks + rest and fp8 == pytest.approx(8.1e9, rel=0.015)  # issue 42: ~8.1 GB
-    int4_70 = core.quantized_read_bytes(cfg70, "int4", 128, 2)
+    int4_70 = report.quantized_read_bytes(cfg70, "int4", 128, 2)
     assert int4_70 == pytest.approx(37.40e9, rel=1e-3)  # 68.45 B projection weights at 4.125 bits + 2.1 GB bf16
     ring = 32768 * 80 * 2 * 8 * 128 * 2  # the 32K ring's keys and values in bf16: 10.7 GB
     assert int4_70 + ring < 80e9
 
     row = dict(variant="tigon", family="llama", batch=1, prompt=512, new=256, window=None, quick=False,
                device="cuda", model="llama3-8b", p50_ms=1.5, weights="int4", group_size=128)
-    kv = core.kv_read_bytes(cfg8, 1, 512, 256, None, 2)
-    got = core.read_bound(row, copy_GBps=4000.0)  # no measured bytes: the count
+    kv = report.kv_read_bytes(cfg8, 1, 512, 256, None, 2)
+    got = report.read_bound(row, cfg8, copy_GBps=4000.0)  # no measured bytes: the count
     assert got["weight_read_bytes"] == int4 and got["kv_read_bytes"] == kv
     assert got["bound_ms"] == pytest.approx((int4 + kv) / 4e12 * 1e3)
     assert got["pct_of_bound"] == pytest.approx(100 * got["bound_ms"] / 1.5)
-    bf16 = core.read_bound({k: v for k, v in row.items() if k not in ("weights", "group_size")}, 4000.0)
+    bf16 = report.read_bound({k: v for k, v in row.items() if k not in ("weights", "group_size")}, cfg8, 4000.0)
     assert got["bf16_bound_ms"] == bf16["bound_ms"] and "bf16_bound_ms" not in bf16
-    measured = core.read_bound(dict(row, projection_bytes=3_000_000_000), 4000.0)
+    measured = report.read_bound(dict(row, projection_bytes=3_000_000_000), cfg8, 4000.0)
     assert measured["weight_read_bytes"] == 3_000_000_000 + rest  # the model's own QuantizedWeight.nbytes win
 
 
@@ -342,17 +344,17 @@ def test_quantized_targets_and_tables(core):
                  device="cuda", model="llama3-8b", weights="int4", group_size=128, ttft_ms=20.0, ttft_median_ms=19.0,
                  ttft_repeats_ms=[19.0], p50_ms=p50, p99_ms=1.05 * p50, mean_ms=p50, tokens_per_s=batch / p50 * 1e3,
                  wall_ms_per_step=p50, peak_gib=8.0, cuda_graph=variant == "tigon", **extra)
-        r.update(core.read_bound(r, copy_GBps=4200.0))
+        r.update(report.read_bound(r, core.model_config(r), copy_GBps=4200.0))
         return r
 
     rows = [row("hf-static-compile", 1, 4.5, hf_path="static cache + torch.compile"),
             row("tigon", 1, 1.35, fused_layers=[32, 32]), row("tigon", 8, 1.9, fused_layers=[32, 32]),
-            row(core.TORCHAO_VARIANT, 1, 2.7, hf_path="static cache + torch.compile")]
+            row(report.TORCHAO_VARIANT, 1, 2.7, hf_path="static cache + torch.compile")]
     bf16 = row("tigon-bf16", 1, 2.4)
     del bf16["weights"], bf16["group_size"]
     bf16.update(ttft_median_ms=15.0)
     rows.append(bf16)
-    checks = {t: (v, ok) for t, v, ok in core.targets(rows)}
+    checks = {t: (v, ok) for t, v, ok in report.targets(rows)}
     assert checks["tigon int4 batch 1 prompt 512 TTFT <= 1.3x the bf16 model's (tigon-bf16)"] == (
         "1.267x (19.00 vs 15.00 ms)", True)
     assert not any("bf16 model's" in t and "batch 8" in t for t in checks)  # its row is at batch 1 only
@@ -369,7 +371,7 @@ def test_quantized_targets_and_tables(core):
     ceiling = dict(GBps=4200.0, bytes=4 * 2**30, ms=1.0, how="2048 MiB copy, do_bench median")
     fid = dict(core.fidelity_spec("llama3-8b", "int4", False, "cuda"), kl_mean=0.0123, kl_max=0.05,
                top1_agreement=0.9375, positions=512)
-    md = core.markdown(rows, dict(copy_ceiling=ceiling, fidelity=fid))
+    md = report.markdown(rows, dict(copy_ceiling=ceiling, fidelity=fid))
     assert "| llama3-8b int4 | tigon | 1 | 512 | 256 | 20.0 | 19.0 | 1.350 |" in md
     section = md.split("### Weight + KV read bound")[1]
     assert "bf16 bound ms/step |" in section and f"{rows[1]['bf16_bound_ms']:.3f} |" in section
@@ -378,13 +380,13 @@ def test_quantized_targets_and_tables(core):
     assert "### Fidelity: int4 weights against the bf16 model" in md
     assert "| llama3-8b | int4 | 128 | 512 | 0.0123 | 0.05 | 93.8% |" in md
     skipped = dict(core.fidelity_spec("llama3-8b", "int4", False, "cuda"), skipped="time budget: 3 s left")
-    assert "### Fidelity: int4 weights against the bf16 model\n\nnot measured: time budget: 3 s left" in core.markdown(
-        rows, dict(fidelity=skipped))
+    md_skipped = report.markdown(rows, dict(fidelity=skipped))
+    assert "### Fidelity: int4 weights against the bf16 model\n\nnot measured: time budget: 3 s left" in md_skipped
     plain = [{k: v for k, v in r.items() if k not in ("weights", "group_size", "hf_path", "fused_layers")}
              for r in rows]
     for r in plain:
-        r.update(core.read_bound(r, copy_GBps=4200.0))
-    md = core.markdown(plain, dict(copy_ceiling=ceiling))
+        r.update(report.read_bound(r, core.model_config(r), copy_GBps=4200.0))
+    md = report.markdown(plain, dict(copy_ceiling=ceiling))
     assert "bf16 bound" not in md and "Fidelity" not in md and "QuantLinear" not in md  # bf16 tables as before
     assert core.hf_path({}, False) == "dynamic cache, eager"
     assert core.hf_path({"cache_implementation": "static"}, False).startswith("static cache, eager")
@@ -406,7 +408,7 @@ def test_quick_quantized_run(core, tmp_path, model, fmt, variants):
     result = json.loads((out / "decode.json").read_text())
     rows, meta = result["rows"], result["meta"]
     assert [r.get("error") for r in rows] == [None] * len(variants.split(","))
-    nbytes = core.quantized_read_bytes(core.TOY, fmt, core.QUICK_GROUP_SIZE, 4) - core.unquantized_read_bytes(
+    nbytes = report.quantized_read_bytes(core.TOY, fmt, core.QUICK_GROUP_SIZE, 4) - report.unquantized_read_bytes(
         core.TOY, 4)
     for r in rows:
         if r["variant"] == "tigon-bf16":  # the same model left in bf16: the quantized rows' TTFT reference

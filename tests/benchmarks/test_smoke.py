@@ -10,6 +10,7 @@ import torch
 
 from benchmarks.generation import bench_decode as core
 from benchmarks.generation import decode_profile as profiling
+from benchmarks.generation import decode_report as report
 from benchmarks.generation import sdpa_new_shapes
 from benchmarks.ops import gpu_check
 from benchmarks.tools import checkout, render_table
@@ -115,7 +116,7 @@ def test_decode_groups_cover_every_variant(harness):
     # are checked in tests/benchmarks/test_decode_args.py, its run on the GPU (run_gpu.sh decode-int4); tigon-bf16
     # runs beside quantized rows only (test_decode_args.py::test_quick_quantized_run)
     grouped = [v for variants, _ in DECODE_GROUPS.values() for v in variants]
-    assert sorted(grouped + [core.TORCHAO_VARIANT, "tigon-bf16"]) == sorted(core.VARIANTS)
+    assert sorted(grouped + [report.TORCHAO_VARIANT, "tigon-bf16"]) == sorted(core.VARIANTS)
 
 
 @pytest.mark.parametrize("group", list(DECODE_GROUPS))
@@ -204,10 +205,10 @@ def test_decode_bench_profile_section_with_failed_rows(harness):
 
     failed = dict(model="llama-1.5b", family="llama", quick=False, window=None, variant="tigon", batch=1, prompt=8,
                   profile=True, error="ModuleNotFoundError")
-    assert core.profile_lines([failed]) == []
+    assert report.profile_lines([failed]) == []
     broken = dict(failed, profile=dict(error="RuntimeError: no trace"))
     del broken["error"]
-    lines = core.profile_lines([failed, broken])
+    lines = report.profile_lines([failed, broken])
     assert any("profile failed: RuntimeError: no trace" in line for line in lines)
 
 
@@ -291,7 +292,7 @@ def test_decode_bench_budget_skips_and_targets(harness):
     specs = core.plan(["tigon", "hf-static-compile"], [1, 8], 512, 256, quick=False, device="cuda")
     rows = core.run_plan(specs, budget_s=0, log=lambda s: None)  # nothing fits: no process is started
     assert len(rows) == 4 and all(r["skipped"].startswith("time budget") for r in rows)
-    md = core.markdown(rows, {})
+    md = report.markdown(rows, {})
     assert "Skipped for the time budget: tigon b1, tigon b8" in md
     swa = core.plan(["tigon", "swa-tigon"], [1, 8], 512, 256, quick=False, device="cuda", swa_batches=[1])
     assert [(s["variant"], s["batch"], s["prompt"], s["window"]) for s in swa] == [
@@ -305,17 +306,17 @@ def test_decode_bench_budget_skips_and_targets(harness):
     rows = [row("hf-static-compile", 1, 2.7, 3.5), row("tigon", 1, 0.9, 1.0, ttft=12.0), row("tigon", 8, 1.5, 1.6),
             row("swa-tigon", 1, 1.04, 1.1, family="mistral", window=1024, prompt=4096),
             row("swa-tigon-full", 1, 1.0, 1.05, family="mistral", prompt=4096)]
-    verdict = {t: ok for t, _, ok in core.targets(rows)}
+    verdict = {t: ok for t, _, ok in report.targets(rows)}
     assert verdict["tigon batch 1 p50 <= 1.0 ms/step"] and not verdict["tigon batch 8 p50 <= 1.4 ms/step"]
     assert verdict["tigon batch 1 TTFT <= 15 ms (prompt 512)"]
     assert verdict["batch 1: ring past capacity p50 <= 1.05x full cache"]
-    md = core.markdown(rows, {})
+    md = report.markdown(rows, {})
     assert "| llama-1.5b | tigon | 1 | 512 | 256 | 12.0 | - | 0.900 |" in md and "x3.00 |" in md
     # With prefill-only repeats the target reads their median, not the single timed call.
     rows[1].update(ttft_ms=40.0, ttft_median_ms=14.0, ttft_repeats_ms=[13.0, 14.0, 14.5, 15.5, 30.0])
-    checks = {t: (v, ok) for t, v, ok in core.targets(rows)}
+    checks = {t: (v, ok) for t, v, ok in report.targets(rows)}
     assert checks["tigon batch 1 TTFT <= 15 ms (prompt 512)"] == ("14.0 ms (median of 5 prefill-only calls)", True)
-    assert "| 40.0 | 14.0 | 0.900 |" in core.markdown(rows, {})
+    assert "| 40.0 | 14.0 | 0.900 |" in report.markdown(rows, {})
 
 
 def test_training_step_kernel_table_keeps_every_kernel_over_the_threshold_by_bucket(harness):
