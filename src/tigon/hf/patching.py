@@ -3,21 +3,22 @@ registry.py. Call `tigon.patch` / `tigon.unpatch` (tigon/__init__.py): they run 
 on a model instance, also install (and remove) the fused decode layer step, which these two do not.
 
 Two targets:
-- a model instance, and only that instance: its norm and MLP submodules are replaced by Tigon modules that
+- a model instance, and only that instance (here): its norm and MLP submodules are replaced by Tigon modules that
   share the same Parameters (weights, state_dict keys, device and dtype unchanged), its attention modules run
   Tigon's RoPE (tigon.hf.instance_forward.route_rope) and its forward gets the fused loss. Another model of the same
   class is not affected; the record of what was replaced lives on the instance, so copy.deepcopy and
-  torch.save of a patched model give a patched model, and tigon.unpatch() of the copy restores the copy only;
-- a model_type: the family's modeling module gets Tigon classes and functions, so models built afterwards
-  (from_pretrained, from_config) come up fused. The replacement classes take the constructor arguments of
-  the classes they replace.
-Both are idempotent and fully reversible: every replacement is recorded with what it replaced.
+  torch.save of a patched model give a patched model, and tigon.unpatch() of the copy restores the copy only.
+  Its memory options (offload_checkpoints, tile_mlp, keep_activations) are checked and installed by
+  memory_patch.py;
+- a model_type (class_patch.py): the family's modeling module gets Tigon classes and functions, so models built
+  afterwards (from_pretrained, from_config) come up fused. The replacement classes take the constructor arguments
+  of the classes they replace.
+Both are idempotent and fully reversible: every replacement is recorded with what it replaced, and _restore here
+puts back either kind.
 """
 
 import collections
 import dataclasses
-import functools
-import importlib
 import inspect
 from typing import TYPE_CHECKING, Literal
 
@@ -25,30 +26,20 @@ import torch
 
 from .. import _log
 from ..memory import (
-    auto_kept_activations,
-    auto_offload,
     checkpoint_offload_installed,
-    install_auto_kept_activations,
-    install_auto_offload,
-    install_checkpoint_offload,
-    install_kept_activations,
-    install_tiled_mlp,
     tiled_mlp_installed,
-    uninstall_auto_kept_activations,
-    uninstall_auto_offload,
     uninstall_checkpoint_offload,
     uninstall_kept_activations,
     uninstall_tiled_mlp,
-)
-from ..memory import (
-    plan as memory_plan,
 )
 from . import attention as tigon_attention
 from . import (
     attention_table,
     causal_lm,
+    class_patch,
     forward_source,
     instance_forward,
+    memory_patch,
     qk_norm_rope_forward,
     registry,
     rope_routing,
@@ -63,11 +54,8 @@ from .unwrap import unwrap_model
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-_CLASS_UNDO: dict = {}  # model_type -> [(owner, attribute, original)]
 # The undo record's attribute name for the experts implementation: original is get_experts_implementation()'s dict
 _EXPERTS = "experts_implementation"
-
-_PATCHED_CLASSES: dict = {}  # (model_type, HF class name) -> Tigon class built for it
 
 
 @dataclasses.dataclass
@@ -98,213 +86,6 @@ class PatchReport:
         rows += [f"  memory plan: {self.memory_plan}"] if self.memory_plan else []
         rows += [f"  skipped: {piece}: {reason}" for piece, reason in self.skipped]
         return "\n".join(rows)
-
-
-def _stand_in(hf_cls, build):
-    """A class to put in place of `hf_cls` in its modeling module: called with exactly the arguments `hf_cls`
-    takes (its signature: positional and keyword names, defaults), it returns `build(bound arguments, args,
-    kwargs)`, a Tigon module, or the HF one where Tigon's would differ. No instance of the stand-in is ever made,
-    so models built with it hold plain Tigon modules, which deep-copy and pickle like any module."""
-    signature = inspect.signature(hf_cls)
-
-    def __new__(cls, *args, **kwargs):
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"{hf_cls.__name__}{signature}: {e}") from None
-        bound.apply_defaults()
-        return build(bound.arguments, args, kwargs)
-
-    return type(f"Tigon{hf_cls.__name__}", (torch.nn.Module,), {
-        "__new__": __new__, "__signature__": signature, "__tigon__": True, "__module__": __name__,
-        "__doc__": f"Builds Tigon's module where {hf_cls.__module__}.{hf_cls.__name__} was built."})
-
-
-def _norm_class(hf_cls, casting_mode, offset):
-    """Tigon's RMSNorm from the HF norm's arguments: the size is its first parameter (Llama's `hidden_size`,
-    Gemma's `dim`), the eps its `eps` (with that class's default). with_scale=False (Gemma-4's v_norm): a
-    weightless one, normalized in fp32 to x.dtype as HF's (RMSNorm.from_hf)."""
-    from ..modules import RMSNorm
-
-    size = next(iter(inspect.signature(hf_cls).parameters))
-
-    def build(arguments, args, kwargs):
-        with_scale = arguments.get("with_scale", True)
-        if not isinstance(with_scale, bool):
-            raise TypeError(f"{hf_cls.__name__}: with_scale must be True or False, got {with_scale!r}")
-        if not with_scale:
-            return RMSNorm(arguments[size], arguments["eps"], casting_mode="gemma", elementwise_affine=False)
-        return RMSNorm(arguments[size], arguments["eps"], offset=offset, casting_mode=casting_mode)
-
-    return _stand_in(hf_cls, build)
-
-
-def _mlp_class(hf_cls, family):
-    """Tigon's gated MLP on the projections of the HF MLP built with the same arguments, so every size is the HF
-    constructor's (DeepseekV2MLP's hidden_size; Gemma-4's KV-shared layers, double width from their layer_idx);
-    or the HF MLP itself where Tigon's would not compute the same (registry.mlp_kept)."""
-    from ..modules import GeGLUMLP, SwiGLUMLP
-
-    config_name = next(iter(inspect.signature(hf_cls).parameters))
-
-    def build(arguments, args, kwargs):
-        config = arguments[config_name]
-        hf = hf_cls(*args, **kwargs)
-        if registry.mlp_kept(family, config):
-            return hf
-        return (SwiGLUMLP if registry.mlp_activation(config) == "swiglu" else GeGLUMLP).from_hf(hf)
-
-    return _stand_in(hf_cls, build)
-
-
-def _modeling(family, caller):
-    try:
-        return importlib.import_module(family.modeling)
-    except ImportError as e:
-        import transformers
-
-        raise ValueError(f"{caller}: model_type {family.model_type!r} needs {family.modeling}, which transformers "
-                         f"{transformers.__version__} does not have ({e})") from None
-
-
-def _class_patch(family, report, spec):
-    modeling = _modeling(family, "tigon.patch")
-    undo = _CLASS_UNDO.setdefault(family.model_type, [])
-
-    def swap(owner, name, new, piece):
-        current = getattr(owner, name)
-        if getattr(current, "__tigon__", False):
-            report.add(piece)  # already patched: idempotent
-            return
-        undo.append((owner, name, current))
-        setattr(owner, name, new)
-        report.add(piece)
-
-    if spec["rms_norm"]:
-        for hf_name, (mode, offset) in family.norm_classes.items():
-            hf_cls = getattr(modeling, hf_name, None)
-            if hf_cls is not None and not getattr(hf_cls, "__tigon__", False):
-                key = (family.model_type, hf_name)
-                cls = _PATCHED_CLASSES.get(key) or _PATCHED_CLASSES.setdefault(key, _norm_class(hf_cls, mode, offset))
-                swap(modeling, hf_name, cls, f"RMSNorm class {hf_name}")
-            elif hf_cls is not None:
-                report.add(f"RMSNorm class {hf_name}")
-    if spec["swiglu"]:
-        for hf_name in family.mlp_class_names:
-            hf_cls = getattr(modeling, hf_name, None)
-            if hf_cls is not None and not getattr(hf_cls, "__tigon__", False):
-                key = (family.model_type, hf_name)
-                cls = _PATCHED_CLASSES.get(key) or _PATCHED_CLASSES.setdefault(key, _mlp_class(hf_cls, family))
-                swap(modeling, hf_name, cls, f"MLP class {hf_name}")
-            elif hf_cls is not None:
-                report.add(f"MLP class {hf_name}")
-    if spec["rms_norm"] and any(offset for _, offset in family.norm_classes.values()):
-        _patch_offset_norm_init(family, modeling, report)
-    layer_cls = getattr(modeling, family.decoder_layer_class, None)
-    if spec["rms_norm"] and family.prenorm_layer and layer_cls is not None:
-        causal_lm.remember_hf_forward(layer_cls)
-        swap(layer_cls, "forward", _tagged(causal_lm.fused_prenorm_decoder_forward),
-             f"{layer_cls.__name__}.forward (residual add fused into the norm)")
-    if spec["rope"] and family.rope:
-        swap(modeling, "apply_rotary_pos_emb", rope_routing.apply_rotary_pos_emb, "function apply_rotary_pos_emb")
-        _fuse_qk_norm_rope_class(family, modeling, spec, swap, report)
-    if spec["lora"]:
-        report.skip("lora", "PEFT LoRA projections run through tigon.ops.lora_linear on an instance patch "
-                            "(tigon.patch(model)); a class-level patch leaves them to PEFT")
-    _patch_causal_lm_class(family, modeling, spec, swap, report)
-
-
-def _fuse_qk_norm_rope_class(family, modeling, spec, swap, report):
-    """A family whose attention is Llama's with Qwen3's q/k norms gets a class forward running the norms and RoPE
-    as one kernel (for instances whose norms are Tigon's: rms_norm=True builds them so)."""
-    cls = getattr(modeling, f"{family.prefix}Attention", None)
-    why = qk_norm_rope_forward.qk_norm_rope_class_ready(cls) if cls is not None else qk_norm_rope_forward.NO_QK_NORM
-    if why == qk_norm_rope_forward.NO_QK_NORM:
-        return  # nothing to fuse: not named
-    piece = f"{cls.__name__}.forward (q/k norms + RoPE in one kernel)"
-    why = why or ("" if spec["rms_norm"] else "rms_norm=False")
-    if why:
-        report.skip(piece, why)
-    else:
-        swap(cls, "forward", qk_norm_rope_forward.qk_norm_rope_class_forward(cls), piece)
-
-
-def _patch_offset_norm_init(family, modeling, report):
-    """A (1 + weight) norm starts at weight 0. Some families' _init_weights find their norm by isinstance
-    (Qwen3.5: `isinstance(module, Qwen3_5RMSNorm)`), which Tigon's RMSNorm is not, so from_config would leave
-    it at PreTrainedModel's generic ones (the "RMSNorm" name match) and the model would start at a scale of 2.
-    The family's PreTrainedModel gets an _init_weights that runs HF's, then zeroes Tigon's offset norms with
-    transformers.initialization.zeros_, which keeps a loaded weight (_is_hf_initialized) as HF's own init does."""
-    cls = getattr(modeling, f"{family.prefix}PreTrainedModel", None)
-    if cls is None or getattr(cls.__dict__.get("_init_weights"), "__tigon__", False):
-        return
-    hf_init = cls._init_weights
-
-    def _init_weights(self, module):
-        from transformers import initialization
-
-        from ..modules import RMSNorm
-
-        hf_init(self, module)
-        if isinstance(module, RMSNorm) and module.offset and module.weight is not None:
-            initialization.zeros_(module.weight)
-
-    _init_weights.__tigon__ = True
-    # None where the method is inherited: unpatch deletes ours rather than copying the parent's in
-    _CLASS_UNDO[family.model_type].append((cls, "_init_weights", cls.__dict__.get("_init_weights")))
-    cls._init_weights = _init_weights
-    report.add(f"{cls.__name__}._init_weights (zero-centred norms start at 0)")
-
-
-def _patch_causal_lm_class(family, modeling, spec, swap, report):
-    if spec["cross_entropy"]:
-        _patch_loss_function(family, modeling, report)
-    cls = getattr(modeling, family.causal_lm_class, None) if family.causal_lm else None
-    if cls is None:
-        if spec["fused_linear_cross_entropy"]:
-            report.skip("fused linear cross-entropy", family.notes or "no ForCausalLM class")
-        return
-    causal_lm.remember_hf_forward(cls)
-    if spec["fused_linear_cross_entropy"]:
-        swap(cls, "forward", _tagged(causal_lm.fused_causal_lm_forward), f"{cls.__name__}.forward (fused loss)")
-
-
-def _patch_loss_function(family, modeling, report):
-    """cross_entropy=True: the family's ForCausalLM (also where its forward keeps HF's, as Granite's does for its
-    logits scaling: HF's forward still calls self.loss_function) gets a loss_function property giving Tigon's
-    cross-entropy, for models built before or after; unpatch removes it."""
-    cls = getattr(modeling, f"{family.prefix}ForCausalLM", None)
-    if cls is None:
-        report.skip("loss_function (cross_entropy)", f"{family.modeling} has no {family.prefix}ForCausalLM")
-        return
-    if not isinstance(cls.__dict__.get("loss_function"), _TigonLoss):
-        # None where PreTrainedModel's property is inherited: unpatch deletes ours rather than copying HF's in
-        _CLASS_UNDO[family.model_type].append((cls, "loss_function", cls.__dict__.get("loss_function")))
-        cls.loss_function = _TigonLoss(_tigon_loss, _set_loss)
-    report.add(f"{cls.__name__}.loss_function (cross_entropy)")
-
-
-class _TigonLoss(property):
-    """The class-level loss_function: HF's property (PreTrainedModel.loss_function) with Tigon's cross-entropy
-    where HF's picks ForCausalLMLoss; a loss function an instance sets (Trainer's compute_loss_func, TRL) wins,
-    through the same setter HF's property has."""
-
-
-def _tigon_loss(self):
-    return self.__dict__.get("_loss_function", causal_lm.causal_lm_loss)
-
-
-def _set_loss(self, value):
-    self._loss_function = value
-
-
-def _tagged(fn):
-    @functools.wraps(fn)  # keeps the signature, which Trainer and generate() inspect
-    def forward(self, *args, **kwargs):
-        return fn(self, *args, **kwargs)
-
-    forward.__tigon__ = True
-    return forward
 
 
 def _model_type_name(model_type, caller) -> str:
@@ -503,108 +284,6 @@ def _quantized_lm_head(hf) -> str:
     return f"lm_head is quantized ({type(linear).__name__}, {weight.dtype} weight); the model computes its loss"
 
 
-def _memory_options(model, offload, tile, keep_activations=0):
-    """(keep_on_card, "auto" or None; tile_tokens or None; keep_activations) from tigon.patch's
-    offload_checkpoints, tile_mlp and keep_activations, checked before anything changes on the model. "auto" asks
-    nothing of the model: on a model_type, or a model without checkpointed layers, it is nothing."""
-    auto_kept = isinstance(keep_activations, str) and keep_activations == "auto"
-    if not auto_kept and (isinstance(keep_activations, bool) or not isinstance(keep_activations, int)):
-        raise TypeError(f"tigon.patch: keep_activations must be 'auto' or a number of layers (an int >= 0), got "
-                        f"{type(keep_activations).__name__} {keep_activations!r}")
-    if not auto_kept and keep_activations < 0:
-        raise ValueError(f"tigon.patch: keep_activations must be 'auto' or a number of layers (an int >= 0), got "
-                         f"{keep_activations}")
-    if keep_activations and model is None:
-        raise ValueError("tigon.patch: keep_activations is set on a model instance: tigon.patch(model, "
-                         "keep_activations=...)")
-    for name, value, least in (("offload_checkpoints", offload, 0), ("tile_mlp", tile, 1)):
-        if name == "offload_checkpoints" and isinstance(value, str) and value == "auto":
-            continue
-        want = ("True, False or a tile length in tokens (>= 1)" if name == "tile_mlp"
-                else "'auto', True, False or a number of layers kept on the card (>= 0)")
-        if not isinstance(value, int):
-            raise TypeError(f"tigon.patch: {name} must be {want}, got {type(value).__name__} {value!r}")
-        if not isinstance(value, bool) and value < least:
-            raise ValueError(f"tigon.patch: {name} must be {want}, got {value}")
-        if value is not False and model is None:
-            raise ValueError(f"tigon.patch: {name} is set on a model instance: tigon.patch(model, {name}=...)")
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    if offload is not False and offload != "auto" and model is not None and not any(
-            isinstance(m, GradientCheckpointingLayer) for m in unwrap_model(model).modules()):
-        raise ValueError("tigon.patch: offload_checkpoints needs a model whose decoder layers gradient "
-                         "checkpointing runs (transformers' GradientCheckpointingLayer); this one has none "
-                         "('auto' arms nothing on such a model)")
-    if keep_activations and not auto_kept:
-        layers = sum(isinstance(m, GradientCheckpointingLayer) for m in unwrap_model(model).modules())
-        if keep_activations > layers:
-            raise ValueError(f"tigon.patch: keep_activations must be at most the model's {layers} checkpointed "
-                             f"layers (transformers' GradientCheckpointingLayer), got {keep_activations}")
-    keep = None if offload is False else "auto" if offload == "auto" else (1 if offload is True else offload)
-    tokens = None if tile is False else ("auto" if tile is True else tile)
-    return keep, tokens, keep_activations
-
-
-def _memory_patch(hf, report, keep_on_card, tile_tokens, keep_activations=0) -> None:
-    """keep_on_card: an int installs the offload, "auto" the hook that arms it when a step would not fit the
-    card (tigon.memory.install_auto_offload; kept out where the offload is installed already), None neither;
-    an int or None takes an earlier "auto" off. keep_activations: the last that many layers run without the
-    recompute (tigon.memory.install_kept_activations), before the plan line that counts them."""
-    if keep_activations == "auto":
-        before = auto_kept_activations(hf)
-        state = install_auto_kept_activations(hf)
-        if state is not None and before is None:  # unpatch's undo removes the hook, then every layer recomputes
-            hf.__dict__.setdefault("_tigon_undo", []).append((state, "active", False))
-        if state is not None:
-            report.add("checkpointing without the recompute where the card has room ('auto')", len(state.layers))
-    else:
-        uninstall_auto_kept_activations(hf)
-        if keep_activations:
-            report.add("checkpointing without the recompute (the last layers keep their activations)",
-                       install_kept_activations(hf, layers=keep_activations))
-        else:
-            uninstall_kept_activations(hf)
-    if keep_on_card == "auto":
-        keep_on_card, before = None, auto_offload(hf)
-        state = install_auto_offload(hf) if before is not None or not checkpoint_offload_installed(hf) else None
-        if state is not None and before is None:  # unpatch's undo sets active to False (the hook goes), then
-            hf.__dict__.setdefault("_tigon_undo", []).append((state, "active", False))  # takes the offload off
-        if state is not None:
-            report.add("checkpoint in host memory when needed ('auto')", len(state.layers))
-    else:
-        uninstall_auto_offload(hf)
-    if tile_tokens is not None:  # after the MLP swap: the tiled forward wraps the modules the model now holds
-        report.add(f"tiled MLP ({tile_tokens} tokens a tile)", install_tiled_mlp(hf, tile_tokens=tile_tokens))
-    if keep_on_card is not None:
-        try:
-            n = install_checkpoint_offload(hf, keep_on_card=keep_on_card)
-        except RuntimeError as e:  # no pinned host memory: nothing was armed
-            raise RuntimeError(f"tigon.patch: offload_checkpoints: {e}") from e
-        report.add(f"checkpoint in host memory ({keep_on_card} kept on the card)", n)
-    if keep_on_card is not None or tile_tokens is not None or keep_activations not in (0, "auto"):
-        report.memory_plan = _plan_line(hf, keep_on_card, tile_tokens)
-
-
-def _plan_line(hf, keep_on_card, tile_tokens) -> str:
-    """tigon.memory.plan for the model's trainable parameters as they are now, one row of 4096 and 8192 tokens:
-    the peak, its slope per 1K tokens and, on a GPU, the longest row that fits the card. Empty where the plan
-    does not model the architecture."""
-    offload = False if keep_on_card is None else keep_on_card
-    try:  # "auto": the plan reads the tile the first step will pick from the memory free on the card
-        at = [memory_plan(hf, seq_len=t, offload_checkpoints=offload, tile_tokens=tile_tokens) for t in (4096, 8192)]
-    except (ValueError, TypeError, AttributeError) as e:
-        _log.get_logger().debug("tigon.patch: no memory plan for this model: %s", e)
-        return ""
-    slope = (at[1].peak - at[0].peak) / 4
-    line = (f"{at[0].peak / 2**30:.1f} GiB at 4096 tokens a row, +{slope / 2**30:.2f} GiB per 1K tokens (the "
-            "parameters that train now, AdamW; tigon.memory.plan(model, seq_len=..., lora_rank=...) for LoRA)")
-    device = _model_device(hf)
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        line += f"; longest row on this card: {at[0].longest_seq_len(total)} tokens"
-    return line
-
-
 def patch_hf_model(
     model: torch.nn.Module | None = None,
     *,
@@ -680,7 +359,7 @@ def patch_hf_model(
     for name, value in (("attention", attention), ("moe_experts", moe_experts)):
         if not isinstance(value, bool) and value != "auto":
             raise TypeError(f"tigon.patch: {name} must be True, False or 'auto', got {value!r}")
-    memory = _memory_options(model, offload_checkpoints, tile_mlp, keep_activations)
+    memory = memory_patch.memory_options(model, offload_checkpoints, tile_mlp, keep_activations)
     if model is not None:
         check_gpu(_model_device(unwrap_model(model)))
         model_type = unwrap_model(model).config.model_type
@@ -690,7 +369,7 @@ def patch_hf_model(
         family = registry.family_for(model_type)
     report = PatchReport(model_type, "instance" if model is not None else "class")
     if model is None:
-        _class_patch(family, report, spec)
+        class_patch.patch_class(family, report, spec)
     else:
         _instance_patch(model, family, report, spec)
     if attention is True and model is None:
@@ -702,7 +381,7 @@ def patch_hf_model(
     elif moe_experts and model is not None:
         _experts_patch(model, report, moe_experts is True)
     if model is not None:
-        _memory_patch(unwrap_model(model), report, *memory)
+        memory_patch.patch_memory(unwrap_model(model), report, *memory)
     if layer_norm:
         report.skip("LayerNorm", f"{model_type} has no LayerNorm")
     if not family.mlp and swiglu:
@@ -742,13 +421,12 @@ def unpatch_hf_model(
     if model_type is not None:
         model_type = _model_type_name(model_type, "tigon.unpatch")
         registry.family_for(model_type, caller="tigon.unpatch")
-    for name in [model_type] if model_type is not None else list(_CLASS_UNDO):
-        for owner, attr, original in reversed(_CLASS_UNDO.pop(name, [])):
-            _restore(owner, attr, original)
+    for owner, attr, original in class_patch.take_undo(model_type):
+        _restore(owner, attr, original)
 
 
 def _ours(value) -> bool:
-    if isinstance(value, _TigonLoss) or getattr(value, "__tigon__", False):
+    if isinstance(value, class_patch.TigonLossProperty) or getattr(value, "__tigon__", False):
         return True
     return getattr(value, "__func__", value) in (
         causal_lm.fused_causal_lm_forward, causal_lm.fused_prenorm_decoder_forward, causal_lm.causal_lm_loss,

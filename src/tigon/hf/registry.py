@@ -118,7 +118,8 @@ _ROWS = [
     Family("llama4_text", "llama4", "Llama4", norm_class="TextRMSNorm", mlp_classes=("TextMLP",), rope=False,
            notes="complex (interleaved) RoPE and the routed experts stay HF; dense and shared MLPs fused"),
     Family("hunyuan_v1_moe", "hunyuan_v1_moe", "HunYuanMoEV1", notes="shared MLP fused; routed experts stay HF"),
-    # Qwen3-Next's norm is (1 + weight) from zeros, found by isinstance in _init_weights as Qwen3.5's (hf/patching.py)
+    # Qwen3-Next's norm is (1 + weight) from zeros, found by isinstance in _init_weights as Qwen3.5's
+    # (hf/class_patch.py)
     Family("qwen3_next", "qwen3_next", "Qwen3Next", norm=GEMMA_NORM, rope=False,
            notes="partial RoPE, the gated DeltaNet norm and the routed experts stay HF; dense and shared MLPs fused"),
     Family("deepseek_v2", "deepseek_v2", "DeepseekV2", prenorm_layer=True, rope=False,
@@ -147,7 +148,7 @@ _TOWER_ROWS = [
            notes="mRoPE"),
     # Qwen3.5's text models (also built alone as Qwen3_5ForCausalLM). Their norm computes x * (1 + weight) from a
     # zero weight, which HF's _init_weights sets by isinstance, missing Tigon's norm: a class-level patch also
-    # gives the family's PreTrainedModel an _init_weights that zeroes Tigon's offset norms (hf/patching.py).
+    # gives the family's PreTrainedModel an _init_weights that zeroes Tigon's offset norms (hf/class_patch.py).
     Family("qwen3_5_text", "qwen3_5", "Qwen3_5", norm=GEMMA_NORM, rope=False,
            notes="mRoPE stays HF; the gated DeltaNet norm stays HF"),
     Family("qwen3_5_moe_text", "qwen3_5_moe", "Qwen3_5Moe", norm=GEMMA_NORM, rope=False,
