@@ -260,14 +260,19 @@ def targets(rows):
     return out
 
 
+def _bound_check(r, label, what, pct):
+    """[the % of the read bound check of row r] (none without a bound): label >= pct% of the `what` read bound."""
+    if r.get("pct_of_bound") is None:
+        return []
+    return [(f"{label} >= {pct:.0f}% of the {what} read bound",
+             f"{r['pct_of_bound']:.1f}% ({r['bound_ms']:.3f} of {r['p50_ms']:.3f} ms)", r["pct_of_bound"] >= pct)]
+
+
 def _targets_8b(rows, r):
     """Issue 18's targets of one tigon row at the Llama-3-8B shape."""
     t, at = TARGETS_8B, f"batch {r['batch']} prompt {r['prompt']}"
     out = []
-    if r.get("pct_of_bound") is not None:
-        out.append((f"tigon {at} >= {t['pct_of_bound']:.0f}% of the weight + KV read bound",
-                    f"{r['pct_of_bound']:.1f}% ({r['bound_ms']:.3f} of {r['p50_ms']:.3f} ms)",
-                    r["pct_of_bound"] >= t["pct_of_bound"]))
+    out += _bound_check(r, f"tigon {at}", "weight + KV", t["pct_of_bound"])
     base = _baseline(rows, r)
     if base:
         speed = base["p50_ms"] / r["p50_ms"]
@@ -290,10 +295,7 @@ def _targets_quant(rows, r):
     if r.get("model") == "llama3-8b" and not r["quick"] and (r["batch"], r["prompt"]) == (1, 512) and limit:
         out.append((f"tigon {fmt} {at} p50 <= {limit} ms/token (the H200's target)", f"{r['p50_ms']:.3f} ms",
                     r["p50_ms"] <= limit))
-    if r.get("pct_of_bound") is not None:
-        out.append((f"tigon {fmt} {at} >= {t['pct_of_bound']:.0f}% of the {fmt} read bound",
-                    f"{r['pct_of_bound']:.1f}% ({r['bound_ms']:.3f} of {r['p50_ms']:.3f} ms)",
-                    r["pct_of_bound"] >= t["pct_of_bound"]))
+    out += _bound_check(r, f"tigon {fmt} {at}", fmt, t["pct_of_bound"])
     base = _baseline(rows, r)
     if base:
         speed = base["p50_ms"] / r["p50_ms"]
