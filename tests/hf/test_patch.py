@@ -543,7 +543,7 @@ def test_patch_refuses_a_gpu_older_than_the_supported_range(monkeypatch, capabil
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    monkeypatch.setattr(patching, "_model_device", lambda hf: torch.device("cuda", 0))
+    monkeypatch.setattr(patching, "model_device", lambda hf: torch.device("cuda", 0))
     model = tiny_model("llama")
     major, minor = capability
     with pytest.raises(ValueError, match=rf"tigon.patch: {name} \(compute capability {major}\.{minor}\) is older "

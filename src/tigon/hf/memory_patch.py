@@ -23,7 +23,7 @@ from ..memory import (
 from ..memory import (
     plan as memory_plan,
 )
-from .unwrap import unwrap_model
+from .unwrap import model_device, unwrap_model
 
 
 def memory_options(model, offload, tile, keep_activations=0):
@@ -121,8 +121,8 @@ def _plan_line(hf, keep_on_card, tile_tokens) -> str:
     slope = (at[1].peak - at[0].peak) / 4
     line = (f"{at[0].peak / 2**30:.1f} GiB at 4096 tokens a row, +{slope / 2**30:.2f} GiB per 1K tokens (the "
             "parameters that train now, AdamW; tigon.memory.plan(model, seq_len=..., lora_rank=...) for LoRA)")
-    param = next(hf.parameters(), None)
-    if param is not None and param.device.type == "cuda":
-        total = torch.cuda.get_device_properties(param.device).total_memory
+    device = model_device(hf)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
         line += f"; longest row on this card: {at[0].longest_seq_len(total)} tokens"
     return line

@@ -49,7 +49,7 @@ from . import lora as tigon_lora
 from . import moe as tigon_moe
 from . import trl as tigon_trl
 from .bound import BoundForward
-from .unwrap import unwrap_model
+from .unwrap import model_device, unwrap_model
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -190,11 +190,6 @@ def _lora_patch(hf, undo, report):
         report.add("lora: nn.Linear layers ready for PEFT adapters added later", marked)
 
 
-def _model_device(hf):
-    param = next(hf.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
-
-
 # The compute capabilities every kernel is compiled for in the tests (tests/ops/test_compile_targets.py)
 OLDEST_GPU = (8, 0)
 
@@ -227,7 +222,7 @@ def _attention_patch(model, report, attention) -> None:
     mask (the wrapper turns the training cache off for them)."""
     hf = unwrap_model(model)
     impl = hf.config._attn_implementation
-    device = _model_device(hf)
+    device = model_device(hf)
     plan = training_attention.layer_plan(hf.config, device)
     faster = any(b != attention_table.hf_pick(kind) for kinds in plan.values() for kind, b in kinds.items())
     if attention is True or (attention == "auto" and (impl in ("sdpa", tigon_attention.NAME)
@@ -361,7 +356,7 @@ def patch_hf_model(
             raise TypeError(f"tigon.patch: {name} must be True, False or 'auto', got {value!r}")
     memory = memory_patch.memory_options(model, offload_checkpoints, tile_mlp, keep_activations)
     if model is not None:
-        check_gpu(_model_device(unwrap_model(model)))
+        check_gpu(model_device(unwrap_model(model)))
         model_type = unwrap_model(model).config.model_type
         family = registry.family_for(model_type, argument="the model's config.model_type")
     else:

@@ -34,6 +34,12 @@ def unwrap_model(model, caller="tigon.patch"):
                     "config.model_type); Tigon patches transformers models and PEFT/other wrappers of one")
 
 
+def model_device(hf) -> torch.device:
+    """The device of the model's first parameter (the CPU for a model without parameters)."""
+    param = next(hf.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
 def hub_function(obj, defined=False):
     """The plain function behind a `kernels` function module, else `obj` itself.
 
