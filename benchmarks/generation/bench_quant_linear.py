@@ -46,6 +46,11 @@ SWEEP_DECODE = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128
                 for w in (4, 8)] + [dict(gemv_max_rows=16)]
 # the tensor-core kernel with the next step's scales loaded ahead (docs/ops/quant_decode_rows_model.md, change B)
 SWEEP_DECODE += [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)]
+# the tensor-core GEMV (int4; ops/quant_gemv_mma.py) at one row and at 2 to 16: tiles, pipeline stages, splits
+SWEEP_MMA = [dict(gemv_mma=1, block_n=bn, num_stages=st) for bn in (64, 128) for st in (2, 3, 4)] + [
+    dict(gemv_mma=1, split_k=sk) for sk in (2, 4, 8, 16)]
+SWEEP_GEMV += SWEEP_MMA
+SWEEP_DECODE += SWEEP_MMA
 # (the tensor-core GEMM's tiles: dequant_min_rows=0 keeps prefill rows off the dequantize-then-cuBLAS path)
 SWEEP_PREFILL = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, dequant_min_rows=0)
                  for bm in (64, 128) for bn in (64, 128) for bk in (32, 64) for w in (4, 8) for st in (3, 4)]
@@ -134,7 +139,7 @@ def measure(bench, ceiling, x, qw, w16, act, sweep, graph_bench=None) -> dict:
     n_out = N // 2 if act else N
     io_bytes = (M * K + M * n_out) * x.element_size()
     moved = qw.nbytes + io_bytes
-    best = default_ms = None
+    best = default_ms = best_mma = None
     grid = SWEEP_GEMV if M == 1 else SWEEP_DECODE if M <= 16 else SWEEP_PREFILL
     for cfg in [None] + ([QuantLinearConfig(**c) for c in grid] if sweep else []):
         try:
@@ -146,6 +151,8 @@ def measure(bench, ceiling, x, qw, w16, act, sweep, graph_bench=None) -> dict:
             default_ms = ms
         if best is None or ms < best[0]:
             best = (ms, cfg)
+        if cfg is not None and cfg.gemv_mma == 1 and (best_mma is None or ms < best_mma[0]):
+            best_mma = (ms, cfg)
     ms, cfg = best
     got = quant_linear(x, qw, activation=act, config=cfg)
     want = quant_linear_reference(x, qw, activation=act)
@@ -161,6 +168,7 @@ def measure(bench, ceiling, x, qw, w16, act, sweep, graph_bench=None) -> dict:
                 speedup_vs_bf16=bf16_ms / ms, default_ms=default_ms, mm_kernel_ms=mm_ms,
                 tflops=2 * M * N * K / (ms * 1e-3) / 1e12,
                 max_rel_err_vs_reference=rel, config=None if cfg is None else dataclasses.asdict(cfg),
+                mma_ms=best_mma and best_mma[0], mma_config=best_mma and dataclasses.asdict(best_mma[1]),
                 timing="cuda graph over weight copies" if graph_bench is not None else "do_bench")
 
 
@@ -207,6 +215,8 @@ def run(args) -> dict:
                       + (f" | GEMM kernel {row['mm_kernel_ms'] * 1e3:8.1f} us" if row["mm_kernel_ms"] else "")
                       + (f" | best of the sweep: {_changed(row['config'])}, default "
                          + (f"{row['default_ms'] * 1e3:.1f} us" if row["default_ms"] else "failed")
+                         + (f", tensor-core GEMV {row['mma_ms'] * 1e3:.1f} us ({_changed(row['mma_config'])})"
+                            if row["mma_ms"] else "")
                          if args.sweep else ""), flush=True)
                 if args.out:  # after every row: a run cut off by its time limit keeps what it measured
                     _write(args.out, dict(meta, rows=rows))

@@ -108,7 +108,7 @@ def test_launch_kernel_asks_for_picks_only_without_a_config_in_16_bits(monkeypat
     x = torch.randn(1, K, dtype=torch.bfloat16, device=device)
     ql.quant_linear(x, qw)
     ql.quant_linear(x, qw, config=QuantLinearConfig(block_n=32))
-    assert seen == [(QuantLinearConfig(), True, True), (QuantLinearConfig(block_n=32), False, True)]
+    assert seen == [(QuantLinearConfig(), True, True, True), (QuantLinearConfig(block_n=32), False, True, True)]
 
 
 def test_cache_round_trip_and_older_files(cache_dir):

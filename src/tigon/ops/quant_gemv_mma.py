@@ -1,0 +1,187 @@
+"""The int4 decode GEMV on tensor cores: `quant_linear` for up to 16 rows of 16-bit x with the codes as the dot's
+register operand (`QuantLinearConfig(gemv_mma=1)`; docs/ops/quant_linear.md, "The tensor-core GEMV").
+
+The weight tile is the dot's A operand ([BLOCK_N rows, group columns]) and x^T, padded to 16 columns, its B. The
+K order of each 32 columns is chosen so that a thread's own 32-bit words fill its own slots of A: a dot column
+32 b + 16 c + 8 h + 2 w + e holds code 4 e + 2 c + h of word NB w + b (NB = the words of a row a group / 4), and
+x is gathered in that order. A thread of the mma layout holds columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of each 16
+(t = lane % 4), so one of its words (w = t) gives it codes for both halves of a 32-bit A register: one LOP3 of
+the word shifted by 4 i makes the pair (codes i, i + 4) as the 16-bit floats 128 + q (bf16) or 1024 + q (fp16),
+one packed subtraction makes them q - 8, exact. No shared memory between the load of the codes and the mma
+(Triton's pipeliner may still stage the loads through it, asynchronously), about 2.3 instructions a weight element
+on sm_90 against the FMA GEMV's 4.3 (the SASS counts in docs/ops/quant_gemv_issue_model.md).
+
+The products (q - 8) x are exact and summed in fp32 by the tensor core, a group's sum scaled once (s d), as the
+FMA GEMV's; zero points add s (8 - z) sum(x) from x's exact fp32 group sum. The interpreter has no 16-bit
+arithmetic: off a GPU the same tile, in the same K order, is built in fp32 and multiplied in fp32 (IEEE).
+"""
+
+import triton
+import triton.language as tl
+
+from . import _pdl
+from ._quant_tiles import _epilogue
+
+COLUMNS = 128  # the columns of a K step (one group, or 128 // G groups)
+MAX_ROWS = 16  # x's rows a launch: the dot's padded N
+
+
+@triton.jit
+def _pair(w, i: tl.constexpr, MAGIC: tl.constexpr, NATIVE: tl.constexpr):
+    """Codes i and i + 4 of each word as a pair [.., 2]: the 16-bit floats with bits MAGIC | q (NATIVE: one LOP3 a
+    pair) or, off a GPU, the integers q."""
+    if NATIVE:
+        if MAGIC == 0x4300:
+            b = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xea;", "=r,r", [w >> (4 * i)],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+            lo = (b & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            hi = (b >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            b = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xea;", "=r,r", [w >> (4 * i)],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+            lo = (b & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+            hi = (b >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        lo = (w >> (4 * i)) & 0xF
+        hi = (w >> (4 * i + 16)) & 0xF
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _a_tile(D, o_n, m_n, kw, stride_dn, C: tl.constexpr, EVEN_N: tl.constexpr, MAGIC: tl.constexpr,
+            NATIVE: tl.constexpr):
+    """The [BLOCK_N, C] A operand q - 8 of the C columns from word kw (C = 32, 64 or 128), in the K order above.
+    EVEN_N: every row of the tile is real (no mask: no compare and zero fill a load)."""
+    NB: tl.constexpr = C // 32
+    p = D + o_n.to(tl.int64)[:, None] * stride_dn + (kw + tl.arange(0, C // 8))[None, :]
+    if EVEN_N:
+        w = tl.load(p)
+    else:
+        w = tl.load(p, mask=m_n[:, None], other=0)
+    w = tl.reshape(w, [o_n.shape[0], 4, NB])  # [n, w, b]: word NB w + b
+    a = tl.join(tl.join(_pair(w, 0, MAGIC, NATIVE), _pair(w, 1, MAGIC, NATIVE)),
+                tl.join(_pair(w, 2, MAGIC, NATIVE), _pair(w, 3, MAGIC, NATIVE)))  # [n, w, b, e, h, c]
+    a = tl.reshape(tl.permute(a, (0, 2, 5, 4, 1, 3)), [o_n.shape[0], C])  # [n, (b, c, h, w, e)]
+    if not NATIVE:
+        return a.to(tl.float32) - 8.0
+    if MAGIC == 0x4300:
+        return a - 136.0  # 128 + q - 136 in bf16
+    return a - 1032.0  # 1024 + q - 1032 in fp16
+
+
+@triton.jit
+def _x_tile(p_x, P, m_m, k, C: tl.constexpr, HAS_PERM: tl.constexpr):
+    """x^T [C, 16] of the C columns from k, in `_a_tile`'s K order: loaded in column order (16 B a lane, rows past M
+    masked), then reordered in registers: column 8 (NB w + b) + 4 e + 2 c + h goes to 32 b + 16 c + 8 h + 2 w + e."""
+    NB: tl.constexpr = C // 32
+    kk = k + tl.arange(0, C)
+    if HAS_PERM:
+        kk = tl.load(P + kk)
+    x = tl.load(p_x + kk[None, :], mask=m_m[:, None], other=0.0)  # [16, C]
+    x = tl.permute(tl.reshape(x, [16, 4, NB, 2, 2, 2]), (0, 2, 4, 5, 1, 3))  # [m, b, c, h, w, e]
+    return tl.trans(tl.reshape(x, [16, C]))
+
+
+@triton.jit
+def _group(acc, D, S, Z, xt, sx, o_n, m_n, k, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
+           G: tl.constexpr, C: tl.constexpr, HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr, MAGIC: tl.constexpr,
+           NATIVE: tl.constexpr):
+    """acc + this group's C columns from column k: s (sum((q - 8) x) + (8 - z) sum(x))."""
+    a = _a_tile(D, o_n, m_n, k // 8, stride_dn, C, EVEN_N, MAGIC, NATIVE)
+    if NATIVE:
+        d = tl.dot(a, xt)
+    else:
+        d = tl.dot(a, xt.to(tl.float32), input_precision="ieee")
+    s = tl.load(S + o_n.to(tl.int64) * stride_sn + (k // G) * stride_sg, mask=m_n, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(Z + o_n.to(tl.int64) * stride_zn + (k // G) * stride_zg, mask=m_n, other=0.0).to(tl.float32)
+        d += (8.0 - z)[:, None] * sx[None, :]
+    return acc + s[:, None] * d
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def _quant_gemv_mma_kernel(
+    X, D, S, Z, P, BIAS, R, Y, WS, CNT,  # as in quant_linear's _quant_gemv_kernel; D as int32 words
+    M, N, K, N_OUT, K_SPLIT,
+    stride_xm, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg, stride_rm, stride_ym,
+    G: tl.constexpr,  # the group size: 32, 64 or a multiple of 128
+    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr,  # N_OUT a multiple of BLOCK_N
+    MAGIC: tl.constexpr,  # 0x4300 for bf16 x, 0x6400 for fp16
+    NATIVE: tl.constexpr,  # 16-bit tensor-core operands and inline PTX (a GPU), else fp32 (the interpreter)
+    PDL: tl.constexpr,
+):
+    """y rows [16 (M of them real), BLOCK_N] of one column block and one K range: K steps of 128 columns, each one
+    dot a group (128 // G dots when G < 128), then the split-K finish and epilogue of the FMA GEMV."""
+    C: tl.constexpr = G if G < 128 else 128  # the columns of one dot
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N_OUT
+    o_m = tl.arange(0, 16)
+    m_m = o_m < M
+    p_x = X + o_m.to(tl.int64)[:, None] * stride_xm
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    if PDL:
+        _pdl.wait(PDL)
+    for k0 in range(k_lo, k_hi, 128):
+        for j in tl.static_range(128 // C):
+            k = k0 + j * C
+            xt = _x_tile(p_x, P, m_m, k, C, HAS_PERM)
+            sx = tl.zeros([16], dtype=tl.float32)
+            if HAS_ZEROS:
+                sx = tl.sum(xt.to(tl.float32), axis=0)
+            acc = _group(acc, D, S, Z, xt, sx, o_n, m_n, k, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
+                         G, C, HAS_ZEROS, EVEN_N, MAGIC, NATIVE)
+            if ACT != 0:  # up's rows sit N_OUT below gate's
+                acc_u = _group(acc_u, D, S, Z, xt, sx, o_n + N_OUT, m_n, k, stride_dn, stride_sn, stride_sg,
+                               stride_zn, stride_zg, G, C, HAS_ZEROS, EVEN_N, MAGIC, NATIVE)
+    if PDL:
+        _pdl.start(PDL)
+    _finish_rows(tl.trans(acc), tl.trans(acc_u), S, BIAS, R, Y, WS, CNT, pid_n, pid_k, o_m, m_m, o_n, m_n, M, N,
+                 N_OUT, stride_sn, stride_rm, stride_ym, HAS_BIAS, ACT, RESIDUAL, SPLIT_K)
+
+
+@triton.jit
+def _finish_rows(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n, m_n, M, N, N_OUT, stride_sn, stride_rm,
+                 stride_ym, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr):
+    """`_quant_tiles._finish` for a tile of 16 padded rows: the last program of a tile sums the splits (in split
+    order, every split's load in flight) one real row at a time, so its registers hold SPLIT_K rows of BLOCK_N
+    values, not SPLIT_K tiles of 16 rows."""
+    if SPLIT_K > 1:
+        m_y = m_m[:, None] & m_n[None, :]
+        slice_size = N.to(tl.int64) * M
+        o_ws = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+        tl.store(WS + pid_k * slice_size + o_ws, acc, mask=m_y)
+        if ACT != 0:
+            tl.store(WS + pid_k * slice_size + o_ws + N_OUT, acc_u, mask=m_y)
+        tl.debug_barrier()  # every thread's stores before the counter's gpu-scope release
+        if tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            for r in range(M):
+                a = tl.zeros([1, o_n.shape[0]], dtype=tl.float32)
+                a_u = tl.zeros([1, o_n.shape[0]], dtype=tl.float32)
+                o_r = tl.zeros([1], dtype=tl.int32) + r
+                p = WS + o_r.to(tl.int64)[:, None] * N + o_n[None, :]
+                for s in tl.static_range(SPLIT_K):
+                    a += tl.load(p + s * slice_size, mask=m_n[None, :], other=0.0, cache_modifier=".cg")
+                    if ACT != 0:
+                        a_u += tl.load(p + s * slice_size + N_OUT, mask=m_n[None, :], other=0.0, cache_modifier=".cg")
+                _epilogue(a, a_u, S, BIAS, R, Y, o_r, o_r < M, o_n, m_n, N_OUT, stride_sn, stride_rm, stride_ym,
+                          HAS_BIAS, ACT, RESIDUAL, False)
+            tl.store(CNT + tile, 0)  # every split has arrived: the counter is free for the next call
+    else:
+        _epilogue(acc, acc_u, S, BIAS, R, Y, o_m, m_m, o_n, m_n, N_OUT, stride_sn, stride_rm, stride_ym, HAS_BIAS, ACT,
+                  RESIDUAL, False)
+
+
+def eligible(kind_path: int, words: bool, dtype, m: int, k: int, group_size: int) -> bool:
+    """Whether a launch can run this kernel: int4 read as words, 16-bit x, up to 16 rows, K in whole steps of 128
+    columns, groups of 32, 64 or a multiple of 128 columns."""
+    import torch
+
+    return (kind_path == 0 and words and dtype in (torch.bfloat16, torch.float16) and m <= MAX_ROWS
+            and k % COLUMNS == 0 and (group_size in (32, 64) or group_size % COLUMNS == 0))
