@@ -208,3 +208,15 @@ def test_measure_quant_times_the_rule_and_the_grid(monkeypatch, cache_dir):
     for p, times, rule, shipped in rows:
         assert rule == QuantLinearConfig() and shipped is None and len(times) == 2
         assert all(t == 0.5 for t in times.values()), (p, times)  # 1.0 a graph over 2 copies: every launch ran
+
+
+def test_a_cached_pick_turns_the_tensor_core_gemv_on(cache_dir):
+    cuda, default = torch.device("cuda", 0), QuantLinearConfig()
+    mma = QuantLinearConfig(gemv_mma=1, block_n=64, split_k=4)
+    tuned_cache.write(FAKE_GPU, quant_linear={KEY: tuple(mma.ints())})
+    assert json.loads((cache_dir / "tuned.json").read_text())["entries"][0]["quant_linear"][0]["config"][-1] == 1
+    picked = ql._plan(1, 4096, 4096, "int4", 128, False, cuda, default, True, False, True)
+    assert picked.mma and (picked.block_n, picked.split) == (64, 4)
+    # the same pick for fp32 x (no picks) or a weight it cannot take (int4 with zeros has no row): the FMA GEMV
+    assert not ql._plan(1, 4096, 4096, "int4", 128, False, cuda, default, True, True, True).mma
+    assert not ql._plan(1, 4096, 4096, "int4", 128, False, cuda, default, False, False, False).mma
