@@ -272,7 +272,7 @@ def _cases(full: bool):
         if kernel == "_glu_fwd_kernel":  # the prefill path's GLU epilogue (ops.swiglu's forward) on the GPU's tiles
             return glu_tiles(kernel, kw, cc, 2, 512, 256)  # the [rows, 256] halves of the [rows, 512] output
         if kernel == "_quant_gemv_mma_kernel":
-            return dict(NATIVE=True, only=only)
+            return dict(NATIVE=True, KWIDTH=2 if cc >= 90 else 4, only=only)  # as `quant_gemv_mma.k_width`
         return dict(ASM=True, only=only, **({"UPCAST": False} if kernel == "_quant_mm_kernel" else {}))
 
     # prefill: rows >= 256 dequantize the weight (_dequant_kernel) then run cuBLAS; dequant_min_rows=0 keeps the

@@ -2,12 +2,14 @@
 register operand (`QuantLinearConfig(gemv_mma=1)`; docs/ops/quant_linear.md, "The tensor-core GEMV").
 
 The weight tile is the dot's A operand ([BLOCK_N rows, group columns]) and x^T, padded to 16 columns, its B. The
-K order of each 32 columns is chosen so that a thread's own 32-bit words fill its own slots of A: a dot column
-32 b + 16 c + 8 h + 2 w + e holds code 4 e + 2 c + h of word NB w + b (NB = the words of a row a group / 4), and
-x is gathered in that order. A thread of the mma layout holds columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of each 16
-(t = lane % 4), so one of its words (w = t) gives it codes for both halves of a 32-bit A register: one LOP3 of
-the word shifted by 4 i makes the pair (codes i, i + 4) as the 16-bit floats 128 + q (bf16) or 1024 + q (fp16),
-one packed subtraction makes them q - 8, exact. No shared memory between the load of the codes and the mma
+K order of each 32 columns is chosen so that a thread's own 32-bit words fill its own slots of A. On sm_90
+(wgmma's register operand, Triton's kWidth 2) a thread (t = lane % 4) holds columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9
+of each 16, and dot column 32 b + 16 c + 8 h + 2 w + e holds code 4 e + 2 c + h of word NB w + b (NB = the words
+of a row a group / 4); on sm_80 to sm_89 (mma.sync, kWidth 4) it holds 4 t .. 4 t + 3, and column
+32 b + 16 c + 4 w + 2 h + e the same code. x is loaded in column order and reordered the same way. Either way a
+thread's word (w = t) gives it both halves of its 32-bit A registers: one LOP3 of the word shifted by 4 i makes the
+pair (codes i, i + 4) as the 16-bit floats 128 + q (bf16) or 1024 + q (fp16), one packed subtraction makes them
+q - 8, exact. No shared memory between the load of the codes and the mma
 (Triton's pipeliner may still stage the loads through it, asynchronously), about 2.3 instructions a weight element
 on sm_90 against the FMA GEMV's 4.3 (the SASS counts in docs/ops/quant_gemv_issue_model.md).
 
@@ -16,6 +18,9 @@ FMA GEMV's; zero points add s (8 - z) sum(x) from x's exact fp32 group sum. The 
 arithmetic: off a GPU the same tile, in the same K order, is built in fp32 and multiplied in fp32 (IEEE).
 """
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
@@ -48,10 +53,10 @@ def _pair(w, i: tl.constexpr, MAGIC: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _a_tile(D, o_n, m_n, kw, stride_dn, C: tl.constexpr, EVEN_N: tl.constexpr, MAGIC: tl.constexpr,
-            NATIVE: tl.constexpr):
-    """The [BLOCK_N, C] A operand q - 8 of the C columns from word kw (C = 32, 64 or 128), in the K order above.
-    EVEN_N: every row of the tile is real (no mask: no compare and zero fill a load)."""
+def _a_tile(D, o_n, m_n, kw, stride_dn, C: tl.constexpr, EVEN_N: tl.constexpr, KWIDTH: tl.constexpr,
+            MAGIC: tl.constexpr, NATIVE: tl.constexpr):
+    """The [BLOCK_N, C] A operand q - 8 of the C columns from word kw (C = 32, 64 or 128), in the K order of the
+    operand's KWIDTH (above). EVEN_N: every row of the tile is real (no mask: no compare and zero fill a load)."""
     NB: tl.constexpr = C // 32
     p = D + o_n.to(tl.int64)[:, None] * stride_dn + (kw + tl.arange(0, C // 8))[None, :]
     if EVEN_N:
@@ -61,7 +66,11 @@ def _a_tile(D, o_n, m_n, kw, stride_dn, C: tl.constexpr, EVEN_N: tl.constexpr, M
     w = tl.reshape(w, [o_n.shape[0], 4, NB])  # [n, w, b]: word NB w + b
     a = tl.join(tl.join(_pair(w, 0, MAGIC, NATIVE), _pair(w, 1, MAGIC, NATIVE)),
                 tl.join(_pair(w, 2, MAGIC, NATIVE), _pair(w, 3, MAGIC, NATIVE)))  # [n, w, b, e, h, c]
-    a = tl.reshape(tl.permute(a, (0, 2, 5, 4, 1, 3)), [o_n.shape[0], C])  # [n, (b, c, h, w, e)]
+    if KWIDTH == 2:
+        a = tl.permute(a, (0, 2, 5, 4, 1, 3))  # [n, b, c, h, w, e]
+    else:
+        a = tl.permute(a, (0, 2, 5, 1, 4, 3))  # [n, b, c, w, h, e]
+    a = tl.reshape(a, [o_n.shape[0], C])
     if not NATIVE:
         return a.to(tl.float32) - 8.0
     if MAGIC == 0x4300:
@@ -70,24 +79,29 @@ def _a_tile(D, o_n, m_n, kw, stride_dn, C: tl.constexpr, EVEN_N: tl.constexpr, M
 
 
 @triton.jit
-def _x_tile(p_x, P, m_m, k, C: tl.constexpr, HAS_PERM: tl.constexpr):
+def _x_tile(p_x, P, m_m, k, C: tl.constexpr, HAS_PERM: tl.constexpr, KWIDTH: tl.constexpr):
     """x^T [C, 16] of the C columns from k, in `_a_tile`'s K order: loaded in column order (16 B a lane, rows past M
-    masked), then reordered in registers: column 8 (NB w + b) + 4 e + 2 c + h goes to 32 b + 16 c + 8 h + 2 w + e."""
+    masked), then reordered in registers: column 8 (NB w + b) + 4 e + 2 c + h goes to 32 b + 16 c + 8 h + 2 w + e
+    (KWIDTH 2; 4: 32 b + 16 c + 4 w + 2 h + e)."""
     NB: tl.constexpr = C // 32
     kk = k + tl.arange(0, C)
     if HAS_PERM:
         kk = tl.load(P + kk)
     x = tl.load(p_x + kk[None, :], mask=m_m[:, None], other=0.0)  # [16, C]
-    x = tl.permute(tl.reshape(x, [16, 4, NB, 2, 2, 2]), (0, 2, 4, 5, 1, 3))  # [m, b, c, h, w, e]
+    x = tl.reshape(x, [16, 4, NB, 2, 2, 2])  # [m, w, b, e, c, h]
+    if KWIDTH == 2:
+        x = tl.permute(x, (0, 2, 4, 5, 1, 3))  # [m, b, c, h, w, e]
+    else:
+        x = tl.permute(x, (0, 2, 4, 1, 5, 3))  # [m, b, c, w, h, e]
     return tl.trans(tl.reshape(x, [16, C]))
 
 
 @triton.jit
 def _group(acc, D, S, Z, xt, sx, o_n, m_n, k, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
-           G: tl.constexpr, C: tl.constexpr, HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr, MAGIC: tl.constexpr,
-           NATIVE: tl.constexpr):
+           G: tl.constexpr, C: tl.constexpr, HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr, KWIDTH: tl.constexpr,
+           MAGIC: tl.constexpr, NATIVE: tl.constexpr):
     """acc + this group's C columns from column k: s (sum((q - 8) x) + (8 - z) sum(x))."""
-    a = _a_tile(D, o_n, m_n, k // 8, stride_dn, C, EVEN_N, MAGIC, NATIVE)
+    a = _a_tile(D, o_n, m_n, k // 8, stride_dn, C, EVEN_N, KWIDTH, MAGIC, NATIVE)
     if NATIVE:
         d = tl.dot(a, xt)
     else:
@@ -108,6 +122,7 @@ def _quant_gemv_mma_kernel(
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr,  # N_OUT a multiple of BLOCK_N
+    KWIDTH: tl.constexpr,  # consecutive K elements a thread holds of the A operand (`k_width`): the K order
     MAGIC: tl.constexpr,  # 0x4300 for bf16 x, 0x6400 for fp16
     NATIVE: tl.constexpr,  # 16-bit tensor-core operands and inline PTX (a GPU), else fp32 (the interpreter)
     PDL: tl.constexpr,
@@ -131,15 +146,15 @@ def _quant_gemv_mma_kernel(
     for k0 in range(k_lo, k_hi, 128):
         for j in tl.static_range(128 // C):
             k = k0 + j * C
-            xt = _x_tile(p_x, P, m_m, k, C, HAS_PERM)
+            xt = _x_tile(p_x, P, m_m, k, C, HAS_PERM, KWIDTH)
             sx = tl.zeros([16], dtype=tl.float32)
             if HAS_ZEROS:
                 sx = tl.sum(xt.to(tl.float32), axis=0)
             acc = _group(acc, D, S, Z, xt, sx, o_n, m_n, k, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
-                         G, C, HAS_ZEROS, EVEN_N, MAGIC, NATIVE)
+                         G, C, HAS_ZEROS, EVEN_N, KWIDTH, MAGIC, NATIVE)
             if ACT != 0:  # up's rows sit N_OUT below gate's
                 acc_u = _group(acc_u, D, S, Z, xt, sx, o_n + N_OUT, m_n, k, stride_dn, stride_sn, stride_sg,
-                               stride_zn, stride_zg, G, C, HAS_ZEROS, EVEN_N, MAGIC, NATIVE)
+                               stride_zn, stride_zg, G, C, HAS_ZEROS, EVEN_N, KWIDTH, MAGIC, NATIVE)
     if PDL:
         _pdl.start(PDL)
     _finish_rows(tl.trans(acc), tl.trans(acc_u), S, BIAS, R, Y, WS, CNT, pid_n, pid_k, o_m, m_m, o_n, m_n, M, N,
@@ -178,10 +193,15 @@ def _finish_rows(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n,
                   RESIDUAL, False)
 
 
+@functools.lru_cache(maxsize=16)
+def k_width(device: torch.device) -> int:
+    """The A operand's kWidth Triton gives a 16-bit dot on `device`: 2 for sm_90's wgmma, 4 for mma.sync (sm_80 to
+    sm_89; and the interpreter, where any K order computes the same sums). Cached: no host work a call."""
+    return 2 if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0) else 4
+
+
 def eligible(kind_path: int, words: bool, dtype, m: int, k: int, group_size: int) -> bool:
     """Whether a launch can run this kernel: int4 read as words, 16-bit x, up to 16 rows, K in whole steps of 128
     columns, groups of 32, 64 or a multiple of 128 columns."""
-    import torch
-
     return (kind_path == 0 and words and dtype in (torch.bfloat16, torch.float16) and m <= MAX_ROWS
             and k % COLUMNS == 0 and (group_size in (32, 64) or group_size % COLUMNS == 0))

@@ -478,7 +478,7 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
         taken = ("G", "HAS_ZEROS", "HAS_PERM", "HAS_BIAS", "ACT", "RESIDUAL", "SPLIT_K", "PDL", "num_warps",
                  "num_stages")
         _mma._quant_gemv_mma_kernel[(n_blocks, plan.split)](
-            *args[:5], *args[6:], BLOCK_N=plan.block_n, EVEN_N=n_out % plan.block_n == 0,
+            *args[:5], *args[6:], BLOCK_N=plan.block_n, EVEN_N=n_out % plan.block_n == 0, KWIDTH=_mma.k_width(x.device),
             MAGIC=0x4300 if x.dtype == torch.bfloat16 else 0x6400, NATIVE=flags["ASM"],
             **{k: flags[k] for k in taken}, **_pdl.launch_options(pdl))
     elif plan.gemv:
