@@ -46,9 +46,11 @@ SWEEP_DECODE = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128
                 for w in (4, 8)] + [dict(gemv_max_rows=16)]
 # the tensor-core kernel with the next step's scales loaded ahead (docs/ops/quant_decode_rows_model.md, change B)
 SWEEP_DECODE += [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)]
-# the tensor-core GEMV (int4; ops/quant_gemv_mma.py) at one row and at 2 to 16: tiles, pipeline stages, splits
+# the tensor-core GEMV (int4; ops/quant_gemv_mma.py) at one row and at 2 to 16: tiles, pipeline stages, splits,
+# a dot's columns (fewer registers, more programs an SM)
 SWEEP_MMA = [dict(gemv_mma=1, block_n=bn, num_stages=st) for bn in (64, 128) for st in (2, 3, 4)] + [
-    dict(gemv_mma=1, split_k=sk) for sk in (2, 4, 8, 16)]
+    dict(gemv_mma=1, split_k=sk) for sk in (2, 4, 8, 16)] + [dict(gemv_mma=1, block_k=bk) for bk in (32, 64)] + [
+    dict(gemv_mma=1, block_n=256, block_k=64, num_warps=8)]
 SWEEP_GEMV += SWEEP_MMA
 SWEEP_DECODE += SWEEP_MMA
 # (the tensor-core GEMM's tiles: dequant_min_rows=0 keeps prefill rows off the dequantize-then-cuBLAS path)

@@ -88,6 +88,15 @@ def test_epilogues_and_splits(device, launches, G, M, activation, bias, residual
         _assert_counters_clean(device)
 
 
+@pytest.mark.parametrize("G, block_k", [(128, 32), (128, 64), (256, 64), (64, 32), (32, 64)])
+def test_dots_narrower_than_a_group(device, launches, G, block_k):
+    # block_k columns a dot: a group's dots summed, then scaled once (block_k >= G: one dot a group)
+    qw = _on(_weight("int4", G, True, True, 40, 512, BF16, seed=G), device)
+    x = _x(3, 512, dtype=BF16).to(device)
+    _check("narrow dots", quant_linear(x, qw, config=QuantLinearConfig(gemv_mma=1, block_k=block_k)), x, qw)
+    assert launches[0][1]["BLOCK_K"] == block_k
+
+
 def test_split_k_is_deterministic(device, launches):
     qw = _on(_weight("int4", 32, True, False, 40, 512, BF16), device)
     x = _x(3, 512, dtype=BF16).to(device)
@@ -142,6 +151,8 @@ def test_plan(monkeypatch):
                                                                                split_k=4), False, False, True) \
         .k_split == 1024
     assert not ql._plan(1, 4096, 4096, "int4", 128, False, cuda, MMA).mma  # x not 16-bit
+    assert o_proj.gw == 128 and ql._plan(1, 4096, 4096, "int4", 128, False, cuda, QuantLinearConfig(
+        gemv_mma=1, block_k=64), False, False, True).gw == 64  # a dot's columns
     assert not ql._plan(1, 4096, 4096, "fp8", 128, False, cuda, MMA, False, False, True).mma
     assert not ql._plan(1, 4096, 4096, "int4", 128, False, cuda, QuantLinearConfig(), False, False, True).mma
 

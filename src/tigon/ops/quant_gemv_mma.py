@@ -72,10 +72,12 @@ def _a_tile(D, o_n, m_n, kw, stride_dn, C: tl.constexpr, EVEN_N: tl.constexpr, K
         a = tl.permute(a, (0, 2, 5, 1, 4, 3))  # [n, b, c, w, h, e]
     a = tl.reshape(a, [o_n.shape[0], C])
     if not NATIVE:
-        return a.to(tl.float32) - 8.0
-    if MAGIC == 0x4300:
-        return a - 136.0  # 128 + q - 136 in bf16
-    return a - 1032.0  # 1024 + q - 1032 in fp16
+        a = a.to(tl.float32) - 8.0
+    elif MAGIC == 0x4300:
+        a = a - 136.0  # 128 + q - 136 in bf16
+    else:
+        a = a - 1032.0  # 1024 + q - 1032 in fp16
+    return a
 
 
 @triton.jit
@@ -97,15 +99,21 @@ def _x_tile(p_x, P, m_m, k, C: tl.constexpr, HAS_PERM: tl.constexpr, KWIDTH: tl.
 
 
 @triton.jit
-def _group(acc, D, S, Z, xt, sx, o_n, m_n, k, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
-           G: tl.constexpr, C: tl.constexpr, HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr, KWIDTH: tl.constexpr,
-           MAGIC: tl.constexpr, NATIVE: tl.constexpr):
-    """acc + this group's C columns from column k: s (sum((q - 8) x) + (8 - z) sum(x))."""
+def _dot_part(d, D, xt, o_n, m_n, k, stride_dn, C: tl.constexpr, EVEN_N: tl.constexpr, KWIDTH: tl.constexpr,
+              MAGIC: tl.constexpr, NATIVE: tl.constexpr):
+    """d + sum((q - 8) x) over the C columns from column k."""
     a = _a_tile(D, o_n, m_n, k // 8, stride_dn, C, EVEN_N, KWIDTH, MAGIC, NATIVE)
     if NATIVE:
-        d = tl.dot(a, xt)
+        d = tl.dot(a, xt, d)
     else:
-        d = tl.dot(a, xt.to(tl.float32), input_precision="ieee")
+        d = tl.dot(a, xt.to(tl.float32), d, input_precision="ieee")
+    return d
+
+
+@triton.jit
+def _scaled(acc, d, sx, S, Z, o_n, m_n, k, stride_sn, stride_sg, stride_zn, stride_zg, G: tl.constexpr,
+            HAS_ZEROS: tl.constexpr):
+    """acc + s (d + (8 - z) sum(x)): one group's sums d scaled once, with the group's scale and zero point."""
     s = tl.load(S + o_n.to(tl.int64) * stride_sn + (k // G) * stride_sg, mask=m_n, other=0.0).to(tl.float32)
     if HAS_ZEROS:
         z = tl.load(Z + o_n.to(tl.int64) * stride_zn + (k // G) * stride_zg, mask=m_n, other=0.0).to(tl.float32)
@@ -121,15 +129,18 @@ def _quant_gemv_mma_kernel(
     G: tl.constexpr,  # the group size: 32, 64 or a multiple of 128
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # the columns of one dot: 32, 64 or 128 (fewer live A registers, more dots a step)
     EVEN_N: tl.constexpr,  # N_OUT a multiple of BLOCK_N
     KWIDTH: tl.constexpr,  # consecutive K elements a thread holds of the A operand (`k_width`): the K order
     MAGIC: tl.constexpr,  # 0x4300 for bf16 x, 0x6400 for fp16
     NATIVE: tl.constexpr,  # 16-bit tensor-core operands and inline PTX (a GPU), else fp32 (the interpreter)
     PDL: tl.constexpr,
 ):
-    """y rows [16 (M of them real), BLOCK_N] of one column block and one K range: K steps of 128 columns, each one
-    dot a group (128 // G dots when G < 128), then the split-K finish and epilogue of the FMA GEMV."""
-    C: tl.constexpr = G if G < 128 else 128  # the columns of one dot
+    """y rows [16 (M of them real), BLOCK_N] of one column block and one K range: K steps of 128 columns, each
+    summed a group at a time (GS columns under one scale) in dots of C columns and scaled once a group, then the
+    split-K finish and epilogue of the FMA GEMV."""
+    GS: tl.constexpr = G if G < 128 else 128
+    C: tl.constexpr = GS if GS < BLOCK_K else BLOCK_K
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,17 +155,23 @@ def _quant_gemv_mma_kernel(
     if PDL:
         _pdl.wait(PDL)
     for k0 in range(k_lo, k_hi, 128):
-        for j in tl.static_range(128 // C):
-            k = k0 + j * C
-            xt = _x_tile(p_x, P, m_m, k, C, HAS_PERM, KWIDTH)
+        for g in tl.static_range(128 // GS):
+            kg = k0 + g * GS
+            d = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+            d_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
             sx = tl.zeros([16], dtype=tl.float32)
-            if HAS_ZEROS:
-                sx = tl.sum(xt.to(tl.float32), axis=0)
-            acc = _group(acc, D, S, Z, xt, sx, o_n, m_n, k, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg,
-                         G, C, HAS_ZEROS, EVEN_N, KWIDTH, MAGIC, NATIVE)
-            if ACT != 0:  # up's rows sit N_OUT below gate's
-                acc_u = _group(acc_u, D, S, Z, xt, sx, o_n + N_OUT, m_n, k, stride_dn, stride_sn, stride_sg,
-                               stride_zn, stride_zg, G, C, HAS_ZEROS, EVEN_N, KWIDTH, MAGIC, NATIVE)
+            for j in tl.static_range(GS // C):
+                xt = _x_tile(p_x, P, m_m, kg + j * C, C, HAS_PERM, KWIDTH)
+                if HAS_ZEROS:
+                    sx += tl.sum(xt.to(tl.float32), axis=0)
+                d = _dot_part(d, D, xt, o_n, m_n, kg + j * C, stride_dn, C, EVEN_N, KWIDTH, MAGIC, NATIVE)
+                if ACT != 0:  # up's rows sit N_OUT below gate's
+                    d_u = _dot_part(d_u, D, xt, o_n + N_OUT, m_n, kg + j * C, stride_dn, C, EVEN_N, KWIDTH, MAGIC,
+                                    NATIVE)
+            acc = _scaled(acc, d, sx, S, Z, o_n, m_n, kg, stride_sn, stride_sg, stride_zn, stride_zg, G, HAS_ZEROS)
+            if ACT != 0:
+                acc_u = _scaled(acc_u, d_u, sx, S, Z, o_n + N_OUT, m_n, kg, stride_sn, stride_sg, stride_zn,
+                                stride_zg, G, HAS_ZEROS)
     if PDL:
         _pdl.start(PDL)
     _finish_rows(tl.trans(acc), tl.trans(acc_u), S, BIAS, R, Y, WS, CNT, pid_n, pid_k, o_m, m_m, o_n, m_n, M, N,

@@ -262,7 +262,7 @@ class _Plan:
     split: int
     prefetch: bool
     dequant: bool = False  # the prefill path: `_dequant_kernel` tiles of block_n x gpt * gw, then cuBLAS
-    mma: bool = False  # the tensor-core GEMV (`quant_gemv_mma`): block_n rows a program, K steps of 128 columns
+    mma: bool = False  # the tensor-core GEMV (`quant_gemv_mma`): block_n rows, K steps of 128 columns, dots of gw
 
 
 @functools.lru_cache(maxsize=1024)
@@ -350,7 +350,8 @@ def _mma_plan(n_out: int, K: int, glu: bool, device: torch.device, cfg: QuantLin
     elif not split:
         split = 2 if steps % 2 == 0 else 1
     k_split = _launch.cdiv(steps, split) * _mma.COLUMNS
-    return _Plan(False, _mma.MAX_ROWS, block_n, _mma.COLUMNS, 1, cfg.num_warps or 4,
+    dot_k = min(max(cfg.block_k or _mma.COLUMNS, 32), _mma.COLUMNS)  # a dot's columns (gw): 32, 64 or 128
+    return _Plan(False, _mma.MAX_ROWS, block_n, dot_k, 1, cfg.num_warps or 4,
                  cfg.num_stages or (3 if gpu else 1), k_split, _launch.cdiv(K, k_split), False, mma=True)
 
 
@@ -478,7 +479,8 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
         taken = ("G", "HAS_ZEROS", "HAS_PERM", "HAS_BIAS", "ACT", "RESIDUAL", "SPLIT_K", "PDL", "num_warps",
                  "num_stages")
         _mma._quant_gemv_mma_kernel[(n_blocks, plan.split)](
-            *args[:5], *args[6:], BLOCK_N=plan.block_n, EVEN_N=n_out % plan.block_n == 0, KWIDTH=_mma.k_width(x.device),
+            *args[:5], *args[6:], BLOCK_N=plan.block_n, BLOCK_K=plan.gw, EVEN_N=n_out % plan.block_n == 0,
+            KWIDTH=_mma.k_width(x.device),
             MAGIC=0x4300 if x.dtype == torch.bfloat16 else 0x6400, NATIVE=flags["ASM"],
             **{k: flags[k] for k in taken}, **_pdl.launch_options(pdl))
     elif plan.gemv:
