@@ -46,16 +46,19 @@ SWEEP_DECODE = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128
                 for w in (4, 8)] + [dict(gemv_max_rows=16)]
 # the tensor-core kernel with the next step's scales loaded ahead (docs/ops/quant_decode_rows_model.md, change B)
 SWEEP_DECODE += [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)]
-# the tensor-core GEMV (int4; ops/quant_gemv_mma.py) at one row and at 2 to 16: tiles, pipeline stages, splits,
+# the code-MMA kernel (int4; ops/quant_code_mma.py) at one row and at 2 to 16: tiles, pipeline stages, splits,
 # a dot's columns (fewer registers, more programs an SM)
-SWEEP_MMA = [dict(gemv_mma=1, block_n=bn, num_stages=st) for bn in (64, 128) for st in (2, 3, 4)] + [
-    dict(gemv_mma=1, split_k=sk) for sk in (2, 4, 8, 16)] + [dict(gemv_mma=1, block_k=bk) for bk in (32, 64)] + [
-    dict(gemv_mma=1, block_n=256, block_k=64, num_warps=8)]
+SWEEP_MMA = [dict(code_mma=1, block_n=bn, num_stages=st) for bn in (64, 128) for st in (2, 3, 4)] + [
+    dict(code_mma=1, split_k=sk) for sk in (2, 4, 8, 16)] + [dict(code_mma=1, block_k=bk) for bk in (32, 64)] + [
+    dict(code_mma=1, block_n=256, block_k=64, num_warps=8)]
 SWEEP_GEMV += SWEEP_MMA
 SWEEP_DECODE += SWEEP_MMA
 # (the tensor-core GEMM's tiles: dequant_min_rows=0 keeps prefill rows off the dequantize-then-cuBLAS path)
 SWEEP_PREFILL = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, dequant_min_rows=0)
                  for bm in (64, 128) for bn in (64, 128) for bk in (32, 64) for w in (4, 8) for st in (3, 4)]
+# the code-MMA kernel as the prefill GEMM: tiles of x's rows and the weight's, warps
+SWEEP_PREFILL += [dict(code_mma=1, block_m=bm, block_n=bn, num_warps=w) for bm in (64, 128) for bn in (64, 128)
+                  for w in (4, 8)]
 
 
 def make_weight(kind, N, K, dtype, device, gen):
@@ -153,7 +156,7 @@ def measure(bench, ceiling, x, qw, w16, act, sweep, graph_bench=None) -> dict:
             default_ms = ms
         if best is None or ms < best[0]:
             best = (ms, cfg)
-        if cfg is not None and cfg.gemv_mma == 1 and (best_mma is None or ms < best_mma[0]):
+        if cfg is not None and cfg.code_mma == 1 and (best_mma is None or ms < best_mma[0]):
             best_mma = (ms, cfg)
     ms, cfg = best
     got = quant_linear(x, qw, activation=act, config=cfg)
@@ -217,7 +220,7 @@ def run(args) -> dict:
                       + (f" | GEMM kernel {row['mm_kernel_ms'] * 1e3:8.1f} us" if row["mm_kernel_ms"] else "")
                       + (f" | best of the sweep: {_changed(row['config'])}, default "
                          + (f"{row['default_ms'] * 1e3:.1f} us" if row["default_ms"] else "failed")
-                         + (f", tensor-core GEMV {row['mma_ms'] * 1e3:.1f} us ({_changed(row['mma_config'])})"
+                         + (f", code-MMA kernel {row['mma_ms'] * 1e3:.1f} us ({_changed(row['mma_config'])})"
                             if row["mma_ms"] else "")
                          if args.sweep else ""), flush=True)
                 if args.out:  # after every row: a run cut off by its time limit keeps what it measured

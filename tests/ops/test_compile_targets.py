@@ -271,8 +271,8 @@ def _cases(full: bool):
     def ql_gpu(kernel, kw, cc, only=TARGETS):
         if kernel == "_glu_fwd_kernel":  # the prefill path's GLU epilogue (ops.swiglu's forward) on the GPU's tiles
             return glu_tiles(kernel, kw, cc, 2, 512, 256)  # the [rows, 256] halves of the [rows, 512] output
-        if kernel == "_quant_gemv_mma_kernel":
-            return dict(NATIVE=True, KWIDTH=2 if cc >= 90 else 4, only=only)  # as `quant_gemv_mma.k_width`
+        if kernel == "_quant_code_mma_kernel":
+            return dict(NATIVE=True, KWIDTH=2 if cc >= 90 else 4, only=only)  # as `quant_code_mma.k_width`
         return dict(ASM=True, only=only, **({"UPCAST": False} if kernel == "_quant_mm_kernel" else {}))
 
     # prefill: rows >= 256 dequantize the weight (_dequant_kernel) then run cuBLAS; dequant_min_rows=0 keeps the
@@ -283,9 +283,9 @@ def _cases(full: bool):
             ("nf4", 64, None, 300, True, -1), ("fp8", 128, "silu", 1, True, -1), ("fp8", 0, None, 8, True, -1),
             ("fp8", 128, None, 300, True, -1), ("fp8", 128, None, 1, False, -1), ("fp8", 0, "silu", 40, False, -1),
             ("fp8", 0, None, 300, False, -1), ("int4", 128, "silu", 8, True, -2), ("int4", 64, None, 8, True, -2),
-            ("int4", 128, None, 1, True, -3), ("int4", 32, "silu", 8, True, -3)):
+            ("int4", 128, None, 1, True, -3), ("int4", 32, "silu", 8, True, -3), ("int4", 128, "silu", 512, True, -3)):
         # dq -2: the default launch with prefetch=1 (the tensor-core kernel's scales loaded a step ahead); -3: the
-        # tensor-core GEMV (gemv_mma=1)
+        # code-MMA kernel (code_mma=1: the GEMV, and at 512 rows the GEMM)
         def quant(kind=kind, group=group, act=act, rows=rows, native=native, dq=dq):
             N, K = 512, 1024
             if kind == "fp8":
@@ -299,7 +299,7 @@ def _cases(full: bool):
             ql._fp8_native, ql._launch.sm_count = (lambda device: native), (lambda index: 132)
             try:
                 config = ql.QuantLinearConfig(dequant_min_rows=dq) if dq >= 0 else None
-                config = {-2: ql.QuantLinearConfig(prefetch=1), -3: ql.QuantLinearConfig(gemv_mma=1)}.get(dq, config)
+                config = {-2: ql.QuantLinearConfig(prefetch=1), -3: ql.QuantLinearConfig(code_mma=1)}.get(dq, config)
                 ops.quant_linear(rand(rows, K), qw, activation=act, config=config)
             finally:
                 ql._plan, ql._fp8_native, ql._launch.sm_count = plan, native_of, sms

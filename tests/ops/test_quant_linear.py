@@ -531,9 +531,9 @@ def test_config_is_validated(field, value):
 
 
 def test_config_round_trips_through_the_ops_ints():
-    cfg = QuantLinearConfig(block_n=32, gemv_max_rows=4, prefetch=1, dequant_min_rows=128, gemv_mma=1)
+    cfg = QuantLinearConfig(block_n=32, gemv_max_rows=4, prefetch=1, dequant_min_rows=128, code_mma=1)
     assert QuantLinearConfig(*cfg.ints()) == cfg and cfg.ints()[-2:] == [128, 1]
-    assert QuantLinearConfig().dequant_min_rows == QuantLinearConfig().gemv_mma == -1
+    assert QuantLinearConfig().dequant_min_rows == QuantLinearConfig().code_mma == -1
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -212,7 +212,7 @@ def test_measure_quant_times_the_rule_and_the_grid(monkeypatch, cache_dir):
 
 def test_a_cached_pick_turns_the_tensor_core_gemv_on(cache_dir):
     cuda, default = torch.device("cuda", 0), QuantLinearConfig()
-    mma = QuantLinearConfig(gemv_mma=1, block_n=64, split_k=4)
+    mma = QuantLinearConfig(code_mma=1, block_n=64, split_k=4)
     tuned_cache.write(FAKE_GPU, quant_linear={KEY: tuple(mma.ints())})
     assert json.loads((cache_dir / "tuned.json").read_text())["entries"][0]["quant_linear"][0]["config"][-1] == 1
     picked = ql._plan(1, 4096, 4096, "int4", 128, False, cuda, default, True, False, True)

@@ -56,11 +56,11 @@ QUANT_GRID = {  # QuantLinearConfig fields around the rule's launch, per kernel 
     "decode": [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
     + [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)] + [dict(gemv_max_rows=16)],
 }
-# the tensor-core GEMV (int4, both row buckets; other formats run as without it): tiles, pipeline stages, splits,
+# the code-MMA kernel (int4, both row buckets; other formats run as without it): tiles, pipeline stages, splits,
 # a dot's columns (fewer registers, more programs an SM)
-QUANT_MMA = [dict(gemv_mma=1, block_n=bn, num_stages=st) for bn in (64, 128) for st in (2, 3, 4)] + [
-    dict(gemv_mma=1, split_k=sk) for sk in (2, 4, 8, 16)] + [dict(gemv_mma=1, block_k=bk) for bk in (32, 64)] + [
-    dict(gemv_mma=1, block_n=256, block_k=64, num_warps=8)]
+QUANT_MMA = [dict(code_mma=1, block_n=bn, num_stages=st) for bn in (64, 128) for st in (2, 3, 4)] + [
+    dict(code_mma=1, split_k=sk) for sk in (2, 4, 8, 16)] + [dict(code_mma=1, block_k=bk) for bk in (32, 64)] + [
+    dict(code_mma=1, block_n=256, block_k=64, num_warps=8)]
 QUANT_GRID = {kernel: grid + QUANT_MMA for kernel, grid in QUANT_GRID.items()}
 QUANT_GRAPH_BYTES = 200 << 20  # weight bytes a timed graph cycles through: 4x a 50 MiB L2 (2 to 32 copies)
 NEEDS_GPU = ("tigon tune needs a CUDA GPU: it times kernels on the card it tunes for, and this machine has none "

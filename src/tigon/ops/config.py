@@ -267,10 +267,11 @@ class QuantLinearConfig:
     tensor-core kernel the next step's scales (the codes and x are pipelined by Triton, bf16 scales are not).
     dequant_min_rows: from this many rows (past `gemv_max_rows`, 16-bit x) W is dequantized into a buffer and one
     cuBLAS GEMM runs (-1: the default, 256 on a GPU, never elsewhere; 0: never); block_n, block_k and num_warps
-    then set the dequantization's tile. gemv_mma: 1 runs launches of up to 16 rows of 16-bit x over int4 weights
-    (K a multiple of 128; groups of 32, 64 or a multiple of 128) on the tensor-core GEMV (`ops/quant_gemv_mma.py`:
-    the codes as the dot's register operand; block_n, num_warps, num_stages and split_k set its launch), others
-    as without it; 0 or -1 (the default) do not."""
+    then set the dequantization's tile. code_mma: 1 runs launches of 16-bit x over int4 weights (K a multiple of 128;
+    groups of 32, 64 or a multiple of 128) on the code-MMA kernel (`ops/quant_code_mma.py`: the codes as the dot's
+    register operand): up to 16 rows as a GEMV with K split, more as a GEMM of block_m rows of x a program
+    (default 64); block_n, block_k (a dot's columns), num_warps, num_stages and split_k set its launch; other
+    launches run as without it. 0 or -1 (the default): not."""
 
     block_m: int = 0
     block_n: int = 0
@@ -281,16 +282,16 @@ class QuantLinearConfig:
     gemv_max_rows: int = -1
     prefetch: int = -1
     dequant_min_rows: int = -1
-    gemv_mma: int = -1
+    code_mma: int = -1
 
     def __post_init__(self):
         _check_fields(self, powers_of_two=("block_m", "block_n", "block_k", "num_warps"),
                       zero_ok=tuple(f.name for f in dataclasses.fields(self)),
-                      minus_one_ok=("gemv_max_rows", "prefetch", "dequant_min_rows", "gemv_mma"))
+                      minus_one_ok=("gemv_max_rows", "prefetch", "dequant_min_rows", "code_mma"))
         for name in ("block_m", "block_k"):
             if 0 < getattr(self, name) < 16:
                 raise ValueError(f"QuantLinearConfig: {name} must be 0 or >= 16 (tl.dot), got {getattr(self, name)}")
-        for name in ("prefetch", "gemv_mma"):
+        for name in ("prefetch", "code_mma"):
             if getattr(self, name) > 1:
                 raise ValueError(f"QuantLinearConfig: {name} must be -1, 0 or 1, got {getattr(self, name)}")
 

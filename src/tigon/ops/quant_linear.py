@@ -10,9 +10,9 @@ scales serves a tile.
 - `_quant_mm_kernel`, the rest (a few decode rows on tensor cores with M padded to 16, and the prefill GEMM): each
   tile is dequantized in fp32, rounded to x's dtype and fed to `tl.dot` (fp32 accumulation); fp8 tiles with one
   scale a row are exact in x's dtype and scaled after the dot.
-- `_quant_gemv_mma_kernel` (ops/quant_gemv_mma.py, `QuantLinearConfig(gemv_mma=1)`): int4 at up to 16 rows of
-  16-bit x on tensor cores, the codes as the dot's register operand in a K order that keeps each thread's words its
-  own; off unless a config or a measured pick turns it on.
+- `_quant_code_mma_kernel` (ops/quant_code_mma.py, `QuantLinearConfig(code_mma=1)`): int4 with 16-bit x on tensor
+  cores, the codes as the dot's register operand in a K order that keeps each thread's words its own: the decode
+  GEMV at up to 16 rows, a GEMM past them; off unless a config or a measured pick turns it on.
 - `_dequant_kernel`, the prefill path (M >= `dequant_min_rows`, default 256 on a GPU, 16-bit x): W dequantized once
   into a transient [N, K] buffer of x's dtype by the mm kernel's own tile code, then one cuBLAS GEMM and the
   epilogue in torch; at prefill rows the GEMM's FLOPs, not the weight's bytes, set the time.
@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import _launch, _library, _pdl, quant_linear_picks, reference
 from . import _rolling_buffer as _ws
-from . import quant_gemv_mma as _mma
+from . import quant_code_mma as _mma
 from . import swiglu as _glu
 from ._quant_tiles import _finish, _gemv_sum, _load_scales, _load_tile, _mm_tile, _scaled, _values, _x_tile
 from .config import QuantLinearConfig
@@ -262,7 +262,7 @@ class _Plan:
     split: int
     prefetch: bool
     dequant: bool = False  # the prefill path: `_dequant_kernel` tiles of block_n x gpt * gw, then cuBLAS
-    mma: bool = False  # the tensor-core GEMV (`quant_gemv_mma`): block_n rows, K steps of 128 columns, dots of gw
+    mma: bool = False  # the code-MMA kernel (`quant_code_mma`): block_n rows, K steps of 128 columns, dots of gw
 
 
 @functools.lru_cache(maxsize=1024)
@@ -278,7 +278,7 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
     the prefill GEMM 64 or 128 x 128 x 64. Rows <= 16 split K until enough programs stream the weight (below);
     the interpreter splits in 2, so the tests' default launches sum splits. From `dequant_min_rows` rows (256 on a
     GPU) the dequantization's tiles: 32 x 256, 16 KiB of bf16 written a program (at the copy rate on an H100).
-    x16: x is bf16 or fp16, which `gemv_mma` needs (with int4 and the shapes `quant_gemv_mma.eligible` names)."""
+    x16: x is bf16 or fp16, which `code_mma` needs (with int4 and the shapes `quant_code_mma.eligible` names)."""
     gpu = device.type == "cuda"
     if kind == "fp4":
         kind = "nf4"
@@ -287,8 +287,8 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
                                          quant_linear_picks.format_of(kind, zeros), G, glu)
         if pick is not None:
             cfg = QuantLinearConfig(*pick)
-    if cfg.gemv_mma == 1 and x16 and _mma.eligible(0 if kind == "int4" else 1, True, torch.bfloat16, M, K, G):
-        return _mma_plan(n_out, K, glu, device, cfg)
+    if cfg.code_mma == 1 and x16 and _mma.eligible(0 if kind == "int4" else 1, True, torch.bfloat16, M, K, G):
+        return _mma_plan(M, n_out, K, glu, device, cfg)
     gemv = M <= (1 if cfg.gemv_max_rows < 0 else cfg.gemv_max_rows)
     pow2_g = G & -G  # the largest power of two dividing the group (fp8 per channel: G = 0, one chunk a tile)
     dequant_rows = cfg.dequant_min_rows if cfg.dequant_min_rows >= 0 else (256 if gpu else 0)
@@ -336,29 +336,36 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
                  k_split, _launch.cdiv(K, k_split), cfg.prefetch == 1)
 
 
-def _mma_plan(n_out: int, K: int, glu: bool, device: torch.device, cfg: QuantLinearConfig) -> _Plan:
-    """The tensor-core GEMV's launch: 128 rows a program on 4 warps (one warpgroup: two m64 wgmmas a K step of
-    128 columns), Triton's three pipeline stages; K split as the other decode kernels' (4 programs an SM: ~128
-    registers a thread). The interpreter: 64 rows, one stage, two splits where K allows."""
+def _mma_plan(M: int, n_out: int, K: int, glu: bool, device: torch.device, cfg: QuantLinearConfig) -> _Plan:
+    """The tensor-core kernel's launch. Up to 16 rows (the decode GEMV): 128 weight rows a program on 4 warps (one
+    warpgroup: two m64 wgmmas a K step of 128 columns), x's rows padded to 16, Triton's three pipeline stages, K
+    split as the other decode kernels' (4 programs an SM at ~128-170 registers, 2 with a GLU). More rows (a GEMM):
+    tiles of 128 weight rows x 128 rows of x (64 with a GLU's two accumulators) on 8 warps, no split: the sm_90 SASS
+    fits them without spills (222 and 227 registers), and a K step issues ~670 cycles against ~1020 of tensor work.
+    The interpreter: 64 weight rows, one stage, two splits where K allows."""
     gpu = device.type == "cuda"
+    gemm = M > _mma.MAX_ROWS
+    block_m = max(16, cfg.block_m or ((64 if glu else 128) if gemm else _mma.MAX_ROWS))
     block_n = max(16, cfg.block_n or (128 if gpu else 64))
     steps = _launch.cdiv(K, _mma.COLUMNS)
     split = cfg.split_k
-    if not split and gpu:
+    if not split and gemm:
+        split = 1
+    elif not split and gpu:
         want = (2 if glu else 4) * _launch.sm_count(device.index or 0) / _launch.cdiv(n_out, block_n)
         split = max([d for d in range(1, steps // 2 + 1) if steps % d == 0 and d <= max(want, 1)], default=1)
     elif not split:
         split = 2 if steps % 2 == 0 else 1
     k_split = _launch.cdiv(steps, split) * _mma.COLUMNS
     dot_k = min(max(cfg.block_k or _mma.COLUMNS, 32), _mma.COLUMNS)  # a dot's columns (gw): 32, 64 or 128
-    return _Plan(False, _mma.MAX_ROWS, block_n, dot_k, 1, cfg.num_warps or 4,
+    return _Plan(False, block_m, block_n, dot_k, 1, cfg.num_warps or (8 if gemm and gpu else 4),
                  cfg.num_stages or (3 if gpu else 1), k_split, _launch.cdiv(K, k_split), False, mma=True)
 
 
 @functools.lru_cache(maxsize=64)
 def _without_mma(cfg: QuantLinearConfig) -> QuantLinearConfig:
-    """cfg with the tensor-core GEMV off (a weight whose codes are not whole aligned words), made once a config."""
-    return dataclasses.replace(cfg, gemv_mma=0)
+    """cfg with the code-MMA kernel off (a weight whose codes are not whole aligned words), made once a config."""
+    return dataclasses.replace(cfg, code_mma=0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -478,9 +485,9 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
         # the table is not read (int4 only); the kernel's own constexprs, then the launch options of `flags`
         taken = ("G", "HAS_ZEROS", "HAS_PERM", "HAS_BIAS", "ACT", "RESIDUAL", "SPLIT_K", "PDL", "num_warps",
                  "num_stages")
-        _mma._quant_gemv_mma_kernel[(n_blocks, plan.split)](
-            *args[:5], *args[6:], BLOCK_N=plan.block_n, BLOCK_K=plan.gw, EVEN_N=n_out % plan.block_n == 0,
-            KWIDTH=_mma.k_width(x.device),
+        _mma._quant_code_mma_kernel[(n_blocks, plan.split, _launch.cdiv(M, plan.block_m))](
+            *args[:5], *args[6:], BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.gw,
+            EVEN_N=n_out % plan.block_n == 0, KWIDTH=_mma.k_width(x.device),
             MAGIC=0x4300 if x.dtype == torch.bfloat16 else 0x6400, NATIVE=flags["ASM"],
             **{k: flags[k] for k in taken}, **_pdl.launch_options(pdl))
     elif plan.gemv:

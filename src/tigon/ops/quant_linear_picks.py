@@ -6,7 +6,7 @@ card, for this torch and Triton), then from `MEASURED_PICKS` below, and None sen
 to 16-bit activations on a CUDA device; a config passed, fp32 activations and the CPU keep the rule.
 
 `MEASURED_PICKS[gpu name][(K, N, rows bucket, fmt, group_size, glu)]` is the `QuantLinearConfig.ints()` tuple
-(block_m, block_n, block_k, num_warps, num_stages, split_k, gemv_max_rows, prefetch, dequant_min_rows[, gemv_mma]) that
+(block_m, block_n, block_k, num_warps, num_stages, split_k, gemv_max_rows, prefetch, dequant_min_rows[, code_mma]) that
 `python -m benchmarks quant-linear --sweep --out FILE` (benchmarks/generation/bench_quant_linear.py) timed fastest for
 that shape in bf16: a row's `config` where the sweep's best beat the default launch (`default_ms`) by >= 2%; no entry
 where it did not. Cards without rows run the rule until `tigon tune --quant-linear` measures them.

@@ -96,7 +96,7 @@ def _key(value, where: str) -> tuple:
 
 
 def _quant_config(value, where: str) -> tuple:
-    """A QuantLinearConfig.ints() list: 10 ints, or 9 (the fields before `gemv_mma`, which then reads -1)."""
+    """A QuantLinearConfig.ints() list: 10 ints, or 9 (the fields before `code_mma`, which then reads -1)."""
     if not isinstance(value, list) or len(value) not in (9, 10) or not all(type(v) is int for v in value):
         raise ValueError(f"{where}: config must be a list of 10 ints (QuantLinearConfig.ints()), got {value!r}")
     QuantLinearConfig(*value)  # its own checks (powers of two, >= 16, -1 defaults): a ValueError names the field

@@ -1,4 +1,4 @@
-"""The int4 tensor-core GEMV (`QuantLinearConfig(gemv_mma=1)`, ops/quant_gemv_mma.py) against the exact product.
+"""The int4 code-MMA kernel (`QuantLinearConfig(code_mma=1)`, ops/quant_code_mma.py) against the exact product.
 
 Its A operand is q - 8, exact in x's 16-bit dtype, so no tile rounding enters: the error model is the FMA GEMV's
 (the fp32 sums and the output roundings of tests/ops/test_quant_linear.py, `dot=False`) at every row count, which
@@ -17,13 +17,13 @@ from tests.ops.test_quant_linear import BF16, FP16, FP32, _assert_counters_clean
 from tigon.ops.quant_linear import QuantLinearConfig, quant_linear
 
 ql = importlib.import_module("tigon.ops.quant_linear")
-MMA = QuantLinearConfig(gemv_mma=1)
+MMA = QuantLinearConfig(code_mma=1)
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The tensor-core GEMV's launches of the test, as [(grid, kwargs)]."""
-    got, kernel = [], ql._mma._quant_gemv_mma_kernel
+    """The code-MMA kernel's launches of the test, as [(grid, kwargs)]."""
+    got, kernel = [], ql._mma._quant_code_mma_kernel
 
     class Recorder:
         def __getitem__(self, grid):
@@ -32,7 +32,7 @@ def launches(monkeypatch):
                 return kernel[grid](*args, **kwargs)
             return run
 
-    monkeypatch.setattr(ql._mma, "_quant_gemv_mma_kernel", Recorder())
+    monkeypatch.setattr(ql._mma, "_quant_code_mma_kernel", Recorder())
     return got
 
 
@@ -75,7 +75,7 @@ def test_epilogues_and_splits(device, launches, G, M, activation, bias, residual
     x = _x(2, M, K, dtype=BF16).to(device)  # leading dims
     b = _x(N, dtype=BF16, seed=3).to(device) if bias else None
     r = _x(2, M, n_out, dtype=BF16, seed=4).to(device) * 4 if residual else None
-    cfg = QuantLinearConfig(gemv_mma=1, block_n=32, split_k=split)
+    cfg = QuantLinearConfig(code_mma=1, block_n=32, split_k=split)
     if 2 * M > 16:
         x, r = x[:1], r[:1] if r is not None else None
     got = quant_linear(x, qw, bias=b, residual=r, activation=activation, config=cfg)
@@ -83,7 +83,7 @@ def test_epilogues_and_splits(device, launches, G, M, activation, bias, residual
     _check("epilogue", got, x, qw, bias=b, residual=r, activation=activation)
     (grid, kwargs), = launches
     splits = -(-6 // -(-6 // split))
-    assert grid == (-(-n_out // 32), splits) and kwargs["SPLIT_K"] == splits
+    assert grid == (-(-n_out // 32), splits, 1) and kwargs["SPLIT_K"] == splits
     if splits > 1:
         _assert_counters_clean(device)
 
@@ -93,14 +93,14 @@ def test_dots_narrower_than_a_group(device, launches, G, block_k):
     # block_k columns a dot: a group's dots summed, then scaled once (block_k >= G: one dot a group)
     qw = _on(_weight("int4", G, True, True, 40, 512, BF16, seed=G), device)
     x = _x(3, 512, dtype=BF16).to(device)
-    _check("narrow dots", quant_linear(x, qw, config=QuantLinearConfig(gemv_mma=1, block_k=block_k)), x, qw)
+    _check("narrow dots", quant_linear(x, qw, config=QuantLinearConfig(code_mma=1, block_k=block_k)), x, qw)
     assert launches[0][1]["BLOCK_K"] == block_k
 
 
 def test_split_k_is_deterministic(device, launches):
     qw = _on(_weight("int4", 32, True, False, 40, 512, BF16), device)
     x = _x(3, 512, dtype=BF16).to(device)
-    cfg = QuantLinearConfig(gemv_mma=1, split_k=4)
+    cfg = QuantLinearConfig(code_mma=1, split_k=4)
     first = quant_linear(x, qw, config=cfg)
     assert all(torch.equal(first, quant_linear(x, qw, config=cfg)) for _ in range(2))
     assert len(launches) == 3 and launches[0][0][1] == 4
@@ -115,15 +115,13 @@ def test_views(device, launches):
     assert len(launches) == 1
 
 
-@pytest.mark.parametrize("why", ["fp32 x", "nf4", "17 rows", "K not whole steps", "groups of 96", "codes off words"])
+@pytest.mark.parametrize("why", ["fp32 x", "nf4", "K not whole steps", "groups of 96", "codes off words"])
 def test_launches_it_cannot_take_run_the_others(device, launches, why):
     kind, G, K, M, dtype = "int4", 64, 256, 2, BF16
     if why == "fp32 x":
         dtype = FP32
     elif why == "nf4":
         kind = "nf4"
-    elif why == "17 rows":
-        M = 17
     elif why == "K not whole steps":
         K = 320
     elif why == "groups of 96":
@@ -147,17 +145,35 @@ def test_plan(monkeypatch):
     assert o_proj.mma and o_proj.block_n == 128 and o_proj.split == 16 and o_proj.k_split == 256  # 32 tiles
     gate_up = ql._plan(8, 14336, 4096, "int4", 128, True, cuda, MMA, False, False, True)
     assert gate_up.mma and gate_up.split == 2  # 112 tiles of two accumulators: 2.4 of 2 programs an SM
-    assert ql._plan(1, 4096, 4096, "int4", 128, False, cuda, QuantLinearConfig(gemv_mma=1, block_n=64,
+    assert ql._plan(1, 4096, 4096, "int4", 128, False, cuda, QuantLinearConfig(code_mma=1, block_n=64,
                                                                                split_k=4), False, False, True) \
         .k_split == 1024
     assert not ql._plan(1, 4096, 4096, "int4", 128, False, cuda, MMA).mma  # x not 16-bit
+    gemm = ql._plan(512, 4096, 4096, "int4", 128, False, cuda, MMA, False, False, True)
+    assert (gemm.block_m, gemm.block_n, gemm.num_warps, gemm.split) == (128, 128, 8, 1)
+    assert ql._plan(512, 14336, 4096, "int4", 128, True, cuda, MMA, False, False, True).block_m == 64  # a GLU
     assert o_proj.gw == 128 and ql._plan(1, 4096, 4096, "int4", 128, False, cuda, QuantLinearConfig(
-        gemv_mma=1, block_k=64), False, False, True).gw == 64  # a dot's columns
+        code_mma=1, block_k=64), False, False, True).gw == 64  # a dot's columns
     assert not ql._plan(1, 4096, 4096, "fp8", 128, False, cuda, MMA, False, False, True).mma
     assert not ql._plan(1, 4096, 4096, "int4", 128, False, cuda, QuantLinearConfig(), False, False, True).mma
 
 
 @pytest.mark.parametrize("value", [2, -2])
 def test_config_rejects_other_values(value):
-    with pytest.raises(ValueError, match="gemv_mma"):
-        QuantLinearConfig(gemv_mma=value)
+    with pytest.raises(ValueError, match="code_mma"):
+        QuantLinearConfig(code_mma=value)
+
+
+@pytest.mark.parametrize("M, block_m, split", [(40, 0, 0), (37, 32, 2), (130, 64, 0)])
+def test_more_rows_as_a_gemm(device, launches, M, block_m, split):
+    # past 16 rows the same kernel tiles x's rows too (block_m of them a program; 64 by default) and K is not split
+    qw = _on(_weight("int4", 64, True, True, 36, 384, FP16, seed=M), device)
+    x = _x(M, 384, dtype=FP16).to(device)
+    r = _x(M, 18, dtype=FP16, seed=2).to(device)
+    cfg = QuantLinearConfig(code_mma=1, block_m=block_m, split_k=split)
+    _check("gemm", quant_linear(x, qw, activation="silu", residual=r, config=cfg), x, qw, activation="silu", residual=r)
+    (grid, kwargs), = launches
+    assert grid[2] == -(-M // (block_m or 64)) and kwargs["BLOCK_M"] == (block_m or 64)
+    assert grid[1] == (split or 1)
+    if grid[1] > 1:
+        _assert_counters_clean(device)

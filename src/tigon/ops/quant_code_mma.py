@@ -1,7 +1,8 @@
-"""The int4 decode GEMV on tensor cores: `quant_linear` for up to 16 rows of 16-bit x with the codes as the dot's
-register operand (`QuantLinearConfig(gemv_mma=1)`; docs/ops/quant_linear.md, "The tensor-core GEMV").
+"""The code-MMA kernel: `quant_linear` over int4 weights on tensor cores with the codes as the dot's register operand
+(`QuantLinearConfig(code_mma=1)`; docs/ops/quant_linear.md, "The code-MMA kernel"), for 16-bit x: the decode GEMV
+(up to 16 rows of x, padded to 16, K split to fill the GPU) and, with more rows, a GEMM (BLOCK_M rows of x a program).
 
-The weight tile is the dot's A operand ([BLOCK_N rows, group columns]) and x^T, padded to 16 columns, its B. The
+The weight tile is the dot's A operand ([BLOCK_N rows, group columns]) and x^T [.., BLOCK_M] its B. The
 K order of each 32 columns is chosen so that a thread's own 32-bit words fill its own slots of A. On sm_90
 (wgmma's register operand, Triton's kWidth 2) a thread (t = lane % 4) holds columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9
 of each 16, and dot column 32 b + 16 c + 8 h + 2 w + e holds code 4 e + 2 c + h of word NB w + b (NB = the words
@@ -9,9 +10,9 @@ of a row a group / 4); on sm_80 to sm_89 (mma.sync, kWidth 4) it holds 4 t .. 4 
 32 b + 16 c + 4 w + 2 h + e the same code. x is loaded in column order and reordered the same way. Either way a
 thread's word (w = t) gives it both halves of its 32-bit A registers: one LOP3 of the word shifted by 4 i makes the
 pair (codes i, i + 4) as the 16-bit floats 128 + q (bf16) or 1024 + q (fp16), one packed subtraction makes them
-q - 8, exact. No shared memory between the load of the codes and the mma
-(Triton's pipeliner may still stage the loads through it, asynchronously), about 2.3 instructions a weight element
-on sm_90 against the FMA GEMV's 4.3 (the SASS counts in docs/ops/quant_gemv_issue_model.md).
+q - 8, exact. No shared memory between the load of the codes and the mma (Triton's pipeliner may still stage the
+loads through it, asynchronously): at one row about 2.3 instructions a weight element on sm_90 against the FMA
+GEMV's 4.3 (the SASS counts in docs/ops/quant_gemv_issue_model.md).
 
 The products (q - 8) x are exact and summed in fp32 by the tensor core, a group's sum scaled once (s d), as the
 FMA GEMV's; zero points add s (8 - z) sum(x) from x's exact fp32 group sum. The interpreter has no 16-bit
@@ -28,7 +29,7 @@ from . import _pdl
 from ._quant_tiles import _epilogue
 
 COLUMNS = 128  # the columns of a K step (one group, or 128 // G groups)
-MAX_ROWS = 16  # x's rows a launch: the dot's padded N
+MAX_ROWS = 16  # up to this many rows of x: one tile of 16 (the dot's least N) and K split, the decode GEMV
 
 
 @triton.jit
@@ -89,13 +90,13 @@ def _x_tile(p_x, P, m_m, k, C: tl.constexpr, HAS_PERM: tl.constexpr, KWIDTH: tl.
     kk = k + tl.arange(0, C)
     if HAS_PERM:
         kk = tl.load(P + kk)
-    x = tl.load(p_x + kk[None, :], mask=m_m[:, None], other=0.0)  # [16, C]
-    x = tl.reshape(x, [16, 4, NB, 2, 2, 2])  # [m, w, b, e, c, h]
+    x = tl.load(p_x + kk[None, :], mask=m_m[:, None], other=0.0)  # [BLOCK_M, C]
+    x = tl.reshape(x, [m_m.shape[0], 4, NB, 2, 2, 2])  # [m, w, b, e, c, h]
     if KWIDTH == 2:
         x = tl.permute(x, (0, 2, 4, 5, 1, 3))  # [m, b, c, h, w, e]
     else:
         x = tl.permute(x, (0, 2, 4, 1, 5, 3))  # [m, b, c, w, h, e]
-    return tl.trans(tl.reshape(x, [16, C]))
+    return tl.trans(tl.reshape(x, [m_m.shape[0], C]))
 
 
 @triton.jit
@@ -122,13 +123,13 @@ def _scaled(acc, d, sx, S, Z, o_n, m_n, k, stride_sn, stride_sg, stride_zn, stri
 
 
 @triton.jit(do_not_specialize=["M", "N"])
-def _quant_gemv_mma_kernel(
+def _quant_code_mma_kernel(
     X, D, S, Z, P, BIAS, R, Y, WS, CNT,  # as in quant_linear's _quant_gemv_kernel; D as int32 words
     M, N, K, N_OUT, K_SPLIT,
     stride_xm, stride_dn, stride_sn, stride_sg, stride_zn, stride_zg, stride_rm, stride_ym,
     G: tl.constexpr,  # the group size: 32, 64 or a multiple of 128
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # the columns of one dot: 32, 64 or 128 (fewer live A registers, more dots a step)
     EVEN_N: tl.constexpr,  # N_OUT a multiple of BLOCK_N
     KWIDTH: tl.constexpr,  # consecutive K elements a thread holds of the A operand (`k_width`): the K order
@@ -136,30 +137,31 @@ def _quant_gemv_mma_kernel(
     NATIVE: tl.constexpr,  # 16-bit tensor-core operands and inline PTX (a GPU), else fp32 (the interpreter)
     PDL: tl.constexpr,
 ):
-    """y rows [16 (M of them real), BLOCK_N] of one column block and one K range: K steps of 128 columns, each
+    """y [BLOCK_M rows of x, BLOCK_N] of one tile and one K range: K steps of 128 columns, each
     summed a group at a time (GS columns under one scale) in dots of C columns and scaled once a group, then the
     split-K finish and epilogue of the FMA GEMV."""
     GS: tl.constexpr = G if G < 128 else 128
     C: tl.constexpr = GS if GS < BLOCK_K else BLOCK_K
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N_OUT
-    o_m = tl.arange(0, 16)
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
     p_x = X + o_m.to(tl.int64)[:, None] * stride_xm
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if PDL:
         _pdl.wait(PDL)
     for k0 in range(k_lo, k_hi, 128):
         for g in tl.static_range(128 // GS):
             kg = k0 + g * GS
-            d = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-            d_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-            sx = tl.zeros([16], dtype=tl.float32)
+            d = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            d_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            sx = tl.zeros([BLOCK_M], dtype=tl.float32)
             for j in tl.static_range(GS // C):
                 xt = _x_tile(p_x, P, m_m, kg + j * C, C, HAS_PERM, KWIDTH)
                 if HAS_ZEROS:
@@ -174,16 +176,16 @@ def _quant_gemv_mma_kernel(
                                 stride_zg, G, HAS_ZEROS)
     if PDL:
         _pdl.start(PDL)
-    _finish_rows(tl.trans(acc), tl.trans(acc_u), S, BIAS, R, Y, WS, CNT, pid_n, pid_k, o_m, m_m, o_n, m_n, M, N,
-                 N_OUT, stride_sn, stride_rm, stride_ym, HAS_BIAS, ACT, RESIDUAL, SPLIT_K)
+    _finish_rows(tl.trans(acc), tl.trans(acc_u), S, BIAS, R, Y, WS, CNT, pid_m * tl.num_programs(0) + pid_n, pid_k,
+                 o_m, m_m, o_n, m_n, M, N, N_OUT, stride_sn, stride_rm, stride_ym, HAS_BIAS, ACT, RESIDUAL, SPLIT_K)
 
 
 @triton.jit
 def _finish_rows(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n, m_n, M, N, N_OUT, stride_sn, stride_rm,
                  stride_ym, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr):
-    """`_quant_tiles._finish` for a tile of 16 padded rows: the last program of a tile sums the splits (in split
-    order, every split's load in flight) one real row at a time, so its registers hold SPLIT_K rows of BLOCK_N
-    values, not SPLIT_K tiles of 16 rows."""
+    """`_quant_tiles._finish` for a tile of BLOCK_M padded rows: the last program of a tile sums the splits (in
+    split order, every split's load in flight) one real row at a time, so its registers hold SPLIT_K rows of BLOCK_N
+    values, not SPLIT_K tiles of BLOCK_M rows."""
     if SPLIT_K > 1:
         m_y = m_m[:, None] & m_n[None, :]
         slice_size = N.to(tl.int64) * M
@@ -193,7 +195,7 @@ def _finish_rows(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n,
             tl.store(WS + pid_k * slice_size + o_ws + N_OUT, acc_u, mask=m_y)
         tl.debug_barrier()  # every thread's stores before the counter's gpu-scope release
         if tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            for r in range(M):
+            for r in range(tl.min(o_m, axis=0), tl.minimum(tl.max(o_m, axis=0) + 1, M)):  # the tile's real rows
                 a = tl.zeros([1, o_n.shape[0]], dtype=tl.float32)
                 a_u = tl.zeros([1, o_n.shape[0]], dtype=tl.float32)
                 o_r = tl.zeros([1], dtype=tl.int32) + r
@@ -218,7 +220,7 @@ def k_width(device: torch.device) -> int:
 
 
 def eligible(kind_path: int, words: bool, dtype, m: int, k: int, group_size: int) -> bool:
-    """Whether a launch can run this kernel: int4 read as words, 16-bit x, up to 16 rows, K in whole steps of 128
-    columns, groups of 32, 64 or a multiple of 128 columns."""
-    return (kind_path == 0 and words and dtype in (torch.bfloat16, torch.float16) and m <= MAX_ROWS
+    """Whether a launch can run this kernel: int4 read as words, 16-bit x, K in whole steps of 128 columns, groups
+    of 32, 64 or a multiple of 128 columns (any rows)."""
+    return (kind_path == 0 and words and dtype in (torch.bfloat16, torch.float16)
             and k % COLUMNS == 0 and (group_size in (32, 64) or group_size % COLUMNS == 0))
