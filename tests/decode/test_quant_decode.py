@@ -6,7 +6,8 @@ The reference of each case is the same model run by Hugging Face's own module fo
 modules (no patch; `tigon.quant.adopt` for the NF4 checkpoint) or, for the stand-ins (tests/quant/_formats.py,
 whose forward is the product of the weight their tensors encode), with the checkpoint's modules: fp32 greedy
 tokens must be equal. The fused step is proven to run by the quant_linear launches it makes (4 a layer and step
-where q|k|v and gate|up stack, 7 for the module forwards). Most quantize / NF4 cases run the reference ops (the
+where q|k|v and gate|up stack, 7 for the module forwards). The code-MMA kernel (int4, 16-bit x) decodes a bf16
+model to the tokens of the other kernels. Most quantize / NF4 cases run the reference ops (the
 model plumbing is under test; the kernels are tests/ops' job), the stand-in checkpoints the interpreted kernels.
 bitsandbytes' own CPU forward is not the reference: it differs from the product of its own dequantized weight by
 ~2% (tests/quant/test_importers_bnb.py checks the import). A projection adopt leaves alone (bitsandbytes 8-bit,
@@ -14,6 +15,7 @@ a GPTQ group size that does not divide K) keeps its layer on the module forwards
 """
 
 import copy
+import importlib
 import logging
 
 import pytest
@@ -164,6 +166,29 @@ def test_interpreted_kernels_decode_int4():
     got = tigon.generate(patched, ids, max_new_tokens=3, cuda_graph=False)
     assert ops.dispatch_counts[("quant_linear", "triton")] - before == _launches(4, 2)
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the interpreter on CPU tensors; a GPU runs the kernel in tests/ops/test_quant_code_mma.py")
+def test_interpreted_code_mma_kernel_decodes_int4(monkeypatch):
+    """Every quant_linear launch of tigon.generate on the code-MMA kernel (the fused prefill's GEMMs over 10 rows,
+    each step's GEMVs over 2), forced by the default config, on a bf16 model whose K are whole steps of 128: the
+    greedy tokens of the FMA and dot kernels' run. Both sum the same exact products in fp32, in other orders."""
+    ql = importlib.import_module("tigon.ops.quant_linear")
+    model = _quantized("llama", "int4", hidden_size=128, intermediate_size=256, head_dim=32).bfloat16()
+    tigon.patch(model)
+    ids = prompt_ids(2, 5)
+    want = tigon.generate(model, ids, max_new_tokens=3, cuda_graph=False)
+    launches, kernel = [], ql._mma._quant_code_mma_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(grid) or kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(ql._mma, "_quant_code_mma_kernel", Recorder())
+    monkeypatch.setattr(ql, "_DEFAULT_CONFIG", ops.QuantLinearConfig(code_mma=1))
+    assert torch.equal(tigon.generate(model, ids, max_new_tokens=3, cuda_graph=False), want)
+    assert len(launches) == _launches(4, 2)
 
 
 def test_a_quantized_layer_refuses_a_gradient_and_an_adopted_one_trains_through_its_original():
