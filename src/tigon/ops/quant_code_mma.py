@@ -219,8 +219,7 @@ def k_width(device: torch.device) -> int:
     return 2 if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0) else 4
 
 
-def eligible(kind_path: int, words: bool, dtype, m: int, k: int, group_size: int) -> bool:
-    """Whether a launch can run this kernel: int4 read as words, 16-bit x, K in whole steps of 128 columns, groups
-    of 32, 64 or a multiple of 128 columns (any rows)."""
-    return (kind_path == 0 and words and dtype in (torch.bfloat16, torch.float16)
-            and k % COLUMNS == 0 and (group_size in (32, 64) or group_size % COLUMNS == 0))
+def eligible(kind: str, k: int, group_size: int) -> bool:
+    """Whether a weight's shape fits this kernel: int4, K in whole steps of 128 columns, groups of 32, 64 or a
+    multiple of 128 (any rows of x; x must be 16-bit and the codes whole aligned words, which the launch checks)."""
+    return kind == "int4" and k % COLUMNS == 0 and (group_size in (32, 64) or group_size % COLUMNS == 0)

@@ -287,7 +287,7 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
                                          quant_linear_picks.format_of(kind, zeros), G, glu)
         if pick is not None:
             cfg = QuantLinearConfig(*pick)
-    if cfg.code_mma == 1 and x16 and _mma.eligible(0 if kind == "int4" else 1, True, torch.bfloat16, M, K, G):
+    if cfg.code_mma == 1 and x16 and _mma.eligible(kind, K, G):
         return _mma_plan(M, n_out, K, glu, device, cfg)
     gemv = M <= (1 if cfg.gemv_max_rows < 0 else cfg.gemv_max_rows)
     pow2_g = G & -G  # the largest power of two dividing the group (fp8 per channel: G = 0, one chunk a tile)
