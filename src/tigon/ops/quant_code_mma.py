@@ -83,9 +83,9 @@ def _a_tile(D, o_n, m_n, kw, stride_dn, C: tl.constexpr, EVEN_N: tl.constexpr, K
 
 @triton.jit
 def _x_tile(p_x, P, m_m, k, C: tl.constexpr, HAS_PERM: tl.constexpr, KWIDTH: tl.constexpr):
-    """x^T [C, 16] of the C columns from k, in `_a_tile`'s K order: loaded in column order (16 B a lane, rows past M
-    masked), then reordered in registers: column 8 (NB w + b) + 4 e + 2 c + h goes to 32 b + 16 c + 8 h + 2 w + e
-    (KWIDTH 2; 4: 32 b + 16 c + 4 w + 2 h + e)."""
+    """x^T [C, BLOCK_M] of the C columns from k, in `_a_tile`'s K order: loaded in column order (16 B a lane, rows
+    past M masked), then reordered in registers: column 8 (NB w + b) + 4 e + 2 c + h goes to 32 b + 16 c + 8 h +
+    2 w + e (KWIDTH 2; 4: 32 b + 16 c + 4 w + 2 h + e)."""
     NB: tl.constexpr = C // 32
     kk = k + tl.arange(0, C)
     if HAS_PERM:
