@@ -172,9 +172,11 @@ def _scaled(v, s, z, KIND: tl.constexpr):
 @triton.jit
 def _finish(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n, m_n, M, N, N_OUT, stride_sn, stride_rm,
             stride_ym, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr, PER_CHANNEL: tl.constexpr,
-            SPLIT_K: tl.constexpr):
+            SPLIT_K: tl.constexpr, BY_ROW: tl.constexpr):
     """Sum the splits (the last program of a tile to arrive reads the others' partials in split order: the same
-    sum every run, as ops/decode_linear.py), then the epilogue."""
+    sum every run, as ops/decode_linear.py), then the epilogue. BY_ROW: the last program sums and finishes one real
+    row of the tile at a time, so its registers hold SPLIT_K rows, not SPLIT_K tiles (a tile of 16 padded rows
+    holding one or a few real ones: the code-MMA kernel's)."""
     if SPLIT_K > 1:
         m_y = m_m[:, None] & m_n[None, :]
         slice_size = N.to(tl.int64) * M
@@ -184,20 +186,35 @@ def _finish(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n, m_n,
             tl.store(WS + pid_k * slice_size + o_ws + N_OUT, acc_u, mask=m_y)
         tl.debug_barrier()  # every thread's stores before the counter's gpu-scope release
         if tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            acc = tl.zeros(acc.shape, dtype=tl.float32)
-            acc_u = tl.zeros(acc.shape, dtype=tl.float32)
-            # unrolled: every split's load in flight at once (a loop waited on each in turn, on the critical path
-            # of the launch's last tile), summed in split order all the same
-            for s in tl.static_range(SPLIT_K):
-                acc += tl.load(WS + s * slice_size + o_ws, mask=m_y, other=0.0, cache_modifier=".cg")
-                if ACT != 0:
-                    acc_u += tl.load(WS + s * slice_size + o_ws + N_OUT, mask=m_y, other=0.0, cache_modifier=".cg")
             tl.store(CNT + tile, 0)  # every split has arrived: the counter is free for the next call
-            _epilogue(acc, acc_u, S, BIAS, R, Y, o_m, m_m, o_n, m_n, N_OUT, stride_sn, stride_rm, stride_ym,
-                      HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL)
+            if BY_ROW:
+                for r in range(tl.min(o_m, axis=0), tl.minimum(tl.max(o_m, axis=0) + 1, M)):  # the tile's real rows
+                    o_r = tl.zeros([1], dtype=tl.int32) + r
+                    a, a_u = _split_sum(WS, o_r.to(tl.int64)[:, None] * N + o_n[None, :], m_n[None, :], slice_size,
+                                        N_OUT, ACT, SPLIT_K)
+                    _epilogue(a, a_u, S, BIAS, R, Y, o_r, o_r < M, o_n, m_n, N_OUT, stride_sn, stride_rm, stride_ym,
+                              HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL)
+            else:
+                acc, acc_u = _split_sum(WS, o_ws, m_y, slice_size, N_OUT, ACT, SPLIT_K)
+                _epilogue(acc, acc_u, S, BIAS, R, Y, o_m, m_m, o_n, m_n, N_OUT, stride_sn, stride_rm, stride_ym,
+                          HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL)
     else:
         _epilogue(acc, acc_u, S, BIAS, R, Y, o_m, m_m, o_n, m_n, N_OUT, stride_sn, stride_rm, stride_ym, HAS_BIAS,
                   ACT, RESIDUAL, PER_CHANNEL)
+
+
+@triton.jit
+def _split_sum(WS, o_ws, m_y, slice_size, N_OUT, ACT: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The partials at o_ws of every split, summed in split order (and the up half's, N_OUT along, with ACT).
+    Unrolled: every split's load in flight at once (a loop waited on each in turn, on the critical path of the
+    launch's last tile), summed in split order all the same."""
+    acc = tl.zeros(o_ws.shape, dtype=tl.float32)
+    acc_u = tl.zeros(o_ws.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(WS + s * slice_size + o_ws, mask=m_y, other=0.0, cache_modifier=".cg")
+        if ACT != 0:
+            acc_u += tl.load(WS + s * slice_size + o_ws + N_OUT, mask=m_y, other=0.0, cache_modifier=".cg")
+    return acc, acc_u
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import _pdl
-from ._quant_tiles import _epilogue
+from ._quant_tiles import _finish
 
 COLUMNS = 128  # the columns of a K step (one group, or 128 // G groups)
 MAX_ROWS = 16  # up to this many rows of x: one tile of 16 (the dot's least N) and K split, the decode GEMV
@@ -176,40 +176,8 @@ def _quant_code_mma_kernel(
                                 stride_zg, G, HAS_ZEROS)
     if PDL:
         _pdl.start(PDL)
-    _finish_rows(tl.trans(acc), tl.trans(acc_u), S, BIAS, R, Y, WS, CNT, pid_m * tl.num_programs(0) + pid_n, pid_k,
-                 o_m, m_m, o_n, m_n, M, N, N_OUT, stride_sn, stride_rm, stride_ym, HAS_BIAS, ACT, RESIDUAL, SPLIT_K)
-
-
-@triton.jit
-def _finish_rows(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n, m_n, M, N, N_OUT, stride_sn, stride_rm,
-                 stride_ym, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr):
-    """`_quant_tiles._finish` for a tile of BLOCK_M padded rows: the last program of a tile sums the splits (in
-    split order, every split's load in flight) one real row at a time, so its registers hold SPLIT_K rows of BLOCK_N
-    values, not SPLIT_K tiles of BLOCK_M rows."""
-    if SPLIT_K > 1:
-        m_y = m_m[:, None] & m_n[None, :]
-        slice_size = N.to(tl.int64) * M
-        o_ws = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
-        tl.store(WS + pid_k * slice_size + o_ws, acc, mask=m_y)
-        if ACT != 0:
-            tl.store(WS + pid_k * slice_size + o_ws + N_OUT, acc_u, mask=m_y)
-        tl.debug_barrier()  # every thread's stores before the counter's gpu-scope release
-        if tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            for r in range(tl.min(o_m, axis=0), tl.minimum(tl.max(o_m, axis=0) + 1, M)):  # the tile's real rows
-                a = tl.zeros([1, o_n.shape[0]], dtype=tl.float32)
-                a_u = tl.zeros([1, o_n.shape[0]], dtype=tl.float32)
-                o_r = tl.zeros([1], dtype=tl.int32) + r
-                p = WS + o_r.to(tl.int64)[:, None] * N + o_n[None, :]
-                for s in tl.static_range(SPLIT_K):
-                    a += tl.load(p + s * slice_size, mask=m_n[None, :], other=0.0, cache_modifier=".cg")
-                    if ACT != 0:
-                        a_u += tl.load(p + s * slice_size + N_OUT, mask=m_n[None, :], other=0.0, cache_modifier=".cg")
-                _epilogue(a, a_u, S, BIAS, R, Y, o_r, o_r < M, o_n, m_n, N_OUT, stride_sn, stride_rm, stride_ym,
-                          HAS_BIAS, ACT, RESIDUAL, False)
-            tl.store(CNT + tile, 0)  # every split has arrived: the counter is free for the next call
-    else:
-        _epilogue(acc, acc_u, S, BIAS, R, Y, o_m, m_m, o_n, m_n, N_OUT, stride_sn, stride_rm, stride_ym, HAS_BIAS, ACT,
-                  RESIDUAL, False)
+    _finish(tl.trans(acc), tl.trans(acc_u), S, BIAS, R, Y, WS, CNT, pid_m * tl.num_programs(0) + pid_n, pid_k, o_m,
+            m_m, o_n, m_n, M, N, N_OUT, stride_sn, stride_rm, stride_ym, HAS_BIAS, ACT, RESIDUAL, False, SPLIT_K, True)
 
 
 @functools.lru_cache(maxsize=16)

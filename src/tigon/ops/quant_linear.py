@@ -125,7 +125,7 @@ def _quant_gemv_kernel(
     o_m = tl.zeros([1], dtype=tl.int32) + row
     _finish(tl.sum(acc, axis=1)[None, :], tl.sum(acc_u, axis=1)[None, :], S, BIAS, R, Y, WS, CNT,
             row * tl.num_programs(0) + pid_n, pid_k, o_m, o_m < M, o_n, m_n, M, N, N_OUT, stride_sn, stride_rm,
-            stride_ym, HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL, SPLIT_K)
+            stride_ym, HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL, SPLIT_K, False)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -222,7 +222,7 @@ def _quant_mm_kernel(
     if PDL:
         _pdl.start(PDL)
     _finish(acc, acc_u, S, BIAS, R, Y, WS, CNT, tile, pid_k, o_m, m_m, o_n, m_n, M, N, N_OUT, stride_sn,
-            stride_rm, stride_ym, HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL, SPLIT_K)
+            stride_rm, stride_ym, HAS_BIAS, ACT, RESIDUAL, PER_CHANNEL, SPLIT_K, False)
 
 
 @functools.lru_cache(maxsize=16)
