@@ -374,6 +374,12 @@ def _without_dequant(cfg: QuantLinearConfig) -> QuantLinearConfig:
     return dataclasses.replace(cfg, dequant_min_rows=0)
 
 
+def _word_aligned(data) -> bool:
+    """Whether the rows of 4-bit codes (unit stride along K, or copied so) can be read as 32-bit words."""
+    return data.stride(-1) != 1 or (data.shape[1] % 4 == 0 and data.stride(0) % 4 == 0
+                                    and data.storage_offset() % 4 == 0)
+
+
 def _stored(data, path, gw, device):
     """(data, words, fp8_bits): the data as the kernels read it, for their code path (KERNEL_KIND): fp8 as bytes
     where Triton has no e4m3 (`_fp8_native`); int4 as 32-bit words (8 codes a load element, no byte extraction)
@@ -382,8 +388,7 @@ def _stored(data, path, gw, device):
     data = _launch.unit_last(data)
     if fp8_bits:
         data = data.view(torch.uint8)
-    words = path == 0 and gw % 8 == 0 and data.shape[1] % 4 == 0 and data.stride(0) % 4 == 0 and (
-        data.storage_offset() % 4 == 0)
+    words = path == 0 and gw % 8 == 0 and _word_aligned(data)
     if words:
         data = data.view(torch.int32)
     return data, words, fp8_bits
@@ -452,7 +457,7 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
     # measured picks (`_plan`): for the default launch of 16-bit x, as the picks were timed (bf16; fp16 the same bytes)
     plan = _plan(M, n_out, K, _KIND_NAMES[kind], group_size, bool(act), x.device, cfg,
                  config is None and x.element_size() == 2, zeros is not None, x.element_size() == 2)
-    if plan.mma and not _stored(data, 0, 8, x.device)[1]:  # codes not readable as aligned words: the FMA kernels
+    if plan.mma and not _word_aligned(data):  # codes not readable as aligned words: the FMA kernels
         plan = _plan(M, n_out, K, _KIND_NAMES[kind], group_size, bool(act), x.device, _without_mma(cfg))
     if plan.dequant:
         return _dequant_mm(x, data, scales, zeros, perm, bias, residual, kind, group_size, n, act, plan)
