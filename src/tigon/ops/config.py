@@ -270,8 +270,8 @@ class QuantLinearConfig:
     then set the dequantization's tile. code_mma: 1 runs launches of 16-bit x over int4 weights (K a multiple of 128;
     groups of 32, 64 or a multiple of 128) on the code-MMA kernel (`ops/quant_code_mma.py`: the codes as the dot's
     register operand): up to 16 rows as a GEMV with K split, more as a GEMM of block_m rows of x a program
-    (default 64); block_n, block_k (a dot's columns), num_warps, num_stages and split_k set its launch; other
-    launches run as without it. 0 or -1 (the default): not."""
+    (default 128, 64 with an activation); block_n, block_k (a dot's columns), num_warps, num_stages and split_k
+    set its launch; other launches run as without it. 0 or -1 (the default): not."""
 
     block_m: int = 0
     block_n: int = 0

@@ -337,7 +337,7 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
 
 
 def _mma_plan(M: int, n_out: int, K: int, glu: bool, device: torch.device, cfg: QuantLinearConfig) -> _Plan:
-    """The tensor-core kernel's launch. Up to 16 rows (the decode GEMV): 128 weight rows a program on 4 warps (one
+    """The code-MMA kernel's launch. Up to 16 rows (the decode GEMV): 128 weight rows a program on 4 warps (one
     warpgroup: two m64 wgmmas a K step of 128 columns), x's rows padded to 16, Triton's three pipeline stages, K
     split as the other decode kernels' (4 programs an SM at ~128-170 registers, 2 with a GLU). More rows (a GEMM):
     tiles of 128 weight rows x 128 rows of x (64 with a GLU's two accumulators) on 8 warps, no split: the sm_90 SASS
