@@ -24,6 +24,7 @@ import torch
 import tigon
 from tests.decode.test_prefill_graph import graphs  # noqa: F401 (a fixture: CPU stand-ins for the CUDA graphs)
 from tests.hf._tiny import batch, op_calls, prompt_ids, tiny_model
+from tests.ops.test_quant_code_mma import launches  # noqa: F401 (a fixture: the code-MMA kernel's launches)
 from tigon import ops
 from tigon.memory import RollingKVCache
 from tigon.ops import _library
@@ -170,7 +171,7 @@ def test_interpreted_kernels_decode_int4():
 
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="the interpreter on CPU tensors; a GPU runs the kernel in tests/ops/test_quant_code_mma.py")
-def test_interpreted_code_mma_kernel_decodes_int4(monkeypatch):
+def test_interpreted_code_mma_kernel_decodes_int4(monkeypatch, launches):  # noqa: F811
     """Every quant_linear launch of tigon.generate on the code-MMA kernel (the fused prefill's GEMMs over 10 rows,
     each step's GEMVs over 2), forced by the default config, on a bf16 model whose K are whole steps of 128: the
     greedy tokens of the FMA and dot kernels' run. Both sum the same exact products in fp32, in other orders."""
@@ -179,13 +180,7 @@ def test_interpreted_code_mma_kernel_decodes_int4(monkeypatch):
     tigon.patch(model)
     ids = prompt_ids(2, 5)
     want = tigon.generate(model, ids, max_new_tokens=3, cuda_graph=False)
-    launches, kernel = [], ql._mma._quant_code_mma_kernel
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(grid) or kernel[grid](*args, **kwargs)
-
-    monkeypatch.setattr(ql._mma, "_quant_code_mma_kernel", Recorder())
+    assert not launches  # the default launches: the FMA and dot kernels
     monkeypatch.setattr(ql, "_DEFAULT_CONFIG", ops.QuantLinearConfig(code_mma=1))
     assert torch.equal(tigon.generate(model, ids, max_new_tokens=3, cuda_graph=False), want)
     assert len(launches) == _launches(4, 2)
