@@ -39,7 +39,8 @@
 #               fastest Triton kernel that only reads each weight's codes (<gpu>_quant_read_floor.txt, .json)
 #   quant-sweep quant-linear --sweep --rows QUANT_SWEEP_ROWS (1 8) --kinds QUANT_SWEEP_KINDS (int4 fp8): each
 #               shape's best launch of the grid, the default's time and the code-MMA kernel's best, from CUDA graphs,
-#               row by row (<gpu>_quant_sweep.txt, .json); QUANT_SWEEP_ROWS="512 4096" times the prefill GEMMs
+#               row by row (<gpu>_quant_sweep.txt, .json); QUANT_SWEEP_ROWS="512 4096" times the prefill GEMMs;
+#               QUANT_SWEEP_ARGS adds arguments ("--mma-only": the code-MMA configs only)
 #   decode-ops  decode-ops --quick: the decode kernels' defaults vs cuBLAS (<gpu>_decode_ops.md, .json)
 #   decode-norm decode-ops --norm-cost at the 8B and 1.5B shapes: decode_linear with and without its fused
 #               norm, at the statistics steps NORM_STATS_ELEMS (default 0,2048,4096), and the norm as its own launch
@@ -250,7 +251,7 @@ for s in "$@"; do
             keep "$T/quant_read_floor.json" "${GPU}_quant_read_floor.json" ;;
         quant-sweep)  # quant_linear's launch grid at the decode rows, timed from CUDA graphs: the picks for _plan
             step quant-sweep 300 "${bench[@]}" quant-linear --sweep --rows ${QUANT_SWEEP_ROWS:-1 8} \
-                --kinds ${QUANT_SWEEP_KINDS:-int4 fp8} \
+                --kinds ${QUANT_SWEEP_KINDS:-int4 fp8} ${QUANT_SWEEP_ARGS:-} \
                 --out "$T/quant_sweep.json" >"$T/quant_sweep.txt" 2>&1
             keep "$T/quant_sweep.txt" "${GPU}_quant_sweep.txt"; keep "$T/quant_sweep.json" "${GPU}_quant_sweep.json" ;;
         decode-norm)

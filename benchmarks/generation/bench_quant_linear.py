@@ -128,9 +128,10 @@ def graph_timer(copies_of, key):
     return bench
 
 
-def measure(bench, ceiling, x, qw, w16, act, sweep, graph_bench=None) -> dict:
-    """One row: quant_linear (the default launch, or the best of SWEEP) and x @ w16.T, timed and checked. With
-    `graph_bench` (decode rows on a GPU) both are timed from a CUDA graph over copies of the weight."""
+def measure(bench, ceiling, x, qw, w16, act, sweep, graph_bench=None, mma_only=False) -> dict:
+    """One row: quant_linear (the default launch, or the best of SWEEP; of its code-MMA configs only with
+    `mma_only`) and x @ w16.T, timed and checked. With `graph_bench` (decode rows on a GPU) both are timed from a
+    CUDA graph over copies of the weight."""
     from tigon.ops import QuantLinearConfig, quant_linear
     from tigon.ops.quant_linear import quant_linear_reference
 
@@ -146,6 +147,7 @@ def measure(bench, ceiling, x, qw, w16, act, sweep, graph_bench=None) -> dict:
     moved = qw.nbytes + io_bytes
     best = default_ms = best_mma = None
     grid = SWEEP_GEMV if M == 1 else SWEEP_DECODE if M <= 16 else SWEEP_PREFILL
+    grid = [c for c in grid if c.get("code_mma") == 1] if mma_only else grid
     for cfg in [None] + ([QuantLinearConfig(**c) for c in grid] if sweep else []):
         try:
             ms = timed(lambda w, cfg=cfg: quant_linear(x, w, activation=act, config=cfg), qw)
@@ -201,7 +203,7 @@ def run(args) -> dict:
                                               for _ in range(copies_for(qw.nbytes) - 1)],
                               id(w16): [w16] + [torch.randn_like(w16) for _ in range(copies_for(w16.nbytes) - 1)]}
                     graph = graph_timer(copies.__getitem__, id)
-                row = measure(bench, ceiling, x, qw, w16, act, args.sweep, graph)
+                row = measure(bench, ceiling, x, qw, w16, act, args.sweep, graph, args.mma_only)
                 if args.read_floor and M == rows_list[0]:  # a property of the weight: once, at the first rows
                     from benchmarks.generation import read_floor  # after main() chose the interpreter or not
 
@@ -254,6 +256,8 @@ def main(argv=None):
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through Triton's interpreter")
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs; report the best")
+    p.add_argument("--mma-only", action="store_true",
+                   help="with --sweep: only the code-MMA kernel's configs (beside the default launch)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--rows", nargs="+", type=int, help="rows M (default 1 8 512; 1 17 with --smoke)")
