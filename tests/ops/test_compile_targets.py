@@ -283,9 +283,10 @@ def _cases(full: bool):
             ("nf4", 64, None, 300, True, -1), ("fp8", 128, "silu", 1, True, -1), ("fp8", 0, None, 8, True, -1),
             ("fp8", 128, None, 300, True, -1), ("fp8", 128, None, 1, False, -1), ("fp8", 0, "silu", 40, False, -1),
             ("fp8", 0, None, 300, False, -1), ("int4", 128, "silu", 8, True, -2), ("int4", 64, None, 8, True, -2),
-            ("int4", 128, None, 1, True, -3), ("int4", 32, "silu", 8, True, -3), ("int4", 128, "silu", 512, True, -3)):
+            ("int4", 128, None, 1, True, -3), ("int4", 32, "silu", 8, True, -3), ("int4", 128, "silu", 512, True, -3),
+            ("int4", 64, None, 1, True, -4), ("int4", 128, "silu", 512, True, -4)):
         # dq -2: the default launch with prefetch=1 (the tensor-core kernel's scales loaded a step ahead); -3: the
-        # code-MMA kernel (code_mma=1: the GEMV, and at 512 rows the GEMM)
+        # code-MMA kernel (code_mma=1: the GEMV, and at 512 rows the GEMM); -4: the same with act order and zeros
         def quant(kind=kind, group=group, act=act, rows=rows, native=native, dq=dq):
             N, K = 512, 1024
             if kind == "fp8":
@@ -293,18 +294,21 @@ def _cases(full: bool):
                 data = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
             else:
                 shape, data = (N, K // group), torch.zeros(N, K // 2, dtype=torch.uint8)
-            qw = QuantizedWeight(kind, data, torch.ones(shape, dtype=bf16), None, group, (N, K), bf16)
+            act_order = dict(zeros=torch.ones(shape, dtype=bf16), perm=torch.randperm(K)) if dq == -4 else {}
+            qw = QuantizedWeight(kind, data, torch.ones(shape, dtype=bf16), act_order.pop("zeros", None), group,
+                                 (N, K), bf16, **act_order)
             plan, native_of, sms = ql._plan, ql._fp8_native, ql._launch.sm_count
             ql._plan = lambda *a: plan.__wrapped__(*a[:6], torch.device("cuda", 0), *a[7:])
             ql._fp8_native, ql._launch.sm_count = (lambda device: native), (lambda index: 132)
             try:
                 config = ql.QuantLinearConfig(dequant_min_rows=dq) if dq >= 0 else None
-                config = {-2: ql.QuantLinearConfig(prefetch=1), -3: ql.QuantLinearConfig(code_mma=1)}.get(dq, config)
+                config = {-2: ql.QuantLinearConfig(prefetch=1), -3: ql.QuantLinearConfig(code_mma=1),
+                          -4: ql.QuantLinearConfig(code_mma=1)}.get(dq, config)
                 ops.quant_linear(rand(rows, K), qw, activation=act, config=config)
             finally:
                 ql._plan, ql._fp8_native, ql._launch.sm_count = plan, native_of, sms
         add(f"quant_linear-{kind}-g{group}-{act}-m{rows}-{'native' if native else 'bytes'}{'-mm' if dq == 0 else ''}"
-            f"{'-ahead' if dq == -2 else ''}{'-mma' if dq == -3 else ''}",
+            f"{'-ahead' if dq == -2 else ''}{'-mma' if dq <= -3 else ''}{'-act-order' if dq == -4 else ''}",
             quant, lambda kernel, kw, cc, native=native, kind=kind: ql_gpu(
                 kernel, kw, cc, (89, 90) if kind == "fp8" and native else TARGETS))
     return cases

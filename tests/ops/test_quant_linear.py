@@ -235,7 +235,7 @@ def test_fp8_from_its_bytes(device, monkeypatch, case, M):
 
 
 def _assert_counters_clean(device):
-    counters = ql._ws.workspace(device).pinned("quant_linear.counters", 1, torch.int32)
+    counters = ql._ws.workspace(device).pinned("quant_linear.counters", 1, torch.int32, zeros=True)
     assert not counters.any()  # the last split of every tile set its counter back to 0
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests._grid import assert_tol, matmul_tol
+from tests.ops.test_quant_linear import _on
 from tigon import ops
 from tigon.ops.quantized_weight import FP4, TABLES, dequantize, linear_reference
 from tigon.quant import format_of, import_bnb4
@@ -28,9 +29,9 @@ def _linear4bit(n, k, *, quant_type="nf4", nested=False, blocksize=64, seed=0):
     return m
 
 
-def _matches_bitsandbytes(m, kind, block, n, k):
-    """The import of m against bitsandbytes: its dequantize bit for bit, its forward and tigon's kernels within the
-    fp32 matmul model, m left untouched."""
+def _matches_bitsandbytes(m, kind, block, n, k, device):
+    """The import of m against bitsandbytes: its dequantize bit for bit, its forward and tigon's kernels (on the
+    suite's device) within the fp32 matmul model, m left untouched."""
     packed, absmax = m.weight.data.clone(), m.weight.quant_state.absmax.clone()
     assert format_of(m) == "bnb4"
     qw = import_bnb4(m)
@@ -44,26 +45,27 @@ def _matches_bitsandbytes(m, kind, block, n, k):
     assert_tol("import forward", linear_reference(x, qw, m.bias), ref, tol)
     assert_tol("module forward", m(x), ref, tol)
     before = ops.dispatch_counts[("quant_linear", "triton")]
+    qw, x, bias = _on(qw, device), x.to(device), m.bias.to(device)
     for rows in (1, 3):  # the GEMV and the tensor-core kernel, through the table path (fp32 x: no rounding of W)
-        assert_tol(f"quant_linear {rows}", ops.quant_linear(x[:rows], qw, bias=m.bias), ref[:rows], tol[:rows])
+        assert_tol(f"quant_linear {rows}", ops.quant_linear(x[:rows], qw, bias=bias).cpu(), ref[:rows], tol[:rows])
     assert ops.dispatch_counts[("quant_linear", "triton")] == before + 2  # the kernels ran, not the reference
 
 
 @pytest.mark.parametrize("nested", [False, True])
-def test_nf4_matches_bitsandbytes(nested):
+def test_nf4_matches_bitsandbytes(device, nested):
     m = _linear4bit(24, 192, nested=nested)
     assert m.weight.quant_state.nested == nested
-    _matches_bitsandbytes(m, "nf4", 64, 24, 192)
+    _matches_bitsandbytes(m, "nf4", 64, 24, 192, device)
 
 
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("n, k, blocksize", [(24, 192, 64), (13, 320, 64), (7, 96, 32), (5, 384, 128)])
-def test_fp4_matches_bitsandbytes(nested, n, k, blocksize):
+def test_fp4_matches_bitsandbytes(device, nested, n, k, blocksize):
     # odd N; 65 absmax blocks for 13 x 320 (double quant: a partial block of the second-level absmax)
     m = _linear4bit(n, k, quant_type="fp4", nested=nested, blocksize=blocksize, seed=n)
     state = m.weight.quant_state
     assert (state.quant_type, state.nested, state.blocksize) == ("fp4", nested, blocksize)
-    _matches_bitsandbytes(m, "fp4", blocksize, n, k)
+    _matches_bitsandbytes(m, "fp4", blocksize, n, k, device)
 
 
 def test_fp4_table_is_bitsandbytes_dequantization_of_every_code():

@@ -85,12 +85,19 @@ def _a_tile(D, o_n, m_n, kw, stride_dn, C: tl.constexpr, EVEN_N: tl.constexpr, K
 def _x_tile(p_x, P, m_m, k, C: tl.constexpr, HAS_PERM: tl.constexpr, KWIDTH: tl.constexpr):
     """x^T [C, BLOCK_M] of the C columns from k, in `_a_tile`'s K order: loaded in column order (16 B a lane, rows
     past M masked), then reordered in registers: column 8 (NB w + b) + 4 e + 2 c + h goes to 32 b + 16 c + 8 h +
-    2 w + e (KWIDTH 2; 4: 32 b + 16 c + 4 w + 2 h + e)."""
+    2 w + e (KWIDTH 2; 4: 32 b + 16 c + 4 w + 2 h + e). Through a permutation (act order) the columns are gathered
+    one by one anyway, so they are gathered in that order (the register reorder of a gather fails to compile for
+    sm_90 in Triton 3.6: "Illegal shared layout")."""
     NB: tl.constexpr = C // 32
-    kk = k + tl.arange(0, C)
-    if HAS_PERM:
-        kk = tl.load(P + kk)
-    x = tl.load(p_x + kk[None, :], mask=m_m[:, None], other=0.0)  # [BLOCK_M, C]
+    if HAS_PERM:  # gathered in the dot's order: column j of the tile is x[perm[k + src(j)]]
+        j = tl.arange(0, C)
+        if KWIDTH == 2:
+            src = 8 * (NB * ((j // 2) % 4) + j // 32) + 4 * (j % 2) + 2 * ((j // 16) % 2) + (j // 8) % 2
+        else:
+            src = 8 * (NB * ((j // 4) % 4) + j // 32) + 4 * (j % 2) + 2 * ((j // 16) % 2) + (j // 2) % 2
+        kk = tl.load(P + k + src)
+        return tl.trans(tl.load(p_x + kk[None, :], mask=m_m[:, None], other=0.0))
+    x = tl.load(p_x + (k + tl.arange(0, C))[None, :], mask=m_m[:, None], other=0.0)  # [BLOCK_M, C]
     x = tl.reshape(x, [m_m.shape[0], 4, NB, 2, 2, 2])  # [m, w, b, e, c, h]
     if KWIDTH == 2:
         x = tl.permute(x, (0, 2, 4, 5, 1, 3))  # [m, b, c, h, w, e]
