@@ -50,7 +50,9 @@ SWEEP_DECODE += [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) fo
 # a dot's columns (fewer registers, more programs an SM)
 SWEEP_MMA = [dict(code_mma=1, block_n=bn, num_stages=st) for bn in (64, 128) for st in (2, 3, 4)] + [
     dict(code_mma=1, split_k=sk) for sk in (2, 4, 8, 16)] + [dict(code_mma=1, block_k=bk) for bk in (32, 64)] + [
-    dict(code_mma=1, block_n=256, block_k=64, num_warps=8)]
+    dict(code_mma=1, block_n=256, block_k=64, num_warps=8)] + [
+    # tiles below a warpgroup's (64 rows on 4 warps) run mma.sync on sm_90 too: no wait on each step's wgmma
+    dict(code_mma=1, block_n=bn, num_warps=w) for bn, w in ((64, 2), (32, 2), (32, 1))]
 SWEEP_GEMV += SWEEP_MMA
 SWEEP_DECODE += SWEEP_MMA
 # (the tensor-core GEMM's tiles: dequant_min_rows=0 keeps prefill rows off the dequantize-then-cuBLAS path)

@@ -266,13 +266,14 @@ def _cases(full: bool):
     # quant_linear: both kernels, every kind; recorded with the GPU launch plan (sm_count 132) and, for the
     # fp8 cases below sm_89, the bytes-decoding path (Triton has no e4m3 there)
     ql = importlib.import_module("tigon.ops.quant_linear")
+    from tigon.ops.quant_code_mma import k_width
     from tigon.ops.quantized_weight import QuantizedWeight
 
     def ql_gpu(kernel, kw, cc, only=TARGETS):
         if kernel == "_glu_fwd_kernel":  # the prefill path's GLU epilogue (ops.swiglu's forward) on the GPU's tiles
             return glu_tiles(kernel, kw, cc, 2, 512, 256)  # the [rows, 256] halves of the [rows, 512] output
         if kernel == "_quant_code_mma_kernel":
-            return dict(NATIVE=True, KWIDTH=2 if cc >= 90 else 4, only=only)  # as `quant_code_mma.k_width`
+            return dict(NATIVE=True, KWIDTH=k_width(divmod(cc, 10), kw["BLOCK_N"], kw["num_warps"]), only=only)
         return dict(ASM=True, only=only, **({"UPCAST": False} if kernel == "_quant_mm_kernel" else {}))
 
     # prefill: rows >= 256 dequantize the weight (_dequant_kernel) then run cuBLAS; dequant_min_rows=0 keeps the
@@ -284,9 +285,10 @@ def _cases(full: bool):
             ("fp8", 128, None, 300, True, -1), ("fp8", 128, None, 1, False, -1), ("fp8", 0, "silu", 40, False, -1),
             ("fp8", 0, None, 300, False, -1), ("int4", 128, "silu", 8, True, -2), ("int4", 64, None, 8, True, -2),
             ("int4", 128, None, 1, True, -3), ("int4", 32, "silu", 8, True, -3), ("int4", 128, "silu", 512, True, -3),
-            ("int4", 64, None, 1, True, -4), ("int4", 128, "silu", 512, True, -4)):
+            ("int4", 64, None, 1, True, -4), ("int4", 128, "silu", 512, True, -4), ("int4", 128, "silu", 1, True, -5)):
         # dq -2: the default launch with prefetch=1 (the tensor-core kernel's scales loaded a step ahead); -3: the
-        # code-MMA kernel (code_mma=1: the GEMV, and at 512 rows the GEMM); -4: the same with act order and zeros
+        # code-MMA kernel (code_mma=1: the GEMV, and at 512 rows the GEMM); -4: the same with act order and zeros; -5:
+        # its tile below a warpgroup's (mma.sync on sm_90 too)
         def quant(kind=kind, group=group, act=act, rows=rows, native=native, dq=dq):
             N, K = 512, 1024
             if kind == "fp8":
@@ -303,12 +305,14 @@ def _cases(full: bool):
             try:
                 config = ql.QuantLinearConfig(dequant_min_rows=dq) if dq >= 0 else None
                 config = {-2: ql.QuantLinearConfig(prefetch=1), -3: ql.QuantLinearConfig(code_mma=1),
-                          -4: ql.QuantLinearConfig(code_mma=1)}.get(dq, config)
+                          -4: ql.QuantLinearConfig(code_mma=1),
+                          -5: ql.QuantLinearConfig(code_mma=1, block_n=32, num_warps=2)}.get(dq, config)
                 ops.quant_linear(rand(rows, K), qw, activation=act, config=config)
             finally:
                 ql._plan, ql._fp8_native, ql._launch.sm_count = plan, native_of, sms
         add(f"quant_linear-{kind}-g{group}-{act}-m{rows}-{'native' if native else 'bytes'}{'-mm' if dq == 0 else ''}"
-            f"{'-ahead' if dq == -2 else ''}{'-mma' if dq <= -3 else ''}{'-act-order' if dq == -4 else ''}",
+            f"{'-ahead' if dq == -2 else ''}{'-mma' if dq <= -3 else ''}{'-act-order' if dq == -4 else ''}"
+            f"{'-mma-sync' if dq == -5 else ''}",
             quant, lambda kernel, kw, cc, native=native, kind=kind: ql_gpu(
                 kernel, kw, cc, (89, 90) if kind == "fp8" and native else TARGETS))
     return cases

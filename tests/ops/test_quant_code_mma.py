@@ -54,7 +54,7 @@ SHAPES = [(128, False, False, 70, 384), (32, True, False, 40, 256), (64, False, 
 @pytest.mark.parametrize("k_width", [2, 4])
 def test_matches_the_fma_error_model(device, launches, monkeypatch, shape, M, k_width):
     # both K orders: sm_90's (kWidth 2) and sm_80 to sm_89's (4), whichever the device takes
-    monkeypatch.setattr(ql._mma, "k_width", lambda device: k_width)
+    monkeypatch.setattr(ql._mma, "k_width", lambda *args: k_width)
     G, zeros, perm, N, K = shape
     dtype = (BF16, FP16)[(SHAPES.index(shape) + M) % 2]
     qw = _on(_weight("int4", G, zeros, perm, N, K, dtype, seed=M), device)
@@ -63,6 +63,26 @@ def test_matches_the_fma_error_model(device, launches, monkeypatch, shape, M, k_
     assert len(launches) == 1 and launches[0][1]["KWIDTH"] == k_width
     if launches[0][1]["SPLIT_K"] > 1:  # (one split allocates no counters)
         _assert_counters_clean(device)
+
+
+def test_k_width_follows_the_mma_triton_takes():
+    # wgmma (kWidth 2) on sm_90 and up for warpgroup tiles; mma.sync (4) below them, before sm_90 and off a GPU
+    k_width = ql._mma.k_width
+    assert [k_width((9, 0), 128, 4), k_width((9, 0), 64, 8), k_width((10, 0), 128, 4)] == [2, 2, 2]
+    assert [k_width((9, 0), 32, 2), k_width((9, 0), 64, 2), k_width((9, 0), 32, 4), k_width((8, 9), 128, 4),
+            k_width((8, 0), 64, 4), k_width(None, 128, 4)] == [4] * 6
+
+
+@pytest.mark.parametrize("block_n, num_warps, want", [(128, 4, 2), (64, 2, 4), (32, 1, 4)])
+def test_launch_takes_the_k_width_of_its_tile(device, launches, monkeypatch, block_n, num_warps, want):
+    # as on an sm_90 GPU: the launch's tile picks the K order, and every order gives the product
+    monkeypatch.setattr(ql._mma, "capability", lambda device: (9, 0))
+    qw = _on(_weight("int4", 128, False, False, 70, 256, BF16, seed=block_n), device)
+    x = _x(2, 256, dtype=BF16).to(device)
+    cfg = QuantLinearConfig(code_mma=1, block_n=block_n, num_warps=num_warps)
+    _check("tile", quant_linear(x, qw, config=cfg), x, qw)
+    (_, kwargs), = launches
+    assert (kwargs["KWIDTH"], kwargs["BLOCK_N"], kwargs["num_warps"]) == (want, block_n, num_warps)
 
 
 @pytest.mark.parametrize("G, M, activation, bias, residual, split", [

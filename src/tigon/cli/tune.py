@@ -60,7 +60,9 @@ QUANT_GRID = {  # QuantLinearConfig fields around the rule's launch, per kernel 
 # a dot's columns (fewer registers, more programs an SM)
 QUANT_MMA = [dict(code_mma=1, block_n=bn, num_stages=st) for bn in (64, 128) for st in (2, 3, 4)] + [
     dict(code_mma=1, split_k=sk) for sk in (2, 4, 8, 16)] + [dict(code_mma=1, block_k=bk) for bk in (32, 64)] + [
-    dict(code_mma=1, block_n=256, block_k=64, num_warps=8)]
+    dict(code_mma=1, block_n=256, block_k=64, num_warps=8)] + [
+    # tiles below a warpgroup's (64 rows on 4 warps) run mma.sync on sm_90 too: no wait on each step's wgmma
+    dict(code_mma=1, block_n=bn, num_warps=w) for bn, w in ((64, 2), (32, 2), (32, 1))]
 QUANT_GRID = {kernel: grid + QUANT_MMA for kernel, grid in QUANT_GRID.items()}
 QUANT_GRAPH_BYTES = 200 << 20  # weight bytes a timed graph cycles through: 4x a 50 MiB L2 (2 to 32 copies)
 NEEDS_GPU = ("tigon tune needs a CUDA GPU: it times kernels on the card it tunes for, and this machine has none "

@@ -2,17 +2,17 @@
 (`QuantLinearConfig(code_mma=1)`; docs/ops/quant_linear.md, "The code-MMA kernel"), for 16-bit x: the decode GEMV
 (up to 16 rows of x, padded to 16, K split to fill the GPU) and, with more rows, a GEMM (BLOCK_M rows of x a program).
 
-The weight tile is the dot's A operand ([BLOCK_N rows, group columns]) and x^T [.., BLOCK_M] its B. The
-K order of each 32 columns is chosen so that a thread's own 32-bit words fill its own slots of A. On sm_90
-(wgmma's register operand, Triton's kWidth 2) a thread (t = lane % 4) holds columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9
-of each 16, and dot column 32 b + 16 c + 8 h + 2 w + e holds code 4 e + 2 c + h of word NB w + b (NB = the words
-of a row a group / 4); on sm_80 to sm_89 (mma.sync, kWidth 4) it holds 4 t .. 4 t + 3, and column
-32 b + 16 c + 4 w + 2 h + e the same code. x is loaded in column order and reordered the same way. Either way a
+The weight tile is the dot's A operand ([BLOCK_N rows, group columns]) and x^T [.., BLOCK_M] its B. The K order of
+each 32 columns is chosen so that a thread's own 32-bit words fill its own slots of A. On sm_90 (wgmma's register
+operand, Triton's kWidth 2) a thread (t = lane % 4) holds columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of each 16, and dot
+column 32 b + 16 c + 8 h + 2 w + e holds code 4 e + 2 c + h of word NB w + b (NB = the words of a row a group / 4);
+with mma.sync (kWidth 4: sm_80 to sm_89, and sm_90 below a warpgroup's tile) it holds 4 t .. 4 t + 3, and column 32
+b + 16 c + 4 w + 2 h + e the same code. x is loaded in column order and reordered the same way. Either way a
 thread's word (w = t) gives it both halves of its 32-bit A registers: one LOP3 of the word shifted by 4 i makes the
-pair (codes i, i + 4) as the 16-bit floats 128 + q (bf16) or 1024 + q (fp16), one packed subtraction makes them
-q - 8, exact. No shared memory between the load of the codes and the mma (Triton's pipeliner may still stage the
-loads through it, asynchronously): at one row about 2.3 instructions a weight element on sm_90 against the FMA
-GEMV's 4.3 (the SASS counts in docs/ops/quant_gemv_issue_model.md).
+pair (codes i, i + 4) as the 16-bit floats 128 + q (bf16) or 1024 + q (fp16), one packed subtraction makes them q -
+8, exact. No shared memory between the load of the codes and the mma (Triton's pipeliner may still stage the loads
+through it, asynchronously): at one row about 2.3 instructions a weight element on sm_90 against the FMA GEMV's 4.3
+(the SASS counts in docs/ops/quant_gemv_issue_model.md).
 
 The products (q - 8) x are exact and summed in fp32 by the tensor core, a group's sum scaled once (s d), as the
 FMA GEMV's; zero points add s (8 - z) sum(x) from x's exact fp32 group sum. The interpreter has no 16-bit
@@ -187,11 +187,20 @@ def _quant_code_mma_kernel(
             m_m, o_n, m_n, M, N, N_OUT, stride_sn, stride_rm, stride_ym, HAS_BIAS, ACT, RESIDUAL, False, SPLIT_K, True)
 
 
+def k_width(capability: tuple[int, int] | None, block_n: int, num_warps: int) -> int:
+    """The A operand's kWidth Triton gives this kernel's 16-bit dot, which fixes the K order: 2 where it takes
+    sm_90's wgmma (compute capability 9.x and up, warpgroups: num_warps a multiple of 4 and block_n weight rows a
+    multiple of 64), else 4 (mma.sync: sm_80 to sm_89, smaller tiles on sm_90, and the interpreter, capability
+    None, where any K order computes the same sums). A wrong width costs speed (A through shared memory), never
+    the result."""
+    wgmma = capability is not None and capability >= (9, 0) and num_warps % 4 == 0 and block_n % 64 == 0
+    return 2 if wgmma else 4
+
+
 @functools.lru_cache(maxsize=16)
-def k_width(device: torch.device) -> int:
-    """The A operand's kWidth Triton gives a 16-bit dot on `device`: 2 for sm_90's wgmma, 4 for mma.sync (sm_80 to
-    sm_89; and the interpreter, where any K order computes the same sums). Cached: no host work a call."""
-    return 2 if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0) else 4
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """The device's compute capability (None off CUDA), cached: no host work a call."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 def eligible(kind: str, k: int, group_size: int) -> bool:

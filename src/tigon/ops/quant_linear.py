@@ -492,7 +492,8 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
                  "num_stages")
         _mma._quant_code_mma_kernel[(n_blocks, plan.split, _launch.cdiv(M, plan.block_m))](
             *args[:5], *args[6:], BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.gw,
-            EVEN_N=n_out % plan.block_n == 0, KWIDTH=_mma.k_width(x.device),
+            EVEN_N=n_out % plan.block_n == 0,
+            KWIDTH=_mma.k_width(_mma.capability(x.device), plan.block_n, plan.num_warps),
             MAGIC=0x4300 if x.dtype == torch.bfloat16 else 0x6400, NATIVE=flags["ASM"],
             **{k: flags[k] for k in taken}, **_pdl.launch_options(pdl))
     elif plan.gemv:
