@@ -6,11 +6,11 @@ The weight tile is the dot's A operand ([BLOCK_N rows, group columns]) and x^T [
 each 32 columns is chosen so that a thread's own 32-bit words fill its own slots of A. On sm_90 (wgmma's register
 operand, Triton's kWidth 2) a thread (t = lane % 4) holds columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of each 16, and dot
 column 32 b + 16 c + 8 h + 2 w + e holds code 4 e + 2 c + h of word NB w + b (NB = the words of a row a group / 4);
-with mma.sync (kWidth 4: sm_80 to sm_89, and sm_90 below a warpgroup's tile) it holds 4 t .. 4 t + 3, and column 32
-b + 16 c + 4 w + 2 h + e the same code. x is loaded in column order and reordered the same way. Either way a
+with mma.sync (kWidth 4: sm_80 to sm_89, and sm_90 below a warpgroup's tile) it holds 4 t .. 4 t + 3, and
+column 32 b + 16 c + 4 w + 2 h + e the same code. x is loaded in column order and reordered the same way. Either way a
 thread's word (w = t) gives it both halves of its 32-bit A registers: one LOP3 of the word shifted by 4 i makes the
-pair (codes i, i + 4) as the 16-bit floats 128 + q (bf16) or 1024 + q (fp16), one packed subtraction makes them q -
-8, exact. No shared memory between the load of the codes and the mma (Triton's pipeliner may still stage the loads
+pair (codes i, i + 4) as the 16-bit floats 128 + q (bf16) or 1024 + q (fp16), one packed subtraction makes them
+q - 8, exact. No shared memory between the load of the codes and the mma (Triton's pipeliner may still stage the loads
 through it, asynchronously): at one row about 2.3 instructions a weight element on sm_90 against the FMA GEMV's 4.3
 (the SASS counts in docs/ops/quant_gemv_issue_model.md).
 
