@@ -149,7 +149,8 @@ def measure(bench, ceiling, x, qw, w16, act, sweep, graph_bench=None, mma_only=F
     moved = qw.nbytes + io_bytes
     best = default_ms = best_mma = None
     grid = SWEEP_GEMV if M == 1 else SWEEP_DECODE if M <= 16 else SWEEP_PREFILL
-    grid = [c for c in grid if c.get("code_mma") == 1] if mma_only else grid
+    if mma_only or qw.kind != "int4":  # the code-MMA kernel's configs alone, or (it takes int4 only) none of them
+        grid = [c for c in grid if (c.get("code_mma") == 1) == mma_only]
     for cfg in [None] + ([QuantLinearConfig(**c) for c in grid] if sweep else []):
         try:
             ms = timed(lambda w, cfg=cfg: quant_linear(x, w, activation=act, config=cfg), qw)

@@ -202,11 +202,12 @@ def test_measure_quant_times_the_rule_and_the_grid(monkeypatch, cache_dir):
     monkeypatch.setattr(tune, "QUANT_ROWS", (1, 3))
     monkeypatch.setattr(tune, "QUANT_GRAPH_BYTES", 1)
     monkeypatch.setattr(tune, "QUANT_GRID", {"gemv": [dict(block_n=32, split_k=2)], "decode": [dict(block_n=16)]})
+    monkeypatch.setattr(tune, "QUANT_MMA", [dict(code_mma=1, block_n=16)])
     model = dict(hidden=64, heads=2, kv_heads=1, head_dim=32, inter=96, name="tiny")
     rows = tune.measure_quant(model, torch.device("cpu"), FAKE_GPU)
     assert len(rows) == 16
-    for p, times, rule, shipped in rows:
-        assert rule == QuantLinearConfig() and shipped is None and len(times) == 2
+    for p, times, rule, shipped in rows:  # the code-MMA kernel's grid in int4's only
+        assert rule == QuantLinearConfig() and shipped is None and len(times) == (3 if p.fmt == "int4" else 2)
         assert all(t == 0.5 for t in times.values()), (p, times)  # 1.0 a graph over 2 copies: every launch ran
 
 

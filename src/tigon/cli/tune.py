@@ -56,14 +56,13 @@ QUANT_GRID = {  # QuantLinearConfig fields around the rule's launch, per kernel 
     "decode": [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
     + [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)] + [dict(gemv_max_rows=16)],
 }
-# the code-MMA kernel (int4, both row buckets; other formats run as without it): tiles, pipeline stages, splits,
+# the code-MMA kernel (int4 only, both row buckets; `quant_grid`): tiles, pipeline stages, splits,
 # a dot's columns (fewer registers, more programs an SM)
 QUANT_MMA = [dict(code_mma=1, block_n=bn, num_stages=st) for bn in (64, 128) for st in (2, 3, 4)] + [
     dict(code_mma=1, split_k=sk) for sk in (2, 4, 8, 16)] + [dict(code_mma=1, block_k=bk) for bk in (32, 64)] + [
     dict(code_mma=1, block_n=256, block_k=64, num_warps=8)] + [
     # tiles below a warpgroup's (64 rows on 4 warps) run mma.sync on sm_90 too: no wait on each step's wgmma
     dict(code_mma=1, block_n=bn, num_warps=w) for bn, w in ((64, 2), (32, 2), (32, 1))]
-QUANT_GRID = {kernel: grid + QUANT_MMA for kernel, grid in QUANT_GRID.items()}
 QUANT_GRAPH_BYTES = 200 << 20  # weight bytes a timed graph cycles through: 4x a 50 MiB L2 (2 to 32 copies)
 NEEDS_GPU = ("tigon tune needs a CUDA GPU: it times kernels on the card it tunes for, and this machine has none "
              "(torch {torch}). `tigon tune --dry-run` lists what it would measure.")
@@ -176,11 +175,13 @@ def quant_launches(m: dict, formats=None) -> list:
             for rows in QUANT_ROWS for name, K, N, glu in shapes if fmt == "fp8" or (K % group == 0 and K % 2 == 0)]
 
 
-def quant_grid(rows: int) -> list:
-    """The QuantLinearConfigs timed beside the rule's at `rows`: the GEMV's grid at 1 row, the tensor-core one above."""
+def quant_grid(rows: int, fmt: str) -> list:
+    """The QuantLinearConfigs timed beside the rule's at `rows`: the GEMV's grid at 1 row, the tensor-core one above,
+    and for int4 the code-MMA kernel's (another format would run those as the grid's own launches)."""
     from tigon.ops import QuantLinearConfig
 
-    return [QuantLinearConfig(**c) for c in QUANT_GRID["gemv" if rows == 1 else "decode"]]
+    grid = QUANT_GRID["gemv" if rows == 1 else "decode"] + (QUANT_MMA if fmt.startswith("int4") else [])
+    return [QuantLinearConfig(**c) for c in grid]
 
 
 def backends_for(kind: str) -> list:
@@ -464,7 +465,7 @@ def measure_quant(model: dict, device, gpu: str, formats=None) -> list:
             except Exception:  # noqa: BLE001  (a launch this card cannot compile: never the winner)
                 return math.inf
 
-        configs = [rule] + ([QuantLinearConfig(*shipped)] if shipped else []) + quant_grid(p.rows)
+        configs = [rule] + ([QuantLinearConfig(*shipped)] if shipped else []) + quant_grid(p.rows, p.fmt)
         times = {c: time_of(c) for c in dict.fromkeys(configs)}
         rows.append((p, times, rule, shipped))
         print(f"  quant_linear {p.fmt}-g{p.group} {p.name:<12} rows {p.rows}: {len(times)} launches timed", flush=True)
@@ -503,7 +504,7 @@ def dry_run(args, kinds, gpu) -> int:
               "per launch:")
         for p in quant_launches(args.model, args.quant_formats):
             print(f"  {p.fmt + '-g' + str(p.group):<10} {p.name:<12} rows {p.rows}  K {p.K:<6} N {p.n_out:<6} "
-                  f"{len(quant_grid(p.rows)) + 1} launches")
+                  f"{len(quant_grid(p.rows, p.fmt)) + 1} launches")
     return 0
 
 
