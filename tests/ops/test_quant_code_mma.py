@@ -76,7 +76,7 @@ def test_k_width_follows_the_mma_triton_takes():
 @pytest.mark.parametrize("block_n, num_warps, want", [(128, 4, 2), (64, 2, 4), (32, 1, 4)])
 def test_launch_takes_the_k_width_of_its_tile(device, launches, monkeypatch, block_n, num_warps, want):
     # as on an sm_90 GPU: the launch's tile picks the K order, and every order gives the product
-    monkeypatch.setattr(ql._mma, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(ql._launch, "capability", lambda device: (9, 0))
     qw = _on(_weight("int4", 128, False, False, 70, 256, BF16, seed=block_n), device)
     x = _x(2, 256, dtype=BF16).to(device)
     cfg = QuantLinearConfig(code_mma=1, block_n=block_n, num_warps=num_warps)

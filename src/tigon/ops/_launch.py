@@ -37,6 +37,12 @@ def sm_count(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=16)
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA `device` ((9, 0) on Hopper), None off CUDA: cached, no host work a call."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=16)
 def _sm_limits(device_index: int) -> tuple[int, int, int]:
     """(registers, bytes of shared memory, threads) one SM holds: the CUDA occupancy rule's budgets."""
     props = torch.cuda.get_device_properties(device_index)

@@ -19,9 +19,6 @@ FMA GEMV's; zero points add s (8 - z) sum(x) from x's exact fp32 group sum. The 
 arithmetic: off a GPU the same tile, in the same K order, is built in fp32 and multiplied in fp32 (IEEE).
 """
 
-import functools
-
-import torch
 import triton
 import triton.language as tl
 
@@ -195,12 +192,6 @@ def k_width(capability: tuple[int, int] | None, block_n: int, num_warps: int) ->
     the result."""
     wgmma = capability is not None and capability >= (9, 0) and num_warps % 4 == 0 and block_n % 64 == 0
     return 2 if wgmma else 4
-
-
-@functools.lru_cache(maxsize=16)
-def capability(device: torch.device) -> tuple[int, int] | None:
-    """The device's compute capability (None off CUDA), cached: no host work a call."""
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 def eligible(kind: str, k: int, group_size: int) -> bool:

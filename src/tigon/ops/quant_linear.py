@@ -246,7 +246,7 @@ def _kernel_args(kind: int, scales: torch.Tensor, zeros: torch.Tensor | None):
 def _fp8_native(device: torch.device) -> bool:
     """Whether Triton converts float8_e4m3fn on `device`: from sm_89 (and in the interpreter); before, the kernels
     decode the bytes (`_values`)."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type != "cuda" or _launch.capability(device) >= (8, 9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,7 +493,7 @@ def _launch_kernel(x, data, scales, zeros, perm, bias, residual, kind, group_siz
         _mma._quant_code_mma_kernel[(n_blocks, plan.split, _launch.cdiv(M, plan.block_m))](
             *args[:5], *args[6:], BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.gw,
             EVEN_N=n_out % plan.block_n == 0,
-            KWIDTH=_mma.k_width(_mma.capability(x.device), plan.block_n, plan.num_warps),
+            KWIDTH=_mma.k_width(_launch.capability(x.device), plan.block_n, plan.num_warps),
             MAGIC=0x4300 if x.dtype == torch.bfloat16 else 0x6400, NATIVE=flags["ASM"],
             **{k: flags[k] for k in taken}, **_pdl.launch_options(pdl))
     elif plan.gemv:
