@@ -313,8 +313,9 @@ def _cases(full: bool):
         add(f"quant_linear-{kind}-g{group}-{act}-m{rows}-{'native' if native else 'bytes'}{'-mm' if dq == 0 else ''}"
             f"{'-ahead' if dq == -2 else ''}{'-mma' if dq <= -3 else ''}{'-act-order' if dq == -4 else ''}"
             f"{'-mma-sync' if dq == -5 else ''}",
-            quant, lambda kernel, kw, cc, native=native, kind=kind: ql_gpu(
-                kernel, kw, cc, (89, 90) if kind == "fp8" and native else TARGETS))
+            # act order: one mma.sync target and sm_90's wgmma; the small tile: sm_90 (mma.sync elsewhere anyway)
+            quant, lambda kernel, kw, cc, native=native, kind=kind, dq=dq: ql_gpu(
+                kernel, kw, cc, (89, 90) if kind == "fp8" and native else {-4: (80, 90), -5: (90,)}.get(dq, TARGETS)))
     return cases
 
 
