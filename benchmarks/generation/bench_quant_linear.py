@@ -61,6 +61,10 @@ SWEEP_PREFILL = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stage
 # the code-MMA kernel as the prefill GEMM: tiles of x's rows and the weight's, warps
 SWEEP_PREFILL += [dict(code_mma=1, block_m=bm, block_n=bn, num_warps=w) for bm in (64, 128) for bn in (64, 128)
                   for w in (4, 8)]
+# K split at 17-255 rows, where one program a tile leaves SMs idle (qkv at 128 rows: 48 to 96 tiles on 132 SMs)
+SWEEP_PREFILL += [dict(code_mma=1, block_m=bm, block_n=bn, split_k=sk) for bm in (64, 128) for bn in (64, 128)
+                  for sk in (2, 4, 8)]
+SWEEP_PREFILL += [dict(block_m=bm, split_k=sk, dequant_min_rows=0) for bm in (64, 128) for sk in (2, 4, 8)]
 
 
 def make_weight(kind, N, K, dtype, device, gen):
