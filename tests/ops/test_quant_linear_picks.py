@@ -35,7 +35,8 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def test_buckets_and_formats():
-    assert [picks.rows_bucket(m) for m in (1, 2, 8, 16, 17)] == [1, 16, 16, 16, None]
+    rows = (1, 2, 8, 16, 17, 32, 33, 128, 129)
+    assert [picks.rows_bucket(m) for m in rows] == [1, 16, 16, 16, 32, 32, 128, 128, None]
     assert [picks.format_of(k, z) for k, z in (("int4", False), ("int4", True), ("nf4", False), ("fp8", False))] \
         == list(picks.FORMATS)
 
@@ -51,7 +52,7 @@ def test_every_shipped_pick_is_a_launch_that_computes_the_product(device, gpu, k
     cfg = QuantLinearConfig(*picks.MEASURED_PICKS[gpu][key])
     kind = "int4" if fmt.startswith("int4") else fmt
     qw = _on(_weight(kind, group, fmt == "int4_zeros", False, 2 * 37 if glu else 37, K, torch.bfloat16), device)
-    x = _x(1 if bucket == 1 else 8, K, dtype=torch.bfloat16).to(device)
+    x = _x({1: 1, 16: 8, 32: 17, 128: 33}[bucket], K, dtype=torch.bfloat16).to(device)  # a bucket's odd row counts
     act = "silu" if glu else None
     _check(f"{gpu} {key}", ql.quant_linear(x, qw, activation=act, config=cfg), x, qw, activation=act, config=cfg)
 
@@ -157,11 +158,12 @@ def test_tune_dry_run_lists_the_quant_linear_launches(capsys, cache_dir):
     assert "int4-g128  qkv          rows 1  K 4096   N 6144" in out
     assert "fp8-g128   gate_up+glu  rows 8  K 4096   N 14336" in out  # N: the GLU's output width
     assert "int4-g128  down         rows 8  K 14336  N 4096" in out
-    assert len([ln for ln in out.splitlines() if " rows " in ln]) == 16
+    assert "int4-g128  down         rows 128  K 14336  N 4096" in out  # a serving batch's GEMM
+    assert len([ln for ln in out.splitlines() if " rows " in ln]) == 32  # 2 formats x 4 row counts x 4 launches
     assert cli.main(["tune", "--dry-run"]) == 0 and "quant_linear" not in capsys.readouterr().out  # opt-in
     assert cli.main(["tune", "--dry-run", "--quant-linear", "--quant-formats", "int4", "--model", "llama3-70b"]) == 0
     rows = [ln for ln in capsys.readouterr().out.splitlines() if " rows " in ln]
-    assert len(rows) == 8 and all("int4-g128" in ln for ln in rows) and "rows 1  K 8192   N 10240" in rows[0]
+    assert len(rows) == 16 and all("int4-g128" in ln for ln in rows) and "rows 1  K 8192   N 10240" in rows[0]
     with pytest.raises(SystemExit):
         cli.main(["tune", "--quant-linear", "--quant-formats", "int9"])
     assert "expected comma-separated formats of int4, fp8, got 'int9'" in capsys.readouterr().err

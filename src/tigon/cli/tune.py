@@ -47,7 +47,7 @@ MODELS = {  # Llama shapes: hidden, query heads, KV heads, head dim, MLP width
     "llama3-70b": dict(hidden=8192, heads=64, kv_heads=8, head_dim=128, inter=28672),
 }
 QUANT_FORMATS = (("int4", 128), ("fp8", 128))  # (quant_linear_picks format, group size) tuned by default
-QUANT_ROWS = (1, 8)  # the GEMV's one row and the tensor-core kernel's bucket (2 to 16 rows)
+QUANT_ROWS = (1, 8, 32, 128)  # one row (the GEMV), then a row count of each rows bucket (quant_linear_picks)
 QUANT_GRID = {  # QuantLinearConfig fields around the rule's launch, per kernel (a small bench_quant_linear --sweep)
     "gemv": [dict(block_n=bn, block_k=bk, prefetch=pf) for bn in (32, 64, 128) for bk in (256, 512) for pf in (0, 1)]
     + [dict(block_n=64, block_k=256, split_k=sk) for sk in (1, 2, 4, 8, 16)]
@@ -55,6 +55,9 @@ QUANT_GRID = {  # QuantLinearConfig fields around the rule's launch, per kernel 
     + [dict(block_n=bn, block_k=256, split_k=sk, prefetch=1) for bn in (32, 64) for sk in (2, 4)],
     "decode": [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
     + [dict(block_n=bn, block_k=bk, prefetch=1) for bn in (64, 128) for bk in (64, 128)] + [dict(gemv_max_rows=16)],
+    # 17-255 rows: the tensor-core kernel's tiles, K split (few tiles leave SMs idle), dequantize + cuBLAS
+    "gemm": [dict(block_m=bm, block_n=bn, num_warps=w) for bm in (64, 128) for bn in (64, 128) for w in (4, 8)]
+    + [dict(block_m=bm, split_k=sk) for bm in (64, 128) for sk in (2, 4)] + [dict(dequant_min_rows=1)],
 }
 # the code-MMA kernel (int4 only, both row buckets; `quant_grid`): tiles, pipeline stages, splits,
 # a dot's columns (fewer registers, more programs an SM)
@@ -63,6 +66,10 @@ QUANT_MMA = [dict(code_mma=1, block_n=bn, num_stages=st) for bn in (64, 128) for
     dict(code_mma=1, block_n=256, block_k=64, num_warps=8)] + [
     # tiles below a warpgroup's (64 rows on 4 warps) run mma.sync on sm_90 too: no wait on each step's wgmma
     dict(code_mma=1, block_n=bn, num_warps=w) for bn, w in ((64, 2), (32, 2), (32, 1))]
+# the code-MMA kernel as a GEMM (17-255 rows): tiles of x's rows x the weight's, warps, K split
+QUANT_MMA_GEMM = [dict(code_mma=1, block_m=bm, block_n=bn, num_warps=w) for bm in (64, 128) for bn in (64, 128)
+                  for w in (4, 8)] + [dict(code_mma=1, block_m=bm, block_n=64, split_k=sk) for bm in (64, 128)
+                                      for sk in (2, 4, 8)]
 QUANT_GRAPH_BYTES = 200 << 20  # weight bytes a timed graph cycles through: 4x a 50 MiB L2 (2 to 32 copies)
 NEEDS_GPU = ("tigon tune needs a CUDA GPU: it times kernels on the card it tunes for, and this machine has none "
              "(torch {torch}). `tigon tune --dry-run` lists what it would measure.")
@@ -102,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", action="store_true", help="tune the training-attention ranking per mask kind")
     p.add_argument("--decode-linear", action="store_true", help="tune decode_linear's launches at --model's shapes")
     p.add_argument("--quant-linear", action="store_true",
-                   help="tune quant_linear's decode launches at --model's shapes (int4 g128, fp8 block 128)")
+                   help="tune quant_linear's launches of 1 to 128 rows at --model's shapes (int4 g128, fp8 block 128)")
     p.add_argument("--quant-formats", type=quant_formats, default=None,
                    help=f"with --quant-linear, the formats to tune: {', '.join(f for f, _ in QUANT_FORMATS)} "
                         "(default all)")
@@ -176,12 +183,14 @@ def quant_launches(m: dict, formats=None) -> list:
 
 
 def quant_grid(rows: int, fmt: str) -> list:
-    """The QuantLinearConfigs timed beside the rule's at `rows`: the GEMV's grid at 1 row, the tensor-core one above,
-    and for int4 the code-MMA kernel's (another format would run those as the grid's own launches)."""
+    """The QuantLinearConfigs timed beside the rule's at `rows`: the GEMV's grid at 1 row, the decode tensor-core
+    kernel's to 16, the GEMM's above, and for int4 the code-MMA kernel's (another format would run those as the
+    grid's own launches)."""
     from tigon.ops import QuantLinearConfig
 
-    grid = QUANT_GRID["gemv" if rows == 1 else "decode"] + (QUANT_MMA if fmt.startswith("int4") else [])
-    return [QuantLinearConfig(**c) for c in grid]
+    kernel = "gemv" if rows == 1 else "decode" if rows <= 16 else "gemm"
+    mma = (QUANT_MMA_GEMM if kernel == "gemm" else QUANT_MMA) if fmt.startswith("int4") else []
+    return [QuantLinearConfig(**c) for c in QUANT_GRID[kernel] + mma]
 
 
 def backends_for(kind: str) -> list:
@@ -500,8 +509,8 @@ def dry_run(args, kinds, gpu) -> int:
             print(f"  {p.name:<18} batch {p.batch}  K {p.K:<6} N {p.n_total:<6} kind {p.kind}")
     if args.quant_linear:
         print(f"quant_linear at {args.model['name']}'s shapes, bf16 x, CUDA-graph timing over weight copies: the "
-              "default launch (the rule) against a grid (1 row: the GEMV's; 8 rows: the tensor-core kernel's); "
-              "per launch:")
+              "default launch (the rule) against a grid (1 row: the GEMV's; 8 rows: the decode tensor-core kernel's; "
+              "32 and 128 rows: the GEMM's); per launch:")
         for p in quant_launches(args.model, args.quant_formats):
             print(f"  {p.fmt + '-g' + str(p.group):<10} {p.name:<12} rows {p.rows}  K {p.K:<6} N {p.n_out:<6} "
                   f"{len(quant_grid(p.rows, p.fmt)) + 1} launches")

@@ -271,7 +271,7 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
     """The launch for these shapes (cached: no host work a call); every field of `cfg` that is not 0 wins.
     kind: a weight kind (KINDS); fp4 plans as nf4, the same code path and bytes with another table.
     picks (no config passed, 16-bit x; zeros: int4 with zero points): on a CUDA device, a measured pick for this GPU
-    and shape (`quant_linear_picks.lookup`: the user cache, then MEASURED_PICKS; up to 16 rows) replaces the default
+    and shape (`quant_linear_picks.lookup`: the user cache, then MEASURED_PICKS; up to 128 rows) replaces the default
     config, and the rule below fills what the pick leaves 0. GPU
     defaults, by the byte model in docs/ops/quant_linear.md (where a card has no picks): the GEMV streams 64 rows
     x 256 columns a step (8 KiB of int4 a program, 16 B a lane on 4 warps); the decode dot 16 x 128 x 64 tiles;

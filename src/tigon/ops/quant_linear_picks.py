@@ -14,14 +14,14 @@ where it did not. Cards without rows run the rule until `tigon tune --quant-line
 Keys: K the input width; N the output width of the launch (one of gate / up with a GLU: half the stored rows);
 fmt the stored format, as the benchmark's kinds spell it: "int4" (symmetric), "int4_zeros" (int4 with zero points),
 "nf4", "fp8" (`format_of`); group_size the weight's (fp8 per channel: 0); glu whether the launch fuses the GLU.
-Rows buckets: 1 (one row: the GEMV) and 16 (2 to 16 rows: the decode tensor-core kernel pads rows to 16, so these
-share one tile shape; measured at 8 rows). More rows take no picks: the rule, and from 256 rows on a GPU the
-dequantize-then-cuBLAS path.
+Rows buckets: 1 (one row: the GEMV), 16 (2 to 16 rows: the decode kernels pad rows to 16, so these share one tile
+shape; measured at 8 rows), 32 (17 to 32 rows) and 128 (33 to 128 rows: GEMMs of a serving batch, measured at 32 and
+128 rows). More rows take no picks: the rule, and from 256 rows on a GPU the dequantize-then-cuBLAS path.
 """
 
 from . import tuned_cache
 
-ROWS_BUCKETS = (1, 16)
+ROWS_BUCKETS = (1, 16, 32, 128)
 FORMATS = ("int4", "int4_zeros", "nf4", "fp8")
 
 MEASURED_PICKS: dict = {
@@ -45,6 +45,16 @@ MEASURED_PICKS: dict = {
         (4096, 4096, 16, "fp8", 128, False): (0, 64, 64, 8, 0, 0, -1, -1, -1),  # o: 18.3 -> 12.5 us
         (4096, 14336, 16, "fp8", 128, True): (0, 32, 128, 4, 0, 0, -1, -1, -1),  # gate/up + GLU: 65.9 -> 60.2 us
         (14336, 4096, 16, "fp8", 128, False): (0, 64, 64, 0, 0, 0, -1, 1, -1),  # down: 45.2 -> 33.2 us
+        # int4 at 32 and 128 rows (quant-linear --sweep --rows 32 128 --kinds int4 at 40189fe, do_bench timing;
+        # h100_quant_sweep_32_128.json): the code-MMA GEMM where it beat the tensor-core kernel's rule, else that
+        # kernel's best tile; o at 32 rows keeps the rule
+        (4096, 6144, 32, "int4", 128, False): (64, 128, 0, 8, 0, 0, -1, -1, -1, 1),  # qkv, 32 rows: 50.8 -> 47.4 us
+        (4096, 14336, 32, "int4", 128, True): (64, 64, 0, 4, 0, 0, -1, -1, -1, 1),  # gate/up + GLU: 75.6 -> 73.0 us
+        (14336, 4096, 32, "int4", 128, False): (64, 64, 0, 4, 0, 0, -1, -1, -1, 1),  # down: 156.2 -> 86.5 us
+        (4096, 6144, 128, "int4", 128, False): (128, 64, 0, 4, 0, 0, -1, -1, -1, 1),  # qkv, 128 rows: 95.6 -> 59.2 us
+        (4096, 4096, 128, "int4", 128, False): (128, 64, 32, 8, 4, 0, -1, -1, -1),  # o: 91.3 -> 60.1 us
+        (4096, 14336, 128, "int4", 128, True): (128, 128, 64, 8, 3, 0, -1, -1, -1),  # gate/up + GLU: 120.0 -> 110.4 us
+        (14336, 4096, 128, "int4", 128, False): (64, 64, 0, 4, 0, 0, -1, -1, -1, 1),  # down: 192.3 -> 87.2 us
     },
 }
 
