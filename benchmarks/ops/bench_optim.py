@@ -118,9 +118,10 @@ def run(ctx, sweep=False, sweep_clip=False, only=None):
 
 def _one(ctx, name, build, params, clip, bytes_, n):
     step = build(params)
-    r = H.bench(ctx, step, min_rep=10, rep_ms=200.0)
+    # --quick is a smoke run: 3 timed steps (the CPU's interpreter takes ~0.3 s a step)
+    r = H.bench(ctx, step, min_rep=3, max_rep=3, rep_ms=200.0) if ctx.quick else H.bench(ctx, step, rep_ms=200.0)
     host = []
-    for _ in range(5):  # the host's enqueue time of one step, the GPU busy meanwhile
+    for _ in range(2 if ctx.quick else 5):  # the host's enqueue time of one step, the GPU busy meanwhile
         if ctx.cuda:
             H._spin(30.0)
         t0 = time.perf_counter()
