@@ -43,9 +43,10 @@ def _launches(call):
     return got
 
 
-def _cases(full: bool):
-    """(name, call, gpu) triples: `call()` makes the launches on CPU tensors; `gpu(kernel name, kwargs, cc)` gives
-    the constexprs and options that differ on a GPU of compute capability cc, as the dispatch picks them."""
+def _cases(full: bool, cc: int = 90):
+    """(name, call, gpu) triples: `call()` makes the launches on CPU tensors (quant_linear's as the dispatch picks them
+    on a GPU of compute capability cc); `gpu(kernel name, kwargs, cc)` gives the constexprs and options that differ
+    on a GPU of compute capability cc, as the dispatch picks them."""
     from tigon import ops
     from tigon.ops.config import DecodeAttentionConfig, DecodeLinearConfig
     from tigon.ops.losses import _engine
@@ -299,9 +300,10 @@ def _cases(full: bool):
             act_order = dict(zeros=torch.ones(shape, dtype=bf16), perm=torch.randperm(K)) if dq == -4 else {}
             qw = QuantizedWeight(kind, data, torch.ones(shape, dtype=bf16), act_order.pop("zeros", None), group,
                                  (N, K), bf16, **act_order)
-            plan, native_of, sms = ql._plan, ql._fp8_native, ql._launch.sm_count
+            plan, native_of, sms, capability = ql._plan, ql._fp8_native, ql._launch.sm_count, ql._launch.capability
             ql._plan = lambda *a: plan.__wrapped__(*a[:6], torch.device("cuda", 0), *a[7:])
             ql._fp8_native, ql._launch.sm_count = (lambda device: native), (lambda index: 132)
+            ql._launch.capability = lambda device: divmod(cc, 10)  # the kernel the rule picks there (`_mma_by_rule`)
             try:
                 config = ql.QuantLinearConfig(dequant_min_rows=dq) if dq >= 0 else None
                 config = {-2: ql.QuantLinearConfig(prefetch=1), -3: ql.QuantLinearConfig(code_mma=1),
@@ -309,7 +311,7 @@ def _cases(full: bool):
                           -5: ql.QuantLinearConfig(code_mma=1, block_n=32, num_warps=2)}.get(dq, config)
                 ops.quant_linear(rand(rows, K), qw, activation=act, config=config)
             finally:
-                ql._plan, ql._fp8_native, ql._launch.sm_count = plan, native_of, sms
+                ql._plan, ql._fp8_native, ql._launch.sm_count, ql._launch.capability = plan, native_of, sms, capability
         add(f"quant_linear-{kind}-g{group}-{act}-m{rows}-{'native' if native else 'bytes'}{'-mm' if dq == 0 else ''}"
             f"{'-ahead' if dq == -2 else ''}{'-mma' if dq <= -3 else ''}{'-act-order' if dq == -4 else ''}"
             f"{'-mma-sync' if dq == -5 else ''}",
@@ -368,7 +370,7 @@ def _worker(cc: int, full: bool) -> dict:
 
     results, covered = [], set()
     os.environ["TRITON_INTERPRET"] = "1"  # only now, after import: the ops take the kernel path on CPU tensors
-    for name, call, gpu in _cases(full):
+    for name, call, gpu in _cases(full, cc):
         try:
             launches = _launches(call)
         except Exception as e:  # noqa: BLE001 (the report names it)

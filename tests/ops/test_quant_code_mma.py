@@ -178,6 +178,31 @@ def test_plan(monkeypatch):
     assert not ql._plan(1, 4096, 4096, "int4", 128, False, cuda, QuantLinearConfig(), False, False, True).mma
 
 
+@pytest.mark.parametrize("capability, hip", [((9, 0), None), ((8, 0), None), ((8, 9), None), ((10, 0), None),
+                                             ((9, 4), "6.2")])
+def test_the_rule_runs_it_at_decode_rows_on_hopper_only(monkeypatch, capability, hip):
+    """No config and no pick: int4 at 2-16 rows of 16-bit x runs this kernel on a CUDA sm_90 GPU (measured faster
+    there), the decode tensor-core kernel on other architectures (ROCm's gfx942 reports 9.4); one row stays the
+    GEMV's, 17 rows the GEMM rule's; fp8, fp32 x and any config field set keep their kernels."""
+    monkeypatch.setattr(ql._launch, "sm_count", lambda index: 132)
+    monkeypatch.setattr(ql._launch, "capability", lambda device: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(ql, "_plan", ql._plan.__wrapped__)
+    cuda, default = torch.device("cuda", 0), QuantLinearConfig()
+    hopper = capability[0] == 9 and hip is None
+    for rows in (2, 8, 16):
+        got = ql._plan(rows, 14336, 4096, "int4", 128, True, cuda, default, False, False, True)
+        assert got.mma == hopper
+        assert not hopper or (got.split, got.block_n, got.num_warps) == (2, 128, 4)  # the kernel's own plan
+    assert all(not ql._plan(rows, 4096, 4096, "int4", 128, False, cuda, default, False, False, True).mma
+               for rows in (1, 17))
+    assert not ql._plan(8, 4096, 4096, "int4", 128, False, cuda, default, False, False, False).mma  # fp32 x
+    assert not ql._plan(8, 4096, 4096, "fp8", 128, False, cuda, default, False, False, True).mma
+    assert not ql._plan(8, 4096, 4096, "int4", 128, False, cuda, QuantLinearConfig(split_k=4), False, False,
+                        True).mma  # a config for the decode kernel keeps it
+    assert not ql._plan(8, 4096, 4096, "int4", 128, False, torch.device("cpu"), default, False, False, True).mma
+
+
 @pytest.mark.parametrize("value", [2, -2])
 def test_config_rejects_other_values(value):
     with pytest.raises(ValueError, match="code_mma"):

@@ -12,7 +12,8 @@ scales serves a tile.
   scale a row are exact in x's dtype and scaled after the dot.
 - `_quant_code_mma_kernel` (ops/quant_code_mma.py, `QuantLinearConfig(code_mma=1)`): int4 with 16-bit x on tensor
   cores, the codes as the dot's register operand in a K order that keeps each thread's words its own: the decode
-  GEMV at up to 16 rows, a GEMM past them; off unless a config or a measured pick turns it on.
+  GEMV at up to 16 rows, a GEMM past them; the default at 2 to 16 rows on Hopper GPUs (`_mma_by_rule`), else
+  where a config or a measured pick turns it on.
 - `_dequant_kernel`, the prefill path (M >= `dequant_min_rows`, default 256 on a GPU, 16-bit x): W dequantized once
   into a transient [N, K] buffer of x's dtype by the mm kernel's own tile code, then one cuBLAS GEMM and the
   epilogue in torch; at prefill rows the GEMM's FLOPs, not the weight's bytes, set the time.
@@ -287,7 +288,7 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
                                          quant_linear_picks.format_of(kind, zeros), G, glu)
         if pick is not None:
             cfg = QuantLinearConfig(*pick)
-    if cfg.code_mma == 1 and x16 and _mma.eligible(kind, K, G):
+    if x16 and _mma.eligible(kind, K, G) and (cfg.code_mma == 1 or _mma_by_rule(M, cfg, device)):
         return _mma_plan(M, n_out, K, glu, device, cfg)
     gemv = M <= (1 if cfg.gemv_max_rows < 0 else cfg.gemv_max_rows)
     pow2_g = G & -G  # the largest power of two dividing the group (fp8 per channel: G = 0, one chunk a tile)
@@ -334,6 +335,16 @@ def _plan(M: int, n_out: int, K: int, kind: str, G: int, glu: bool, device: torc
     k_split = _launch.cdiv(_launch.cdiv(K, split), block_k) * block_k
     return _Plan(gemv, block_m, block_n, gw, block_k // gw, cfg.num_warps or warps, cfg.num_stages or stages,
                  k_split, _launch.cdiv(K, k_split), cfg.prefetch == 1)
+
+
+def _mma_by_rule(M: int, cfg: QuantLinearConfig, device: torch.device) -> bool:
+    """Whether a launch with no config and no pick runs the code-MMA kernel: 2 to 16 rows on a Hopper GPU (sm_90,
+    CUDA), where its wgmma tiles beat the tensor-core decode kernel's rule on every Llama-3-8B launch timed (H100,
+    8 rows, 40189fe: 1.18-1.76x, docs/ops/quant_linear.md); one row stays the FMA GEMV's, other architectures the
+    decode kernel's (untimed there)."""
+    if cfg != _DEFAULT_CONFIG or not 1 < M <= _launch.DECODE_ROWS or device.type != "cuda" or torch.version.hip:
+        return False
+    return _launch.capability(device)[0] == 9
 
 
 def _mma_plan(M: int, n_out: int, K: int, glu: bool, device: torch.device, cfg: QuantLinearConfig) -> _Plan:
