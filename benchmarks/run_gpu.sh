@@ -216,8 +216,8 @@ for s in "$@"; do
             keep "$T/decode_70b/decode.md" "${GPU}_decode_70b.md"; keep "$T/decode_70b/decode.json" "${GPU}_decode_70b.json" ;;
         decode-70b-tuned)  # the 70B shapes' quant_linear picks measured here, then the 70B step that reads them
             mkdir -p "$T/tune_70b"
-            step tune-70b 240 python3 -m tigon.cli tune --quant-linear --quant-formats int4 --model llama3-70b \
-                --cache "$T/tune_70b/tuned.json" --times "$T/tune_70b/times.json" >"$T/tune_70b.txt" 2>&1
+            step tune-70b 240 python3 -m tigon.cli tune --quant-linear --quant-formats int4 --quant-rows 1 \
+                --model llama3-70b --cache "$T/tune_70b/tuned.json" --times "$T/tune_70b/times.json" >"$T/tune_70b.txt" 2>&1
             keep "$T/tune_70b.txt" "${GPU}_tune_70b.txt"; keep "$T/tune_70b/times.json" "${GPU}_tune_70b_times.json"
             bq=$(( BUDGET - SECONDS - 20 )); (( bq > 280 )) && bq=280
             step decode-70b-tuned 300 env TIGON_CACHE_DIR="$T/tune_70b" "${bench[@]}" decode --model llama3-70b \
@@ -229,8 +229,8 @@ for s in "$@"; do
             step decode-int4-shipped 160 env TIGON_CACHE_DIR="$T/no_cache" "${bench[@]}" decode --model llama3-8b \
                 --weights int4 --out "$T/decode_int4_shipped" --variants tigon --batches 1,8 --prompts 512 \
                 --budget 140 >>"$LOG" 2>&1
-            step tune-8b 240 python3 -m tigon.cli tune --quant-linear --quant-formats int4 --model llama3-8b \
-                --cache "$T/tune_8b/tuned.json" --times "$T/tune_8b/times.json" >"$T/tune_8b.txt" 2>&1
+            step tune-8b 240 python3 -m tigon.cli tune --quant-linear --quant-formats int4 --quant-rows 1,8 \
+                --model llama3-8b --cache "$T/tune_8b/tuned.json" --times "$T/tune_8b/times.json" >"$T/tune_8b.txt" 2>&1
             keep "$T/tune_8b.txt" "${GPU}_tune_8b.txt"; keep "$T/tune_8b/times.json" "${GPU}_tune_8b_times.json"
             step decode-int4-tuned 160 env TIGON_CACHE_DIR="$T/tune_8b" "${bench[@]}" decode --model llama3-8b \
                 --weights int4 --out "$T/decode_int4_tuned" --variants tigon --batches 1,8 --prompts 512 \

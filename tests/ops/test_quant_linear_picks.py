@@ -164,6 +164,13 @@ def test_tune_dry_run_lists_the_quant_linear_launches(capsys, cache_dir):
     assert cli.main(["tune", "--dry-run", "--quant-linear", "--quant-formats", "int4", "--model", "llama3-70b"]) == 0
     rows = [ln for ln in capsys.readouterr().out.splitlines() if " rows " in ln]
     assert len(rows) == 16 and all("int4-g128" in ln for ln in rows) and "rows 1  K 8192   N 10240" in rows[0]
+    assert cli.main(["tune", "--dry-run", "--quant-linear", "--quant-formats", "int4", "--quant-rows", "8,1"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if " rows " in ln]
+    assert len(rows) == 8 and " rows 1 " in rows[0] and " rows 8 " in rows[-1]  # QUANT_ROWS' order
+    for bad in ("5", "1,x", ""):  # not a rows bucket's count, not a number, none
+        with pytest.raises(SystemExit):
+            cli.main(["tune", "--dry-run", "--quant-linear", "--quant-rows", bad])
+        assert "--quant-rows" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["tune", "--quant-linear", "--quant-formats", "int9"])
     assert "expected comma-separated formats of int4, fp8, got 'int9'" in capsys.readouterr().err
@@ -201,13 +208,14 @@ def test_measure_quant_times_the_rule_and_the_grid(monkeypatch, cache_dir):
 
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda step, **kw: step() or 1.0)
     monkeypatch.setattr(tune, "QUANT_FORMATS", (("int4", 32), ("fp8", 32)))
-    monkeypatch.setattr(tune, "QUANT_ROWS", (1, 3))
     monkeypatch.setattr(tune, "QUANT_GRAPH_BYTES", 1)
-    monkeypatch.setattr(tune, "QUANT_GRID", {"gemv": [dict(block_n=32, split_k=2)], "decode": [dict(block_n=16)]})
+    monkeypatch.setattr(tune, "QUANT_GRID", {"gemv": [dict(block_n=32, split_k=2)], "decode": [dict(block_n=16)],
+                                             "gemm": [dict(block_m=16, split_k=2)]})
     monkeypatch.setattr(tune, "QUANT_MMA", [dict(code_mma=1, block_n=16)])
+    monkeypatch.setattr(tune, "QUANT_MMA_GEMM", [dict(code_mma=1, block_m=32)])
     model = dict(hidden=64, heads=2, kv_heads=1, head_dim=32, inter=96, name="tiny")
-    rows = tune.measure_quant(model, torch.device("cpu"), FAKE_GPU)
-    assert len(rows) == 16
+    rows = tune.measure_quant(model, torch.device("cpu"), FAKE_GPU, row_counts=(1, 3, 19))  # GEMV, decode, GEMM
+    assert len(rows) == 24 and {p.rows for p, *_ in rows} == {1, 3, 19}
     for p, times, rule, shipped in rows:  # the code-MMA kernel's grid in int4's only
         assert rule == QuantLinearConfig() and shipped is None and len(times) == (3 if p.fmt == "int4" else 2)
         assert all(t == 0.5 for t in times.values()), (p, times)  # 1.0 a graph over 2 copies: every launch ran

@@ -105,6 +105,17 @@ def quant_formats(text: str) -> tuple:
     return tuple((f, g) for f, g in QUANT_FORMATS if f in names)
 
 
+def quant_rows(text: str) -> tuple:
+    """--quant-rows: comma-separated row counts of QUANT_ROWS (one a rows bucket), in that order."""
+    try:
+        rows = {int(t) for t in text.split(",")}
+    except ValueError:
+        rows = set()
+    if not rows or not rows <= set(QUANT_ROWS):
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts of {QUANT_ROWS}, got {text!r}")
+    return tuple(r for r in QUANT_ROWS if r in rows)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", action="store_true", help="tune the training-attention ranking per mask kind")
     p.add_argument("--decode-linear", action="store_true", help="tune decode_linear's launches at --model's shapes")
@@ -113,6 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-formats", type=quant_formats, default=None,
                    help=f"with --quant-linear, the formats to tune: {', '.join(f for f, _ in QUANT_FORMATS)} "
                         "(default all)")
+    p.add_argument("--quant-rows", type=quant_rows, default=QUANT_ROWS,
+                   help="with --quant-linear, the row counts to tune, one per rows bucket: "
+                        f"{','.join(map(str, QUANT_ROWS))} (default all)")
     p.add_argument("--model", type=model_shapes, default="llama3-8b",
                    help=f"{', '.join(MODELS)} or the path of a config.json (default llama3-8b)")
     p.add_argument("--kinds", type=name_list, default=None, help=f"mask kinds to time (default all: {','.join(KINDS)})")
@@ -173,13 +187,13 @@ class QuantLaunch:
         return (self.K, self.n_out, bucket, self.fmt, self.group, self.glu)
 
 
-def quant_launches(m: dict, formats=None) -> list:
-    """The quant_linear launches of one decoder layer at QUANT_ROWS rows, per format (a 4-bit format only where its
-    groups tile K: a QuantizedWeight's rule)."""
+def quant_launches(m: dict, formats=None, row_counts=QUANT_ROWS) -> list:
+    """The quant_linear launches of one decoder layer at `row_counts` rows (QUANT_ROWS), per format (a 4-bit format
+    only where its groups tile K: a QuantizedWeight's rule)."""
     q, kv, h, i = m["heads"] * m["head_dim"], m["kv_heads"] * m["head_dim"], m["hidden"], m["inter"]
     shapes = (("qkv", h, q + 2 * kv, False), ("o", q, h, False), ("gate_up+glu", h, 2 * i, True), ("down", i, h, False))
     return [QuantLaunch(name, rows, K, N, glu, fmt, group) for fmt, group in formats or QUANT_FORMATS
-            for rows in QUANT_ROWS for name, K, N, glu in shapes if fmt == "fp8" or (K % group == 0 and K % 2 == 0)]
+            for rows in row_counts for name, K, N, glu in shapes if fmt == "fp8" or (K % group == 0 and K % 2 == 0)]
 
 
 def quant_grid(rows: int, fmt: str) -> list:
@@ -435,7 +449,7 @@ def same_product(got, expected) -> bool:
     return bool(torch.isfinite(got).all()) and float((got - expected).norm()) <= 2.0**-5 * float(expected.norm())
 
 
-def measure_quant(model: dict, device, gpu: str, formats=None) -> list:
+def measure_quant(model: dict, device, gpu: str, formats=None, row_counts=QUANT_ROWS) -> list:
     """[(QuantLaunch, {config: ms}, rule, shipped pick or None)] at the model's shapes: ms per call replayed from a
     CUDA graph that calls it once on each of enough weight copies to pass QUANT_GRAPH_BYTES."""
     import torch
@@ -445,7 +459,7 @@ def measure_quant(model: dict, device, gpu: str, formats=None) -> list:
     from tigon.ops import QuantLinearConfig, quant_linear_picks
 
     rows, gen = [], torch.Generator(device=device).manual_seed(0)
-    for p in quant_launches(model, formats):
+    for p in quant_launches(model, formats, row_counts):
         rule = QuantLinearConfig()  # passed as a config: the rule's launch, never a pick
         shipped = quant_linear_picks.lookup(gpu, p.K, p.n_out, p.rows, p.fmt, p.group, p.glu,
                                             quant_linear_picks.MEASURED_PICKS)
@@ -511,7 +525,7 @@ def dry_run(args, kinds, gpu) -> int:
         print(f"quant_linear at {args.model['name']}'s shapes, bf16 x, CUDA-graph timing over weight copies: the "
               "default launch (the rule) against a grid (1 row: the GEMV's; 8 rows: the decode tensor-core kernel's; "
               "32 and 128 rows: the GEMM's); per launch:")
-        for p in quant_launches(args.model, args.quant_formats):
+        for p in quant_launches(args.model, args.quant_formats, args.quant_rows):
             print(f"  {p.fmt + '-g' + str(p.group):<10} {p.name:<12} rows {p.rows}  K {p.K:<6} N {p.n_out:<6} "
                   f"{len(quant_grid(p.rows, p.fmt)) + 1} launches")
     return 0
@@ -575,7 +589,7 @@ def cmd_tune(args) -> int:
     if args.quant_linear:
         from tigon.ops.quant_linear_picks import rows_bucket
 
-        timed["quant_linear"] = measure_quant(args.model, device, gpu, args.quant_formats)
+        timed["quant_linear"] = measure_quant(args.model, device, gpu, args.quant_formats, args.quant_rows)
         quant = _winners(timed["quant_linear"], "launch | format | rows | K | N",
                          lambda p: p.key(rows_bucket(p.rows)),
                          lambda p, rule: f"{p.name} | {p.fmt}-g{p.group} | {p.rows} | {p.K} | {p.n_out}", "default")
