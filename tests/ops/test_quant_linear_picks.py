@@ -188,17 +188,21 @@ def test_tune_writes_the_quant_linear_winners(monkeypatch, capsys, cache_dir):
     launches = tune.quant_launches(tune.MODELS["1.5b"])
     o1 = next(p for p in launches if p.name == "o" and p.rows == 1 and p.fmt == "int4")
     gate8 = next(p for p in launches if p.name == "gate_up+glu" and p.rows == 8 and p.fmt == "fp8")
+    down128 = next(p for p in launches if p.name == "down" and p.rows == 128 and p.fmt == "int4")
     rule, fast = QuantLinearConfig(), QuantLinearConfig(block_n=128, split_k=4)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: FAKE_GPU)
-    monkeypatch.setattr(tune, "measure_quant", lambda model, device, gpu, formats=None: [
-        (o1, {rule: 0.010, fast: 0.008}, rule, None), (gate8, {rule: 0.020, fast: 0.0199}, rule, None),
-        (o1, {rule: math.inf}, rule, None)])
+    asked = []
+    monkeypatch.setattr(tune, "measure_quant", lambda model, device, gpu, formats=None, row_counts=None: asked.append(
+        row_counts) or [(o1, {rule: 0.010, fast: 0.008}, rule, None), (gate8, {rule: 0.020, fast: 0.0199}, rule, None),
+                        (o1, {rule: math.inf}, rule, None), (down128, {rule: 0.090, fast: 0.045}, rule, None)])
     assert cli.main(["tune", "--quant-linear", "--model", "1.5b"]) == 0
     out = capsys.readouterr().out
     assert f"| o | int4-g128 | 1 | 2048 | 2048 | 10.00 | {tuple(fast.ints())} | 8.00 | {tuple(fast.ints())} |" in out
-    assert "| gate_up+glu | fp8-g128 | 8 | 2048 | 8192 | 20.00 |" in out and "1 quant_linear picks" in out
-    assert tuned_cache.for_gpu(FAKE_GPU).quant_linear == {(2048, 2048, 1, "int4", 128, False): tuple(fast.ints())}
+    assert "| gate_up+glu | fp8-g128 | 8 | 2048 | 8192 | 20.00 |" in out and "2 quant_linear picks" in out
+    assert asked == [tune.QUANT_ROWS]
+    assert tuned_cache.for_gpu(FAKE_GPU).quant_linear == {(2048, 2048, 1, "int4", 128, False): tuple(fast.ints()),
+                                                          (8192, 2048, 128, "int4", 128, False): tuple(fast.ints())}
 
 
 def test_measure_quant_times_the_rule_and_the_grid(monkeypatch, cache_dir):
