@@ -74,7 +74,8 @@ def test_lookup_order_user_cache_then_shipped_then_rule(monkeypatch, cache_dir):
     assert picks.lookup(FAKE_GPU, 4096, 4096, 1, "int4", 128, False, picks.MEASURED_PICKS) == SHIPPED  # alone
     text = env.launch_text("quant_linear", FAKE_GPU)
     assert text.startswith(f"user cache ({cache_dir / 'tuned.json'}: 1 shapes), then shipped table (FAKE GPU row")
-    assert "else the shape rule (quant_linear._plan)" in text
+    assert "else the shape rule (quant_linear._plan; int4 at 2-16 rows on Hopper: the code-MMA kernel)" in text
+    assert "over 128 rows or with a config passed: the rule" in text
 
 
 def test_plan_takes_a_pick_only_for_the_default_launch_on_a_gpu(cache_dir):

@@ -80,7 +80,8 @@ def lookup(gpu: str | None, K: int, N: int, m: int, fmt: str, group_size: int, g
 
 
 def source(gpu: str | None) -> str:
-    """Where the decode launches of quant_linear come from on `gpu`, in words (for `tigon env`)."""
-    return tuned_cache.picks_source("quant_linear", gpu, MEASURED_PICKS, "the shape rule (quant_linear._plan)",
-                                    "ops/quant_linear_picks.py", "--quant-linear",
-                                    past_picks="over 16 rows or with a config passed")
+    """Where the launches of quant_linear come from on `gpu`, in words (for `tigon env`)."""
+    return tuned_cache.picks_source("quant_linear", gpu, MEASURED_PICKS,
+                                    "the shape rule (quant_linear._plan; int4 at 2-16 rows on Hopper: the code-MMA "
+                                    "kernel)", "ops/quant_linear_picks.py", "--quant-linear",
+                                    past_picks="over 128 rows or with a config passed")
